@@ -1,0 +1,467 @@
+r"""Rendering explanations as a terminal table, JSON, or a self-contained HTML report.
+
+The unit is :class:`TextExplanation`: one text, its tokens, and the token scores of
+one or more methods. :func:`explanations_from_results` builds them from
+:class:`~captum_normattr.DecompositionResult`\ s (or plain (B, T) score tensors);
+:func:`render_table`, :func:`render_json` and :func:`render_html` turn a list of
+them into a string. No dependency beyond the standard library and torch.
+
+Examples:
+    >>> ex = TextExplanation(text="a fine film", tokens=["[CLS]", "a", "fine", "film", "[SEP]"],
+    ...                      scores={"ALTI": [0.4, 0.1, 0.3, 0.1, 0.1]}, explained_position=0)
+    >>> print(render_table([ex], ascii_only=True).splitlines()[0])
+    [1] a fine film
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TextExplanation",
+    "explanations_from_results",
+    "render_html",
+    "render_json",
+    "render_table",
+    "score_color",
+]
+
+
+@dataclass
+class TextExplanation:
+    r"""The token attributions of one text under one or more methods.
+
+    Attributes:
+        text: the input text.
+        tokens: its tokens, pads removed (special tokens included).
+        scores: method name -> one score per token, in the order of ``tokens``.
+        explained_position: index (into ``tokens``) of the explained row, or None.
+        prediction: a readable prediction of the model (e.g. ``"POSITIVE (0.93)"`` or
+            the predicted next token), or None.
+        extras: more JSON-serialisable information per text (e.g. completeness error).
+        figures: method name -> an image for the HTML report: a ``data:`` URI or an
+            inline ``<svg>`` string. Not written to JSON.
+    """
+
+    text: str
+    tokens: List[str]
+    scores: Dict[str, List[float]]
+    explained_position: Optional[int] = None
+    prediction: Optional[str] = None
+    extras: Dict[str, Any] = field(default_factory=dict)
+    figures: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, vals in self.scores.items():
+            if len(vals) != len(self.tokens):
+                raise ValueError(
+                    f"method {name!r}: {len(vals)} scores for {len(self.tokens)} tokens"
+                )
+
+    def to_dict(self) -> Dict[str, Any]:
+        r"""JSON-ready dict (figures left out; NaN/inf become None).
+
+        Returns:
+            dict with ``text``, ``tokens``, ``explained_position``, ``prediction``,
+            ``attributions`` (method -> list of float) and ``extras``.
+        """
+        return {
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "explained_position": self.explained_position,
+            "prediction": self.prediction,
+            "attributions": {k: [_finite(v) for v in vals] for k, vals in self.scores.items()},
+            "extras": _jsonable(self.extras),
+        }
+
+
+def _finite(v: float) -> Optional[float]:
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        x = x.detach().cpu()
+        return _finite(x.item()) if x.dim() == 0 else [_jsonable(v) for v in x.tolist()]
+    if isinstance(x, float):
+        return _finite(x)
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def explanations_from_results(
+    texts: Sequence[str],
+    tokens: Sequence[Sequence[str]],
+    results: Mapping[str, Any],
+    *,
+    attention_mask: Optional[Tensor] = None,
+    explained_position: Optional[Tensor] = None,
+    predictions: Optional[Sequence[Optional[str]]] = None,
+) -> List[TextExplanation]:
+    r"""Build :class:`TextExplanation`\ s of a batch from several methods' results.
+
+    Args:
+        texts: the B texts.
+        tokens: the tokens of each text, padded length T (pads are removed with the
+            attention mask) or already without pads.
+        results: method name -> a DecompositionResult (its ``scores``,
+            ``attention_mask`` and ``explained_position`` are used) or a (B, T) score
+            tensor (then ``attention_mask`` must be given when there is padding).
+        attention_mask: (B, T) mask for plain score tensors.
+        explained_position: (B,) explained rows (padded indexing) for plain tensors.
+        predictions: optional readable prediction per text.
+
+    Returns:
+        A list of B :class:`TextExplanation`.
+
+    Examples:
+        >>> exps = explanations_from_results(["hi"], [["[CLS]", "hi", "[SEP]"]],
+        ...                                  {"IG": torch.tensor([[0.25, 0.5, 0.25]])})
+        >>> exps[0].scores["IG"]
+        [0.25, 0.5, 0.25]
+    """
+    b = len(texts)
+    mask = attention_mask
+    pos = explained_position
+    score_rows: Dict[str, Tensor] = {}
+    for name, res in results.items():
+        if isinstance(res, Tensor):
+            s = res
+        else:
+            s = res.scores
+            if mask is None:
+                mask = res.attention_mask
+            if pos is None:
+                pos = getattr(res, "explained_position", None)
+        s = s.detach().to("cpu", torch.float64)
+        if s.dim() != 2 or s.shape[0] != b:
+            raise ValueError(f"method {name!r}: expected scores of shape ({b}, T), got {tuple(s.shape)}")
+        score_rows[name] = s
+    t_len = next(iter(score_rows.values())).shape[1] if score_rows else max((len(t) for t in tokens), default=0)
+    if mask is None:
+        mask = torch.ones(b, t_len, dtype=torch.bool)
+    mask = mask.detach().cpu().bool()
+    out = []
+    for i in range(b):
+        keep = torch.nonzero(mask[i]).flatten()
+        toks = list(tokens[i])
+        if len(toks) == t_len and len(toks) != keep.numel():
+            toks = [toks[j] for j in keep.tolist()]
+        if len(toks) != keep.numel():
+            raise ValueError(f"text {i}: {len(toks)} tokens for {keep.numel()} real positions")
+        p: Optional[int] = None
+        if pos is not None:
+            hits = torch.nonzero(keep == int(pos[i])).flatten()
+            p = int(hits[0]) if hits.numel() else None
+        out.append(TextExplanation(
+            text=str(texts[i]),
+            tokens=[str(t) for t in toks],
+            scores={k: v[i, keep].tolist() for k, v in score_rows.items()},
+            explained_position=p,
+            prediction=None if predictions is None else predictions[i],
+        ))
+    return out
+
+
+# --------------------------------------------------------------------------- table
+
+_BLOCKS = " \u258f\u258e\u258d\u258c\u258b\u258a\u2589\u2588"
+
+
+def _bar(v: float, vmax: float, width: int, ascii_only: bool) -> str:
+    if not math.isfinite(v) or vmax <= 0:
+        return " " * width
+    frac = min(abs(v) / vmax, 1.0) * width
+    if ascii_only:
+        n = int(round(frac))
+        return ("#" if v >= 0 else "-") * n + " " * (width - n)
+    if v < 0:
+        n = int(round(frac))
+        return "\u2591" * n + " " * (width - n)
+    full = int(frac)
+    rest = int(round((frac - full) * 8))
+    if rest == 8:
+        full, rest = full + 1, 0
+    s = "\u2588" * full + (_BLOCKS[rest] if rest and full < width else "")
+    return s + " " * (width - len(s))
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return "nan"
+    return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.3g}"
+
+
+def render_table(
+    explanations: Sequence[TextExplanation],
+    *,
+    bar_width: int = 12,
+    ascii_only: bool = False,
+    max_token_width: int = 18,
+) -> str:
+    r"""A readable plain-text table per text: one row per token, a column per method.
+
+    Each method column shows the score and a bar scaled by that method's largest
+    absolute score in the text (negative scores: a light-shaded bar, or ``-`` in
+    ASCII). The explained row is marked with ``*``.
+
+    Args:
+        explanations: the texts to show.
+        bar_width: characters per bar (0 for no bars).
+        ascii_only: use ``#``/``-`` bars instead of Unicode blocks (for terminals that
+            cannot print them).
+        max_token_width: longer tokens are shortened.
+
+    Returns:
+        The table as one string (lines separated by ``\n``, no trailing newline).
+
+    Examples:
+        >>> ex = TextExplanation("ok", ["[CLS]", "ok", "[SEP]"], {"ALTI": [0.5, 0.3, 0.2]}, 0)
+        >>> "ok" in render_table([ex])
+        True
+    """
+    blocks = []
+    for n, ex in enumerate(explanations, start=1):
+        lines = [f"[{n}] {ex.text}"]
+        if ex.prediction is not None:
+            lines.append(f"    prediction: {ex.prediction}")
+        for key, val in ex.extras.items():
+            if isinstance(val, (int, float, str)):
+                lines.append(f"    {key}: {val}")
+        toks = [t if len(t) <= max_token_width else t[: max_token_width - 1] + "~" for t in ex.tokens]
+        tw = max([5] + [len(t) for t in toks])
+        iw = max(1, len(str(len(toks) - 1)))
+        names = list(ex.scores)
+        col_w = [max(len(nm), 10 + (bar_width + 1 if bar_width else 0)) for nm in names]
+        header = f"  {'#'.rjust(iw)}  {'token'.ljust(tw)}" + "".join(
+            f"  {nm.ljust(w)}" for nm, w in zip(names, col_w)
+        )
+        lines.append(header.rstrip())
+        lines.append("  " + "-" * (len(header) - 2))
+        vmax = {nm: max([abs(v) for v in ex.scores[nm] if math.isfinite(v)] + [0.0]) for nm in names}
+        for i, tok in enumerate(toks):
+            mark = "*" if i == ex.explained_position else " "
+            row = f" {mark}{str(i).rjust(iw)}  {tok.ljust(tw)}"
+            for nm, w in zip(names, col_w):
+                v = float(ex.scores[nm][i])
+                cell = _fmt(v).rjust(10)
+                if bar_width:
+                    cell += " " + _bar(v, vmax[nm], bar_width, ascii_only)
+                row += "  " + cell.ljust(w)
+            lines.append(row.rstrip())
+        if ex.explained_position is not None:
+            lines.append(f"  * explained position {ex.explained_position}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def render_json(
+    explanations: Sequence[TextExplanation],
+    meta: Optional[Mapping[str, Any]] = None,
+    *,
+    indent: Optional[int] = 2,
+) -> str:
+    r"""The explanations as a JSON document.
+
+    Layout: ``{"meta": {...}, "results": [{"text", "tokens", "explained_position",
+    "prediction", "attributions": {method: [float, ...]}, "extras"}, ...]}``.
+    Non-finite numbers become ``null`` so the output is strict JSON.
+
+    Args:
+        explanations: the texts.
+        meta: run information (model, methods, options ...).
+        indent: JSON indentation (None for one line).
+
+    Returns:
+        The JSON string.
+
+    Examples:
+        >>> ex = TextExplanation("ok", ["ok"], {"ALTI": [1.0]})
+        >>> json.loads(render_json([ex]))["results"][0]["attributions"]
+        {'ALTI': [1.0]}
+    """
+    doc = {"meta": _jsonable(dict(meta or {})), "results": [e.to_dict() for e in explanations]}
+    return json.dumps(doc, indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+# --------------------------------------------------------------------------- HTML
+
+
+def score_color(v: float) -> str:
+    r"""Background color of a normalised score in [-1, 1], the same scale as Captum's.
+
+    Positive scores are green, negative red, 0 white.
+
+    Args:
+        v: the normalised score (clipped to [-1, 1]).
+
+    Returns:
+        A CSS ``hsl(...)`` color.
+
+    Examples:
+        >>> score_color(0.0)
+        'hsl(120, 75%, 100%)'
+    """
+    if not math.isfinite(v):
+        return "hsl(0, 0%, 85%)"
+    v = max(-1.0, min(1.0, v))
+    hue = 120 if v >= 0 else 0
+    return f"hsl({hue}, 75%, {int(round(100 - 50 * abs(v)))}%)"
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:72em}
+h1{font-size:1.4em} h2{font-size:1.1em;margin-top:1.8em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+.meta{font-size:.85em;color:#555} .meta td{padding:0 1em 0 0}
+.pred{color:#444;font-size:.9em;margin:.3em 0}
+.method{margin:.6em 0} .mname{font-weight:600;font-size:.9em;margin-bottom:.2em}
+.tokens{line-height:2.1em;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.95em}
+.tok{padding:.15em .3em;margin:0 .08em;border-radius:.25em;white-space:pre}
+.tok.explained{outline:2px solid #36c}
+table.scores{border-collapse:collapse;font-size:.8em;margin:.5em 0}
+table.scores td,table.scores th{border:1px solid #ddd;padding:.15em .5em;text-align:right}
+table.scores td.t{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
+.legend span{display:inline-block;width:1em;height:1em;border:1px solid #999;vertical-align:middle;margin:0 .2em 0 .8em}
+figure{margin:.5em 0} figure img,figure svg{max-width:100%;height:auto}
+details summary{cursor:pointer;font-size:.85em;color:#36c}
+"""
+
+
+def _token_spans(ex: TextExplanation, name: str) -> str:
+    vals = [float(v) for v in ex.scores[name]]
+    m = max([abs(v) for v in vals if math.isfinite(v)] + [0.0]) or 1.0
+    spans = []
+    for i, (tok, v) in enumerate(zip(ex.tokens, vals)):
+        cls = "tok explained" if i == ex.explained_position else "tok"
+        spans.append(
+            f'<span class="{cls}" style="background-color:{score_color(v / m)}" '
+            f'title="{html.escape(tok)}: {_fmt(v)}">{html.escape(tok)}</span>'
+        )
+    return "".join(spans)
+
+
+def _figure_html(src: str) -> str:
+    if src.lstrip().startswith("<svg") or src.lstrip().startswith("<?xml"):
+        body = src[src.index("<svg"):]
+        return f"<figure>{body}</figure>"
+    return f'<figure><img alt="figure" src="{html.escape(src, quote=True)}"></figure>'
+
+
+def render_html(
+    explanations: Sequence[TextExplanation],
+    meta: Optional[Mapping[str, Any]] = None,
+    *,
+    title: str = "captum_normattr report",
+) -> str:
+    r"""A self-contained HTML report (inline CSS, no scripts, no external files).
+
+    For every text: the prediction (if any), the tokens colored by each method's
+    scores (green positive, red negative, intensity = |score| / max |score| of that
+    method in that text; hover for the value; the explained token is outlined), a
+    table of the numbers, and the figures attached to the explanation.
+
+    Args:
+        explanations: the texts.
+        meta: run information shown at the top (model, methods, options ...).
+        title: page title.
+
+    Returns:
+        The HTML document as a string. Every token appears HTML-escaped.
+
+    Examples:
+        >>> ex = TextExplanation("<b>", ["[CLS]", "<b>", "[SEP]"], {"ALTI": [0.2, 0.7, 0.1]}, 0)
+        >>> "&lt;b&gt;" in render_html([ex])
+        True
+    """
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+    ]
+    if meta:
+        rows = "".join(
+            f"<tr><td>{esc(str(k))}</td><td>{esc(json.dumps(_jsonable(v), ensure_ascii=False) if not isinstance(v, str) else v)}</td></tr>"
+            for k, v in meta.items()
+        )
+        parts.append(f'<table class="meta">{rows}</table>')
+    parts.append(
+        '<p class="legend">Colors:<span style="background:hsl(0,75%,50%)"></span>negative'
+        '<span style="background:hsl(0,0%,100%)"></span>zero'
+        '<span style="background:hsl(120,75%,50%)"></span>positive '
+        "(per method, scaled by its largest |score| in the text; hover a token for its value)</p>"
+    )
+    for n, ex in enumerate(explanations, start=1):
+        parts.append(f'<section class="text"><h2>[{n}] {esc(ex.text)}</h2>')
+        if ex.prediction is not None:
+            parts.append(f'<div class="pred">prediction: {esc(str(ex.prediction))}</div>')
+        for key, val in ex.extras.items():
+            parts.append(f'<div class="pred">{esc(str(key))}: {esc(json.dumps(_jsonable(val)))}</div>')
+        for name in ex.scores:
+            parts.append(
+                f'<div class="method"><div class="mname">{esc(name)}</div>'
+                f'<div class="tokens">{_token_spans(ex, name)}</div></div>'
+            )
+            if name in ex.figures:
+                parts.append(_figure_html(ex.figures[name]))
+        for name, src in ex.figures.items():
+            if name not in ex.scores:
+                parts.append(f'<div class="mname">{esc(name)}</div>' + _figure_html(src))
+        head = "".join(f"<th>{esc(nm)}</th>" for nm in ex.scores)
+        body = []
+        for i, tok in enumerate(ex.tokens):
+            mark = " *" if i == ex.explained_position else ""
+            cells = "".join(f"<td>{_fmt(float(ex.scores[nm][i]))}</td>" for nm in ex.scores)
+            body.append(f'<tr><td>{i}{mark}</td><td class="t">{esc(tok)}</td>{cells}</tr>')
+        parts.append(
+            "<details><summary>scores</summary>"
+            f'<table class="scores"><tr><th>#</th><th>token</th>{head}</tr>{"".join(body)}</table>'
+            "</details></section>"
+        )
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def figure_to_data_uri(fig: Any, fmt: str = "png", dpi: int = 110) -> str:
+    r"""Encode a matplotlib figure for :attr:`TextExplanation.figures`.
+
+    Args:
+        fig: a matplotlib figure.
+        fmt: ``"png"`` (a base64 ``data:`` URI) or ``"svg"`` (the inline SVG markup).
+        dpi: resolution for PNG.
+
+    Returns:
+        A ``data:image/png;base64,...`` URI or an ``<svg ...>`` string.
+
+    Examples:
+        >>> from captum_normattr.visualization import plot_rollout_row
+        >>> figure_to_data_uri(plot_rollout_row([1.0, 2.0], ["a", "b"])).startswith("data:image/png")
+        True
+    """
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    if fmt == "svg":
+        fig.savefig(buf, format="svg", bbox_inches="tight", facecolor="white")
+        text = buf.getvalue().decode("utf-8")
+        return text[text.index("<svg"):]
+    if fmt != "png":
+        raise ValueError(f"fmt must be 'png' or 'svg', got {fmt!r}")
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", facecolor="white")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")

@@ -1,0 +1,238 @@
+r"""Plots and Captum interop of captum_normattr.visualization, on tiny plain tensors.
+
+A small stand-in dataclass plays the DecompositionResult, so these tests do not
+depend on the decomposition engine.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import pytest
+import torch
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+
+from captum_normattr import visualization as V  # noqa: E402
+
+TOKENS = ["[CLS]", "the", "film", "was", "great", "[SEP]"]
+
+
+@dataclass
+class FakeResult:
+    method: str
+    layer_maps: torch.Tensor
+    rollout: torch.Tensor
+    scores: torch.Tensor
+    attention_mask: torch.Tensor
+    explained_position: torch.Tensor
+    rollout_convention: str = "raw"
+    mixing_ratio: Optional[torch.Tensor] = None
+    extras: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def make_result(lengths=(6, 4), t=6, n_layers=3, left_pad=False, seed=0) -> FakeResult:
+    g = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left_pad:
+            mask[i, t - n:] = 1
+        else:
+            mask[i, :n] = 1
+    valid = mask.bool()
+    pair = (valid[:, :, None] & valid[:, None, :]).unsqueeze(1)
+    maps = torch.rand(b, n_layers, t, t, generator=g) * pair
+    roll = maps[:, 0]
+    for l in range(1, n_layers):
+        roll = maps[:, l] @ roll
+    pos = (t - torch.tensor(lengths)) if left_pad else torch.zeros(b, dtype=torch.long)
+    scores = roll[torch.arange(b), pos]
+    return FakeResult("Fake (N_ENC)", maps, roll, scores, mask, pos.long())
+
+
+@pytest.fixture
+def out(tmp_path):
+    return tmp_path
+
+
+# ----------------------------------------------------------------- plots
+
+
+def test_plot_token_map_png_and_svg(out):
+    m = torch.rand(6, 6)
+    fig = V.plot_token_map(m, TOKENS, title="layer 1", path=out / "map.png")
+    assert (out / "map.png").stat().st_size > 0
+    V.save_figure(fig, out / "map.svg")
+    assert (out / "map.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == TOKENS
+
+
+def test_plot_token_map_signed_uses_diverging_scale(out):
+    m = torch.randn(4, 4)
+    fig = V.plot_token_map(m, TOKENS[:4], path=out / "signed.png")
+    lo, hi = fig.axes[0].images[0].get_clim()
+    assert lo == pytest.approx(-hi)
+
+
+def test_plot_token_map_into_given_axes(out):
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot(1, 2, 1)
+    got = V.plot_token_map(torch.eye(3), ["a", "b", "c"], ax=ax, colorbar=False)
+    assert got is fig and ax.images
+
+
+def test_plot_layer_grid_tensor_and_result(out):
+    V.plot_layer_grid(torch.rand(5, 6, 6), TOKENS, path=out / "grid.png")
+    res = make_result()
+    fig = V.plot_layer_grid(res, TOKENS, b=1, share_scale=True, path=out / "grid.svg")
+    assert (out / "grid.png").stat().st_size > 0 and (out / "grid.svg").stat().st_size > 0
+    panels = [a for a in fig.axes if a.images]
+    assert len(panels) == 3
+    assert panels[0].images[0].get_array().shape == (4, 4)  # pads removed
+    assert [t.get_text() for t in panels[0].get_xticklabels()] == TOKENS[:4]
+
+
+@pytest.mark.parametrize("kind", ["bar", "text"])
+def test_plot_rollout_row(out, kind):
+    V.plot_rollout_row(torch.tensor([0.3, 0.1, -0.2, 0.05, 0.5, 0.1]), TOKENS, kind=kind,
+                       explained_position=0, title="GlobEnc", path=out / f"row_{kind}.png")
+    assert (out / f"row_{kind}.png").stat().st_size > 0
+
+
+def test_plot_rollout_row_text_wraps_long_inputs(out):
+    toks = [f"token{i}" for i in range(80)]
+    fig = V.plot_rollout_row(torch.rand(80), toks, kind="text", path=out / "long.svg")
+    heights = {round(t.get_position()[1], 6) for t in fig.axes[0].texts}
+    assert len(heights) > 2  # several lines
+    assert fig.get_size_inches()[1] > 1.0
+
+
+def test_plot_rollout_row_from_result_left_padded(out):
+    res = make_result(lengths=(6, 3), left_pad=True)
+    fig = V.plot_rollout_row(res, TOKENS[:3], b=1, path=out / "row.png")
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == TOKENS[:3]
+
+
+def test_plot_component_maps(out):
+    maps = {name: torch.rand(6, 6) for name in ("ATB", "+FF", "+RES2", "+LN2")}
+    fig = V.plot_component_maps(maps, TOKENS, path=out / "comp.png")
+    V.plot_component_maps(maps, TOKENS, share_scale=True, title="layer 2", path=out / "comp.svg")
+    assert [a.get_title() for a in fig.axes if a.images] == list(maps)
+    assert (out / "comp.png").exists() and (out / "comp.svg").exists()
+
+
+@pytest.mark.parametrize("kind", ["heatmap", "bar"])
+def test_plot_method_comparison(out, kind):
+    res = make_result()
+    scores = {"GlobEnc": res, "ALTI": torch.rand(2, 6)[0], "IG": torch.randn(6)}
+    fig = V.plot_method_comparison(scores, TOKENS, kind=kind, title="one sentence",
+                                   path=out / f"cmp_{kind}.png")
+    assert (out / f"cmp_{kind}.png").stat().st_size > 0
+    if kind == "heatmap":
+        data = fig.axes[0].images[0].get_array()
+        assert data.shape == (3, 6)
+        assert abs(data).max() <= 1.0 + 1e-9
+
+
+def test_plot_errors():
+    with pytest.raises(ValueError, match="tokens"):
+        V.plot_token_map(torch.rand(3, 3), ["a", "b"])
+    with pytest.raises(ValueError, match="square"):
+        V.plot_token_map(torch.rand(3, 4))
+    with pytest.raises(ValueError, match="same shape"):
+        V.plot_component_maps({"a": torch.rand(3, 3), "b": torch.rand(4, 4)})
+    with pytest.raises(ValueError, match="kind"):
+        V.plot_rollout_row([1.0, 2.0], kind="pie")
+    with pytest.raises(ValueError, match=r"\.png"):
+        V.save_figure(V.plot_rollout_row([1.0, 2.0]), "x.jpg")
+
+
+def test_missing_matplotlib_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install"):
+        V.plot_rollout_row([1.0, 2.0])
+
+
+def test_example_from_result_removes_pads():
+    res = make_result(lengths=(6, 3), left_pad=True)
+    ex = V.example_from_result(res, 1, TOKENS[:3])
+    assert ex["layer_maps"].shape == (3, 3, 3)
+    assert ex["rollout"].shape == (3, 3)
+    assert ex["explained_position"] == 0
+    assert ex["tokens"] == TOKENS[:3]
+    torch.testing.assert_close(ex["scores"], res.scores[1, 3:].double())
+    padded_tokens = ["[PAD]"] * 3 + TOKENS[:3]
+    assert V.example_from_result(res, 1, padded_tokens)["tokens"] == TOKENS[:3]
+
+
+# ----------------------------------------------------------------- Captum interop
+
+
+def test_normalize_scores():
+    s = V.normalize_scores(torch.tensor([[2.0, -4.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert s.abs().max() <= 1.0
+    assert s[0].tolist() == [0.5, -1.0, 0.25]
+    assert s[1].tolist() == [0.0, 0.0, 0.0]
+    m = V.normalize_scores([5.0, 1.0, 100.0], mask=[1, 1, 0])
+    assert m.tolist() == pytest.approx([1.0, 0.2, 0.0])
+
+
+def test_visualization_records_and_visualize_text():
+    pytest.importorskip("IPython")
+    from captum.attr import visualization as viz
+
+    res = make_result(lengths=(6, 4))
+    res.scores = res.scores * 7.0  # beyond [-1, 1]
+    recs = V.to_visualization_records(res, [TOKENS, TOKENS[:4]], pred_probs=[0.9, 0.6],
+                                      pred_classes=["pos", "neg"], true_classes=["pos", "pos"])
+    assert len(recs) == 2
+    assert recs[0].raw_input_ids == TOKENS and recs[1].raw_input_ids == TOKENS[:4]
+    for r in recs:
+        assert r.word_attributions.abs().max() == pytest.approx(1.0)
+        assert r.attr_class == "Fake (N_ENC)"
+    assert recs[1].attr_score == pytest.approx(float(res.scores[1, :4].sum()))
+    out = viz.visualize_text(recs)
+    assert "great" in out.data
+
+
+def test_visualization_records_plain_scores():
+    recs = V.to_visualization_records(torch.tensor([0.2, 0.4]), ["a", "b"], normalize=False)
+    assert recs[0].word_attributions.tolist() == pytest.approx([0.2, 0.4])
+    with pytest.raises(ValueError):
+        V.to_visualization_records(torch.rand(2, 3), [["a", "b", "c"]])
+
+
+def test_llm_attribution_result_from_rollout():
+    toks = ["The", " cat", " sat", " on", " the"]
+    roll = torch.tril(torch.rand(5, 5))
+    r = V.to_llm_attribution_result(roll, toks, prompt_length=3)
+    assert r.input_tokens == toks[:3] and r.output_tokens == toks[3:]
+    assert tuple(r.token_attr.shape) == (2, 3)
+    torch.testing.assert_close(r.token_attr[0], roll[2, :3].float())  # " on" predicted at row 2
+    torch.testing.assert_close(r.token_attr[1], roll[3, :3].float())
+    torch.testing.assert_close(r.seq_attr, r.token_attr.sum(0))
+    # single predicted next token after the prompt
+    r1 = V.to_llm_attribution_result(roll[:3, :3], toks[:3], 3, output_tokens=[" on"])
+    torch.testing.assert_close(r1.token_attr[0], roll[2, :3].float())
+    import matplotlib.pyplot as plt
+
+    fig, _ = r.plot_token_attr()
+    fig2, _ = r.plot_seq_attr()
+    plt.close(fig)
+    plt.close(fig2)
+    with pytest.raises(ValueError):
+        V.to_llm_attribution_result(roll, toks[:4], 2)
+
+
+def test_llm_attribution_result_from_padded_result():
+    res = make_result(lengths=(6, 4), left_pad=True)
+    r = V.to_llm_attribution_result(res, ["a", "b", "c", "d"], 2, b=1, normalize=True)
+    ex = V.example_from_result(res, 1)
+    expected = ex["rollout"][1:3, :2].float()
+    torch.testing.assert_close(r.token_attr, expected / expected.abs().max())
