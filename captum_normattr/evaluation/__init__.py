@@ -1,0 +1,52 @@
+r"""Faithfulness evaluation: metric presets and a harness comparing attribution methods.
+
+- :mod:`~captum_normattr.evaluation.metrics`: pure metric functions (Spearman, ERASER
+  AOPC, DecompX [MASK] AOPC, Captum infidelity / sensitivity_max through a token gate);
+- :mod:`~captum_normattr.evaluation.baselines`: methods as callables — Captum's
+  Saliency, InputXGradient, gradient x input, (Layer)IntegratedGradients, and ours;
+- :mod:`~captum_normattr.evaluation.harness`: :class:`FaithfulnessHarness`, the presets
+  and :class:`HarnessResult` (Markdown table, JSON).
+
+Examples:
+    >>> from captum_normattr.evaluation import FaithfulnessHarness, SequenceClassifier, baselines
+    >>> clf = SequenceClassifier(model, tokenizer)  # doctest: +SKIP
+    >>> res = FaithfulnessHarness(clf, baselines.default_baselines(clf)).run(ids, mask, labels)  # doctest: +SKIP
+    >>> print(res.table())  # doctest: +SKIP
+"""
+
+from . import baselines, metrics
+from .baselines import Method
+from .classifier import SequenceClassifier
+from .harness import (
+    PRESETS,
+    CaptumInfidelity,
+    CaptumSensitivity,
+    DecompXMaskAOPC,
+    EraserAOPC,
+    FaithfulnessHarness,
+    HarnessResult,
+    MetricInfo,
+    Preset,
+    SpearmanGradXInput,
+    encode,
+    make_presets,
+)
+
+__all__ = [
+    "baselines",
+    "metrics",
+    "Method",
+    "SequenceClassifier",
+    "FaithfulnessHarness",
+    "HarnessResult",
+    "MetricInfo",
+    "Preset",
+    "PRESETS",
+    "SpearmanGradXInput",
+    "EraserAOPC",
+    "DecompXMaskAOPC",
+    "CaptumInfidelity",
+    "CaptumSensitivity",
+    "make_presets",
+    "encode",
+]
