@@ -1,0 +1,707 @@
+r"""The ``captum-normattr`` command line: explain texts with decomposition methods.
+
+Examples (shell)::
+
+    captum-normattr "the film was a delight"                       # packaged MiniLM, GlobEnc
+    captum-normattr "the film was a delight" -m globenc alti --map N_RES
+    captum-normattr --file texts.txt -m alti --format json -o out.json
+    captum-normattr --file texts.txt --format html -o report.html --html-maps
+    captum-normattr --model gpt2 "The capital of France is" --position last
+    captum-normattr --list-methods
+
+Methods live in :data:`METHODS`, a dict name -> :class:`MethodSpec`. A new method
+adds itself with :func:`register_method` (or by adding an entry to the dict)::
+
+    from captum_normattr.cli import register_method
+    register_method("decompx", lambda model, opts: DecompXAttribution(
+        model, explained_position=opts.position), "DecompX (Modarressi et al. 2023)")
+
+Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option),
+1 for an error raised while explaining, 130 on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+PROG = "captum-normattr"
+
+GLOBENC_MAP_NAMES = ("W", "W_FIXEDRES", "W_RES", "N", "N_FIXEDRES", "N_RES", "N_RESLN", "N_ENC")
+
+
+class CLIError(Exception):
+    r"""A user error: printed as ``captum-normattr: error: <message>``, exit code 2."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    r"""One entry of the method table.
+
+    Attributes:
+        name: the command-line name (``-m NAME``).
+        build: ``build(model, options) -> attribution``. ``options`` is the parsed
+            ``argparse.Namespace`` (fields: ``map``, ``rollout``, ``position``,
+            ``target`` ...). The attribution must have ``decompose(inputs,
+            additional_forward_args=...)`` returning a DecompositionResult, or
+            ``attribute(...)`` returning (B, T) scores.
+        help: one line shown by ``--list-methods``.
+    """
+
+    name: str
+    build: Callable[[Any, argparse.Namespace], Any]
+    help: str = ""
+
+
+METHODS: Dict[str, MethodSpec] = {}
+
+
+def register_method(
+    name: str,
+    build: Callable[[Any, argparse.Namespace], Any],
+    help: str = "",
+    *,
+    replace: bool = False,
+) -> MethodSpec:
+    r"""Add a method to the command line's method table.
+
+    Args:
+        name: command-line name, lower case (e.g. ``"decompx"``).
+        build: ``build(model, options) -> attribution`` (see :class:`MethodSpec`).
+        help: one-line description for ``--list-methods``.
+        replace: allow overwriting an existing entry.
+
+    Returns:
+        The registered :class:`MethodSpec`.
+
+    Raises:
+        ValueError: if ``name`` is taken and ``replace`` is False.
+
+    Examples:
+        >>> spec = register_method("my-alti", lambda m, o: None, "demo", replace=True)
+        >>> "my-alti" in METHODS
+        True
+        >>> del METHODS["my-alti"]
+    """
+    key = name.lower()
+    if key in METHODS and not replace:
+        raise ValueError(f"method {key!r} is already registered")
+    spec = MethodSpec(key, build, help)
+    METHODS[key] = spec
+    return spec
+
+
+def _build_globenc(model: Any, opts: argparse.Namespace) -> Any:
+    from captum_normattr import GlobEncAttribution
+
+    return GlobEncAttribution(model, map_name=opts.map, rollout=opts.rollout,
+                              explained_position=opts.position)
+
+
+def _build_alti(model: Any, opts: argparse.Namespace) -> Any:
+    from captum_normattr import ALTIAttribution
+
+    return ALTIAttribution(model, rollout=opts.rollout, explained_position=opts.position)
+
+
+register_method("globenc", _build_globenc,
+                "GlobEnc and the norm-based maps of Kobayashi et al. (choose the map with --map)")
+register_method("alti", _build_alti, "ALTI, L1-distance contributions (Ferrando et al. 2022)")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _position(value: str) -> Any:
+    if value == "last":
+        return "last"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'last', got {value!r}") from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    r"""The argument parser of ``captum-normattr``.
+
+    Returns:
+        An ``argparse.ArgumentParser``.
+    """
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Explain texts with layer-decomposition attributions (GlobEnc, ALTI, ...) "
+        "of a Hugging Face Transformer. Without --model the packaged pretrained "
+        "all-MiniLM-L6-v2 is used, so it works offline.",
+        epilog="examples:\n"
+        f"  {PROG} \"the film was a delight\"\n"
+        f"  {PROG} -m globenc alti --map N_RES \"the film was a delight\"\n"
+        f"  {PROG} --file texts.txt --format html -o report.html\n"
+        f"  {PROG} --model gpt2 --position last \"The capital of France is\"",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="text(s) to explain")
+    p.add_argument("-f", "--file", metavar="PATH",
+                   help="file with one text per line (blank lines skipped); '-' reads stdin")
+    p.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="Hugging Face Hub name or local model folder (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("-m", "--method", nargs="+", default=["globenc"], metavar="METHOD",
+                   help="one or more methods (default: globenc); see --list-methods")
+    p.add_argument("--map", default="N_ENC", type=str.upper, choices=GLOBENC_MAP_NAMES, metavar="MAP",
+                   help="GlobEnc layer map: " + ", ".join(GLOBENC_MAP_NAMES) + " (default: N_ENC)")
+    p.add_argument("--rollout", default="raw", choices=("raw", "row_normalized"),
+                   help="rollout convention (default: raw, as the GlobEnc code and figures)")
+    p.add_argument("-p", "--position", type=_position, default=None, metavar="POS",
+                   help="explained position: an integer (negative counts from the last real token) "
+                   "or 'last' (default: 0, the [CLS] token, for encoders; 'last' for decoders)")
+    p.add_argument("-t", "--target", type=int, default=None,
+                   help="target class/token passed to methods that use it")
+    p.add_argument("-b", "--batch-size", type=_positive_int, default=8, help="texts per batch (default: 8)")
+    p.add_argument("--max-length", type=_positive_int, default=None,
+                   help="truncate texts to this many tokens (default: the model's limit)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--format", choices=("table", "json", "html"), default=None,
+                   help="output format (default: from the --output suffix, else table)")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the output to PATH instead of stdout")
+    p.add_argument("--html-maps", action="store_true",
+                   help="HTML: embed the layer-map grid and rollout heat map of every text and method")
+    p.add_argument("--plots", metavar="DIR",
+                   help="save pictures per text and method (layer grid, rollout map, attribution bars) to DIR")
+    p.add_argument("--plot-format", choices=("png", "svg", "pdf"), default="png",
+                   help="file format of --plots (default: png)")
+    p.add_argument("--ascii", action="store_true", help="table: ASCII bars instead of Unicode blocks")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--list-methods", action="store_true", help="list the available methods and exit")
+    return p
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
+    r"""Collect the texts from the positional arguments and ``--file``.
+
+    Args:
+        texts: texts given on the command line.
+        file: path of a UTF-8 file with one text per line, ``"-"`` for stdin, or None.
+
+    Returns:
+        The texts, in order, blank lines dropped.
+
+    Raises:
+        CLIError: when the file cannot be read, or there is no text at all.
+    """
+    out = [t for t in texts if t.strip()]
+    if file is not None:
+        if file == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            path = Path(file).expanduser()
+            if not path.exists():
+                raise CLIError(f"file not found: {file}")
+            if not path.is_file():
+                raise CLIError(f"not a file: {file}")
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except UnicodeDecodeError:
+                raise CLIError(f"{file} is not a UTF-8 text file") from None
+            except OSError as err:
+                raise CLIError(f"cannot read {file}: {err.strerror or err}") from None
+        out.extend(line.strip() for line in lines if line.strip())
+    if not out:
+        raise CLIError("no text to explain: give TEXT arguments or --file PATH")
+    return out
+
+
+def _looks_like_path(name: str) -> bool:
+    r"""True for strings that cannot be a Hub id (``name`` or ``org/name``)."""
+    return (
+        name.startswith((".", "~", "/", "\\"))
+        or name.endswith(("/", "\\"))
+        or name.count("/") > 1
+        or "\\" in name
+    )
+
+
+def load_model(name_or_path: Optional[str], device: Any) -> Tuple[Any, Any, str]:
+    r"""Load a model and its tokenizer for explanation (see :func:`_load_model`),
+    with transformers' "Loading weights" progress bars turned off meanwhile.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return _load_model(name_or_path, device)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model(name_or_path: Optional[str], device: Any) -> Tuple[Any, Any, str]:
+    r"""Load a model and its tokenizer for explanation.
+
+    Classification checkpoints (``*ForSequenceClassification``) and causal LMs
+    (``*ForCausalLM``, ``*LMHeadModel``) are loaded with their heads, so that the
+    report can show predictions; anything else as the base model.
+
+    Args:
+        name_or_path: Hub name or local folder; None for the packaged MiniLM.
+        device: torch device.
+
+    Returns:
+        (model in eval mode on ``device``, tokenizer, readable model name).
+
+    Raises:
+        CLIError: when the model or tokenizer cannot be loaded.
+    """
+    if name_or_path is None:
+        try:
+            from captum_normattr import load_default_model
+        except ImportError:
+            load_default_model = None  # type: ignore[assignment]
+        if load_default_model is not None:
+            try:
+                model, tok = load_default_model()
+            except ImportError as err:
+                raise CLIError(str(err)) from None
+            return model.to(device).eval(), tok, "all-MiniLM-L6-v2 (packaged)"
+        from captum_normattr.models.loading import default_model_path
+
+        name_or_path = default_model_path()
+
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise CLIError(f"model path {name_or_path!r} is a file; give a model folder (with config.json)")
+        if not (local / "config.json").exists():
+            raise CLIError(f"model folder {name_or_path!r} has no config.json")
+        source = str(local)
+    elif _looks_like_path(name_or_path):
+        raise CLIError(f"model folder not found: {name_or_path}")
+    else:
+        source = name_or_path
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except Exception as err:  # noqa: BLE001 - any failure here is a bad name or no network
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CLIError(
+            f"cannot load model {name_or_path!r}: {msg}\n"
+            "  (a Hub name needs internet access or a local cache; a local model is a folder with config.json)"
+        ) from None
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = archs[0] if archs else ""
+    if arch.endswith("ForSequenceClassification"):
+        auto = transformers.AutoModelForSequenceClassification
+    elif arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+        auto = transformers.AutoModelForCausalLM
+    else:
+        auto = transformers.AutoModel
+    try:
+        model = auto.from_pretrained(source, attn_implementation="eager")
+    except Exception:  # noqa: BLE001 - retry without forcing eager attention
+        try:
+            model = auto.from_pretrained(source)
+        except Exception as err:  # noqa: BLE001
+            raise CLIError(f"cannot load model weights of {name_or_path!r}: {err}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as err:  # noqa: BLE001
+        raise CLIError(f"cannot load the tokenizer of {name_or_path!r}: {err}") from None
+    return model.to(device).eval(), tok, name_or_path
+
+
+def _resolve_device(name: str) -> Any:
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"unknown device {name!r} (use e.g. cpu, cuda, cuda:0, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"device {name!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CLIError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise CLIError(f"device {name!r} requested but MPS is not available")
+    return dev
+
+
+def _is_decoder(model: Any) -> bool:
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "is_decoder", False)) or any(
+        a.endswith(("ForCausalLM", "LMHeadModel")) for a in (getattr(cfg, "architectures", None) or [])
+    )
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _batches(items: Sequence[str], size: int) -> Iterator[Tuple[int, Sequence[str]]]:
+    for start in range(0, len(items), size):
+        yield start, items[start:start + size]
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    r"""A tqdm progress bar on stderr (or a no-op) for ``total`` batches."""
+
+    class _Null:
+        def update(self, n: int = 1) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    if not enabled or total <= 1:
+        return _Null()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+
+        class _Simple(_Null):
+            def __init__(self) -> None:
+                self.n = 0
+
+            def update(self, n: int = 1) -> None:
+                self.n += n
+                print(f"\rbatch {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def close(self) -> None:
+                print(file=sys.stderr)
+
+        return _Simple()
+    return tqdm(total=total, unit="batch", desc=PROG, file=sys.stderr, leave=False)
+
+
+def _explain_batch(attr: Any, input_ids: Any, mask: Any, target: Optional[int]) -> Any:
+    r"""Run one method on a batch: a DecompositionResult if available, else (B, T) scores."""
+    fn = getattr(attr, "decompose", None) or attr.attribute
+    kwargs: Dict[str, Any] = {"additional_forward_args": (mask,)}
+    if target is not None:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # pragma: no cover
+            params = {}
+        if "target" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs["target"] = target
+    return fn(input_ids, **kwargs)
+
+
+def _predictions(model: Any, tok: Any, enc: Dict[str, Any], positions: Any) -> Optional[List[str]]:
+    r"""Readable predictions of a classifier or causal LM; None for a base model."""
+    import torch
+
+    cfg = model.config
+    cls_name = type(model).__name__
+    is_cls = cls_name.endswith("ForSequenceClassification")
+    is_lm = cls_name.endswith(("ForCausalLM", "LMHeadModel"))
+    if not (is_cls or is_lm):
+        return None
+    with torch.no_grad():
+        out = model(**enc)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        return None
+    if is_cls and logits.dim() == 2:
+        probs = logits.float().softmax(-1)
+        p, k = probs.max(-1)
+        labels = getattr(cfg, "id2label", None) or {}
+        return [f"{labels.get(int(ki), labels.get(str(int(ki)), int(ki)))} ({float(pi):.3f})"
+                for pi, ki in zip(p, k)]
+    if is_lm and logits.dim() == 3:
+        rows = logits[torch.arange(logits.shape[0]), positions.to(logits.device)].float().softmax(-1)
+        p, k = rows.max(-1)
+        return [f"next token {tok.decode([int(ki)])!r} ({float(pi):.3f})" for pi, ki in zip(p, k)]
+    return None
+
+
+def _method_label(res: Any, spec: MethodSpec, taken: Dict[str, Any]) -> str:
+    label = str(getattr(res, "method", "") or "") or spec.name
+    if label in taken:
+        label = f"{label} [{spec.name}]"
+    return label
+
+
+def explain(
+    texts: Sequence[str],
+    model: Any,
+    tokenizer: Any,
+    specs: Sequence[MethodSpec],
+    options: argparse.Namespace,
+    *,
+    progress: bool = True,
+    keep_maps: bool = False,
+) -> Tuple[List[Any], List[Dict[str, Any]]]:
+    r"""Explain ``texts`` with every method in ``specs``, batch by batch.
+
+    Args:
+        texts: the texts.
+        model: the model (on its device).
+        tokenizer: its tokenizer.
+        specs: the methods.
+        options: parsed options (``position``, ``target``, ``batch_size``,
+            ``max_length`` ... are used).
+        progress: show a progress bar on stderr when there is more than one batch.
+        keep_maps: also return per text and method the unpadded layer maps, rollout
+            and scores (for pictures).
+
+    Returns:
+        (explanations, maps): a list of :class:`~captum_normattr.report.TextExplanation`
+        and, per text, a dict method label -> ``example_from_result`` dict (empty
+        dicts unless ``keep_maps``).
+    """
+    import torch
+
+    from captum_normattr.report import explanations_from_results
+    from captum_normattr.visualization import example_from_result
+
+    device = next(model.parameters()).device
+    attrs = []
+    for spec in specs:
+        try:
+            attrs.append((spec, spec.build(model, options)))
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise CLIError(f"method {spec.name!r} cannot explain this model: {err}") from None
+    max_len = options.max_length
+    if max_len is None:
+        limit = getattr(tokenizer, "model_max_length", None)
+        max_len = limit if isinstance(limit, int) and 0 < limit < 100_000 else None
+        pos_limit = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(pos_limit, int) and pos_limit > 0:
+            max_len = min(max_len or pos_limit, pos_limit)
+    all_exps: List[Any] = []
+    all_maps: List[Dict[str, Any]] = []
+    n_batches = (len(texts) + options.batch_size - 1) // options.batch_size
+    bar = _progress(n_batches, progress)
+    try:
+        for _, chunk in _batches(texts, options.batch_size):
+            enc = tokenizer(list(chunk), return_tensors="pt", padding=True,
+                            truncation=max_len is not None, max_length=max_len)
+            ids = enc["input_ids"].to(device)
+            mask = enc["attention_mask"].to(device)
+            results: Dict[str, Any] = {}
+            for spec, attr in attrs:
+                try:
+                    res = _explain_batch(attr, ids, mask, options.target)
+                except (ValueError, TypeError, NotImplementedError) as err:
+                    raise CLIError(f"{spec.name}: {err}") from None
+                results[_method_label(res, spec, results)] = res
+            first = next(iter(results.values()))
+            pos = getattr(first, "explained_position", None)
+            if pos is None:
+                from captum_normattr.attr.inputs import explained_positions
+
+                pos = explained_positions(options.position, mask.bool())
+            fwd = {"input_ids": ids, "attention_mask": mask}
+            preds = _predictions(model, tokenizer, fwd, pos)
+            tokens = [tokenizer.convert_ids_to_tokens(row) for row in enc["input_ids"].tolist()]
+            exps = explanations_from_results(
+                chunk, tokens, results,
+                attention_mask=mask.cpu(), explained_position=pos.cpu(), predictions=preds,
+            )
+            for i, ex in enumerate(exps):
+                maps: Dict[str, Any] = {}
+                for label, res in results.items():
+                    extras = getattr(res, "extras", None) or {}
+                    err = extras.get("completeness_error") if isinstance(extras, dict) else None
+                    if err is not None:
+                        ex.extras[f"{label}: max completeness error"] = float(err.max())
+                    if keep_maps and not isinstance(res, torch.Tensor):
+                        maps[label] = example_from_result(res, i, tokens[i])
+                all_maps.append(maps)
+            all_exps.extend(exps)
+            bar.update(1)
+    finally:
+        bar.close()
+    return all_exps, all_maps
+
+
+def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str) -> List[Path]:
+    from captum_normattr import visualization as V
+
+    written = []
+    for n, (ex, per_method) in enumerate(zip(exps, maps), start=1):
+        for label, m in per_method.items():
+            stem = _slug(label)
+            toks = m["tokens"]
+            written.append(V.save_figure(V.plot_layer_grid(m["layer_maps"], toks, title=f"{label} — layer maps"),
+                                         folder / f"text{n:03d}_{stem}_layers.{fmt}"))
+            written.append(V.save_figure(V.plot_token_map(m["rollout"], toks, title=f"{label} — rollout"),
+                                         folder / f"text{n:03d}_{stem}_rollout.{fmt}"))
+            written.append(V.save_figure(V.plot_rollout_row(m["scores"], toks, title=label,
+                                                            explained_position=m["explained_position"]),
+                                         folder / f"text{n:03d}_{stem}_scores.{fmt}"))
+        if len(ex.scores) > 1:
+            written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80]),
+                                         folder / f"text{n:03d}_comparison.{fmt}"))
+    return written
+
+
+def _embed_maps(exps: Sequence[Any], maps: Sequence[Dict[str, Any]]) -> None:
+    from captum_normattr import visualization as V
+    from captum_normattr.report import figure_to_data_uri
+
+    for ex, per_method in zip(exps, maps):
+        for label, m in per_method.items():
+            fig = V.plot_layer_grid(m["layer_maps"], m["tokens"], title=f"{label} — layer maps")
+            ex.figures[label] = figure_to_data_uri(fig, "png")
+            ex.figures[f"{label} — rollout"] = figure_to_data_uri(
+                V.plot_token_map(m["rollout"], m["tokens"], title=f"{label} — rollout"), "png")
+
+
+def _slug(s: str) -> str:
+    out = "".join(c if c.isalnum() else "_" for c in s).strip("_").lower()
+    while "__" in out:
+        out = out.replace("__", "_")
+    return out or "method"
+
+
+def _write(text: str, output: Optional[str]) -> None:
+    if output is None:
+        try:
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        except UnicodeEncodeError:
+            enc = sys.stdout.encoding or "ascii"
+            sys.stdout.write(text.encode(enc, "replace").decode(enc) + "\n")
+        sys.stdout.flush()
+        return
+    path = Path(output).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    except OSError as err:
+        raise CLIError(f"cannot write {output}: {err.strerror or err}") from None
+
+
+def _can_print_blocks() -> bool:
+    enc = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        "\u2588\u2591\u258f".encode(enc)
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list_methods:
+        width = max(len(k) for k in METHODS)
+        for key, spec in METHODS.items():
+            print(f"{key.ljust(width)}  {spec.help}")
+        return 0
+    names = [m.lower() for arg in args.method for m in arg.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise CLIError(f"unknown method {unknown[0]!r}; available: {', '.join(METHODS)}")
+    specs = [METHODS[m] for m in dict.fromkeys(names)]
+    fmt = args.format
+    if fmt is None:
+        suffix = Path(args.output).suffix.lower() if args.output else ""
+        fmt = {".json": "json", ".html": "html", ".htm": "html"}.get(suffix, "table")
+    if args.html_maps and fmt != "html":
+        raise CLIError("--html-maps needs --format html (or an --output ending in .html)")
+    if (args.html_maps or args.plots):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from captum_normattr.visualization import MISSING_MATPLOTLIB_MESSAGE
+
+            raise CLIError(MISSING_MATPLOTLIB_MESSAGE) from None
+        import matplotlib
+
+        matplotlib.use("Agg")
+    texts = read_texts(args.texts, args.file)
+    device = _resolve_device(args.device)
+    model, tok, model_name = load_model(args.model, device)
+    if tok.pad_token is None:
+        if getattr(tok, "eos_token", None) is not None:
+            tok.pad_token = tok.eos_token
+        else:
+            raise CLIError("the tokenizer has no pad token and no end-of-sequence token to pad with")
+    if args.position is None:
+        args.position = "last" if _is_decoder(model) else 0
+    exps, maps = explain(texts, model, tok, specs, args, progress=not args.quiet,
+                         keep_maps=bool(args.html_maps or args.plots))
+    meta = {
+        "model": model_name,
+        "methods": [s.name for s in specs],
+        "globenc_map": args.map if any(s.name == "globenc" for s in specs) else None,
+        "rollout": args.rollout,
+        "explained_position": args.position,
+        "target": args.target,
+        "device": str(device),
+        "texts": len(texts),
+    }
+    meta = {k: v for k, v in meta.items() if v is not None}
+    if args.plots:
+        written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format)
+        if not args.quiet:
+            print(f"{PROG}: wrote {len(written)} pictures to {args.plots}", file=sys.stderr)
+    from captum_normattr import report
+
+    if fmt == "json":
+        text = report.render_json(exps, meta)
+    elif fmt == "html":
+        if args.html_maps:
+            _embed_maps(exps, maps)
+        text = report.render_html(exps, meta, title=f"{PROG}: {model_name}")
+    else:
+        text = report.render_table(exps, ascii_only=args.ascii or not _can_print_blocks())
+    _write(text, args.output)
+    if args.output and not args.quiet:
+        print(f"{PROG}: wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    r"""Entry point of ``captum-normattr``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 success, 2 usage error (message on stderr, no traceback),
+        1 error while explaining, 130 on Ctrl-C.
+
+    Examples:
+        >>> main(["--list-methods"])  # doctest: +SKIP
+        globenc  GlobEnc and the norm-based maps ...
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        return _run(args)
+    except CLIError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as err:
+        if "out of memory" in str(err).lower():
+            print(f"{PROG}: error: out of memory; try a smaller --batch-size or --max-length", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,308 @@
+r"""The ``captum-normattr`` command line end to end on a tiny random BERT classifier,
+and the report renderers (table, JSON, HTML).
+
+The tiny model and its WordPiece tokenizer are written to a temporary folder once per
+session and passed with ``--model PATH``, as a user would.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from captum_normattr import cli, report
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORDS = ["the", "a", "film", "movie", "was", "is", "great", "bad", "not", "fine", "plot",
+         "actors", "&", "<", ">", "!", ".", ",", "very", "boring", "##s", "##ly", "fun"]
+TEXTS = ["the film was great !", "a bad movie .", "the plot is not fun , very boring",
+         "actors & <actors>"]
+
+
+def _save_tiny(folder: Path, model_cls, config) -> Path:
+    from transformers import BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # biases and LayerNorms away from 0 / 1 so bias mistakes show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=5 + len(WORDS), hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+                        num_labels=2, id2label={0: "NEGATIVE", 1: "POSITIVE"},
+                        label2id={"NEGATIVE": 0, "POSITIVE": 1})
+    return str(_save_tiny(tmp_path_factory.mktemp("tiny_bert"), BertForSequenceClassification, config))
+
+
+@pytest.fixture(scope="session")
+def texts_file(tmp_path_factory) -> str:
+    p = tmp_path_factory.mktemp("texts") / "texts.txt"
+    p.write_text("\n".join(TEXTS[:3]) + "\n\n" + TEXTS[3] + "\n", encoding="utf-8")
+    return str(p)
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tokens_of(model_dir: str, text: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.convert_ids_to_tokens(tok(text)["input_ids"])
+
+
+# ----------------------------------------------------------------- outputs
+
+
+def test_table_output(capsys, tiny_model):
+    code, out, err = run(capsys, TEXTS[0], "--model", tiny_model, "-m", "globenc", "alti")
+    assert code == 0, err
+    assert "[1] the film was great !" in out
+    assert "prediction:" in out and ("POSITIVE" in out or "NEGATIVE" in out)
+    assert "GlobEnc" in out and "ALTI" in out
+    for t in tokens_of(tiny_model, TEXTS[0]):
+        assert t in out
+    assert "Traceback" not in err
+
+
+def test_json_output_matches_direct_call(capsys, tiny_model, texts_file):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from captum_normattr import ALTIAttribution, GlobEncAttribution
+
+    code, out, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "globenc,alti",
+                         "--map", "n_res", "--format", "json", "-b", "3", "-q")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["meta"]["methods"] == ["globenc", "alti"]
+    assert doc["meta"]["globenc_map"] == "N_RES"
+    assert [r["text"] for r in doc["results"]] == TEXTS
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for r in doc["results"]:
+        assert r["tokens"] == tokens_of(tiny_model, r["text"])  # pads removed
+        assert r["explained_position"] == 0
+        assert set(r["attributions"]) == {"GlobEnc (N_RES)", "ALTI"} or len(r["attributions"]) == 2
+        enc = tok([r["text"]], return_tensors="pt")
+        for attr, scores in zip((GlobEncAttribution(model, map_name="N_RES"), ALTIAttribution(model)),
+                                r["attributions"].values()):
+            direct = attr.attribute(enc["input_ids"], additional_forward_args=(enc["attention_mask"],))[0]
+            assert len(scores) == len(r["tokens"])
+            torch.testing.assert_close(torch.tensor(scores, dtype=torch.float64), direct.double(),
+                                       rtol=1e-4, atol=1e-6)
+
+
+def test_html_report_contains_every_token(capsys, tiny_model, texts_file, tmp_path):
+    out_path = tmp_path / "report.html"
+    code, out, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "alti", "globenc",
+                         "-o", out_path, "-q")
+    assert code == 0, err
+    page = out_path.read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+    for text in TEXTS:
+        assert html.escape(text) in page
+        for t in tokens_of(tiny_model, text):
+            assert f">{html.escape(t)}</span>" in page
+    assert "&lt;" in page and "&amp;" in page
+    assert "<actors>" not in page  # escaped
+
+
+def test_html_embedded_maps_and_plots(capsys, tiny_model, tmp_path):
+    out_path = tmp_path / "r.html"
+    plots = tmp_path / "plots"
+    code, _, err = run(capsys, TEXTS[1], "--model", tiny_model, "-m", "globenc", "alti",
+                       "--format", "html", "-o", out_path, "--html-maps",
+                       "--plots", plots, "--plot-format", "svg")
+    assert code == 0, err
+    page = out_path.read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 4  # layer grid + rollout per method
+    names = sorted(p.name for p in plots.iterdir())
+    assert all(n.endswith(".svg") for n in names)
+    assert any("comparison" in n for n in names)
+    assert len(names) == 2 * 3 + 1
+    assert "wrote 7 pictures" in err
+
+
+def test_progress_bar_only_with_several_batches(capsys, tiny_model, texts_file):
+    code, _, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "alti", "-b", "1")
+    assert code == 0
+    assert "batch" in err  # tqdm bar on stderr
+    code, _, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "alti", "-b", "8")
+    assert code == 0 and "batch" not in err
+    code, _, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "alti", "-b", "1", "-q")
+    assert code == 0 and "batch" not in err
+
+
+def test_position_target_and_stdin(capsys, tiny_model, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(TEXTS[0] + "\n"))
+    code, out, err = run(capsys, "--file", "-", "--model", tiny_model, "-m", "alti", "--position", "last",
+                         "--target", "1", "--format", "json")
+    assert code == 0, err
+    r = json.loads(out)["results"][0]
+    assert r["explained_position"] == len(r["tokens"]) - 1
+    code, out, err = run(capsys, TEXTS[0], "--model", tiny_model, "-m", "alti", "-p", "-2", "--format", "json")
+    assert code == 0, err
+    r = json.loads(out)["results"][0]
+    assert r["explained_position"] == len(r["tokens"]) - 2
+
+
+def test_default_model_works_offline(capsys):
+    code, out, err = run(capsys, "a fine film", "-m", "globenc", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert "MiniLM" in doc["meta"]["model"]
+    assert doc["results"][0]["tokens"] == ["[CLS]", "a", "fine", "film", "[SEP]"]
+
+
+def test_registered_method_with_attribute_only(capsys, tiny_model):
+    from captum_normattr import GlobEncAttribution
+
+    class ScoresOnly:
+        def __init__(self, model, opts):
+            self.inner = GlobEncAttribution(model, map_name="N", explained_position=opts.position)
+
+        def attribute(self, inputs, additional_forward_args=None):
+            return self.inner.attribute(inputs, additional_forward_args=additional_forward_args)
+
+    cli.register_method("scores-only", ScoresOnly, "test entry")
+    try:
+        code, out, err = run(capsys, "--list-methods")
+        assert code == 0 and "scores-only" in out and "globenc" in out and "alti" in out
+        code, out, err = run(capsys, TEXTS[0], "--model", tiny_model, "-m", "scores-only", "--format", "json")
+        assert code == 0, err
+        r = json.loads(out)["results"][0]
+        assert list(r["attributions"]) == ["scores-only"]
+        assert len(r["attributions"]["scores-only"]) == len(r["tokens"])
+        with pytest.raises(ValueError):
+            cli.register_method("scores-only", ScoresOnly)
+    finally:
+        cli.METHODS.pop("scores-only", None)
+
+
+# ----------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["hi", "-m", "nosuch"], "unknown method 'nosuch'"),
+        (["--file", "/no/such/texts.txt"], "file not found"),
+        (["hi", "--model", "./no/such/model"], "model folder not found"),
+        (["hi", "--model", "/tmp"], "has no config.json"),
+        ([], "no text to explain"),
+        (["hi", "--device", "warp-drive"], "unknown device"),
+        (["hi", "--format", "table", "--html-maps"], "--html-maps needs"),
+        (["hi", "--batch-size", "0"], "positive integer"),
+        (["hi", "--position", "first"], "integer or 'last'"),
+        (["hi", "--map", "XYZ"], "invalid choice"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and out == ""
+
+
+def test_cuda_unavailable_is_a_user_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    code, _, err = run(capsys, "hi", "--device", "cuda")
+    assert code == 2 and "CUDA is not available" in err
+
+
+def test_unsupported_architecture(capsys, tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=5 + len(WORDS), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                      num_heads=2, decoder_start_token_id=0)
+    path = _save_tiny(tmp_path / "t5", T5EncoderModel, config)
+    code, _, err = run(capsys, "hi", "--model", path, "-m", "alti")
+    assert code == 2 and "error:" in err and "Traceback" not in err
+
+
+def test_help_and_module_entry_point(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "--method" in out and "--format" in out
+
+
+def test_subprocess_exit_codes(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "captum_normattr.cli", "hi", "--model", "no-such-org/no-such-model-zz9"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot load model 'no-such-org/no-such-model-zz9'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------- renderers
+
+
+def _explanation():
+    return report.TextExplanation(
+        text="a <b> & c", tokens=["[CLS]", "a", "<", "b", ">", "&", "c", "[SEP]"],
+        scores={"M1": [0.5, 0.1, 0.2, -0.1, 0.0, float("nan"), 0.3, 0.1], "M2": [1.0] * 8},
+        explained_position=0, prediction="POSITIVE (0.900)",
+    )
+
+
+def test_render_table_and_ascii():
+    ex = _explanation()
+    t = report.render_table([ex])
+    assert "\u2588" in t and "\u2591" in t and "nan" in t
+    a = report.render_table([ex], ascii_only=True)
+    assert a.isascii() and "#" in a
+    assert " *0" in a
+
+
+def test_render_json_strict():
+    doc = json.loads(report.render_json([_explanation()], {"model": "m", "x": torch.tensor(1.5)}))
+    assert doc["meta"] == {"model": "m", "x": 1.5}
+    assert doc["results"][0]["attributions"]["M1"][5] is None  # NaN -> null
+
+
+def test_render_html_escapes():
+    page = report.render_html([_explanation()], {"model": "<m>"})
+    assert "&lt;m&gt;" in page and "<m>" not in page
+    for tok in _explanation().tokens:
+        assert f">{html.escape(tok)}</span>" in page
+
+
+def test_explanations_from_results_remove_pads():
+    scores = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    exps = report.explanations_from_results(["x", "y"], [["a", "b", "c"], ["d", "e", "[PAD]"]],
+                                            {"S": scores}, attention_mask=mask,
+                                            explained_position=torch.tensor([0, 1]))
+    assert exps[1].tokens == ["d", "e"] and exps[1].scores["S"] == [0.5, 0.5]
+    assert exps[1].explained_position == 1
+    with pytest.raises(ValueError):
+        report.TextExplanation("x", ["a"], {"S": [1.0, 2.0]})
