@@ -298,6 +298,15 @@ def test_ig_sum_completeness(tiny):
     torch.testing.assert_close(s.sum(1), f - f0, rtol=1e-4, atol=1e-6)
 
 
+def test_shared_ig_reductions_equal_separate_ones(tiny):
+    model, clf, ids, mask, labels = tiny
+    ig_sum, ig_l2 = baselines.integrated_gradients(clf, 6, ("sum", "l2"))
+    torch.testing.assert_close(ig_sum(ids, mask, labels), baselines.integrated_gradients(clf, 6, "sum")(ids, mask, labels))
+    torch.testing.assert_close(ig_l2(ids, mask, labels), baselines.integrated_gradients(clf, 6, "l2")(ids, mask, labels))
+    res = FaithfulnessHarness(clf, [ig_sum, ig_l2], ["eraser_aopc"], progress=False).run(ids, mask, labels)
+    assert res.seconds_per_example[ig_sum.name] == res.seconds_per_example[ig_l2.name] > 0
+
+
 def test_harness_end_to_end(tiny, tmp_path):
     model, clf, ids, mask, labels = tiny
     gxi = baselines.gradient_x_input_embedding_output(clf)

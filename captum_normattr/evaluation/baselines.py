@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -204,15 +204,47 @@ def gradient_x_input_embedding_output(clf: SequenceClassifier, reduction: str = 
     )
 
 
+class _SharedAttribution:
+    r"""Computes feature attributions once for several reductions of the same call.
+
+    The last ``size`` calls are remembered; a method asking for the same
+    (input_ids, attention_mask, target) as a recent call reuses its result. ``seconds`` is
+    the time of the real computation of the last call, reported for every method that
+    shares it.
+    """
+
+    def __init__(self, compute: Callable[[Tensor, Tensor, Tensor], Tensor], size: int = 8) -> None:
+        self.compute = compute
+        self.size = size
+        self._cache: list = []  # [(ids, mask, target, value, seconds)], most recent last
+        self.seconds = 0.0
+
+    def __call__(self, ids: Tensor, mask: Tensor, target: Tensor) -> Tensor:
+        for i, (k_ids, k_mask, k_t, value, secs) in enumerate(self._cache):
+            if (k_ids.shape == ids.shape and k_t.shape == target.shape and torch.equal(k_ids, ids)
+                    and torch.equal(k_mask, mask) and torch.equal(k_t, target)):
+                self._cache.append(self._cache.pop(i))
+                self.seconds = secs
+                return value
+        import time
+
+        t0 = time.perf_counter()
+        value = self.compute(ids, mask, target)
+        self.seconds = time.perf_counter() - t0
+        self._cache.append((ids.clone(), mask.clone(), target.clone(), value, self.seconds))
+        del self._cache[: -self.size]
+        return value
+
+
 def integrated_gradients(
     clf: SequenceClassifier,
     n_steps: int = 50,
-    reduction: str = "sum",
+    reduction: Union[str, Sequence[str]] = "sum",
     layer: str = "word_embeddings",
     baseline: str = "pad",
     internal_batch_size: Optional[int] = None,
     method: str = "gausslegendre",
-) -> Method:
+) -> Union[Method, List[Method]]:
     r"""Captum ``LayerIntegratedGradients`` from a reference sequence, reduced to token scores.
 
     The reference keeps the special tokens and replaces every other token by ``baseline``
@@ -223,7 +255,9 @@ def integrated_gradients(
     Args:
         clf: the wrapped classifier.
         n_steps: integration steps (each costs one forward and backward per example).
-        reduction: ``"sum"`` (signed; completeness holds for it) or ``"l2"`` or ``"l1"``.
+        reduction: ``"sum"`` (signed; completeness holds for it) or ``"l2"`` or ``"l1"``;
+            or a sequence of them: then one method per reduction is returned, sharing
+            one IG computation per call (each reports the time of that computation).
         layer: ``"word_embeddings"`` or ``"embeddings"``.
         baseline: ``"pad"``, ``"mask"`` or ``"zero"`` (zero word embeddings; only with
             ``layer="word_embeddings"``).
@@ -231,11 +265,18 @@ def integrated_gradients(
         method: Captum's approximation method.
 
     Returns:
-        a :class:`Method` named ``"IG (sum, 50 steps)"`` etc.
+        a :class:`Method` named ``"IG word emb. (sum, 50 steps)"`` etc., or a list of them.
+
+    Examples:
+        >>> ig_sum, ig_l2 = integrated_gradients(clf, 50, ("sum", "l2"))  # doctest: +SKIP
     """
     from captum.attr import IntegratedGradients, LayerIntegratedGradients
 
-    _check_reduction(reduction)
+    reductions = [reduction] if isinstance(reduction, str) else list(reduction)
+    if not reductions:
+        raise ValueError("give at least one reduction")
+    for r in reductions:
+        _check_reduction(r)
     if n_steps < 1:
         raise ValueError(f"n_steps must be >= 1, got {n_steps}")
     if layer not in ("word_embeddings", "embeddings"):
@@ -248,35 +289,46 @@ def integrated_gradients(
     if baseline == "zero":
         ig = IntegratedGradients(clf.logits_from_embeds)
 
-        def fn(ids: Tensor, mask: Tensor, target: Tensor) -> Tensor:
+        def feature_attr(ids: Tensor, mask: Tensor, target: Tensor) -> Tensor:
             with torch.enable_grad():
                 emb = clf.embed(ids).detach().requires_grad_()
-                a = ig.attribute(
+                return ig.attribute(
                     emb, baselines=torch.zeros_like(emb), target=target, additional_forward_args=(mask,),
                     n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
-                )
-            return reduce_features(a, reduction)
+                ).detach()
     else:
         module = clf.word_embeddings if layer == "word_embeddings" else clf.embedding_layer
         lig = LayerIntegratedGradients(clf.logits, module)
         ref_id = clf.pad_token_id if baseline == "pad" else clf.require_mask_token()
 
-        def fn(ids: Tensor, mask: Tensor, target: Tensor) -> Tensor:
+        def feature_attr(ids: Tensor, mask: Tensor, target: Tensor) -> Tensor:
             special = clf.special_mask(ids, mask)
             ref = torch.where(special, ids, torch.full_like(ids, ref_id))
             with torch.enable_grad():
-                a = lig.attribute(
+                return lig.attribute(
                     ids, baselines=ref, target=target, additional_forward_args=(mask,),
                     n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
-                )
-            return reduce_features(a, reduction)
+                ).detach()
 
+    shared = _SharedAttribution(feature_attr) if len(reductions) > 1 else None
     where = "word emb." if layer == "word_embeddings" else "emb-out"
-    return Method(
-        f"IG {where} ({_LABEL[reduction]}, {n_steps} steps{'' if baseline == 'pad' else ', ' + baseline + ' ref.'})", fn, True,
-        f"Captum {'Layer' if baseline != 'zero' else ''}IntegratedGradients on {layer}, {baseline} baseline",
-        {"n_steps": n_steps, "baseline": baseline, "layer": layer},
-    )
+    methods = []
+    for red in reductions:
+        info = {"n_steps": n_steps, "baseline": baseline, "layer": layer}
+        if shared is not None:
+            info["_cost"] = shared
+
+        def fn(ids: Tensor, mask: Tensor, target: Tensor, _red: str = red) -> Tensor:
+            a = shared(ids, mask, target) if shared is not None else feature_attr(ids, mask, target)
+            return reduce_features(a, _red)
+
+        methods.append(Method(
+            f"IG {where} ({_LABEL[red]}, {n_steps} steps{'' if baseline == 'pad' else ', ' + baseline + ' ref.'})",
+            fn, True,
+            f"Captum {'Layer' if baseline != 'zero' else ''}IntegratedGradients on {layer}, {baseline} baseline",
+            info,
+        ))
+    return methods[0] if isinstance(reduction, str) else methods
 
 
 def _accepts_target(f) -> bool:
@@ -349,7 +401,7 @@ def default_baselines(clf: SequenceClassifier, ig_steps: int = 50, internal_batc
 
     GradXInput on the embedding output (L2: GlobEnc's reference), InputXGradient and
     Saliency on the word embeddings (L2 and sum), and LayerIntegratedGradients on the
-    word embeddings (sum and L2), ``ig_steps`` steps, [PAD] reference.
+    word embeddings (sum and L2 of one shared computation), ``ig_steps`` steps, [PAD] reference.
 
     Returns:
         a list of :class:`Method`.
@@ -359,6 +411,5 @@ def default_baselines(clf: SequenceClassifier, ig_steps: int = 50, internal_batc
         input_x_gradient(clf, "l2"),
         input_x_gradient(clf, "sum"),
         saliency(clf, "l2"),
-        integrated_gradients(clf, ig_steps, "sum", internal_batch_size=internal_batch_size),
-        integrated_gradients(clf, ig_steps, "l2", internal_batch_size=internal_batch_size),
+        *integrated_gradients(clf, ig_steps, ("sum", "l2"), internal_batch_size=internal_batch_size),
     ]

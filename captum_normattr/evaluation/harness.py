@@ -106,14 +106,12 @@ class BatchContext:
         key = (method.name, "any" if not method.uses_target else kind)
         if key in self._scores:
             return self._scores[key]
-        if not method.uses_target:
+        if not method.uses_target or kind == "predicted" or self.labels is None:
             t0 = time.perf_counter()
             s = method(self.input_ids, self.attention_mask, self.predicted)
-            self.timings[method.name] = time.perf_counter() - t0
-        elif kind == "predicted" or self.labels is None:
-            t0 = time.perf_counter()
-            s = method(self.input_ids, self.attention_mask, self.predicted)
-            self.timings[method.name] = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            shared = method.info.get("_cost")  # methods sharing one computation report its time
+            self.timings[method.name] = shared.seconds if shared is not None else elapsed
         else:
             base = self.scores(method, "predicted")
             differ = self.labels != self.predicted
@@ -167,6 +165,7 @@ class Preset:
         raise NotImplementedError
 
     def applies_to(self, method: Method) -> bool:
+        r"""Whether this preset scores ``method`` (see ``methods``)."""
         return self.methods is None or method.name in self.methods
 
     def rows(self, ctx: BatchContext) -> Tensor:
@@ -384,6 +383,8 @@ def make_presets(presets: Union[str, Sequence[Union[str, Preset]]] = "all") -> L
         >>> [p.name for p in make_presets(["eraser_aopc", DecompXMaskAOPC(percents=[50])])]
         ['eraser_aopc', 'decompx_mask']
     """
+    if presets is None:
+        return []
     if isinstance(presets, str):
         presets = list(PRESETS) if presets == "all" else [presets]
     out: List[Preset] = []
@@ -703,9 +704,10 @@ class FaithfulnessHarness:
             if lab is not None:
                 correct += int((logits.argmax(-1) == lab).sum())
             ctx = BatchContext(self.clf, ids, mask, lab, logits, b.cpu(), bi, self.seed, self.max_batch)
-            for m in self.methods:
-                ctx.scores(m, "predicted")  # the timed call, same target for every method
+            for m in self.methods:  # the timed calls, back to back, same target for every method
+                ctx.scores(m, "predicted")
                 seconds[m.name] += ctx.timings[m.name]
+            for m in self.methods:
                 for p in self.presets:
                     if not p.applies_to(m):
                         continue

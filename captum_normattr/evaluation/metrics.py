@@ -253,12 +253,27 @@ def delete_tokens(
     return ids, new_mask.to(attention_mask.dtype)
 
 
-def _forward_chunked(forward: ForwardFn, ids: Tensor, mask: Tensor, max_batch: Optional[int]) -> Tensor:
-    if max_batch is None or ids.shape[0] <= max_batch:
-        return forward(ids, mask)
-    return torch.cat(
-        [forward(ids[i : i + max_batch], mask[i : i + max_batch]) for i in range(0, ids.shape[0], max_batch)]
-    )
+def _forward_unique(forward: ForwardFn, ids: Tensor, mask: Tensor, max_batch: Optional[int]) -> Tensor:
+    r"""``forward`` on the distinct rows only (perturbations often coincide on short inputs).
+
+    Rows are deduplicated, sorted by length, run in chunks of ``max_batch`` (all at once
+    if None) with all-pad columns trimmed, and the logits scattered back: (N, C).
+    """
+    ids = ids.masked_fill(~mask.bool(), 0)
+    key = torch.cat([ids, mask.to(ids.dtype)], 1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    u_ids, u_mask = uniq[:, : ids.shape[1]], uniq[:, ids.shape[1] :].to(mask.dtype)
+    order = torch.argsort(u_mask.sum(1), descending=True, stable=True)
+    step = len(order) if max_batch is None else max_batch
+    chunks = []
+    for i in range(0, len(order), step):
+        rows = order[i : i + step]
+        ci, cm = _trim(u_ids[rows], u_mask[rows])
+        chunks.append(forward(ci, cm))
+    logits = torch.cat(chunks)
+    back = torch.empty_like(logits)
+    back[order] = logits
+    return back[inverse]
 
 
 def _trim(ids: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -345,16 +360,14 @@ def eraser_aopc(
         suff_ids.append(delete_tokens(input_ids, attention_mask, specials_kept | top, pad_token_id))
     B = input_ids.shape[0]
 
-    def run(pairs):
-        T = max(p[0].shape[1] for p in pairs)
-        ids = torch.cat([torch.nn.functional.pad(p[0], (0, T - p[0].shape[1]), value=pad_token_id) for p in pairs])
-        msk = torch.cat([torch.nn.functional.pad(p[1], (0, T - p[1].shape[1]), value=0) for p in pairs])
-        logits = _forward_chunked(forward, ids, msk, max_batch)
-        probs = predicted_probability(logits, target.repeat(len(pairs)))
-        return probs.view(len(pairs), B).T  # (B, K)
-
-    comp = p_full[:, None] - run(comp_ids)
-    suff = p_full[:, None] - run(suff_ids)
+    pairs = comp_ids + suff_ids
+    T = max(p[0].shape[1] for p in pairs)
+    ids = torch.cat([torch.nn.functional.pad(p[0], (0, T - p[0].shape[1]), value=pad_token_id) for p in pairs])
+    msk = torch.cat([torch.nn.functional.pad(p[1], (0, T - p[1].shape[1]), value=0) for p in pairs])
+    logits = _forward_unique(forward, ids, msk, max_batch)
+    probs = predicted_probability(logits, target.repeat(len(pairs))).view(len(pairs), B).T  # (B, 2K)
+    comp = p_full[:, None] - probs[:, : len(ks)]
+    suff = p_full[:, None] - probs[:, len(ks) :]
     return {
         "comprehensiveness": comp.mean(1),
         "sufficiency": suff.mean(1),
@@ -428,7 +441,7 @@ def mask_aopc(
         top = top_k_mask(order, num_selected(n, k, rounding))
         masked.append(input_ids.masked_fill(top, mask_token_id))
     B = input_ids.shape[0]
-    logits = _forward_chunked(forward, torch.cat(masked), attention_mask.repeat(len(ks), 1), max_batch)
+    logits = _forward_unique(forward, torch.cat(masked), attention_mask.repeat(len(ks), 1), max_batch)
     probs = predicted_probability(logits, target.repeat(len(ks))).view(len(ks), B).T
     aopc = p_full[:, None] - probs
     out = {
