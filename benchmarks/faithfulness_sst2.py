@@ -106,28 +106,34 @@ def comparison_tables(res: HarnessResult, ig_name: str) -> str:
     s = res.summary()
     mean = lambda m, k: s[m][k]["mean"] if m in s else float("nan")  # noqa: E731
     out = []
-    out.append("Spearman with gradient x input (GlobEnc protocol), ours vs published (fine-tuned BERT-base):\n")
-    out.append("| map | ours (MiniLM-L6) | published (BERT-base) |\n|---|---:|---:|")
-    for m, p in PUB_GLOBENC.items():
-        if m in s:
-            out.append(f"| {m} | {fmt(mean(m, 'spearman'), 2)} ± {fmt(s[m]['spearman']['std'], 2)} | {p:.2f} |")
-    out.append("")
-    out.append("DecompX [MASK] AOPC (higher is better), ours vs DecompX Table 1 (SST-2):\n")
-    out.append("| method | ours | published |\n|---|---:|---:|")
+
+    def table(title, header, rows):
+        if rows:
+            out.extend([title, "", *header, *rows, ""])
+        else:
+            out.extend([title + " — none of these methods ran.", ""])
+
+    table("Spearman with gradient x input (GlobEnc protocol), ours vs published (fine-tuned BERT-base):",
+          ["| map | ours (MiniLM-L6) | published (BERT-base) |", "|---|---:|---:|"],
+          [f"| {m} | {fmt(mean(m, 'spearman'), 2)} ± {fmt(s[m]['spearman']['std'], 2)} | {p:.2f} |"
+           for m, p in PUB_GLOBENC.items() if m in s])
+    rows = []
     for m, p in PUB_DECOMPX.items():
         name = ig_name if m == "IG" else m
         label = "N_ENC (GlobEnc)" if m == "N_ENC" else ("IG (sum)" if m == "IG" else m)
         if name in s:
-            out.append(f"| {label} | {fmt(mean(name, 'mask_aopc'))} | {p:.3f} |")
-    out.append("")
-    out.append("ERASER comprehensiveness / sufficiency, ours vs ALTI paper (RoBERTa SST-2):\n")
-    out.append("| method | ours comp. ↑ | ours suff. ↓ | published comp. | published suff. |\n|---|---:|---:|---:|---:|")
+            rows.append(f"| {label} | {fmt(mean(name, 'mask_aopc'))} | {p:.3f} |")
+    table("DecompX [MASK] AOPC (higher is better), ours vs DecompX Table 1 (SST-2):",
+          ["| method | ours | published |", "|---|---:|---:|"], rows)
+    rows = []
     for m, (pc, ps) in PUB_ALTI.items():
         name = ig_name if m == "IG" else m
         label = "W_FIXEDRES (attention rollout)" if m == "W_FIXEDRES" else ("IG (sum)" if m == "IG" else m)
         if name in s:
-            out.append(f"| {label} | {fmt(mean(name, 'eraser_comp'))} | {fmt(mean(name, 'eraser_suff'))} | {pc:.3f} | {ps:.3f} |")
-    out.append("")
+            rows.append(f"| {label} | {fmt(mean(name, 'eraser_comp'))} | {fmt(mean(name, 'eraser_suff'))} | {pc:.3f} | {ps:.3f} |")
+    table("ERASER comprehensiveness / sufficiency, ours vs ALTI paper (RoBERTa SST-2):",
+          ["| method | ours comp. ↑ | ours suff. ↓ | published comp. | published suff. |", "|---|---:|---:|---:|---:|"],
+          rows)
     # orderings
     checks = []
 
@@ -252,10 +258,22 @@ def main(argv=None):
     p.add_argument("--cost-json", default=None, help="result JSON whose timings make the cost table (default: this run)")
     p.add_argument("--json", default=str(HERE / "out" / "faithfulness_sst2.json"))
     p.add_argument("--results-md", default=str(HERE / "RESULTS.md"), help="'' to skip writing RESULTS.md")
+    p.add_argument("--render-only", action="store_true",
+                   help="no run: write RESULTS.md from the --merge JSONs (first = main) and --cost-json")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+
+    ig_name = f"IG word emb. (sum, {args.ig_steps} steps)"
+    if args.render_only:
+        if not args.merge:
+            raise SystemExit("--render-only needs --merge JSON [JSON ...]")
+        merged = merge_results([HarnessResult.from_json(j) for j in args.merge])
+        cost = HarnessResult.from_json(args.cost_json) if args.cost_json else merged
+        render(merged, cost, ig_name, [os.path.relpath(j) for j in args.merge], Path(args.results_md))
+        print(f"wrote {args.results_md}")
+        return merged
 
     from transformers import AutoTokenizer, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -281,7 +299,6 @@ def main(argv=None):
         methods += [m for m in base if not args.methods or m.name in args.methods]
     if not methods:
         raise SystemExit("no method to run")
-    ig_name = f"IG word emb. (sum, {args.ig_steps} steps)"
     all_presets = {
         "globenc_spearman": SpearmanGradXInput(),
         "eraser_aopc": EraserAOPC(),
