@@ -1,0 +1,25 @@
+r"""captum_normattr: decomposition-based attributions for Transformers, as Captum classes.
+
+GlobEnc, the norm-based maps of Kobayashi et al., and ALTI, for BERT, RoBERTa, ELECTRA
+and DistilBERT models from Hugging Face ``transformers``.
+"""
+from captum_normattr.attr import ALTIAttribution, GlobEncAttribution
+from captum_normattr.decompose.encoder import GLOBENC_MAPS
+from captum_normattr.decompose.rollout import rollout
+from captum_normattr.models.adapters import UnsupportedModelError, supported_families
+from captum_normattr.models.loading import default_model_path, load_default_model
+from captum_normattr.result import DecompositionResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALTIAttribution",
+    "GlobEncAttribution",
+    "DecompositionResult",
+    "GLOBENC_MAPS",
+    "rollout",
+    "UnsupportedModelError",
+    "supported_families",
+    "default_model_path",
+    "load_default_model",
+]

@@ -1,0 +1,5 @@
+r"""One Captum ``Attribution`` class per file."""
+from captum_normattr.attr.alti import ALTIAttribution
+from captum_normattr.attr.globenc import GlobEncAttribution
+
+__all__ = ["ALTIAttribution", "GlobEncAttribution"]

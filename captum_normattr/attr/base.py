@@ -1,0 +1,98 @@
+r"""Shared machinery of the decomposition attributions: validate, capture, map, roll out."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from captum.attr import Attribution
+from torch import Tensor, nn
+
+from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
+from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.rollout import ROLLOUT_CONVENTIONS, rollout
+from captum_normattr.models.adapters import base_model, get_adapter
+from captum_normattr.models.capture import recording
+from captum_normattr.result import DecompositionResult
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    r"""float64 for float64 models, float32 otherwise (half-precision models are decomposed in float32)."""
+    return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+
+
+class LayerDecompositionAttribution(Attribution):
+    r"""Base class: per-layer token-to-token maps rolled out into token attributions.
+
+    Subclasses implement :meth:`_layer_maps`.
+
+    Args:
+        model: a supported Hugging Face model (``*Model`` or ``*ForSequenceClassification``).
+        explained_position: the explained row of the rollout: an int (0 = [CLS], the
+            default), ``"last"`` or a (B,) tensor.
+        rollout: ``"raw"`` (default; the convention of the published figures) or
+            ``"row_normalized"``.
+    """
+
+    method_name = "decomposition"
+
+    def __init__(self, model: nn.Module, explained_position: Union[int, str, Tensor] = 0, rollout: str = "raw") -> None:
+        self.adapter = get_adapter(model)
+        if rollout not in ROLLOUT_CONVENTIONS:
+            raise ValueError(f"rollout must be one of {ROLLOUT_CONVENTIONS}, got {rollout!r}")
+        Attribution.__init__(self, model)
+        self.model = model
+        self.explained_position = explained_position
+        self.rollout_convention = rollout
+
+    # --- to implement -------------------------------------------------------------
+    def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
+        raise NotImplementedError
+
+    # --- shared -------------------------------------------------------------------
+    def capture(self, prepared: PreparedInputs) -> List[LayerTensors]:
+        r"""Run one recorded forward pass of the base model and return its layer tensors."""
+        with torch.no_grad(), recording(self.model, self.adapter) as rec:
+            base_model(self.model)(**prepared.forward_kwargs())
+        return rec.layer_tensors(compute_dtype(self.model))
+
+    def decompose(self, inputs: Union[Tensor, Tuple[Tensor]], additional_forward_args: Any = None) -> DecompositionResult:
+        r"""Decompose every layer and roll the maps out.
+
+        Args:
+            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple.
+            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+
+        Returns:
+            :class:`~captum_normattr.DecompositionResult`.
+        """
+        prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
+        valid = prepared.valid
+        pos = explained_positions(self.explained_position, valid)
+        with torch.no_grad():
+            layers = self.capture(prepared)
+            maps, mixing, extras = self._layer_maps(layers, valid)
+            joint = rollout(maps, self.rollout_convention)
+            scores = joint[torch.arange(joint.shape[0], device=joint.device), pos]
+            scores = scores * valid.to(scores.dtype)
+        return DecompositionResult(
+            method=self.get_name(),
+            layer_maps=maps,
+            rollout=joint,
+            scores=scores,
+            attention_mask=prepared.attention_mask,
+            explained_position=pos,
+            rollout_convention=self.rollout_convention,
+            mixing_ratio=mixing,
+            extras=extras,
+        )
+
+    def _attribute(self, inputs, additional_forward_args):
+        res = self.decompose(inputs, additional_forward_args)
+        scores = res.scores
+        return (scores,) if isinstance(inputs, tuple) else scores
+
+    def has_convergence_delta(self) -> bool:
+        return False
+
+    def get_name(self) -> str:
+        return self.method_name

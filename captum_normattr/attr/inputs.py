@@ -1,0 +1,181 @@
+r"""Validation of what users pass to ``attribute``/``decompose``: clear errors, never silent numbers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from captum_normattr.models.adapters import ArchitectureAdapter, max_positions
+
+
+@dataclass
+class PreparedInputs:
+    r"""Validated model inputs of one call."""
+
+    input_ids: Optional[Tensor]
+    inputs_embeds: Optional[Tensor]
+    attention_mask: Tensor  # (B, T) long
+    token_type_ids: Optional[Tensor]
+    is_tuple: bool
+
+    @property
+    def valid(self) -> Tensor:
+        return self.attention_mask.bool()
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        x = self.input_ids if self.input_ids is not None else self.inputs_embeds
+        return int(x.shape[0]), int(x.shape[1])
+
+    def forward_kwargs(self) -> dict:
+        kw = {"attention_mask": self.attention_mask}
+        if self.input_ids is not None:
+            kw["input_ids"] = self.input_ids
+        else:
+            kw["inputs_embeds"] = self.inputs_embeds
+        if self.token_type_ids is not None:
+            kw["token_type_ids"] = self.token_type_ids
+        return kw
+
+
+def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    if additional_forward_args is None:
+        return None, None
+    if isinstance(additional_forward_args, Tensor):
+        return additional_forward_args, None
+    if isinstance(additional_forward_args, (tuple, list)):
+        extras = list(additional_forward_args)
+        if len(extras) > 2:
+            raise ValueError(
+                "additional_forward_args must be attention_mask or (attention_mask,) or "
+                f"(attention_mask, token_type_ids); got a sequence of {len(extras)} items"
+            )
+        extras += [None] * (2 - len(extras))
+        for e in extras:
+            if e is not None and not isinstance(e, Tensor):
+                raise TypeError(f"additional_forward_args must hold tensors or None, got {type(e).__name__}")
+        return extras[0], extras[1]
+    raise TypeError(
+        "additional_forward_args must be attention_mask (B, T), or a tuple (attention_mask, token_type_ids); "
+        f"got {type(additional_forward_args).__name__}"
+    )
+
+
+def prepare_inputs(
+    model: nn.Module,
+    adapter: ArchitectureAdapter,
+    inputs: Union[Tensor, Tuple[Tensor, ...]],
+    additional_forward_args: Any = None,
+) -> PreparedInputs:
+    r"""Check token ids (or embeddings), attention mask and token types against the model.
+
+    Args:
+        model: the model to be explained.
+        adapter: its adapter.
+        inputs: token ids (B, T) of an integer dtype, or input word embeddings (B, T, D)
+            of a float dtype; or a 1-tuple holding one of them.
+        additional_forward_args: attention_mask (B, T), or (attention_mask,) or
+            (attention_mask, token_type_ids); None means no padding.
+
+    Returns:
+        :class:`PreparedInputs` on the model's device.
+
+    Raises:
+        ValueError / TypeError with a message saying what to change.
+    """
+    is_tuple = isinstance(inputs, tuple)
+    if is_tuple:
+        if len(inputs) != 1:
+            raise ValueError(f"inputs must be one tensor of token ids (or a 1-tuple); got a tuple of {len(inputs)}")
+        inputs = inputs[0]
+    if not isinstance(inputs, Tensor):
+        raise TypeError(f"inputs must be a torch.Tensor of token ids (B, T); got {type(inputs).__name__}")
+    device = next(model.parameters()).device
+    config = model.config
+    if inputs.is_floating_point():
+        if inputs.dim() != 3:
+            raise TypeError(
+                f"token ids must be an integer tensor (B, T); got {inputs.dtype} of shape {tuple(inputs.shape)}. "
+                "Pass word embeddings as a float tensor (B, T, D) instead if you need a float input (e.g. NoiseTunnel)."
+            )
+        hidden = getattr(config, "embedding_size", None) or config.hidden_size
+        if inputs.shape[-1] != hidden:
+            raise ValueError(f"input embeddings must have {hidden} features, got {inputs.shape[-1]}")
+        ids, embeds = None, inputs.to(device=device, dtype=next(model.parameters()).dtype)
+    elif inputs.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        if inputs.dim() == 1:
+            raise ValueError(f"token ids must be a batch (B, T); got shape {tuple(inputs.shape)} — use ids.unsqueeze(0)")
+        if inputs.dim() != 2:
+            raise ValueError(f"token ids must have shape (B, T); got {tuple(inputs.shape)}")
+        ids, embeds = inputs.to(device=device, dtype=torch.long), None
+    else:
+        raise TypeError(f"token ids must be an integer tensor (B, T); got dtype {inputs.dtype}")
+
+    b, t = int(inputs.shape[0]), int(inputs.shape[1])
+    if b == 0 or t == 0:
+        raise ValueError(f"inputs are empty (shape {tuple(inputs.shape)}): give at least one token per example")
+    if ids is not None:
+        lo, hi = int(ids.min()), int(ids.max())
+        vocab = int(config.vocab_size)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab - 1}] (the model's vocabulary); got values in [{lo}, {hi}]")
+    limit = max_positions(model, adapter)
+    if limit is not None and t > limit:
+        raise ValueError(f"input has {t} tokens but the model accepts at most {limit}; truncate it (tokenizer truncation=True)")
+
+    mask, token_types = _split_extras(additional_forward_args)
+    if mask is None:
+        mask = torch.ones(b, t, dtype=torch.long, device=device)
+    else:
+        if tuple(mask.shape) != (b, t):
+            raise ValueError(f"attention_mask must have the shape of the token ids {(b, t)}; got {tuple(mask.shape)}")
+        if mask.is_floating_point() or mask.dtype == torch.bool or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8):
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+        else:
+            raise TypeError(f"attention_mask has unsupported dtype {mask.dtype}")
+        mask = mask.to(device=device, dtype=torch.long)
+        empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"example(s) {empty} have no tokens (attention_mask all 0)")
+    if token_types is not None:
+        if tuple(token_types.shape) != (b, t):
+            raise ValueError(f"token_type_ids must have shape {(b, t)}; got {tuple(token_types.shape)}")
+        token_types = token_types.to(device=device, dtype=torch.long)
+    return PreparedInputs(ids, embeds, mask, token_types, is_tuple)
+
+
+def explained_positions(explained_position: Union[int, str, Tensor], valid: Tensor) -> Tensor:
+    r"""Resolve the explained row of every example.
+
+    Args:
+        explained_position: an int (negative counts from the last real token), ``"last"``
+            (the last real token of each example, for decoders) or a (B,) tensor.
+        valid: (B, T) bool.
+
+    Returns:
+        (B,) long positions, each on a real token.
+    """
+    b, t = valid.shape
+    lengths = valid.long().sum(-1)
+    last = t - 1 - torch.flip(valid.long(), dims=[-1]).argmax(-1)
+    if isinstance(explained_position, str):
+        if explained_position != "last":
+            raise ValueError(f"explained_position must be an int, 'last' or a (B,) tensor; got {explained_position!r}")
+        pos = last
+    elif isinstance(explained_position, Tensor):
+        if tuple(explained_position.shape) != (b,):
+            raise ValueError(f"explained_position tensor must have shape ({b},); got {tuple(explained_position.shape)}")
+        pos = explained_position.to(valid.device, torch.long)
+    elif isinstance(explained_position, int):
+        if explained_position < 0:
+            pos = last + 1 + explained_position
+        else:
+            pos = torch.full((b,), explained_position, dtype=torch.long, device=valid.device)
+    else:
+        raise TypeError(f"explained_position must be an int, 'last' or a tensor; got {type(explained_position).__name__}")
+    if bool(((pos < 0) | (pos >= t)).any()) or not bool(valid.gather(1, pos.clamp(0, t - 1).unsqueeze(1)).all()):
+        raise ValueError(f"explained position(s) {pos.tolist()} do not all fall on real (non-pad) tokens")
+    return pos

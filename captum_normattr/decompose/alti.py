@@ -1,0 +1,90 @@
+r"""ALTI contributions (Ferrando et al. 2022; DESIGN section 4).
+
+c_ij = max(0, |y_i|_1 - |y_i - T_i(x_j)|_1), rows normalised to sum to 1, where T_i(x_j)
+is token j's part of the block output y_i (bias parts are inside y_i but belong to no
+token). Parts are produced in chunks of query rows so that memory stays bounded.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from captum_normattr.decompose.attention import attention_parts_rows
+from captum_normattr.decompose.mixing import row_normalize
+
+
+def l1_contributions(parts: Tensor, output: Tensor) -> Tensor:
+    r"""Unnormalised ALTI contributions of explicit parts.
+
+    Args:
+        parts: (B, R, T, D) part of source token j in receiving token i.
+        output: (B, R, D) the real output y_i of the block at the receiving tokens.
+
+    Returns:
+        (B, R, T): max(0, |y_i|_1 - |y_i - part_ij|_1).
+    """
+    y_l1 = output.abs().sum(-1, keepdim=True)
+    dist = (output.unsqueeze(2) - parts).abs().sum(-1)
+    return (y_l1 - dist).clamp_min(0)
+
+
+def rows_per_chunk(batch: int, tokens: int, dim: int, element_size: int, budget_bytes: int) -> int:
+    r"""How many query rows fit the memory budget (about three (B, R, T, D) temporaries).
+
+    Args:
+        batch, tokens, dim: B, T, D.
+        element_size: bytes per element of the compute dtype.
+        budget_bytes: the caller's budget.
+
+    Returns:
+        Rows per chunk, at least 1.
+    """
+    per_row = 3 * batch * tokens * dim * element_size
+    return max(1, min(tokens, int(budget_bytes // max(per_row, 1))))
+
+
+def alti_map(
+    probs: Tensor,
+    projected: Tensor,
+    residual: Optional[Tensor],
+    output: Tensor,
+    valid: Tensor,
+    row_scale: Optional[Tensor] = None,
+    chunk_rows: Optional[int] = None,
+) -> Tensor:
+    r"""ALTI layer map from attention probabilities and per-head projected values.
+
+    The part of token j in token i is
+    (sum_h alpha^h_ij projected[h, j] + [i = j] residual_i) / row_scale_i.
+
+    Args:
+        probs: (B, H, T, T) attention probabilities.
+        projected: (B, H, T, D) values through W_O and any linear map (see
+            :func:`~captum_normattr.decompose.attention.project_values`).
+        residual: (B, T, D) the residual term of token i (already mapped), or None.
+        output: (B, T, D) real block output y_i (bias parts included).
+        valid: (B, T) bool, non-pad tokens.
+        row_scale: optional (B, T) divisor per receiving token (a norm's real scale).
+        chunk_rows: query rows per chunk (None: all at once).
+
+    Returns:
+        (B, T, T) contributions, valid rows summing to 1, pad rows and columns 0.
+    """
+    b, _, t, _ = projected.shape
+    chunk = t if chunk_rows is None else max(1, int(chunk_rows))
+    out = probs.new_zeros(b, t, t)
+    for start in range(0, t, chunk):
+        rows = slice(start, min(t, start + chunk))
+        parts = attention_parts_rows(probs, projected, rows)  # (B, R, T, D)
+        if residual is not None:
+            r_idx = torch.arange(rows.start, rows.stop, device=parts.device)
+            parts[:, r_idx - rows.start, r_idx] += residual[:, rows]
+        if row_scale is not None:
+            parts = parts / row_scale[:, rows, None, None]
+        out[:, rows] = l1_contributions(parts, output[:, rows])
+        del parts
+    mask2d = valid.unsqueeze(-1) & valid.unsqueeze(-2)
+    out = out * mask2d.to(out.dtype)
+    return row_normalize(out)

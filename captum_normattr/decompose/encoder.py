@@ -1,0 +1,157 @@
+r"""Layer maps of post-LN encoder layers (BERT, RoBERTa, ELECTRA, DistilBERT).
+
+Post-LN layer: z_i = x_i + a_i, zt_i = LN1(z_i), y_i = LN2(zt_i + FF(zt_i)).
+Every map is computed from the parts of DESIGN section 3 by the Gram algorithm of
+:mod:`captum_normattr.decompose.attention`.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from captum_normattr.decompose.alti import alti_map
+from captum_normattr.decompose.attention import diagonal_attention_parts, part_norms_gram, project_values
+from captum_normattr.decompose.layer_norm import norm_linear_map, norm_scale
+from captum_normattr.decompose.mixing import fixed_residual, mixing_ratio, ratio_residual
+from captum_normattr.decompose.records import LayerTensors
+
+#: Every layer map of the GlobEnc table, in the paper's order.
+GLOBENC_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "W_RES", "N", "N_FIXEDRES", "N_RES", "N_RESLN", "N_ENC")
+#: Maps built from norms of parts, for which a mixing ratio is defined.
+NORM_MAPS: Tuple[str, ...] = ("N", "N_RES", "N_RESLN", "N_ENC")
+
+
+def _mask2d(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    return (valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(dtype)
+
+
+def norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tensor], Optional[Tensor], bool]:
+    r"""The linear map A, per-row scale and residual flag that define a norm map.
+
+    Args:
+        layer: the layer's tensors.
+        name: one of :data:`NORM_MAPS`.
+
+    Returns:
+        (A or None, row_scale (B, T) or None, with_residual).
+    """
+    d = layer.hidden_in.shape[-1]
+    dtype, device = layer.hidden_in.dtype, layer.hidden_in.device
+    if name == "N":
+        return None, None, False
+    if name == "N_RES":
+        return None, None, True
+    ln1_map = norm_linear_map(layer.ln1, d, dtype, device)
+    s1 = norm_scale(layer.ln1_in, layer.ln1)
+    if name == "N_RESLN":
+        return ln1_map, s1, True
+    if name == "N_ENC":
+        ln2_map = norm_linear_map(layer.ln2, d, dtype, device)
+        s2 = norm_scale(layer.ln2_in, layer.ln2)
+        return ln1_map @ ln2_map, s1 * s2, True
+    raise ValueError(f"unknown norm map {name!r}; choose from {NORM_MAPS}")
+
+
+def post_ln_layer_maps(
+    layer: LayerTensors, valid: Tensor, names: Iterable[str] = GLOBENC_MAPS
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""The GlobEnc-table maps and mixing ratios of one post-LN layer.
+
+    Args:
+        layer: the layer's captured tensors.
+        valid: (B, T) bool, non-pad tokens.
+        names: which maps to compute (any of :data:`GLOBENC_MAPS`).
+
+    Returns:
+        (maps, ratios): maps name -> (B, T, T) with pad rows/columns exactly 0;
+        ratios name -> (B, T) mixing ratio for the norm maps that were needed.
+    """
+    names = tuple(names)
+    unknown = [n for n in names if n not in GLOBENC_MAPS]
+    if unknown:
+        raise ValueError(f"unknown map(s) {unknown}; choose from {GLOBENC_MAPS}")
+    dtype = layer.hidden_in.dtype
+    mask2d = _mask2d(valid, dtype)
+    head_w = layer.head_out_weight()
+    attn_diag = diagonal_attention_parts(layer.probs, layer.values, head_w)  # (B, T, D)
+    out_bias = layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
+    # sum_j a_{i<-j} + x_i, from the real LN1 input (the bias b_O removed)
+    total_with_res = layer.ln1_in - out_bias
+
+    needed = set(n for n in names if n in NORM_MAPS)
+    if "N_FIXEDRES" in names:
+        needed.add("N")
+    if "W_RES" in names:
+        needed.add("N_ENC")
+
+    maps: Dict[str, Tensor] = {}
+    ratios: Dict[str, Tensor] = {}
+    for name in NORM_MAPS:
+        if name not in needed:
+            continue
+        lin_map, scale, with_res = norm_map_spec(layer, name)
+        own = attn_diag + layer.hidden_in if with_res else attn_diag
+        total = total_with_res if with_res else total_with_res - layer.hidden_in
+        maps[name] = part_norms_gram(layer.probs, layer.values, head_w, own, lin_map, scale) * mask2d
+        own_m, total_m = (own, total) if lin_map is None else (own @ lin_map, total @ lin_map)
+        ratios[name] = mixing_ratio(total_m, own_m) * valid.to(dtype)
+
+    if any(n.startswith("W") for n in names):
+        maps["W"] = layer.probs.mean(1) * mask2d
+    if "W_FIXEDRES" in names:
+        maps["W_FIXEDRES"] = fixed_residual(maps["W"], valid) * mask2d
+    if "W_RES" in names:
+        maps["W_RES"] = ratio_residual(maps["W"], ratios["N_ENC"], valid) * mask2d
+    if "N_FIXEDRES" in names:
+        maps["N_FIXEDRES"] = fixed_residual(maps["N"], valid) * mask2d
+    return {n: maps[n] for n in names}, ratios
+
+
+def post_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int] = None) -> Tensor:
+    r"""ALTI map of one post-LN layer: parts of the LN1 output zt_i.
+
+    T_i(x_j) = gamma1 * c(a_{i<-j} + [i = j] x_i) / s(z_i); y_i = zt_i (real, with bias).
+
+    Args:
+        layer: the layer's captured tensors.
+        valid: (B, T) bool.
+        chunk_rows: query rows per chunk.
+
+    Returns:
+        (B, T, T), valid rows summing to 1.
+    """
+    d = layer.hidden_in.shape[-1]
+    ln1_map = norm_linear_map(layer.ln1, d, layer.hidden_in.dtype, layer.hidden_in.device)
+    projected = project_values(layer.values, layer.head_out_weight(), ln1_map)
+    residual = layer.hidden_in @ ln1_map
+    scale = norm_scale(layer.ln1_in, layer.ln1)
+    return alti_map(layer.probs, projected, residual, layer.ln1_out, valid, scale, chunk_rows)
+
+
+def post_ln_ln1_parts_sum(layer: LayerTensors) -> Tensor:
+    r"""Sum over source tokens of the LN1-output parts plus the bias part, from probs and values.
+
+    Reconstructs zt_i = sum_j gamma1 c(a_{i<-j} + [i=j] x_i) / s(z_i) + gamma1 c(b_O) / s(z_i) + beta1
+    independently of the real LN1 tensors (except its scale), for completeness checks.
+
+    Args:
+        layer: the layer's tensors.
+
+    Returns:
+        (B, T, D).
+    """
+    from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
+
+    head_w = layer.head_out_weight()
+    mixed = torch.einsum("bhij,bhjk->bhik", layer.probs, layer.values)  # (B, H, T, Dh)
+    attn = torch.einsum("bhik,hkd->bid", mixed, head_w)
+    parts_sum = apply_norm_to_parts(attn + layer.hidden_in, layer.ln1_in, layer.ln1)
+    return parts_sum + norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
+
+
+def post_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
+    r"""Largest absolute error of parts + bias part against the real LN1 output (valid tokens)."""
+    err = (post_ln_ln1_parts_sum(layer) - layer.ln1_out).abs().amax(-1)
+    return (err * valid.to(err.dtype)).max()

@@ -1,0 +1,97 @@
+r"""LayerNorm and RMSNorm applied to a sum of parts (DESIGN section 2).
+
+A norm is not linear, but once the scale of the REAL full input is fixed it is: every
+part u_k maps to gamma * c(u_k) / s(u) (LayerNorm) or gamma * u_k / rms(u) (RMSNorm),
+and the bias part additionally receives beta. The parts then sum to the real output.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from captum_normattr.decompose.records import NormParams
+
+
+def norm_scale(u: Tensor, params: NormParams) -> Tensor:
+    r"""The per-token denominator of a norm, computed from its real input.
+
+    Args:
+        u: the real input of the norm, (..., D).
+        params: the norm's parameters.
+
+    Returns:
+        s(u) = sqrt(var(u) + eps) (biased variance) for LayerNorm, or
+        rms(u) = sqrt(mean(u^2) + eps) for RMSNorm, shape (...,).
+    """
+    if params.kind == "rmsnorm":
+        return torch.sqrt(u.pow(2).mean(-1) + params.eps)
+    return torch.sqrt(u.var(-1, unbiased=False) + params.eps)
+
+
+def norm_linear_map(params: NormParams, dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    r"""The fixed linear part of a norm as a right-multiplied (D, D) matrix.
+
+    For LayerNorm it is C diag(gamma), with C = I - 11^T/D the centering matrix; for
+    RMSNorm it is diag(gamma). Divide by :func:`norm_scale` per token afterwards.
+
+    Args:
+        params: the norm's parameters.
+        dim: D.
+        dtype, device: of the result.
+
+    Returns:
+        (D, D) matrix A such that part_out = part_in @ A / s.
+    """
+    gamma = params.weight if params.weight is not None else torch.ones(dim, dtype=dtype, device=device)
+    gamma = gamma.to(dtype=dtype, device=device)
+    if params.kind == "rmsnorm":
+        return torch.diag(gamma)
+    center = torch.eye(dim, dtype=dtype, device=device) - 1.0 / dim
+    return center * gamma.unsqueeze(0)
+
+
+def apply_norm_to_parts(parts: Tensor, real_input: Tensor, params: NormParams) -> Tensor:
+    r"""Map parts of a norm's input to parts of its output (bias part excluded).
+
+    Args:
+        parts: (B, T, ..., D) parts of the input of token i; dim 1 indexes the token
+            whose norm is applied; the trailing dims between are parts (e.g. source
+            tokens).
+        real_input: (B, T, D) the real full input of the norm.
+        params: the norm's parameters.
+
+    Returns:
+        Parts of the output, same shape as ``parts``. Add :func:`norm_bias_part` of the
+        input's bias part to complete the real output.
+    """
+    scale = norm_scale(real_input, params)  # (B, T)
+    scale = scale.reshape(scale.shape + (1,) * (parts.dim() - 2))
+    if params.kind == "rmsnorm":
+        out = parts
+    else:
+        out = parts - parts.mean(-1, keepdim=True)
+    if params.weight is not None:
+        out = out * params.weight.to(out.dtype)
+    return out / scale
+
+
+def norm_bias_part(bias_in: Optional[Tensor], real_input: Tensor, params: NormParams) -> Tensor:
+    r"""The bias part of a norm's output: gamma * c(u_bias) / s(u) + beta.
+
+    Args:
+        bias_in: (B, T, D) or (D,) bias part of the input, or None (zero).
+        real_input: (B, T, D) the real full input.
+        params: the norm's parameters.
+
+    Returns:
+        (B, T, D).
+    """
+    if bias_in is None:
+        bias_in = torch.zeros_like(real_input)
+    bias_in = torch.broadcast_to(bias_in, real_input.shape)
+    out = apply_norm_to_parts(bias_in, real_input, params)
+    if params.bias is not None:
+        out = out + params.bias.to(out.dtype)
+    return out

@@ -1,0 +1,78 @@
+r"""Mixing ratios and fixed-residual corrections of layer maps (DESIGN section 3)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def mixing_ratio(total_parts: Tensor, own_part: Tensor) -> Tensor:
+    r"""Kobayashi et al. 2021 context-mixing ratio per receiving token.
+
+    r_i = |sum_{j != i} part_ij| / (|sum_{j != i} part_ij| + |part_ii|).
+
+    Args:
+        total_parts: (B, T, D) the sum of all token parts of token i (bias excluded).
+        own_part: (B, T, D) part_ii.
+
+    Returns:
+        (B, T) ratios in [0, 1] (0 where both norms vanish).
+    """
+    others = (total_parts - own_part).norm(dim=-1)
+    own = own_part.norm(dim=-1)
+    denom = others + own
+    return torch.where(denom > 0, others / denom.clamp_min(torch.finfo(denom.dtype).tiny), torch.zeros_like(denom))
+
+
+def row_normalize(maps: Tensor) -> Tensor:
+    r"""Divide every row by its sum (rows summing to 0 stay 0).
+
+    Args:
+        maps: (..., T, T).
+
+    Returns:
+        Same shape, rows summing to 1 where they were non-zero.
+    """
+    sums = maps.sum(-1, keepdim=True)
+    return torch.where(sums > 0, maps / torch.where(sums > 0, sums, torch.ones_like(sums)), torch.zeros_like(maps))
+
+
+def _eye_like(maps: Tensor, valid: Tensor) -> Tensor:
+    t = maps.shape[-1]
+    eye = torch.eye(t, dtype=maps.dtype, device=maps.device)
+    return eye * valid.to(maps.dtype).unsqueeze(-1)
+
+
+def fixed_residual(maps: Tensor, valid: Tensor, residual_weight: float = 0.5) -> Tensor:
+    r"""Abnar and Zuidema's fixed residual: (1 - w) * row-normalised map + w * I.
+
+    Args:
+        maps: (B, T, T) one layer's map.
+        valid: (B, T) bool, non-pad tokens.
+        residual_weight: w, 0.5 in the papers.
+
+    Returns:
+        (B, T, T) with pad rows and columns 0.
+    """
+    return (1.0 - residual_weight) * row_normalize(maps) + residual_weight * _eye_like(maps, valid)
+
+
+def ratio_residual(maps: Tensor, ratio: Tensor, valid: Tensor) -> Tensor:
+    r"""A map with its diagonal removed, rows renormalised, mixed with I by a per-token ratio.
+
+    Entry (i, j) = r_i * M_ij / sum_{k != i} M_ik for j != i, and 1 - r_i on the diagonal.
+
+    Args:
+        maps: (B, T, T).
+        ratio: (B, T) mixing ratios r_i (the share of context).
+        valid: (B, T) bool.
+
+    Returns:
+        (B, T, T).
+    """
+    t = maps.shape[-1]
+    eye = torch.eye(t, dtype=torch.bool, device=maps.device)
+    off = row_normalize(maps.masked_fill(eye, 0.0))
+    r = ratio.unsqueeze(-1).to(maps.dtype)
+    return r * off + (1.0 - r) * _eye_like(maps, valid)

@@ -1,0 +1,77 @@
+r"""Plain data records that flow from tensor capture into the decomposition math."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class NormParams:
+    r"""Parameters of one LayerNorm or RMSNorm.
+
+    Args:
+        weight: gamma, shape (D,), or None for no affine scale.
+        bias: beta, shape (D,), or None (always None for RMSNorm).
+        eps: the epsilon inside the square root.
+        kind: ``"layernorm"`` or ``"rmsnorm"``.
+    """
+
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    eps: float
+    kind: str = "layernorm"
+
+
+@dataclass
+class LayerTensors:
+    r"""Everything the decompositions need from one Transformer layer, for one batch.
+
+    All tensors are in the compute dtype (float32 or float64) and on one device.
+
+    Attributes:
+        hidden_in: layer input x, (B, T, D).
+        probs: attention probabilities alpha, (B, H, T, T), rows = queries.
+        values: value states v per query head (GQA already repeated), (B, H, T, Dh).
+            The value bias b_V is inside.
+        out_weight: output projection as a right-multiplied matrix, (H * Dh, D).
+        out_bias: output projection bias b_O, (D,) or None.
+        ln1: parameters of the first norm (post-LN: after attention + residual;
+            pre-LN: before attention).
+        ln1_in / ln1_out: the real input and output of that norm, (B, T, D).
+        ln2: parameters of the second norm.
+        ln2_in / ln2_out: the real input and output of that norm, (B, T, D).
+        ff_out: the real output of the feed-forward block (before the residual), (B, T, D).
+        layer_out: the real output of the layer, (B, T, D).
+        pre_ln: True for pre-LN layers (GPT-2, Llama family), False for post-LN (BERT).
+        ff: feed-forward parameters, a dict with keys ``w_in`` (D, F), ``b_in`` (F,) or
+            None, ``w_out`` (F, D), ``b_out`` (D,) or None, ``w_gate`` (D, F) or None,
+            ``b_gate``, and ``act`` (an elementwise callable).
+    """
+
+    hidden_in: Tensor
+    probs: Tensor
+    values: Tensor
+    out_weight: Tensor
+    out_bias: Optional[Tensor]
+    ln1: NormParams
+    ln1_in: Tensor
+    ln1_out: Tensor
+    ln2: NormParams
+    ln2_in: Tensor
+    ln2_out: Tensor
+    ff_out: Tensor
+    layer_out: Tensor
+    pre_ln: bool = False
+    ff: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_heads(self) -> int:
+        return self.probs.shape[1]
+
+    def head_out_weight(self) -> Tensor:
+        r"""The output projection split per head: (H, Dh, D)."""
+        h = self.num_heads
+        return self.out_weight.reshape(h, -1, self.out_weight.shape[-1])

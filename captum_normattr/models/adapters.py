@@ -1,0 +1,166 @@
+r"""Declarative architecture adapters: where each model family keeps its parts.
+
+All architecture knowledge sits here. Paths are dotted attribute paths: ``layers`` from
+the base model (``model.base_model``), the others from one layer module. Adding a family
+is one :class:`ArchitectureAdapter` entry in :data:`ADAPTERS`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    r"""Where one model family keeps the pieces the decompositions need.
+
+    Attributes:
+        family: readable family name.
+        model_types: the ``config.model_type`` values it serves.
+        layers: path of the layer list, from the base model.
+        attention: path of the self-attention module (the one that calls the attention
+            function), from a layer.
+        attn_out: the attention output projection W_O.
+        ln1: the first norm (post-LN: after attention + residual; pre-LN: before attention).
+        ff_in: the first feed-forward projection W1.
+        ff_act: the activation callable (attribute path).
+        ff_out: the second feed-forward projection W2 (its output is FF(u), before the residual).
+        ln2: the second norm.
+        ff_gate: the gate projection of a gated FF, or None.
+        pre_ln: True for pre-LN layers.
+        norm_kind: ``"layernorm"`` or ``"rmsnorm"``.
+        final_norm: path of the final norm from the base model (pre-LN), or None.
+        transposed_weights: True where projections are GPT-2 ``Conv1D`` ([in, out] weights).
+        max_positions_offset: positions the model reserves (RoBERTa: padding_idx + 1).
+    """
+
+    family: str
+    model_types: Tuple[str, ...]
+    layers: str
+    attention: str
+    attn_out: str
+    ln1: str
+    ff_in: str
+    ff_act: str
+    ff_out: str
+    ln2: str
+    ff_gate: Optional[str] = None
+    pre_ln: bool = False
+    norm_kind: str = "layernorm"
+    final_norm: Optional[str] = None
+    transposed_weights: bool = False
+    max_positions_offset: int = 0
+
+
+_BERT_LIKE = dict(
+    layers="encoder.layer",
+    attention="attention.self",
+    attn_out="attention.output.dense",
+    ln1="attention.output.LayerNorm",
+    ff_in="intermediate.dense",
+    ff_act="intermediate.intermediate_act_fn",
+    ff_out="output.dense",
+    ln2="output.LayerNorm",
+)
+
+ADAPTERS: Dict[str, ArchitectureAdapter] = {
+    "bert": ArchitectureAdapter(family="BERT", model_types=("bert",), **_BERT_LIKE),
+    "roberta": ArchitectureAdapter(
+        family="RoBERTa", model_types=("roberta", "xlm-roberta", "camembert"), max_positions_offset=-1, **_BERT_LIKE
+    ),
+    "electra": ArchitectureAdapter(family="ELECTRA", model_types=("electra",), **_BERT_LIKE),
+    "distilbert": ArchitectureAdapter(
+        family="DistilBERT",
+        model_types=("distilbert",),
+        layers="transformer.layer",
+        attention="attention",
+        attn_out="attention.out_lin",
+        ln1="sa_layer_norm",
+        ff_in="ffn.lin1",
+        ff_act="ffn.activation",
+        ff_out="ffn.lin2",
+        ln2="output_layer_norm",
+    ),
+}
+
+
+def supported_families() -> str:
+    r"""Readable list of the supported families and their model types."""
+    return ", ".join(f"{a.family} ({'/'.join(a.model_types)})" for a in ADAPTERS.values())
+
+
+class UnsupportedModelError(ValueError):
+    r"""Raised for a model whose architecture has no adapter."""
+
+
+def get_adapter(model: nn.Module) -> ArchitectureAdapter:
+    r"""The adapter for a Hugging Face model, from its ``config.model_type``.
+
+    Args:
+        model: a ``transformers`` model (base model or a model with a head).
+
+    Returns:
+        The matching :class:`ArchitectureAdapter`.
+
+    Raises:
+        UnsupportedModelError: naming the supported families.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    for adapter in ADAPTERS.values():
+        if model_type in adapter.model_types:
+            return adapter
+    raise UnsupportedModelError(
+        f"captum_normattr does not support model type {model_type!r} ({type(model).__name__}). "
+        f"Supported families: {supported_families()}."
+    )
+
+
+def get_path(root: nn.Module, path: str):
+    r"""Follow a dotted attribute path (integers index module lists)."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    r"""The bare Transformer inside a model with a head (``model.base_model``)."""
+    return getattr(model, "base_model", model)
+
+
+def layer_modules(model: nn.Module, adapter: ArchitectureAdapter):
+    r"""The list of layer modules."""
+    return list(get_path(base_model(model), adapter.layers))
+
+
+def linear_params(module: nn.Module, transposed: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    r"""Weight as a right-multiplied (in, out) matrix, and bias.
+
+    Args:
+        module: ``nn.Linear`` (weight [out, in]) or GPT-2 ``Conv1D`` (weight [in, out]).
+        transposed: True for ``Conv1D``.
+
+    Returns:
+        (W (in, out), b (out,) or None) so that module(x) = x @ W + b.
+    """
+    w = module.weight
+    w = w if transposed else w.T
+    return w, getattr(module, "bias", None)
+
+
+def max_positions(model: nn.Module, adapter: ArchitectureAdapter) -> Optional[int]:
+    r"""The longest input the model's position embeddings allow, or None if unbounded."""
+    config = model.config
+    n = getattr(config, "max_position_embeddings", None)
+    if n is None:
+        n = getattr(config, "n_positions", None)
+    if n is None or getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
+        return n
+    if adapter.max_positions_offset:
+        pad = getattr(config, "pad_token_id", 1) or 0
+        n = n - pad - 1
+    return n
