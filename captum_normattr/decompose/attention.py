@@ -70,7 +70,7 @@ def part_norms_gram(
 
     Off-diagonal entries are alpha_ij^T G_j alpha_ij with G_j the H x H Gram matrix of
     the vectors f^h(x_j) A; diagonal entries are taken from the explicit diagonal parts
-    (which may hold a residual term). Cost O(T D^2 + T H^2 Dh + T^2 H^2); no (T, T, D)
+    (which may hold a residual term). Cost O(T H Dh D + T H^2 D + T^2 H^2); no (T, T, D)
     tensor is formed.
 
     Args:
@@ -84,13 +84,9 @@ def part_norms_gram(
     Returns:
         (B, T, T) norms, entry [b, i, j].
     """
-    b, h, t, dh = values.shape
-    w = head_weight if lin_map is None else head_weight @ lin_map  # (H, Dh, D)
-    w_flat = w.reshape(h * dh, -1)
-    gram_w = w_flat @ w_flat.T  # (H*Dh, H*Dh)
-    v_tok = values.permute(0, 2, 1, 3)  # (B, T, H, Dh)
-    u = (v_tok.reshape(b, t, h * dh) @ gram_w).reshape(b, t, h, dh)
-    gram = torch.einsum("bthk,btgk->bthg", v_tok, u)  # (B, T, H, H) per source token j
+    t = values.shape[2]
+    projected = project_values(values, head_weight, lin_map)  # (B, H, T, D): f^h(x_j) A
+    gram = torch.einsum("bhtd,bgtd->bthg", projected, projected)  # (B, T, H, H) per source token j
     tmp = torch.einsum("bhij,bjhg->bijg", probs, gram)
     sq = torch.einsum("bijg,bgij->bij", tmp, probs)
     diag = diagonal_parts if lin_map is None else diagonal_parts @ lin_map
