@@ -31,7 +31,7 @@ def l1_contributions(parts: Tensor, output: Tensor) -> Tensor:
 
 
 def rows_per_chunk(batch: int, tokens: int, dim: int, element_size: int, budget_bytes: int) -> int:
-    r"""How many query rows fit the memory budget (about three (B, R, T, D) temporaries).
+    r"""How many query rows fit the memory budget (about two (B, R, T, D) temporaries).
 
     Args:
         batch, tokens, dim: B, T, D.
@@ -41,7 +41,7 @@ def rows_per_chunk(batch: int, tokens: int, dim: int, element_size: int, budget_
     Returns:
         Rows per chunk, at least 1.
     """
-    per_row = 3 * batch * tokens * dim * element_size
+    per_row = 2 * batch * tokens * dim * element_size
     return max(1, min(tokens, int(budget_bytes // max(per_row, 1))))
 
 
@@ -75,15 +75,23 @@ def alti_map(
     b, _, t, _ = projected.shape
     chunk = t if chunk_rows is None else max(1, int(chunk_rows))
     out = probs.new_zeros(b, t, t)
+    # Source-token-major layout: one (R, H) @ (H, D) product per (example, source token).
+    proj_j = projected.permute(0, 2, 1, 3).contiguous()  # (B, T_j, H, D)
+    y_l1 = output.abs().sum(-1)  # (B, T)
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
-        parts = attention_parts_rows(probs, projected, rows)  # (B, R, T, D)
+        mix = probs[:, :, rows].permute(0, 3, 2, 1)  # (B, T_j, R, H)
+        parts = torch.matmul(mix, proj_j)  # (B, T_j, R, D): unscaled part of j in i
         if residual is not None:
             r_idx = torch.arange(rows.start, rows.stop, device=parts.device)
-            parts[:, r_idx - rows.start, r_idx] += residual[:, rows]
+            parts[:, r_idx, r_idx - rows.start] += residual[:, rows]
+        # |y_i - part_ij / s_i|_1 = |s_i y_i - part_ij|_1 / s_i, computed in place
+        target = output[:, rows] if row_scale is None else output[:, rows] * row_scale[:, rows, None]
+        parts.sub_(target.unsqueeze(1)).abs_()
+        dist = parts.sum(-1).transpose(1, 2)  # (B, R, T_j)
         if row_scale is not None:
-            parts = parts / row_scale[:, rows, None, None]
-        out[:, rows] = l1_contributions(parts, output[:, rows])
+            dist = dist / row_scale[:, rows, None]
+        out[:, rows] = (y_l1[:, rows, None] - dist).clamp_min(0)
         del parts
     mask2d = valid.unsqueeze(-1) & valid.unsqueeze(-2)
     out = out * mask2d.to(out.dtype)
