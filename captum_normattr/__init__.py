@@ -3,8 +3,10 @@ r"""captum_normattr: decomposition-based attributions for Transformers, as Captu
 GlobEnc, the norm-based maps of Kobayashi et al., and ALTI, for BERT, RoBERTa, ELECTRA
 and DistilBERT models from Hugging Face ``transformers``.
 """
-from captum_normattr.attr import ALTIAttribution, GlobEncAttribution
+from captum_normattr.attr import ALTIAttribution, FFIntegratedDecomposition, GlobEncAttribution
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
+from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
+from captum_normattr.decompose.feed_forward import contextualization_change
 from captum_normattr.decompose.rollout import rollout
 from captum_normattr.models.adapters import UnsupportedModelError, supported_families
 from captum_normattr.models.loading import default_model_path, load_default_model
@@ -15,6 +17,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ALTIAttribution",
     "GlobEncAttribution",
+    "FFIntegratedDecomposition",
+    "FF_SCOPES",
+    "contextualization_change",
     "DecompositionResult",
     "GLOBENC_MAPS",
     "rollout",

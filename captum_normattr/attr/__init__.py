@@ -1,5 +1,6 @@
 r"""One Captum ``Attribution`` class per file."""
 from captum_normattr.attr.alti import ALTIAttribution
+from captum_normattr.attr.ff_decomposition import FFIntegratedDecomposition
 from captum_normattr.attr.globenc import GlobEncAttribution
 
-__all__ = ["ALTIAttribution", "GlobEncAttribution"]
+__all__ = ["ALTIAttribution", "FFIntegratedDecomposition", "GlobEncAttribution"]
