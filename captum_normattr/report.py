@@ -199,7 +199,7 @@ def _bar(v: float, vmax: float, width: int, ascii_only: bool) -> str:
 def _fmt(v: float) -> str:
     if not math.isfinite(v):
         return "nan"
-    return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.3g}"
+    return f"{v:.4f}" if v == 0 or 1e-3 <= abs(v) < 1e4 else f"{v:.3g}"
 
 
 def render_table(
@@ -236,7 +236,9 @@ def render_table(
         if ex.prediction is not None:
             lines.append(f"    prediction: {ex.prediction}")
         for key, val in ex.extras.items():
-            if isinstance(val, (int, float, str)):
+            if isinstance(val, float):
+                lines.append(f"    {key}: {val:.2g}")
+            elif isinstance(val, (int, str)):
                 lines.append(f"    {key}: {val}")
         toks = [t if len(t) <= max_token_width else t[: max_token_width - 1] + "~" for t in ex.tokens]
         tw = max([5] + [len(t) for t in toks])
