@@ -39,6 +39,9 @@ def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # one intra-op thread: on a shared machine, tiny ops with several threads can be
+    # 10-100x slower (oversubscription); the results do not change
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(TUTORIALS)}})
