@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerDecompositionAttribution
@@ -55,22 +54,3 @@ class ALTIAttribution(LayerDecompositionAttribution):
             maps.append(post_ln_alti_map(layer, valid, chunk))
             errors.append(post_ln_completeness_error(layer, valid))
         return torch.stack(maps, 1), None, {"completeness_error": torch.stack(errors)}
-
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Union[Tensor, Tuple[Tensor]],
-        target: Any = None,
-        additional_forward_args: Any = None,
-    ) -> Union[Tensor, Tuple[Tensor]]:
-        r"""Token attributions: the explained row of the rolled-out ALTI maps.
-
-        Args:
-            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
-            target: accepted for Captum compatibility and ignored (class-agnostic).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
-
-        Returns:
-            (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0.
-        """
-        return self._attribute(inputs, additional_forward_args)

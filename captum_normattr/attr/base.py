@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from captum.attr import Attribution
+from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
@@ -85,6 +86,25 @@ class LayerDecompositionAttribution(Attribution):
             mixing_ratio=mixing,
             extras=extras,
         )
+
+    @log_usage()
+    def attribute(
+        self,
+        inputs: Union[Tensor, Tuple[Tensor]],
+        target: Any = None,
+        additional_forward_args: Any = None,
+    ) -> Union[Tensor, Tuple[Tensor]]:
+        r"""Token attributions: the explained row of the rolled-out layer maps.
+
+        Args:
+            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
+            target: accepted for Captum compatibility and ignored (the maps are class-agnostic).
+            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+
+        Returns:
+            (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0.
+        """
+        return self._attribute(inputs, additional_forward_args)
 
     def _attribute(self, inputs, additional_forward_args):
         res = self.decompose(inputs, additional_forward_args)

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerDecompositionAttribution
@@ -61,25 +60,6 @@ class GlobEncAttribution(LayerDecompositionAttribution):
             errors.append(post_ln_completeness_error(layer, valid))
         mixing = torch.stack(ratios, 1) if all(r is not None for r in ratios) else None
         return torch.stack(maps, 1), mixing, {"completeness_error": torch.stack(errors)}
-
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Union[Tensor, Tuple[Tensor]],
-        target: Any = None,
-        additional_forward_args: Any = None,
-    ) -> Union[Tensor, Tuple[Tensor]]:
-        r"""Token attributions: the explained row of the rolled-out maps.
-
-        Args:
-            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
-            target: accepted for Captum compatibility and ignored (the maps are class-agnostic).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
-
-        Returns:
-            (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0.
-        """
-        return self._attribute(inputs, additional_forward_args)
 
     def get_name(self) -> str:
         return f"GlobEnc ({self.map_name})"
