@@ -45,8 +45,9 @@ class TextExplanation:
         prediction: a readable prediction of the model (e.g. ``"POSITIVE (0.93)"`` or
             the predicted next token), or None.
         extras: more JSON-serialisable information per text (e.g. completeness error).
-        figures: method name -> an image for the HTML report: a ``data:`` URI or an
-            inline ``<svg>`` string. Not written to JSON.
+        figures: name -> an image for the HTML report: a ``data:`` URI or an inline
+            ``<svg>`` string. Figures named after a method (``"ALTI"`` or
+            ``"ALTI ..."``) are shown under that method. Not written to JSON.
     """
 
     text: str
@@ -413,17 +414,21 @@ def render_html(
         if ex.prediction is not None:
             parts.append(f'<div class="pred">prediction: {esc(str(ex.prediction))}</div>')
         for key, val in ex.extras.items():
-            parts.append(f'<div class="pred">{esc(str(key))}: {esc(json.dumps(_jsonable(val)))}</div>')
+            shown = f"{val:.2g}" if isinstance(val, float) else json.dumps(_jsonable(val))
+            parts.append(f'<div class="pred">{esc(str(key))}: {esc(shown)}</div>')
+        placed = set()
         for name in ex.scores:
             parts.append(
                 f'<div class="method"><div class="mname">{esc(name)}</div>'
                 f'<div class="tokens">{_token_spans(ex, name)}</div></div>'
             )
-            if name in ex.figures:
-                parts.append(_figure_html(ex.figures[name]))
-        for name, src in ex.figures.items():
-            if name not in ex.scores:
-                parts.append(f'<div class="mname">{esc(name)}</div>' + _figure_html(src))
+            for key, src in ex.figures.items():  # this method's figures: "name" or "name ..."
+                if key not in placed and (key == name or key.startswith(name + " ")):
+                    parts.append(_figure_html(src))
+                    placed.add(key)
+        for key, src in ex.figures.items():
+            if key not in placed:
+                parts.append(f'<div class="mname">{esc(key)}</div>' + _figure_html(src))
         head = "".join(f"<th>{esc(nm)}</th>" for nm in ex.scores)
         body = []
         for i, tok in enumerate(ex.tokens):
@@ -439,7 +444,7 @@ def render_html(
     return "\n".join(parts)
 
 
-def figure_to_data_uri(fig: Any, fmt: str = "png", dpi: int = 110) -> str:
+def figure_to_data_uri(fig: Any, fmt: str = "png", dpi: int = 90) -> str:
     r"""Encode a matplotlib figure for :attr:`TextExplanation.figures`.
 
     Args:
