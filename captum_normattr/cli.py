@@ -6,7 +6,7 @@ Examples (shell)::
     captum-normattr "the film was a delight" -m globenc alti --map N_RES
     captum-normattr --file texts.txt -m alti --format json -o out.json
     captum-normattr --file texts.txt --format html -o report.html --html-maps
-    captum-normattr --model gpt2 "The capital of France is" --position last
+    captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
     captum-normattr --list-methods
 
 Methods live in :data:`METHODS`, a dict name -> :class:`MethodSpec`. A new method
@@ -108,9 +108,20 @@ def _build_alti(model: Any, opts: argparse.Namespace) -> Any:
     return ALTIAttribution(model, rollout=opts.rollout, explained_position=opts.position)
 
 
+def _build_ff(model: Any, opts: argparse.Namespace) -> Any:
+    from captum_normattr import FFIntegratedDecomposition
+
+    return FFIntegratedDecomposition(model, scope=opts.scope, rollout=opts.rollout,
+                                     explained_position=opts.position)
+
+
 register_method("globenc", _build_globenc,
                 "GlobEnc and the norm-based maps of Kobayashi et al. (choose the map with --map)")
 register_method("alti", _build_alti, "ALTI, L1-distance contributions (Ferrando et al. 2022)")
+register_method("ff", _build_ff,
+                "whole-layer maps with the feed-forward block (Kobayashi et al. 2023); choose the scope with --scope")
+
+FF_SCOPE_NAMES = ("ATB", "FF", "RES2", "LN2")
 
 
 # --------------------------------------------------------------------------- parsing
@@ -150,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"  {PROG} \"the film was a delight\"\n"
         f"  {PROG} -m globenc alti --map N_RES \"the film was a delight\"\n"
         f"  {PROG} --file texts.txt --format html -o report.html\n"
-        f"  {PROG} --model gpt2 --position last \"The capital of France is\"",
+        f"  {PROG} -m ff --scope RES2 --plots pics/ \"the film was a delight\"",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("texts", nargs="*", metavar="TEXT", help="text(s) to explain")
@@ -162,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more methods (default: globenc); see --list-methods")
     p.add_argument("--map", default="N_ENC", type=str.upper, choices=GLOBENC_MAP_NAMES, metavar="MAP",
                    help="GlobEnc layer map: " + ", ".join(GLOBENC_MAP_NAMES) + " (default: N_ENC)")
+    p.add_argument("--scope", default="LN2", type=str.upper, choices=FF_SCOPE_NAMES, metavar="SCOPE",
+                   help="FF decomposition scope: " + ", ".join(FF_SCOPE_NAMES) + " (default: LN2, the whole layer)")
     p.add_argument("--rollout", default="raw", choices=("raw", "row_normalized"),
                    help="rollout convention (default: raw, as the GlobEnc code and figures)")
     p.add_argument("-p", "--position", type=_position, default=None, metavar="POS",
@@ -523,13 +536,27 @@ def explain(
                     if err is not None:
                         ex.extras[f"{label}: max completeness error"] = float(err.max())
                     if keep_maps and not isinstance(res, torch.Tensor):
-                        maps[label] = example_from_result(res, i, tokens[i])
+                        m = example_from_result(res, i, tokens[i])
+                        m["components"] = _component_maps(extras, i, m["keep"])
+                        maps[label] = m
                 all_maps.append(maps)
             all_exps.extend(exps)
             bar.update(1)
     finally:
         bar.close()
     return all_exps, all_maps
+
+
+def _component_maps(extras: Any, b: int, keep: Any) -> Dict[str, Any]:
+    r"""Last-layer component-scope maps (``extras["scope_<NAME>"]``, (B, L, T, T)) of one example."""
+    out: Dict[str, Any] = {}
+    if not isinstance(extras, dict):
+        return out
+    for key, val in extras.items():
+        if key.startswith("scope_") and getattr(val, "dim", lambda: 0)() == 4:
+            last = val[b, -1].detach().cpu().double()
+            out[key[len("scope_"):]] = last[keep][:, keep]
+    return out
 
 
 def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str) -> List[Path]:
@@ -547,6 +574,9 @@ def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Pat
             written.append(V.save_figure(V.plot_rollout_row(m["scores"], toks, title=label,
                                                             explained_position=m["explained_position"]),
                                          folder / f"text{n:03d}_{stem}_scores.{fmt}"))
+            if m.get("components"):
+                fig = V.plot_component_maps(m["components"], toks, title=f"{label} — last layer, component scopes")
+                written.append(V.save_figure(fig, folder / f"text{n:03d}_{stem}_components.{fmt}"))
         if len(ex.scores) > 1:
             written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80]),
                                          folder / f"text{n:03d}_comparison.{fmt}"))
@@ -641,6 +671,7 @@ def _run(args: argparse.Namespace) -> int:
         "model": model_name,
         "methods": [s.name for s in specs],
         "globenc_map": args.map if any(s.name == "globenc" for s in specs) else None,
+        "ff_scope": args.scope if any(s.name == "ff" for s in specs) else None,
         "rollout": args.rollout,
         "explained_position": args.position,
         "target": args.target,

@@ -148,6 +148,20 @@ def test_html_embedded_maps_and_plots(capsys, tiny_model, tmp_path):
     assert "wrote 7 pictures" in err
 
 
+def test_ff_method_scope_and_component_pictures(capsys, tiny_model, tmp_path):
+    code, out, err = run(capsys, TEXTS[0], "--model", tiny_model, "-m", "ff", "globenc", "--scope", "atb",
+                         "--map", "N_RESLN", "--format", "json", "--plots", tmp_path, "-q")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["meta"]["ff_scope"] == "ATB"
+    attrs = doc["results"][0]["attributions"]
+    assert list(attrs) == ["FF decomposition (ATB)", "GlobEnc (N_RESLN)"]
+    # the ATB scope is the N_RESLN map (DESIGN section 5)
+    torch.testing.assert_close(torch.tensor(attrs["FF decomposition (ATB)"]),
+                               torch.tensor(attrs["GlobEnc (N_RESLN)"]), rtol=1e-4, atol=1e-6)
+    assert (tmp_path / "text001_ff_decomposition_atb_components.png").stat().st_size > 0
+
+
 def test_progress_bar_only_with_several_batches(capsys, tiny_model, texts_file):
     code, _, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "alti", "-b", "1")
     assert code == 0
@@ -222,6 +236,7 @@ def test_registered_method_with_attribute_only(capsys, tiny_model):
         (["hi", "--batch-size", "0"], "positive integer"),
         (["hi", "--position", "first"], "integer or 'last'"),
         (["hi", "--map", "XYZ"], "invalid choice"),
+        (["hi", "-m", "ff", "--scope", "ALL"], "invalid choice"),
     ],
 )
 def test_user_errors_exit_2_without_traceback(capsys, argv, message):
