@@ -139,8 +139,8 @@ def comparison_tables(res: HarnessResult, ig_name: str) -> str:
 
     def order(desc, names, key, higher=True):
         vals = [(n, mean(n, key)) for n in names if n in s]
-        if len(vals) < len(names):
-            return
+        if len(vals) < len(names) or any(math.isnan(v) for _, v in vals):
+            return  # a method or its metric did not run: nothing to check
         ok = all((a[1] > b[1]) if higher else (a[1] < b[1]) for a, b in zip(vals, vals[1:]))
         checks.append(f"- {desc}: {' > '.join(f'{n} {v:.3f}' for n, v in vals) if higher else ' < '.join(f'{n} {v:.3f}' for n, v in vals)} "
                       f"— **{'holds' if ok else 'does not hold'}**")
