@@ -1,4 +1,4 @@
-r"""Feed-forward-inclusive norm decomposition of post-LN encoders (Kobayashi et al. 2023)."""
+r"""Feed-forward-inclusive decomposition of post-LN encoders (Kobayashi et al. 2023): GlobEnc+FF, ALTI+FF."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -8,35 +8,47 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerDecompositionAttribution
-from captum_normattr.decompose.feed_forward import SCOPES, component_scope_maps
+from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES, component_scope_maps
 from captum_normattr.decompose.records import LayerTensors
 
 
 class FFIntegratedDecomposition(LayerDecompositionAttribution):
-    r"""Token attributions from whole-layer norm maps, the feed-forward block included.
+    r"""Token attributions from whole-layer maps, the feed-forward block included.
 
     The FF block is decomposed by integrated gradients of its elementwise activation with a
     zero baseline, in closed form (exact completeness) or by a midpoint Riemann sum. The
-    per-layer map is chosen by ``scope``: ``ATB`` (LN1-output parts, = N_RESLN), ``FF``
-    (FF-output parts), ``RES2`` (FF parts + residual) or ``LN2`` (the whole layer; default).
-    The maps do not depend on ``target`` (class-agnostic).
+    per-layer map is chosen by ``scope``: ``ATB`` (LN1-output parts), ``FF`` (FF-output
+    parts), ``RES2`` (FF parts + residual) or ``LN2`` (the whole layer; default), and by
+    ``contribution``: ``"norm"`` (the L2 norm of each part; with ``LN2`` this is
+    **GlobEnc+FF**, and ``ATB`` is the N_RESLN map) or ``"alti"`` (ALTI's L1 contribution of
+    each part against the real output of the scope, rows normalised; with ``LN2`` this is
+    **ALTI+FF**, and ``ATB`` is plain ALTI). The maps are rolled out over layers like
+    GlobEnc and ALTI, and do not depend on ``target`` (class-agnostic).
 
     Args:
         model: a supported post-LN Hugging Face encoder (BERT, RoBERTa, ELECTRA, DistilBERT).
-        scope: one of ``"LN2"``, ``"RES2"``, ``"FF"``, ``"ATB"``.
+        scope: one of ``"LN2"`` (default), ``"RES2"``, ``"FF"``, ``"ATB"``.
         method: ``"closed_form"`` (default) or ``"riemann"``.
         steps: Riemann steps (ignored for the closed form).
         explained_position: explained row (0 = [CLS]).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
-        chunk_rows: query rows per chunk when building explicit parts.
+        chunk_rows: query rows per chunk when building explicit parts (overrides
+            ``memory_budget_mb``).
+        contribution: ``"norm"`` (default) or ``"alti"``.
+        memory_budget_mb: memory for one chunk's explicit parts (default 256: MiniLM at
+            512 tokens decomposes in a few hundred MB).
+        ignore_low_gamma: share of LayerNorm dimensions with the lowest gamma ignored in the
+            norms of the LN-output scopes ATB and LN2 (Kobayashi et al. 2023 use 0.01);
+            0 (default) ignores none; ``"norm"`` contribution only.
 
     Examples::
 
         >>> model, tok = load_default_model()
         >>> batch = tok(["a gripping, funny film"], return_tensors="pt")
-        >>> ffd = FFIntegratedDecomposition(model)
+        >>> ffd = FFIntegratedDecomposition(model)                        # GlobEnc+FF
         >>> scores, delta = ffd.attribute(batch["input_ids"], additional_forward_args=(batch["attention_mask"],),
         ...                               return_convergence_delta=True)
+        >>> alti_ff = FFIntegratedDecomposition(model, contribution="alti")  # ALTI+FF
     """
 
     def __init__(
@@ -48,34 +60,48 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         explained_position: Union[int, str, Tensor] = 0,
         rollout: str = "raw",
         chunk_rows: Optional[int] = None,
+        contribution: str = "norm",
+        memory_budget_mb: float = 256.0,
+        ignore_low_gamma: float = 0.0,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
-        if method not in ("closed_form", "riemann"):
-            raise ValueError(f"method must be 'closed_form' or 'riemann', got {method!r}")
+        if method not in IG_METHODS:
+            raise ValueError(f"method must be one of {IG_METHODS}, got {method!r}")
+        if contribution not in CONTRIBUTIONS:
+            raise ValueError(f"unknown contribution {contribution!r}; choose from {CONTRIBUTIONS}")
+        if memory_budget_mb <= 0:
+            raise ValueError("memory_budget_mb must be positive")
+        if not 0.0 <= ignore_low_gamma < 1.0:
+            raise ValueError(f"ignore_low_gamma must be in [0, 1), got {ignore_low_gamma}")
+        if ignore_low_gamma and contribution != "norm":
+            raise ValueError("ignore_low_gamma acts on the norms of LayerNorm-output parts: use contribution='norm'")
         super().__init__(model, explained_position, rollout)
         if self.adapter.pre_ln:
             raise ValueError(f"FFIntegratedDecomposition supports post-LN encoders; {self.adapter.family} is pre-LN")
         self.scope, self.method, self.steps, self.chunk_rows = scope, method, steps, chunk_rows
+        self.contribution, self.memory_budget_mb, self.ignore_low_gamma = contribution, memory_budget_mb, ignore_low_gamma
 
     def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
-        per_scope: Dict[str, list] = {s: [] for s in SCOPES}
+        per_map: Dict[str, list] = {}
         ff_err, layer_err, per_ex = [], [], []
         for layer in layers:
-            maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps)
-            for s in SCOPES:
-                per_scope[s].append(maps[s])
+            maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps, self.contribution,
+                                             self.ignore_low_gamma, self.memory_budget_mb)
+            for name, m in maps.items():
+                per_map.setdefault(name, []).append(m)
             ff_err.append(err["ff"])
             layer_err.append(err["layer"])
-            per_ex.append(err["ff_per_example"])
+            per_ex.append(torch.maximum(err["ff_per_example"], err["layer_per_example"]))
         extras = {
             "completeness_error": torch.stack(ff_err),
             "layer_completeness_error": torch.stack(layer_err),
             "example_completeness_error": torch.stack(per_ex, 1).amax(1),
         }
-        for s in SCOPES:
-            extras[f"scope_{s}"] = torch.stack(per_scope[s], 1)
-        return extras[f"scope_{self.scope}"], None, extras
+        for name, ms in per_map.items():
+            extras[f"scope_{name}"] = torch.stack(ms, 1)
+        key = f"scope_{self.scope}_ablated" if self.ignore_low_gamma and self.scope in LN_SCOPES else f"scope_{self.scope}"
+        return extras[key], None, extras
 
     @log_usage()
     def attribute(
@@ -91,8 +117,9 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
             target: accepted for Captum compatibility and ignored (the maps are class-agnostic).
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
-            return_convergence_delta: also return delta (B,), the per-example largest
-                |sum of FF parts + bias part - real FF output| over layers and tokens.
+            return_convergence_delta: also return delta (B,), the completeness error of the
+                decomposition: per example, the largest |parts + bias part - real tensor| over
+                layers, valid tokens and features, for the FF output and the layer output.
 
         Returns:
             (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0; with
@@ -108,4 +135,12 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         return True
 
     def get_name(self) -> str:
-        return f"FF decomposition ({self.scope})"
+        if self.scope == "LN2":
+            name = "GlobEnc+FF" if self.contribution == "norm" else "ALTI+FF"
+        elif self.contribution == "norm":
+            name = f"FF decomposition ({self.scope})"
+        else:
+            name = f"ALTI, FF decomposition ({self.scope})"
+        if self.ignore_low_gamma and self.scope in LN_SCOPES:
+            name += f" [lowest {self.ignore_low_gamma:.0%} LN gamma ignored]"
+        return name
