@@ -20,7 +20,7 @@ from torch import Tensor
 
 from captum_normattr.decompose.alti import l1_contributions, rows_per_chunk
 from captum_normattr.decompose.attention import attention_parts_rows, project_values
-from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
+from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import row_normalize
 from captum_normattr.decompose.records import LayerTensors, NormParams
 
@@ -117,13 +117,35 @@ def ff_parts(
     """
     if method not in IG_METHODS:
         raise ValueError(f"method must be one of {IG_METHODS}, got {method!r}")
-    pre = input_parts @ w_in  # (B, T, P, F)
     pre_bias = input_bias @ w_in
     if b_in is not None:
         pre_bias = pre_bias + b_in
-    coef = ig_coefficients(pre.sum(-2) + pre_bias, act, method, steps)  # (B, T, F)
+    return ff_parts_from_pre(input_parts @ w_in, pre_bias, act, w_out, b_out, method, steps)
+
+
+def ff_parts_from_pre(
+    pre_parts: Tensor,
+    pre_bias: Tensor,
+    act: Callable,
+    w_out: Tensor,
+    b_out: Optional[Tensor],
+    method: str = "closed_form",
+    steps: int = 50,
+) -> Tuple[Tensor, Tensor]:
+    r"""Parts of the FF output from the pre-activation parts (the second half of :func:`ff_parts`).
+
+    Args:
+        pre_parts: (B, T, P, F) p_j = u_j W1; OVERWRITTEN (multiplied in place by the IG
+            coefficients) to keep one F-wide temporary.
+        pre_bias: (B, T, F) p_bias = u_bias W1 + b1.
+        act, w_out, b_out, method, steps: as in :func:`ff_parts`.
+
+    Returns:
+        (parts (B, T, P, D), bias_part (B, T, D)).
+    """
+    coef = ig_coefficients(pre_parts.sum(-2) + pre_bias, act, method, steps)  # (B, T, F)
     zero = act(torch.zeros((), dtype=coef.dtype, device=coef.device))
-    parts = pre.mul_(coef.unsqueeze(-2)) @ w_out  # in place: one F-wide temporary
+    parts = pre_parts.mul_(coef.unsqueeze(-2)) @ w_out
     bias = (pre_bias * coef + zero) @ w_out
     if b_out is not None:
         bias = bias + b_out
@@ -269,15 +291,31 @@ def component_scope_maps(
     names = SCOPES + tuple(keep)
     maps = {n: layer.hidden_in.new_zeros(b, t, t) for n in names}
     outputs = scope_outputs(layer)
-    projected = project_values(layer.values, layer.head_out_weight())
+    f = layer.ff
+    head_w = layer.head_out_weight()
+    projected = project_values(layer.values, head_w)
     zt_b = norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
+    pre_b = zt_b @ f["w_in"]
+    if f.get("b_in") is not None:
+        pre_b = pre_b + f["b_in"]
+    # Pre-activation parts zt_{i<-j} W1 = (sum_h alpha^h_ij v^h_j W_O^h + [i=j] x_i) A1 W1 / s1_i with
+    # A1 the linear part of LN1: project values straight to the F neurons per head (H x F per
+    # pair instead of D x F).
+    a1w1 = norm_linear_map(layer.ln1, d, layer.hidden_in.dtype, layer.hidden_in.device) @ f["w_in"]
+    pre_values = project_values(layer.values, head_w, a1w1)  # (B, H, T, F)
+    pre_res = layer.hidden_in @ a1w1  # (B, T, F)
+    s1 = norm_scale(layer.ln1_in, layer.ln1)
     ff_err = layer.hidden_in.new_zeros(b, t)
     layer_err = layer.hidden_in.new_zeros(b, t)
-    f = layer.ff
     for start in range(0, t, chunk):
         rows = slice(start, min(start + chunk, t))
         zt = _ln1_parts_rows(layer, projected, rows)
-        ffp, ff_b = ff_parts(zt, zt_b[:, rows], f["w_in"], f.get("b_in"), f["act"], f["w_out"], f.get("b_out"), method, steps)
+        r = torch.arange(rows.start, rows.stop, device=zt.device)
+        pre = attention_parts_rows(layer.probs, pre_values, rows)  # (B, R, T, F)
+        pre[:, r - rows.start, r] += pre_res[:, rows]
+        pre.div_(s1[:, rows, None, None])
+        ffp, ff_b = ff_parts_from_pre(pre, pre_b[:, rows], f["act"], f["w_out"], f.get("b_out"), method, steps)
+        del pre
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         res2 = zt + ffp
         yt = apply_norm_to_parts(res2, layer.ln2_in[:, rows], layer.ln2)
