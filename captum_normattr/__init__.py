@@ -7,6 +7,7 @@ from captum_normattr.attr import ALTIAttribution, FFIntegratedDecomposition, Glo
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
 from captum_normattr.decompose.feed_forward import contextualization_change
+from captum_normattr.decompose.ff_analysis import amplification_scores, scope_contextualization_changes, top_amplified_pairs
 from captum_normattr.decompose.rollout import rollout
 from captum_normattr.models.adapters import UnsupportedModelError, supported_families
 from captum_normattr.models.loading import default_model_path, load_default_model
@@ -20,6 +21,9 @@ __all__ = [
     "FFIntegratedDecomposition",
     "FF_SCOPES",
     "contextualization_change",
+    "scope_contextualization_changes",
+    "amplification_scores",
+    "top_amplified_pairs",
     "DecompositionResult",
     "GLOBENC_MAPS",
     "rollout",

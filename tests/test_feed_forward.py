@@ -256,7 +256,8 @@ def test_scope_changes_known_answers():
     valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).bool()
     maps = {"scope_ATB": atb, "scope_FF": 3 * atb + 1, "scope_RES2": -atb, "scope_LN2": (-atb).exp()}
     ch = scope_contextualization_changes(maps, valid)
-    assert set(ch) == {"+FF", "+RES2", "+LN2"} and ch["+FF"].shape == (2, 3)
+    assert set(ch) == {"+FF", "+RES2", "+LN2", "ATB->LN2"} and ch["+FF"].shape == (2, 3)
+    assert torch.allclose(ch["ATB->LN2"], torch.full((2, 3), 2.0, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(ch["+FF"], torch.zeros(2, 3, dtype=torch.float64), atol=1e-12)      # same order
     assert torch.allclose(ch["+RES2"], torch.full((2, 3), 2.0, dtype=torch.float64), atol=1e-12)  # reversed order
     assert torch.allclose(ch["+LN2"], torch.zeros(2, 3, dtype=torch.float64), atol=1e-12)     # monotone

@@ -43,11 +43,12 @@ def scope_contextualization_changes(maps: Mapping[str, Tensor], valid: Tensor, a
             LN-output scopes: the steps +FF (from ATB) and +LN2 change.
 
     Returns:
-        ``{"+FF": c, "+RES2": c, "+LN2": c}``, each (B, L) (or (B,) for (B, T, T) maps):
-        change from ATB to FF, FF to RES2, RES2 to LN2.
+        ``{"+FF": c, "+RES2": c, "+LN2": c, "ATB->LN2": c}``, each (B, L) (or (B,) for
+        (B, T, T) maps): change from ATB to FF, FF to RES2, RES2 to LN2, and the net change
+        of the whole FF sub-block, ATB to LN2 (small when RES2 and LN2 cancel the FF's change).
     """
     out: Dict[str, Tensor] = {}
-    for before, after, step in SCOPE_STEPS:
+    for before, after, step in SCOPE_STEPS + (("ATB", "LN2", "ATB->LN2"),):
         a = _get(maps, f"{before}_ablated" if ablated and before in ("ATB", "LN2") else before)
         b = _get(maps, f"{after}_ablated" if ablated and after in ("ATB", "LN2") else after)
         if a.dim() == 3:
