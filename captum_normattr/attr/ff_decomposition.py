@@ -35,7 +35,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         chunk_rows: query rows per chunk when building explicit parts (overrides
             ``memory_budget_mb``).
         contribution: ``"norm"`` (default) or ``"alti"``.
-        memory_budget_mb: memory for one chunk's explicit parts (default 256: MiniLM at
+        memory_budget_mb: memory for one chunk's explicit parts (default 128: MiniLM at
             512 tokens decomposes in a few hundred MB).
         ignore_low_gamma: share of LayerNorm dimensions with the lowest gamma ignored in the
             norms of the LN-output scopes ATB and LN2 (Kobayashi et al. 2023 use 0.01);
@@ -61,7 +61,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         rollout: str = "raw",
         chunk_rows: Optional[int] = None,
         contribution: str = "norm",
-        memory_budget_mb: float = 256.0,
+        memory_budget_mb: float = 128.0,
         ignore_low_gamma: float = 0.0,
     ) -> None:
         if scope not in SCOPES:

@@ -66,9 +66,11 @@ def amplification_scores(before: Tensor, after: Tensor, valid: Tensor, normalize
     the share of token i's map that comes from token j, and the score says how many
     percentage points of token i's mixing the FF block moves to (> 0) or away from (< 0)
     token j; every valid row of the scores sums to 0. ``"sum"`` divides each whole
-    example's map by its total instead. Diagonal entries take part in the normalisation.
-    Kobayashi et al. 2023 compare the ATB map with the FF map of the same layer; pass
-    ``before=extras["scope_ATB"][:, l]``, ``after=extras["scope_FF"][:, l]``.
+    example's map by its total instead (the scores then sum to 0 per example). Diagonal
+    entries take part in the normalisation. (The exact normalisation of Kobayashi et al. 2023
+    could not be checked offline; both choices are offered and the default is stated.)
+    For the FF block of layer l pass ``before=extras["scope_ATB"][:, l]`` (its input's map)
+    and ``after=extras["scope_FF"][:, l]`` (its output's map).
 
     Args:
         before: (B, ..., T, T) map before the FF block (e.g. scope ATB).
