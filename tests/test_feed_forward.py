@@ -50,7 +50,12 @@ def test_completeness(name):
         assert ((yp.sum(2) + yb - layer.ln2_out)[v]).abs().max() < 1e-10
         maps, err = component_scope_maps(layer, v)
         assert err["ff"] < 1e-10 and err["layer"] < 1e-10
-        assert torch.allclose(maps["LN2"], yp.norm(dim=-1) * (v[:, :, None] & v[:, None, :]))
+        m2 = v[:, :, None] & v[:, None, :]
+        assert torch.allclose(maps["LN2"], yp.norm(dim=-1) * m2, atol=1e-12)
+        # the fast path (pre-activations from per-head values) against the explicit parts
+        assert torch.allclose(maps["FF"], p.norm(dim=-1) * m2, atol=1e-12)
+        assert torch.allclose(maps["RES2"], (zt + p).norm(dim=-1) * m2, atol=1e-12)
+        assert torch.allclose(maps["ATB"], zt.norm(dim=-1) * m2, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["bert", "roberta", "bert_silu"])
