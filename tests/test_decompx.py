@@ -84,7 +84,8 @@ def naive_class_scores(model, ids, mask):
 def test_completeness_every_layer_and_logits(model, bias_mode):
     ids, mask = random_batch([7, 5, 2], seed=3)
     dx = DecompXAttribution(model, bias_mode=bias_mode, full_last_layer=True)
-    res = dx.decompose(ids, additional_forward_args=(mask,))
+    res = dx.decompose(ids, additional_forward_args=(mask,), layer_parts=True)
+    assert res.algorithm == "forward"
     assert res.layer_errors.shape == (3, model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else 2)
     assert res.layer_errors.max() < TOL
     with torch.no_grad():
@@ -105,11 +106,18 @@ def test_matches_naive_reference_and_chunking(model):
     ids, mask = random_batch([6, 4], seed=5)
     ref, ref_bias = naive_class_scores(model, ids, mask)
     for budget in (1e-4, 256.0):  # 1 source token / 1 row per chunk, and no chunking
-        res = DecompXAttribution(model, budget_mb=budget).decompose(ids, additional_forward_args=(mask,))
+        res = DecompXAttribution(model, budget_mb=budget, algorithm="forward").decompose(ids, additional_forward_args=(mask,))
+        assert res.algorithm == "forward"
         torch.testing.assert_close(res.class_scores, ref, rtol=0, atol=1e-10)
         torch.testing.assert_close(res.bias_scores, ref_bias, rtol=0, atol=1e-10)
-    full = DecompXAttribution(model, full_last_layer=True).decompose(ids, additional_forward_args=(mask,))
+    full = DecompXAttribution(model, full_last_layer=True, algorithm="forward").decompose(ids, additional_forward_args=(mask,))
     torch.testing.assert_close(full.class_scores, ref, rtol=0, atol=1e-10)
+    # the adjoint algorithm (the default for "separate") gives the same numbers
+    adj = DecompXAttribution(model).decompose(ids, additional_forward_args=(mask,))
+    assert adj.algorithm == "adjoint" and adj.layer_part_norms is None
+    torch.testing.assert_close(adj.class_scores, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(adj.bias_scores, ref_bias, rtol=0, atol=1e-10)
+    assert adj.delta.max() < TOL
 
 
 @pytest.mark.parametrize("bias_mode", BIAS_MODES)
@@ -117,9 +125,12 @@ def test_padded_batch_equals_single_examples(model, bias_mode):
     lengths = [7, 4, 2]
     ids, mask = random_batch(lengths, seed=7)
     dx = DecompXAttribution(model, bias_mode=bias_mode, budget_mb=0.01)
-    res = dx.decompose(ids, target=torch.tensor([0, 1, 1]), additional_forward_args=(mask,))
+    res = dx.decompose(ids, target=torch.tensor([0, 1, 1]), additional_forward_args=(mask,), layer_parts=True)
+    adj = dx.decompose(ids, target=torch.tensor([0, 1, 1]), additional_forward_args=(mask,))
+    torch.testing.assert_close(adj.scores, res.scores, rtol=0, atol=1e-10)
     for b, n in enumerate(lengths):
-        alone = dx.decompose(ids[b : b + 1, :n], target=[[0, 1, 1][b]], additional_forward_args=(mask[b : b + 1, :n],))
+        alone = dx.decompose(ids[b : b + 1, :n], target=[[0, 1, 1][b]], additional_forward_args=(mask[b : b + 1, :n],),
+                             layer_parts=True)
         torch.testing.assert_close(res.class_scores[b, :n], alone.class_scores[0], rtol=0, atol=1e-10)
         torch.testing.assert_close(res.scores[b, :n], alone.scores[0], rtol=0, atol=1e-10)
         torch.testing.assert_close(res.bias_scores[b], alone.bias_scores[0], rtol=0, atol=1e-10)
@@ -169,6 +180,10 @@ def test_input_errors():
         dx.attribute(ids, target=torch.tensor([0.0, 1.0]), additional_forward_args=(mask,))
     with pytest.raises(ValueError, match="separate"):
         DecompXAttribution(model, bias_mode="absdot")
+    with pytest.raises(ValueError, match="auto"):
+        DecompXAttribution(model, algorithm="backward")
+    with pytest.raises(ValueError, match="forward"):
+        DecompXAttribution(model, bias_mode="spread", algorithm="adjoint")
     with pytest.raises(ValueError, match="budget"):
         DecompXAttribution(model, budget_mb=0)
     with pytest.raises(UnsupportedModelError, match="BertForSequenceClassification|BERT"):
@@ -247,15 +262,16 @@ def test_toy_model_one_token_gets_all_the_score():
         without = ids.clone()
         without[0, 2] = 17
         assert (m(input_ids=without, attention_mask=mask).logits - logits).abs().max() > 1e-3  # KEY does matter
-    dx = DecompXAttribution(m)
-    res = dx.decompose(ids, additional_forward_args=(mask,))
     key = ids == KEY_ID
-    assert res.class_scores[~key].abs().max() < 1e-12
-    torch.testing.assert_close(res.class_scores[key], logits - res.bias_scores, rtol=0, atol=1e-12)
-    assert res.class_scores[key].abs().min() > 1e-3
-    # no KEY token: every score 0, the logit is all bias
-    res0 = dx.decompose(without[:1], additional_forward_args=(mask[:1],))
-    assert res0.class_scores.abs().max() < 1e-12
+    for algorithm in ("adjoint", "forward"):
+        dx = DecompXAttribution(m, algorithm=algorithm)
+        res = dx.decompose(ids, additional_forward_args=(mask,))
+        assert res.class_scores[~key].abs().max() < 1e-12
+        torch.testing.assert_close(res.class_scores[key], logits - res.bias_scores, rtol=0, atol=1e-12)
+        assert res.class_scores[key].abs().min() > 1e-3
+        # no KEY token: every score 0, the logit is all bias
+        res0 = dx.decompose(without[:1], additional_forward_args=(mask[:1],))
+        assert res0.class_scores.abs().max() < 1e-12
 
 
 # ---------------------------------------------------------------------- real MiniLM
@@ -275,13 +291,17 @@ def test_minilm_float32_completeness():
     tok = AutoTokenizer.from_pretrained(default_model_path())
     batch = tok(["a gripping, funny and moving film", "dull"], return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    for mode in BIAS_MODES:
-        res = DecompXAttribution(model, bias_mode=mode).decompose(ids, additional_forward_args=(mask,))
+    scores = {}
+    for mode, algorithm in (("separate", "adjoint"), ("separate", "forward"), ("spread", "forward")):
+        res = DecompXAttribution(model, bias_mode=mode, algorithm=algorithm).decompose(ids, additional_forward_args=(mask,))
         assert res.class_scores.dtype == torch.float32
         scale = res.logits.abs().max()
         rel = (res.class_scores.sum(1) + res.bias_scores - res.logits).abs().max() / scale
-        assert rel < 1e-4, (mode, float(rel))
-        assert res.layer_errors[:, :-1].max() < 1e-4 * 10  # layer outputs are O(1)-O(10)
+        assert rel < 1e-4, (mode, algorithm, float(rel))
+        if algorithm == "forward":
+            assert res.layer_errors[:, :-1].max() < 1e-4 * 10  # layer outputs are O(1)-O(10)
+        scores[mode, algorithm] = res.class_scores
+    torch.testing.assert_close(scores["separate", "adjoint"], scores["separate", "forward"], rtol=1e-4, atol=1e-5)
 
 
 def test_baselines_decompx_in_harness():

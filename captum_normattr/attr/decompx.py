@@ -11,7 +11,9 @@ from torch import Tensor, nn
 
 from captum_normattr.attr.base import compute_dtype
 from captum_normattr.attr.inputs import prepare_inputs
-from captum_normattr.decompose.decompx import BIAS_MODES, check_bias_mode, head_scores, propagate_parts
+from captum_normattr.decompose.decompx import BIAS_MODES, adjoint_class_scores, check_bias_mode, head_scores, propagate_parts
+
+ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, linear_params
 from captum_normattr.models.capture import recording
 from captum_normattr.models.heads import get_head_adapter, head_params
@@ -32,9 +34,10 @@ class DecompXResult:
         delta: (B,) |sum_t scores + bias score - logit| of the target class.
         layer_part_norms: (B, L, T, T): entry [b, l, i, k] = norm of input token k's part
             of layer l's output at token i (pads 0; in the last layer only the head's
-            token row is filled unless ``full_last_layer=True``).
-        layer_bias_norms: (B, L, T) norms of the bias parts of the layer outputs.
-        layer_errors: (B, L) largest |parts + bias - real layer output| over real tokens.
+            token row is filled unless ``full_last_layer=True``). None when the
+            ``"adjoint"`` algorithm ran (it never forms per-layer parts).
+        layer_bias_norms: (B, L, T) norms of the bias parts of the layer outputs, or None.
+        layer_errors: (B, L) largest |parts + bias - real layer output| over real tokens, or None.
         attention_mask: (B, T).
         bias_mode: ``"separate"`` or ``"spread"``.
     """
@@ -46,16 +49,17 @@ class DecompXResult:
     bias_scores: Tensor
     logits: Tensor
     delta: Tensor
-    layer_part_norms: Tensor
-    layer_bias_norms: Tensor
-    layer_errors: Tensor
+    layer_part_norms: Optional[Tensor]
+    layer_bias_norms: Optional[Tensor]
+    layer_errors: Optional[Tensor]
     attention_mask: Tensor
     bias_mode: str
+    algorithm: str = "forward"
     extras: Dict[str, Tensor] = field(default_factory=dict)
 
     @property
-    def num_layers(self) -> int:
-        return self.layer_part_norms.shape[1]
+    def num_layers(self) -> Optional[int]:
+        return None if self.layer_part_norms is None else self.layer_part_norms.shape[1]
 
     def to(self, device) -> "DecompXResult":
         r"""A copy with every tensor moved to ``device``."""
@@ -79,7 +83,7 @@ class DecompXResult:
             "logits": self.logits[index],
             "target": int(self.target[index]),
             "delta": float(self.delta[index]),
-            "layer_part_norms": self.layer_part_norms[index][:, idx][:, :, idx],
+            "layer_part_norms": None if self.layer_part_norms is None else self.layer_part_norms[index][:, idx][:, :, idx],
         }
 
 
@@ -120,8 +124,15 @@ class DecompXAttribution(Attribution):
     per-token scale, the feed-forward block by the exact closed form at the real
     pre-activation, which is DecompX's "zero-origin slope") and through the
     classification head, so that every class logit is exactly the sum of one signed
-    score per input token plus a bias score (Modarressi et al., ACL 2023). One recorded
-    forward pass, no gradients; the cost grows like T times a forward pass.
+    score per input token plus a bias score (Modarressi et al., ACL 2023).
+
+    Two algorithms give the same numbers in ``"separate"`` mode. ``"forward"`` carries all
+    T parts through every layer (cost about T forward passes; it yields the per-layer
+    parts). ``"adjoint"`` uses that, with the nonlinear quantities frozen, the network is
+    linear in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
+    vector-Jacobian product per class (cost a few forward passes). ``"auto"`` (default)
+    takes ``"adjoint"`` for ``"separate"`` and ``"forward"`` for ``"spread"`` (whose
+    weights depend on the forward parts).
 
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
@@ -139,6 +150,8 @@ class DecompXAttribution(Attribution):
             take about 4 B T^2 D floats more).
         full_last_layer: produce every row of the last layer (for inspection); by
             default only the row the head reads.
+        algorithm: ``"auto"`` (default), ``"adjoint"`` (``"separate"`` mode only) or
+            ``"forward"``.
 
     Examples::
 
@@ -150,8 +163,19 @@ class DecompXAttribution(Attribution):
         >>> res.class_scores.shape  # (B, T, C)
     """
 
-    def __init__(self, model: nn.Module, bias_mode: str = "separate", budget_mb: float = 256.0, full_last_layer: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        bias_mode: str = "separate",
+        budget_mb: float = 256.0,
+        full_last_layer: bool = False,
+        algorithm: str = "auto",
+    ) -> None:
         check_bias_mode(bias_mode)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm == "adjoint" and bias_mode != "separate":
+            raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
         self.adapter = get_adapter(model)
         self.head = get_head_adapter(model)
         if self.adapter.pre_ln:
@@ -165,6 +189,7 @@ class DecompXAttribution(Attribution):
         self.bias_mode = bias_mode
         self.budget_mb = float(budget_mb)
         self.full_last_layer = full_last_layer
+        self.algorithm = algorithm
 
     def _value_params(self, dtype: torch.dtype) -> List[Tuple[Tensor, Optional[Tensor]]]:
         out = []
@@ -174,7 +199,11 @@ class DecompXAttribution(Attribution):
         return out
 
     def decompose(
-        self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None
+        self,
+        inputs: Union[Tensor, Tuple[Tensor]],
+        target: Any = None,
+        additional_forward_args: Any = None,
+        layer_parts: bool = False,
     ) -> DecompXResult:
         r"""Decompose every layer and the head; all classes at once.
 
@@ -183,6 +212,8 @@ class DecompXAttribution(Attribution):
             target: the explained class: None (predicted), an int, a list of ints or a
                 (B,) long tensor. Only ``scores`` and ``delta`` depend on it.
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+            layer_parts: run the ``"forward"`` algorithm whatever ``algorithm`` says, so that
+                the per-layer part norms and completeness errors are filled in.
 
         Returns:
             :class:`DecompXResult`.
@@ -196,14 +227,19 @@ class DecompXAttribution(Attribution):
             logits_real = (out.logits if hasattr(out, "logits") else out[0]).detach()
             layers = rec.layer_tensors(dtype)
             pos = self.head.position
-            last_rows = None if self.full_last_layer else torch.tensor([pos], device=valid.device)
-            prop = propagate_parts(layers, self._value_params(dtype), valid, self.bias_mode, last_rows, self.budget_mb)
-            row = int((prop.rows == pos).nonzero()[0, 0])
             hp = head_params(self.model, self.head, dtype)
-            cls_scores, bias_scores = head_scores(
-                prop.parts[:, row], prop.bias[:, row], layers[-1].layer_out[:, pos],
-                hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
-            )
+            algorithm = "forward" if (layer_parts or self.algorithm == "forward" or self.bias_mode != "separate") else "adjoint"
+            prop = None
+            if algorithm == "adjoint":
+                cls_scores, bias_scores = adjoint_class_scores(layers, self._value_params(dtype), hp)
+            else:
+                last_rows = None if self.full_last_layer else torch.tensor([pos], device=valid.device)
+                prop = propagate_parts(layers, self._value_params(dtype), valid, self.bias_mode, last_rows, self.budget_mb)
+                row = int((prop.rows == pos).nonzero()[0, 0])
+                cls_scores, bias_scores = head_scores(
+                    prop.parts[:, row], prop.bias[:, row], layers[-1].layer_out[:, pos],
+                    hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
+                )
             cls_scores = cls_scores * valid.to(dtype).unsqueeze(-1)
             logits = logits_real.to(dtype)
             tgt = _targets(target, logits)
@@ -213,9 +249,11 @@ class DecompXAttribution(Attribution):
         name = self.get_name()
         return DecompXResult(
             method=name, scores=scores, target=tgt, class_scores=cls_scores, bias_scores=bias_scores,
-            logits=logits, delta=delta, layer_part_norms=prop.layer_part_norms,
-            layer_bias_norms=prop.layer_bias_norms, layer_errors=prop.layer_errors,
-            attention_mask=prepared.attention_mask, bias_mode=self.bias_mode,
+            logits=logits, delta=delta,
+            layer_part_norms=None if prop is None else prop.layer_part_norms,
+            layer_bias_norms=None if prop is None else prop.layer_bias_norms,
+            layer_errors=None if prop is None else prop.layer_errors,
+            attention_mask=prepared.attention_mask, bias_mode=self.bias_mode, algorithm=algorithm,
             extras={"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)},
         )
 
