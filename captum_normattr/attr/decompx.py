@@ -156,7 +156,11 @@ class DecompXAttribution(Attribution):
     Examples::
 
         >>> from transformers import BertForSequenceClassification
-        >>> model = BertForSequenceClassification.from_pretrained(path).eval()
+        >>> from captum_normattr import default_model_path, load_default_model
+        >>> _, tok = load_default_model()
+        >>> model = BertForSequenceClassification.from_pretrained(default_model_path(), num_labels=2).eval()
+        >>> batch = tok(["a gripping, funny film"], return_tensors="pt")
+        >>> ids, mask = batch["input_ids"], batch["attention_mask"]
         >>> dx = DecompXAttribution(model)
         >>> scores, delta = dx.attribute(ids, additional_forward_args=(mask,), return_convergence_delta=True)
         >>> res = dx.decompose(ids, additional_forward_args=(mask,))
