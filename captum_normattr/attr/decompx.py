@@ -30,6 +30,7 @@ class DecompXResult:
         target: (B,) long, the explained class of every example.
         class_scores: (B, T, C) signed score of every input token for every class.
         bias_scores: (B, C) the bias part of every logit (0 in ``"spread"`` mode).
+            (Both are None only in the internal target-only path of ``attribute``.)
         logits: (B, C) the model's real logits.
         delta: (B,) |sum_t scores + bias score - logit| of the target class.
         layer_part_norms: (B, L, T, T): entry [b, l, i, k] = norm of input token k's part
@@ -45,8 +46,8 @@ class DecompXResult:
     method: str
     scores: Tensor
     target: Tensor
-    class_scores: Tensor
-    bias_scores: Tensor
+    class_scores: Optional[Tensor]
+    bias_scores: Optional[Tensor]
     logits: Tensor
     delta: Tensor
     layer_part_norms: Optional[Tensor]
@@ -222,6 +223,9 @@ class DecompXAttribution(Attribution):
         Returns:
             :class:`DecompXResult`.
         """
+        return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False)
+
+    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool):
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         dtype = compute_dtype(self.model)
@@ -234,6 +238,18 @@ class DecompXAttribution(Attribution):
             hp = head_params(self.model, self.head, dtype)
             algorithm = "forward" if (layer_parts or self.algorithm == "forward" or self.bias_mode != "separate") else "adjoint"
             prop = None
+            logits = logits_real.to(dtype)
+            tgt = _targets(target, logits)
+            ar = torch.arange(logits.shape[0], device=logits.device)
+            if algorithm == "adjoint" and target_only:  # one vector-Jacobian product in all
+                scores, bias_t = adjoint_class_scores(layers, self._value_params(dtype), hp, tgt)
+                scores = scores * valid.to(dtype)
+                delta = (scores.sum(-1) + bias_t - logits[ar, tgt]).abs()
+                return DecompXResult(
+                    method=self.get_name(), scores=scores, target=tgt, class_scores=None, bias_scores=None,
+                    logits=logits, delta=delta, layer_part_norms=None, layer_bias_norms=None, layer_errors=None,
+                    attention_mask=prepared.attention_mask, bias_mode=self.bias_mode, algorithm=algorithm,
+                )
             if algorithm == "adjoint":
                 cls_scores, bias_scores = adjoint_class_scores(layers, self._value_params(dtype), hp)
             else:
@@ -245,9 +261,6 @@ class DecompXAttribution(Attribution):
                     hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
                 )
             cls_scores = cls_scores * valid.to(dtype).unsqueeze(-1)
-            logits = logits_real.to(dtype)
-            tgt = _targets(target, logits)
-            ar = torch.arange(logits.shape[0], device=logits.device)
             scores = cls_scores[ar, :, tgt]
             delta = (scores.sum(-1) + bias_scores[ar, tgt] - logits[ar, tgt]).abs()
         name = self.get_name()
@@ -283,7 +296,7 @@ class DecompXAttribution(Attribution):
             (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
             ``return_convergence_delta``, (scores, delta).
         """
-        res = self.decompose(inputs, target, additional_forward_args)
+        res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True)
         scores = (res.scores,) if isinstance(inputs, tuple) else res.scores
         if return_convergence_delta:
             return scores, res.delta

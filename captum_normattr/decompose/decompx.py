@@ -364,17 +364,38 @@ def head_scores(
 
 # --------------------------------------------------------------------------------------
 # The adjoint algorithm ("separate" bias mode): with every nonlinear quantity frozen at its
-# real value the network is affine in the embedding output, and its linear part is
-# F(X) = sum_k F(e_k at position k). Token k's DecompX score of class c is therefore
-# <d F_c / d x_k, e_k>: one linear forward and one vector-Jacobian product per class give
-# every token's score (about 2 + 2C forward passes instead of about T).
+# real value the network is affine in the embedding output, F(X) = sum_k L_k e_k + c, and
+# token k's DecompX score of class c is the contribution L_k e_k = <dF_c/dx_k, e_k>. One
+# forward pass of the frozen network and one vector-Jacobian product per explained class
+# give every token's score; the bias score is F(e) - sum_k scores = F(0) = c.
 # --------------------------------------------------------------------------------------
+def _slopes(real_pre: Tensor, act: Callable) -> Tensor:
+    r"""(g(p) - g(0)) / p at the real pre-activation (g'(0) where p ~ 0), via ig_closed_form."""
+    return ig_closed_form(torch.ones_like(real_pre).unsqueeze(-2), real_pre, act).squeeze(-2)
+
+
+def frozen_slopes(layers: Sequence[LayerTensors], head: "object") -> Tuple[List[Tensor], Tensor]:
+    r"""The frozen activation slopes: per layer (B, T, F) for the FF, and (B, D2) for the head."""
+    out = []
+    for layer in layers:
+        f = layer.ff
+        pre = layer.ln1_out @ f["w_in"]
+        if f.get("b_in") is not None:
+            pre = pre + f["b_in"]
+        out.append(_slopes(pre, f["act"]))
+    u = layers[-1].layer_out[:, head.position] @ head.w_dense
+    if head.b_dense is not None:
+        u = u + head.b_dense
+    return out, _slopes(u, head.act)
+
+
 def frozen_post_ln_layer(
     x: Tensor,
     layer: LayerTensors,
     value_weight: Tensor,
     value_bias: Optional[Tensor],
     with_bias: bool,
+    ff_slope: Tensor,
     rows: Optional[Tensor] = None,
 ) -> Tensor:
     r"""A post-LN layer with its nonlinear quantities frozen at the real values.
@@ -387,6 +408,7 @@ def frozen_post_ln_layer(
         layer: the layer's real tensors.
         value_weight, value_bias: W_V (D, H*Dh) and b_V.
         with_bias: add every bias (b_V, b_O, beta1, b1, g(0) W2 + b2, beta2).
+        ff_slope: (B, T, F) from :func:`frozen_slopes`.
         rows: (R,) output rows to produce (default all).
 
     Returns:
@@ -411,13 +433,10 @@ def frozen_post_ln_layer(
     zt = norm(a + sel(x), sel(layer.ln1_in), layer.ln1)
     f = layer.ff
     w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
-    real_pre = sel(layer.ln1_out) @ w1
-    if b1 is not None:
-        real_pre = real_pre + b1
     p = zt @ w1
     if with_bias and b1 is not None:
         p = p + b1
-    ff = ig_closed_form(p.unsqueeze(-2), real_pre, act).squeeze(-2) @ w2
+    ff = (p * sel(ff_slope)) @ w2
     if with_bias:
         ff = ff + act(torch.zeros((), dtype=x.dtype, device=x.device)) * w2.sum(0)
         if b2 is not None:
@@ -431,6 +450,7 @@ def frozen_logits(
     value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
     head: "object",
     with_bias: bool,
+    slopes: Optional[Tuple[List[Tensor], Tensor]] = None,
 ) -> Tensor:
     r"""Logits (B, C) of the frozen network (linear in ``x`` without biases).
 
@@ -439,19 +459,17 @@ def frozen_logits(
         layers, value_params: as in :func:`propagate_parts`.
         head: a :class:`~captum_normattr.models.heads.HeadParams`.
         with_bias: include the biases.
+        slopes: :func:`frozen_slopes` (computed if None).
     """
+    ff_slopes, head_slope = slopes if slopes is not None else frozen_slopes(layers, head)
     n = len(layers)
     pos = torch.tensor([head.position], device=x.device)
     for l, (layer, (w_v, b_v)) in enumerate(zip(layers, value_params)):
-        x = frozen_post_ln_layer(x, layer, w_v, b_v, with_bias, rows=pos if l == n - 1 else None)
-    h = x[:, 0]
-    real_u = layers[-1].layer_out[:, head.position] @ head.w_dense
-    if head.b_dense is not None:
-        real_u = real_u + head.b_dense
-    u = h @ head.w_dense
+        x = frozen_post_ln_layer(x, layer, w_v, b_v, with_bias, ff_slopes[l], rows=pos if l == n - 1 else None)
+    u = x[:, 0] @ head.w_dense
     if with_bias and head.b_dense is not None:
         u = u + head.b_dense
-    out = ig_closed_form(u.unsqueeze(-2), real_u, head.act).squeeze(-2) @ head.w_cls
+    out = (u * head_slope) @ head.w_cls
     if with_bias:
         out = out + head.act(torch.zeros((), dtype=x.dtype, device=x.device)) * head.w_cls.sum(0)
         if head.b_cls is not None:
@@ -463,28 +481,36 @@ def adjoint_class_scores(
     layers: Sequence[LayerTensors],
     value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
     head: "object",
+    target: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    r"""DecompX class scores (``"separate"`` bias mode) by one vector-Jacobian product per class.
+    r"""DecompX scores (``"separate"`` bias mode) by one vector-Jacobian product per class.
 
     Equal to :func:`propagate_parts` followed by :func:`head_scores` (up to rounding).
 
     Args:
         layers, value_params: as in :func:`propagate_parts`.
         head: a :class:`~captum_normattr.models.heads.HeadParams`.
+        target: (B,) long: compute only these classes (one product in all); None: all classes.
 
     Returns:
-        (scores (B, T, C), bias scores (B, C)); the bias scores come from the frozen
-        network on a zero input, so scores.sum(1) + bias = the logits is a real check.
+        Without ``target``: (scores (B, T, C), bias scores (B, C)); with it:
+        (scores (B, T), bias scores (B,)). The bias score is F(e) - sum of the scores with
+        F the frozen affine network, so scores + bias reproduce F(e), whose distance to
+        the real logit is the completeness error.
     """
     if any(layer.pre_ln for layer in layers):
         raise NotImplementedError("DecompX through pre-LN layers (decoders) is not implemented yet")
     e = layers[0].hidden_in.detach()
+    slopes = frozen_slopes(layers, head)
     with torch.enable_grad():
         x = e.clone().requires_grad_(True)
-        out = frozen_logits(x, layers, value_params, head, with_bias=False)
+        out = frozen_logits(x, layers, value_params, head, True, slopes)
+        if target is not None:
+            picked = out.gather(1, target.view(-1, 1)).squeeze(1)
+            (g,) = torch.autograd.grad(picked.sum(), x)
+            scores = (g * e).sum(-1)
+            return scores.detach(), (picked - scores.sum(1)).detach()
         c = out.shape[-1]
         grads = [torch.autograd.grad(out[:, j].sum(), x, retain_graph=j < c - 1)[0] for j in range(c)]
     scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
-    with torch.no_grad():
-        bias = frozen_logits(torch.zeros_like(e), layers, value_params, head, with_bias=True)
-    return scores.detach(), bias
+    return scores.detach(), (out - scores.sum(1)).detach()
