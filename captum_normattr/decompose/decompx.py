@@ -24,8 +24,15 @@ Bias handling (``bias_mode``):
   (If every dot product is 0 the bias goes to the receiving token itself.)
 Both modes are complete: parts (+ bias part) sum to the real tensors.
 
+Two algorithms. The forward one (:func:`propagate_parts`, :func:`head_scores`) carries all
+T parts, a (B, T, T, D) tensor, through every layer (cost about T forward passes; it
+yields per-layer parts; needed for ``"spread"``, whose weights depend on the parts). The
+adjoint one (:func:`adjoint_class_scores`, ``"separate"`` only) uses that the frozen
+network is affine in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
+vector-Jacobian product per class (cost a few forward passes). Both agree to rounding.
+
 Layer kinds are one function each (:data:`LAYER_STEPS`); a pre-LN step (GPT-2, Llama)
-plugs in there.
+plugs in there (and a frozen pre-LN layer next to :func:`frozen_post_ln_layer`).
 """
 from __future__ import annotations
 
