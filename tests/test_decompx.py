@@ -106,7 +106,7 @@ def test_matches_naive_reference_and_chunking(model):
     ids, mask = random_batch([6, 4], seed=5)
     ref, ref_bias = naive_class_scores(model, ids, mask)
     for budget in (1e-4, 256.0):  # 1 source token / 1 row per chunk, and no chunking
-        res = DecompXAttribution(model, budget_mb=budget, algorithm="forward").decompose(ids, additional_forward_args=(mask,))
+        res = DecompXAttribution(model, memory_budget_mb=budget, algorithm="forward").decompose(ids, additional_forward_args=(mask,))
         assert res.algorithm == "forward"
         torch.testing.assert_close(res.class_scores, ref, rtol=0, atol=1e-10)
         torch.testing.assert_close(res.bias_scores, ref_bias, rtol=0, atol=1e-10)
@@ -124,7 +124,7 @@ def test_matches_naive_reference_and_chunking(model):
 def test_padded_batch_equals_single_examples(model, bias_mode):
     lengths = [7, 4, 2]
     ids, mask = random_batch(lengths, seed=7)
-    dx = DecompXAttribution(model, bias_mode=bias_mode, budget_mb=0.01)
+    dx = DecompXAttribution(model, bias_mode=bias_mode, memory_budget_mb=0.01)
     res = dx.decompose(ids, target=torch.tensor([0, 1, 1]), additional_forward_args=(mask,), layer_parts=True)
     adj = dx.decompose(ids, target=torch.tensor([0, 1, 1]), additional_forward_args=(mask,))
     torch.testing.assert_close(adj.scores, res.scores, rtol=0, atol=1e-10)
@@ -185,7 +185,7 @@ def test_input_errors():
     with pytest.raises(ValueError, match="forward"):
         DecompXAttribution(model, bias_mode="spread", algorithm="adjoint")
     with pytest.raises(ValueError, match="budget"):
-        DecompXAttribution(model, budget_mb=0)
+        DecompXAttribution(model, memory_budget_mb=0)
     with pytest.raises(UnsupportedModelError, match="BertForSequenceClassification|BERT"):
         DecompXAttribution(model.bert)  # a bare encoder has no classes to explain
 

@@ -147,7 +147,7 @@ class DecompXAttribution(Attribution):
         bias_mode: ``"separate"`` (default; every bias in its own part, exact and
             bias-free token scores) or ``"spread"`` (each bias distributed over tokens in
             proportion to |<part, bias>| where it enters, as in the paper; also complete).
-        budget_mb: bound on the temporary tensors of one layer step (the parts themselves
+        memory_budget_mb: bound on the temporary tensors of one layer step (the parts themselves
             take about 4 B T^2 D floats more).
         full_last_layer: produce every row of the last layer (for inspection); by
             default only the row the head reads.
@@ -172,7 +172,7 @@ class DecompXAttribution(Attribution):
         self,
         model: nn.Module,
         bias_mode: str = "separate",
-        budget_mb: float = 256.0,
+        memory_budget_mb: float = 256.0,
         full_last_layer: bool = False,
         algorithm: str = "auto",
     ) -> None:
@@ -187,12 +187,12 @@ class DecompXAttribution(Attribution):
             raise ValueError(f"DecompXAttribution supports post-LN encoder classifiers; {self.adapter.family} is pre-LN")
         if self.adapter.attn_value is None:
             raise ValueError(f"the {self.adapter.family} adapter does not name the value projection (attn_value)")
-        if budget_mb <= 0:
-            raise ValueError(f"budget_mb must be positive, got {budget_mb}")
+        if memory_budget_mb <= 0:
+            raise ValueError(f"memory_budget_mb must be positive, got {memory_budget_mb}")
         Attribution.__init__(self, model)
         self.model = model
         self.bias_mode = bias_mode
-        self.budget_mb = float(budget_mb)
+        self.memory_budget_mb = float(memory_budget_mb)
         self.full_last_layer = full_last_layer
         self.algorithm = algorithm
 
@@ -254,7 +254,7 @@ class DecompXAttribution(Attribution):
                 cls_scores, bias_scores = adjoint_class_scores(layers, self._value_params(dtype), hp)
             else:
                 last_rows = None if self.full_last_layer else torch.tensor([pos], device=valid.device)
-                prop = propagate_parts(layers, self._value_params(dtype), valid, self.bias_mode, last_rows, self.budget_mb)
+                prop = propagate_parts(layers, self._value_params(dtype), valid, self.bias_mode, last_rows, self.memory_budget_mb)
                 row = int((prop.rows == pos).nonzero()[0, 0])
                 cls_scores, bias_scores = head_scores(
                     prop.parts[:, row], prop.bias[:, row], layers[-1].layer_out[:, pos],

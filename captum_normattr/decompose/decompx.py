@@ -102,13 +102,13 @@ def initial_parts(embeddings: Tensor) -> Tuple[Tensor, Tensor]:
     return embeddings.unsqueeze(2) * eye[None, :, :, None], torch.zeros_like(embeddings)
 
 
-def chunk_sizes(batch: int, tokens: int, rows: int, dim: int, ff_dim: int, itemsize: int, budget_mb: float) -> Tuple[int, int]:
-    r"""Chunk sizes that keep the temporary tensors of one layer step within ``budget_mb``.
+def chunk_sizes(batch: int, tokens: int, rows: int, dim: int, ff_dim: int, itemsize: int, memory_budget_mb: float) -> Tuple[int, int]:
+    r"""Chunk sizes that keep the temporary tensors of one layer step within ``memory_budget_mb``.
 
     Returns:
         (source tokens per attention chunk, rows per feed-forward chunk), each >= 1.
     """
-    budget = budget_mb * 2**20
+    budget = memory_budget_mb * 2**20
     k_chunk = int(budget // max(1, 3 * batch * tokens * dim * itemsize))
     r_chunk = int(budget // max(1, 3 * batch * tokens * ff_dim * itemsize))
     return max(1, min(tokens, k_chunk)), max(1, min(rows, r_chunk))
@@ -122,7 +122,7 @@ def post_ln_layer_parts(
     value_bias: Optional[Tensor],
     bias_mode: str = "separate",
     rows: Optional[Tensor] = None,
-    budget_mb: float = 256.0,
+    memory_budget_mb: float = 256.0,
 ) -> Tuple[Tensor, Tensor]:
     r"""Map parts of a post-LN layer's input to parts of its output.
 
@@ -135,7 +135,7 @@ def post_ln_layer_parts(
         bias_mode: ``"separate"`` or ``"spread"``.
         rows: (R,) long, the output rows to produce (default: all T). Rows never mix
             after the attention, so the last layer can stop at the explained row.
-        budget_mb: bound on the temporary tensors (chunking over K, then over rows).
+        memory_budget_mb: bound on the temporary tensors (chunking over K, then over rows).
 
     Returns:
         (parts (B, R, K, D), bias part (B, R, D)): summing over K plus the bias part gives
@@ -151,7 +151,7 @@ def post_ln_layer_parts(
     hd = value_weight.shape[1]
     f = layer.ff
     ff_dim = f["w_in"].shape[1]
-    k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), ff_dim, parts.element_size(), budget_mb)
+    k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), ff_dim, parts.element_size(), memory_budget_mb)
     probs = layer.probs[:, :, rows]  # (B, H, R, T)
     w_o = layer.out_weight
     zeros_d = torch.zeros(d, dtype=dtype, device=dev)
@@ -277,7 +277,7 @@ def propagate_parts(
     valid: Tensor,
     bias_mode: str = "separate",
     last_rows: Optional[Tensor] = None,
-    budget_mb: float = 256.0,
+    memory_budget_mb: float = 256.0,
 ) -> PropagatedParts:
     r"""Carry per-input-token parts through every layer.
 
@@ -287,7 +287,7 @@ def propagate_parts(
         valid: (B, T) bool, real tokens.
         bias_mode: ``"separate"`` or ``"spread"``.
         last_rows: (R,) long rows to produce in the last layer (default: all).
-        budget_mb: bound on the temporary tensors of one layer step.
+        memory_budget_mb: bound on the temporary tensors of one layer step.
 
     Returns:
         :class:`PropagatedParts`.
@@ -308,7 +308,7 @@ def propagate_parts(
         step = LAYER_STEPS["pre_ln" if layer.pre_ln else "post_ln"]
         rows = torch.arange(t, device=x.device) if (l < n - 1 or last_rows is None) else last_rows.to(x.device)
         w_v, b_v = value_params[l]
-        parts, bias = step(parts, bias, layer, w_v, b_v, bias_mode, rows=rows, budget_mb=budget_mb)
+        parts, bias = step(parts, bias, layer, w_v, b_v, bias_mode, rows=rows, memory_budget_mb=memory_budget_mb)
         row_valid = vf[:, rows]
         norms[:, l, rows] = parts.norm(dim=-1) * row_valid.unsqueeze(-1) * vf.unsqueeze(1)
         bias_norms[:, l, rows] = bias.norm(dim=-1) * row_valid

@@ -404,7 +404,7 @@ def decompx(model, bias_mode: str = "separate", name: Optional[str] = None, **kw
         model: a supported sequence classifier (``BertForSequenceClassification`` ...).
         bias_mode: ``"separate"`` (default) or ``"spread"``.
         name: table name, default ``"DecompX"`` / ``"DecompX (spread bias)"``.
-        **kwargs: passed on to ``DecompXAttribution`` (``budget_mb`` ...).
+        **kwargs: passed on to ``DecompXAttribution`` (``memory_budget_mb`` ...).
 
     Returns:
         a :class:`Method` with ``uses_target=True`` (signed scores of the target class).
