@@ -322,3 +322,20 @@ def test_baselines_decompx_in_harness():
     res = FaithfulnessHarness(clf, [m, baselines.decompx(model, "spread")], ["eraser_aopc"], batch_size=2, progress=False).run(
         ids, mask, labels)
     assert all(res.summary()[name]["eraser_comp"]["n"] == len(ids) for name in res.methods)
+
+
+def test_spread_mode_splits_a_bias_by_abs_dot_products():
+    r"""Only the classifier bias nonzero: "spread" = "separate" scores + |<s_k, b>|-weighted shares of b."""
+    m = make_model("bert", seed=2)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if (name.endswith("bias") and not name.startswith("classifier")) or name.endswith("token_type_embeddings.weight"):
+                p.zero_()
+    ids, mask = random_batch([6, 4], seed=4)
+    sep = DecompXAttribution(m).decompose(ids, additional_forward_args=(mask,))
+    spr = DecompXAttribution(m, bias_mode="spread").decompose(ids, additional_forward_args=(mask,))
+    b_c = m.classifier.bias.detach()
+    torch.testing.assert_close(sep.bias_scores, b_c.expand_as(sep.bias_scores), rtol=0, atol=1e-12)
+    dots = (sep.class_scores * b_c).sum(-1).abs()
+    w = dots / dots.sum(-1, keepdim=True)
+    torch.testing.assert_close(spr.class_scores, sep.class_scores + w[..., None] * b_c, rtol=0, atol=1e-10)
