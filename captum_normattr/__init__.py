@@ -4,6 +4,7 @@ GlobEnc, the norm-based maps of Kobayashi et al., and ALTI, for BERT, RoBERTa, E
 and DistilBERT models from Hugging Face ``transformers``.
 """
 from captum_normattr.attr import ALTIAttribution, FFIntegratedDecomposition, GlobEncAttribution
+from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
 from captum_normattr.decompose.feed_forward import contextualization_change
@@ -19,6 +20,8 @@ __all__ = [
     "ALTIAttribution",
     "GlobEncAttribution",
     "FFIntegratedDecomposition",
+    "DecompXAttribution",
+    "DecompXResult",
     "FF_SCOPES",
     "contextualization_change",
     "scope_contextualization_changes",

@@ -41,6 +41,7 @@ __all__ = [
     "normattr_method",
     "globenc",
     "alti",
+    "decompx",
     "default_baselines",
 ]
 
@@ -394,6 +395,24 @@ def alti(model, rollout: str = "raw", name: Optional[str] = None, **kwargs) -> M
 
     attr = ALTIAttribution(model, rollout=rollout, **kwargs)
     return normattr_method(attr, name=name or ("ALTI" if rollout == "raw" else f"ALTI ({rollout})"))
+
+
+def decompx(model, bias_mode: str = "separate", name: Optional[str] = None, **kwargs) -> Method:
+    r"""``DecompXAttribution(model, bias_mode=...)`` as a method; it explains the protocol's target class.
+
+    Args:
+        model: a supported sequence classifier (``BertForSequenceClassification`` ...).
+        bias_mode: ``"separate"`` (default) or ``"spread"``.
+        name: table name, default ``"DecompX"`` / ``"DecompX (spread bias)"``.
+        **kwargs: passed on to ``DecompXAttribution`` (``memory_budget_mb`` ...).
+
+    Returns:
+        a :class:`Method` with ``uses_target=True`` (signed scores of the target class).
+    """
+    from captum_normattr.attr.decompx import DecompXAttribution
+
+    attr = DecompXAttribution(model, bias_mode=bias_mode, **kwargs)
+    return normattr_method(attr, name=name, uses_target=True)
 
 
 def default_baselines(clf: SequenceClassifier, ig_steps: int = 50, internal_batch_size: Optional[int] = None) -> list:

@@ -35,6 +35,8 @@ class ArchitectureAdapter:
         final_norm: path of the final norm from the base model (pre-LN), or None.
         transposed_weights: True where projections are GPT-2 ``Conv1D`` ([in, out] weights).
         max_positions_offset: positions the model reserves (RoBERTa: padding_idx + 1).
+        attn_value: the value projection W_V (with b_V), from a layer, or None where no
+            method needs it (DecompX propagates parts through it).
     """
 
     family: str
@@ -53,11 +55,13 @@ class ArchitectureAdapter:
     final_norm: Optional[str] = None
     transposed_weights: bool = False
     max_positions_offset: int = 0
+    attn_value: Optional[str] = None
 
 
 _BERT_LIKE = dict(
     layers="encoder.layer",
     attention="attention.self",
+    attn_value="attention.self.value",
     attn_out="attention.output.dense",
     ln1="attention.output.LayerNorm",
     ff_in="intermediate.dense",
@@ -77,6 +81,7 @@ ADAPTERS: Dict[str, ArchitectureAdapter] = {
         model_types=("distilbert",),
         layers="transformer.layer",
         attention="attention",
+        attn_value="attention.v_lin",
         attn_out="attention.out_lin",
         ln1="sa_layer_norm",
         ff_in="ffn.lin1",

@@ -1,0 +1,144 @@
+r"""Speed and memory of DecompX against one plain forward pass, on MiniLM with a classification head.
+
+Usage:
+    python benchmarks/speed_decompx.py [--batch 16] [--tokens 64 128] [--repeats 3] [--modes separate separate-forward spread]
+
+The model is the packaged pretrained all-MiniLM-L6-v2 (a 6-layer BERT) under a randomly
+initialised 2-class head (``BertForSequenceClassification``; the head does not change the
+cost). Prints median times of the forward pass of the classifier and of DecompX
+(interleaved repeats, so that noise hits all alike; the slow forward-algorithm runs only
+``--slow-repeats`` times), the ratio in forward passes, and the
+peak extra memory of one call: resident-set growth over the loaded model, polled every
+2 ms, in a fresh subprocess per (method, length).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+
+
+def _setup(batch: int, tokens: int):
+    from transformers import BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from captum_normattr import default_model_path
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = BertForSequenceClassification.from_pretrained(default_model_path(), num_labels=2).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 20000, (batch, tokens), generator=g)
+    ids[:, 0], ids[:, -1] = 101, 102
+    return model, ids, torch.ones_like(ids)
+
+
+def _runner(name: str, model):
+    from captum_normattr import DecompXAttribution
+
+    if name == "forward":
+        return lambda ids, mask: model(input_ids=ids, attention_mask=mask)
+    if name.startswith("decompx-"):
+        mode, _, algorithm = name.split("-", 1)[1].partition("-")
+        a = DecompXAttribution(model, bias_mode=mode, algorithm=algorithm or "auto")
+        return lambda ids, mask: a.attribute(ids, additional_forward_args=(mask,))
+    raise ValueError(name)
+
+
+def _slow(name: str) -> bool:
+    return name.endswith("forward") or name == "decompx-spread"  # the T-parts forward algorithm
+
+
+def time_methods(batch: int, tokens: int, repeats: int, modes, slow_repeats: int = 1) -> dict:
+    model, ids, mask = _setup(batch, tokens)
+    names = ["forward"] + [f"decompx-{m}" for m in modes]
+    runs = {n: _runner(n, model) for n in names}
+    times = {n: [] for n in runs}
+    with torch.no_grad():
+        for n, fn in runs.items():
+            if not _slow(n):
+                fn(ids, mask)  # warm-up (the slow ones are long enough not to need one)
+        for r in range(repeats):
+            for n, fn in runs.items():
+                if _slow(n) and r >= slow_repeats:
+                    continue
+                t0 = time.perf_counter()
+                fn(ids, mask)
+                times[n].append(time.perf_counter() - t0)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    return {"batch": batch, "tokens": tokens, "seconds": med,
+            "ratio": {n: med[n] / med["forward"] for n in names if n != "forward"}}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_memory_child(name: str, batch: int, tokens: int) -> None:
+    import gc
+    import threading
+
+    model, ids, mask = _setup(batch, tokens)
+    fn = _runner(name, model)
+    gc.collect()
+    base = _rss_mb()
+    peak = [base]
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            done.wait(0.002)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    with torch.no_grad():
+        fn(ids, mask)
+    done.set()
+    th.join()
+    print(json.dumps({"method": name, "extra_peak_mb": peak[0] - base}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=["separate", "separate-forward", "spread"],
+                   help="separate (adjoint algorithm), separate-forward (forward algorithm), spread (forward)")
+    p.add_argument("--slow-repeats", type=int, default=1, help="repeats of the forward-algorithm runs")
+    p.add_argument("--_memory_child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._memory_child:
+        peak_memory_child(args._memory_child, args.batch, args.tokens[0])
+        return
+    print(f"MiniLM + 2-class head, batch {args.batch}, median of {args.repeats} (torch threads {torch.get_num_threads()})")
+    for tokens in args.tokens:
+        res = time_methods(args.batch, tokens, args.repeats, args.modes, args.slow_repeats)
+        s = res["seconds"]
+        print(f"{tokens} tokens: forward {s['forward']:.3f} s")
+        for m in args.modes:
+            n = f"decompx-{m}"
+            print(f"  DecompX ({m:<16}) {s[n]:.3f} s = {res['ratio'][n]:.1f} forward passes (goal <= 10)")
+        for name in ["forward"] + [f"decompx-{m}" for m in args.modes]:
+            out = subprocess.run(
+                [sys.executable, __file__, "--_memory_child", name, "--batch", str(args.batch), "--tokens", str(tokens)],
+                capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            print(f"  peak extra memory {name:<18} {json.loads(out)['extra_peak_mb']:.0f} MB")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,523 @@
+r"""DecompX (Modarressi et al., ACL 2023): per-input-token parts carried through every layer and the head.
+
+The input of layer 1 (the embedding output e) is written as parts x_{i<-k} = [i = k] e_i
+plus a bias part 0. Every layer maps parts to parts with its nonlinear quantities frozen
+at their REAL values (attention probabilities, per-token norm scales, the FF and head
+activation slopes), so the parts of every layer output, and finally the per-class
+scores, sum exactly to the model's real tensors:
+
+post-LN layer (BERT, RoBERTa, ELECTRA, DistilBERT), per head h (never an (H, T, T, D) tensor):
+  v^h_{j<-k} = x_{j<-k} W_V^h                (bias part: x_bias W_V^h + b_V^h)
+  a_{i<-k}   = sum_h (sum_j alpha^h_ij v^h_{j<-k}) W_O^h      (bias part + b_O)
+  z_{i<-k}   = a_{i<-k} + x_{i<-k};  zt = gamma1 c(z_{i<-k}) / s(z_i)      (bias part + beta1)
+  FF_{i<-k}  = (zt_{i<-k} W1 * (g(p_i) - g(0)) / p_i) W2  with p_i the REAL pre-activation
+               (DecompX's "zero-origin slope"; the closed form of
+               :func:`captum_normattr.decompose.feed_forward.ig_closed_form`)
+  y_{i<-k}   = gamma2 c(zt_{i<-k} + FF_{i<-k}) / s(zt_i + FF_i)             (bias part + beta2)
+classification head on token 0: the same closed form through its elementwise activation.
+
+Bias handling (``bias_mode``):
+- ``"separate"`` (default): every bias travels in its own part; exact, and the token
+  scores do not depend on any bias.
+- ``"spread"``: as in the DecompX paper, every bias is distributed over the source tokens
+  at the point where it enters, in proportion to |<part_k, bias>|; the bias part stays 0.
+  (If every dot product is 0 the bias goes to the receiving token itself.)
+Both modes are complete: parts (+ bias part) sum to the real tensors.
+
+Two algorithms. The forward one (:func:`propagate_parts`, :func:`head_scores`) carries all
+T parts, a (B, T, T, D) tensor, through every layer (cost about T forward passes; it
+yields per-layer parts; needed for ``"spread"``, whose weights depend on the parts). The
+adjoint one (:func:`adjoint_class_scores`, ``"separate"`` only) uses that the frozen
+network is affine in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
+vector-Jacobian product per class (cost a few forward passes). Both agree to rounding.
+
+Layer kinds are one function each (:data:`LAYER_STEPS`); a pre-LN step (GPT-2, Llama)
+plugs in there (and a frozen pre-LN layer next to :func:`frozen_post_ln_layer`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from captum_normattr.decompose.feed_forward import ig_closed_form
+from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
+from captum_normattr.decompose.records import LayerTensors
+
+BIAS_MODES: Tuple[str, ...] = ("separate", "spread")
+
+
+def check_bias_mode(bias_mode: str) -> None:
+    r"""Raise a ValueError naming the valid bias modes."""
+    if bias_mode not in BIAS_MODES:
+        raise ValueError(f"bias_mode must be one of {BIAS_MODES}, got {bias_mode!r}")
+
+
+def spread_weights(dots: Tensor, fallback: Tensor) -> Tensor:
+    r"""Weights over source tokens proportional to |dots|, summing to 1 over the last dim.
+
+    Args:
+        dots: (B, R, K) dot products <part_{r<-k}, bias_r>.
+        fallback: (R,) long: the source token that receives the whole bias of a row whose
+            dot products are all 0.
+
+    Returns:
+        (B, R, K).
+    """
+    a = dots.abs()
+    total = a.sum(-1, keepdim=True)
+    own = torch.zeros_like(a)
+    own[:, torch.arange(a.shape[1], device=a.device), fallback.to(a.device)] = 1.0
+    return torch.where(total > 0, a / torch.where(total > 0, total, torch.ones_like(total)), own)
+
+
+def absorb_bias(parts: Tensor, bias: Tensor, fallback: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""Spread a bias part over the parts in proportion to |<part, bias>| (``"spread"`` mode).
+
+    Args:
+        parts: (B, R, K, D).
+        bias: (B, R, D).
+        fallback: (R,) long, see :func:`spread_weights`.
+
+    Returns:
+        (parts + w * bias, zeros like bias); the sum over K plus the bias is unchanged.
+    """
+    w = spread_weights(torch.einsum("brkd,brd->brk", parts, bias), fallback)
+    return parts + w.unsqueeze(-1) * bias.unsqueeze(2), torch.zeros_like(bias)
+
+
+def initial_parts(embeddings: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""Parts of the layer-1 input: the embedding output of token i is all token i's.
+
+    Args:
+        embeddings: (B, T, D) the real input of the first layer.
+
+    Returns:
+        (parts (B, T, T, D) with parts[b, i, k] = [i = k] e_i, bias part zeros (B, T, D)).
+    """
+    t = embeddings.shape[1]
+    eye = torch.eye(t, dtype=embeddings.dtype, device=embeddings.device)
+    return embeddings.unsqueeze(2) * eye[None, :, :, None], torch.zeros_like(embeddings)
+
+
+def chunk_sizes(batch: int, tokens: int, rows: int, dim: int, ff_dim: int, itemsize: int, memory_budget_mb: float) -> Tuple[int, int]:
+    r"""Chunk sizes that keep the temporary tensors of one layer step within ``memory_budget_mb``.
+
+    Returns:
+        (source tokens per attention chunk, rows per feed-forward chunk), each >= 1.
+    """
+    budget = memory_budget_mb * 2**20
+    k_chunk = int(budget // max(1, 3 * batch * tokens * dim * itemsize))
+    r_chunk = int(budget // max(1, 3 * batch * tokens * ff_dim * itemsize))
+    return max(1, min(tokens, k_chunk)), max(1, min(rows, r_chunk))
+
+
+def post_ln_layer_parts(
+    parts: Tensor,
+    bias: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    bias_mode: str = "separate",
+    rows: Optional[Tensor] = None,
+    memory_budget_mb: float = 256.0,
+) -> Tuple[Tensor, Tensor]:
+    r"""Map parts of a post-LN layer's input to parts of its output.
+
+    Args:
+        parts: (B, T, K, D) parts of the layer input, entry [b, j, k] = x_{j<-k}.
+        bias: (B, T, D) the bias part of the layer input.
+        layer: the layer's real tensors (probabilities, norm inputs, FF parameters).
+        value_weight: (D, H * Dh) W_V as a right-multiplied matrix (heads concatenated).
+        value_bias: (H * Dh,) b_V or None.
+        bias_mode: ``"separate"`` or ``"spread"``.
+        rows: (R,) long, the output rows to produce (default: all T). Rows never mix
+            after the attention, so the last layer can stop at the explained row.
+        memory_budget_mb: bound on the temporary tensors (chunking over K, then over rows).
+
+    Returns:
+        (parts (B, R, K, D), bias part (B, R, D)): summing over K plus the bias part gives
+        the real layer output at ``rows``.
+    """
+    check_bias_mode(bias_mode)
+    spread = bias_mode == "spread"
+    b, t, k, d = parts.shape
+    dev, dtype = parts.device, parts.dtype
+    rows = torch.arange(t, device=dev) if rows is None else rows.to(dev)
+    r = rows.shape[0]
+    h = layer.num_heads
+    hd = value_weight.shape[1]
+    f = layer.ff
+    ff_dim = f["w_in"].shape[1]
+    k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), ff_dim, parts.element_size(), memory_budget_mb)
+    probs = layer.probs[:, :, rows]  # (B, H, R, T)
+    w_o = layer.out_weight
+    zeros_d = torch.zeros(d, dtype=dtype, device=dev)
+    b_o = layer.out_bias if layer.out_bias is not None else zeros_d
+    b_v = value_bias if value_bias is not None else torch.zeros(hd, dtype=dtype, device=dev)
+
+    # --- attention: values, mixed over keys per head, then W_O ---------------------
+    v_bias = bias @ value_weight + b_v  # (B, T, HDh)
+    v_weights = None
+    if spread:  # <x_{j<-k} W_V, vb_j> = <x_{j<-k}, vb_j W_V^T>
+        v_weights = spread_weights(torch.einsum("btkd,btd->btk", parts, v_bias @ value_weight.T), torch.arange(t, device=dev))
+    a = parts.new_empty(b, r, k, d)
+    for start in range(0, k, k_chunk):
+        kc = slice(start, min(k, start + k_chunk))
+        v = parts[:, :, kc] @ value_weight  # (B, T, kc, HDh)
+        if spread:
+            v = v + v_weights[:, :, kc, None] * v_bias[:, :, None, :]
+        v = v.view(b, t, v.shape[2], h, hd // h)
+        mixed = torch.einsum("bhij,bjkhe->bikhe", probs, v).reshape(b, r, v.shape[2], hd)
+        a[:, :, kc] = mixed @ w_o
+        del v, mixed
+    if spread:
+        a_bias = torch.zeros(b, r, d, dtype=dtype, device=dev)
+        a, _ = absorb_bias(a, b_o.expand(b, r, d), rows)
+    else:
+        mixed_b = torch.einsum("bhij,bjhe->bihe", probs, v_bias.view(b, t, h, hd // h)).reshape(b, r, hd)
+        a_bias = mixed_b @ w_o + b_o
+
+    # --- residual and LN1 ----------------------------------------------------------
+    a += parts[:, rows]
+    a_bias = a_bias + bias[:, rows]
+    ln1_in = layer.ln1_in[:, rows]
+    zt = apply_norm_to_parts(a, ln1_in, layer.ln1)
+    del a
+    zt_b = norm_bias_part(a_bias, ln1_in, layer.ln1)
+    if spread:
+        zt, zt_b = absorb_bias(zt, zt_b, rows)
+
+    # --- feed-forward (closed form at the real pre-activation), residual, LN2 -------
+    w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
+    real_pre = layer.ln1_out[:, rows] @ w1
+    if b1 is not None:
+        real_pre = real_pre + b1
+    g0 = act(torch.zeros((), dtype=dtype, device=dev))
+    res = torch.empty_like(zt)
+    res_b = torch.empty_like(zt_b)
+    for start in range(0, r, r_chunk):
+        rc = slice(start, min(r, start + r_chunk))
+        z_c, zb_c = zt[:, rc], zt_b[:, rc]
+        pre = z_c @ w1  # (B, rc, K, F)
+        pre_b = zb_c @ w1 + (b1 if b1 is not None else 0.0)
+        if spread:  # <zt_k W1, pb> = <zt_k, pb W1^T>
+            w = spread_weights(torch.einsum("brkd,brd->brk", z_c, pre_b @ w1.T), rows[rc])
+            pre = pre + w.unsqueeze(-1) * pre_b.unsqueeze(2)
+            pre_b = torch.zeros_like(pre_b)
+        ig = ig_closed_form(pre, real_pre[:, rc], act)
+        del pre
+        ig_b = ig_closed_form(pre_b.unsqueeze(-2), real_pre[:, rc], act).squeeze(-2)
+        ff = ig @ w2
+        del ig
+        ff_b = (ig_b + g0) @ w2
+        if b2 is not None:
+            ff_b = ff_b + b2
+        if spread:
+            ff, ff_b = absorb_bias(ff, ff_b, rows[rc])
+        res[:, rc] = z_c + ff
+        res_b[:, rc] = zb_c + ff_b
+        del ff
+    del zt
+    ln2_in = layer.ln2_in[:, rows]
+    y = apply_norm_to_parts(res, ln2_in, layer.ln2)
+    del res
+    y_b = norm_bias_part(res_b, ln2_in, layer.ln2)
+    if spread:
+        y, y_b = absorb_bias(y, y_b, rows)
+    return y, y_b
+
+
+def pre_ln_layer_parts(*args, **kwargs):
+    r"""Pre-LN layer step (GPT-2, Llama family): not implemented yet.
+
+    What it needs: parts of LN1(x_j) per token (apply_norm_to_parts with the real LN1
+    input; LN1 acts on one token, so no mixing), the values/mixing/W_O of the post-LN
+    step applied to them, the residual x_{i<-k} added WITHOUT a norm, the FF on parts of
+    LN2(h_i) (gated FF: the Gauss-Legendre path integrals of the decoder issue), the
+    residual again; after the last layer the final norm; then the LM-head row of the
+    target token (linear) instead of a classification head.
+    """
+    raise NotImplementedError("DecompX propagation through pre-LN layers (decoders) is not implemented yet")
+
+
+#: One step function per layer kind.
+LAYER_STEPS: Dict[str, Callable[..., Tuple[Tensor, Tensor]]] = {"post_ln": post_ln_layer_parts, "pre_ln": pre_ln_layer_parts}
+
+
+@dataclass
+class PropagatedParts:
+    r"""What :func:`propagate_parts` returns.
+
+    Attributes:
+        parts: (B, R, T, D) parts of the last layer's output at the rows kept.
+        bias: (B, R, D) its bias part.
+        rows: (R,) long, the rows of the last layer that were produced.
+        layer_part_norms: (B, L, T, T): entry [b, l, i, k] = |x^{(l)}_{i<-k}|, the norm of
+            source token k's part of layer l's output at token i. Pad rows/columns are 0;
+            rows of the last layer that were not produced are 0.
+        layer_bias_norms: (B, L, T): the norm of the bias part (0 in ``"spread"`` mode).
+        layer_errors: (B, L): max |sum of parts + bias part - real layer output| over the
+            produced real rows.
+    """
+
+    parts: Tensor
+    bias: Tensor
+    rows: Tensor
+    layer_part_norms: Tensor
+    layer_bias_norms: Tensor
+    layer_errors: Tensor
+
+
+def propagate_parts(
+    layers: Sequence[LayerTensors],
+    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
+    valid: Tensor,
+    bias_mode: str = "separate",
+    last_rows: Optional[Tensor] = None,
+    memory_budget_mb: float = 256.0,
+) -> PropagatedParts:
+    r"""Carry per-input-token parts through every layer.
+
+    Args:
+        layers: the captured layers (their ``hidden_in`` of layer 0 is the embedding output).
+        value_params: per layer (W_V (D, H*Dh), b_V (H*Dh,) or None).
+        valid: (B, T) bool, real tokens.
+        bias_mode: ``"separate"`` or ``"spread"``.
+        last_rows: (R,) long rows to produce in the last layer (default: all).
+        memory_budget_mb: bound on the temporary tensors of one layer step.
+
+    Returns:
+        :class:`PropagatedParts`.
+    """
+    check_bias_mode(bias_mode)
+    if len(layers) != len(value_params):
+        raise ValueError("one (W_V, b_V) per layer is needed")
+    x = layers[0].hidden_in
+    b, t, _ = x.shape
+    parts, bias = initial_parts(x)
+    n = len(layers)
+    vf = valid.to(x.dtype)
+    norms = x.new_zeros(b, n, t, t)
+    bias_norms = x.new_zeros(b, n, t)
+    errors = x.new_zeros(b, n)
+    rows = torch.arange(t, device=x.device)
+    for l, layer in enumerate(layers):
+        step = LAYER_STEPS["pre_ln" if layer.pre_ln else "post_ln"]
+        rows = torch.arange(t, device=x.device) if (l < n - 1 or last_rows is None) else last_rows.to(x.device)
+        w_v, b_v = value_params[l]
+        parts, bias = step(parts, bias, layer, w_v, b_v, bias_mode, rows=rows, memory_budget_mb=memory_budget_mb)
+        row_valid = vf[:, rows]
+        norms[:, l, rows] = parts.norm(dim=-1) * row_valid.unsqueeze(-1) * vf.unsqueeze(1)
+        bias_norms[:, l, rows] = bias.norm(dim=-1) * row_valid
+        err = (parts.sum(2) + bias - layer.layer_out[:, rows]).abs().amax(-1)
+        errors[:, l] = (err * row_valid).amax(-1)
+    return PropagatedParts(parts, bias, rows, norms, bias_norms, errors)
+
+
+def head_scores(
+    parts: Tensor,
+    bias: Tensor,
+    real_input: Tensor,
+    w_dense: Tensor,
+    b_dense: Optional[Tensor],
+    act: Callable[[Tensor], Tensor],
+    w_cls: Tensor,
+    b_cls: Optional[Tensor],
+    bias_mode: str = "separate",
+    fallback: int = 0,
+) -> Tuple[Tensor, Tensor]:
+    r"""Per-source-token class scores through a head act(h W_d + b_d) W_c + b_c.
+
+    Args:
+        parts: (B, K, D) parts of the pooled vector h (last layer output at the head's token).
+        bias: (B, D) its bias part.
+        real_input: (B, D) the real pooled vector (fixes the activation slopes).
+        w_dense, b_dense: (D, D2), (D2,) or None.
+        act: the elementwise activation.
+        w_cls, b_cls: (D2, C), (C,) or None.
+        bias_mode: ``"separate"`` or ``"spread"``.
+        fallback: the source token that takes a bias whose dot products are all 0.
+
+    Returns:
+        (scores (B, K, C), bias scores (B, C)) with scores.sum(1) + bias = the logits.
+    """
+    check_bias_mode(bias_mode)
+    spread = bias_mode == "spread"
+    fb = torch.tensor([fallback], device=parts.device)
+    u = parts @ w_dense
+    u_b = bias @ w_dense
+    real = real_input @ w_dense
+    if b_dense is not None:
+        u_b = u_b + b_dense
+        real = real + b_dense
+    if spread:
+        u, u_b = absorb_bias(u.unsqueeze(1), u_b.unsqueeze(1), fb)
+        u, u_b = u.squeeze(1), u_b.squeeze(1)
+    g0 = act(torch.zeros((), dtype=parts.dtype, device=parts.device))
+    ig = ig_closed_form(u, real, act)
+    ig_b = ig_closed_form(u_b.unsqueeze(-2), real, act).squeeze(-2)
+    s = ig @ w_cls
+    s_b = (ig_b + g0) @ w_cls
+    if b_cls is not None:
+        s_b = s_b + b_cls
+    if spread:
+        s, s_b = absorb_bias(s.unsqueeze(1), s_b.unsqueeze(1), fb)
+        s, s_b = s.squeeze(1), s_b.squeeze(1)
+    return s, s_b
+
+
+# --------------------------------------------------------------------------------------
+# The adjoint algorithm ("separate" bias mode): with every nonlinear quantity frozen at its
+# real value the network is affine in the embedding output, F(X) = sum_k L_k e_k + c, and
+# token k's DecompX score of class c is the contribution L_k e_k = <dF_c/dx_k, e_k>. One
+# forward pass of the frozen network and one vector-Jacobian product per explained class
+# give every token's score; the bias score is F(e) - sum_k scores = F(0) = c.
+# --------------------------------------------------------------------------------------
+def _slopes(real_pre: Tensor, act: Callable) -> Tensor:
+    r"""(g(p) - g(0)) / p at the real pre-activation (g'(0) where p ~ 0), via ig_closed_form."""
+    return ig_closed_form(torch.ones_like(real_pre).unsqueeze(-2), real_pre, act).squeeze(-2)
+
+
+def frozen_slopes(layers: Sequence[LayerTensors], head: "object") -> Tuple[List[Tensor], Tensor]:
+    r"""The frozen activation slopes: per layer (B, T, F) for the FF, and (B, D2) for the head."""
+    out = []
+    for layer in layers:
+        f = layer.ff
+        pre = layer.ln1_out @ f["w_in"]
+        if f.get("b_in") is not None:
+            pre = pre + f["b_in"]
+        out.append(_slopes(pre, f["act"]))
+    u = layers[-1].layer_out[:, head.position] @ head.w_dense
+    if head.b_dense is not None:
+        u = u + head.b_dense
+    return out, _slopes(u, head.act)
+
+
+def frozen_post_ln_layer(
+    x: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    with_bias: bool,
+    ff_slope: Tensor,
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""A post-LN layer with its nonlinear quantities frozen at the real values.
+
+    Linear in ``x`` when ``with_bias`` is False (the map of :func:`post_ln_layer_parts`
+    applied to one part); with ``with_bias`` and the real input it reproduces the real output.
+
+    Args:
+        x: (B, T, D).
+        layer: the layer's real tensors.
+        value_weight, value_bias: W_V (D, H*Dh) and b_V.
+        with_bias: add every bias (b_V, b_O, beta1, b1, g(0) W2 + b2, beta2).
+        ff_slope: (B, T, F) from :func:`frozen_slopes`.
+        rows: (R,) output rows to produce (default all).
+
+    Returns:
+        (B, R, D).
+    """
+    b, t, _ = x.shape
+    h = layer.num_heads
+    hd = value_weight.shape[1]
+    probs = layer.probs if rows is None else layer.probs[:, :, rows]
+    sel = (lambda u: u) if rows is None else (lambda u: u[:, rows])
+    v = x @ value_weight
+    if with_bias and value_bias is not None:
+        v = v + value_bias
+    mixed = torch.einsum("bhij,bjhe->bihe", probs, v.view(b, t, h, hd // h))
+    a = mixed.reshape(mixed.shape[0], mixed.shape[1], hd) @ layer.out_weight
+    if with_bias and layer.out_bias is not None:
+        a = a + layer.out_bias
+
+    def norm(u: Tensor, real: Tensor, params) -> Tensor:
+        return norm_bias_part(u, real, params) if with_bias else apply_norm_to_parts(u, real, params)
+
+    zt = norm(a + sel(x), sel(layer.ln1_in), layer.ln1)
+    f = layer.ff
+    w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
+    p = zt @ w1
+    if with_bias and b1 is not None:
+        p = p + b1
+    ff = (p * sel(ff_slope)) @ w2
+    if with_bias:
+        ff = ff + act(torch.zeros((), dtype=x.dtype, device=x.device)) * w2.sum(0)
+        if b2 is not None:
+            ff = ff + b2
+    return norm(zt + ff, sel(layer.ln2_in), layer.ln2)
+
+
+def frozen_logits(
+    x: Tensor,
+    layers: Sequence[LayerTensors],
+    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
+    head: "object",
+    with_bias: bool,
+    slopes: Optional[Tuple[List[Tensor], Tensor]] = None,
+) -> Tensor:
+    r"""Logits (B, C) of the frozen network (linear in ``x`` without biases).
+
+    Args:
+        x: (B, T, D) input of the first layer.
+        layers, value_params: as in :func:`propagate_parts`.
+        head: a :class:`~captum_normattr.models.heads.HeadParams`.
+        with_bias: include the biases.
+        slopes: :func:`frozen_slopes` (computed if None).
+    """
+    ff_slopes, head_slope = slopes if slopes is not None else frozen_slopes(layers, head)
+    n = len(layers)
+    pos = torch.tensor([head.position], device=x.device)
+    for l, (layer, (w_v, b_v)) in enumerate(zip(layers, value_params)):
+        x = frozen_post_ln_layer(x, layer, w_v, b_v, with_bias, ff_slopes[l], rows=pos if l == n - 1 else None)
+    u = x[:, 0] @ head.w_dense
+    if with_bias and head.b_dense is not None:
+        u = u + head.b_dense
+    out = (u * head_slope) @ head.w_cls
+    if with_bias:
+        out = out + head.act(torch.zeros((), dtype=x.dtype, device=x.device)) * head.w_cls.sum(0)
+        if head.b_cls is not None:
+            out = out + head.b_cls
+    return out
+
+
+def adjoint_class_scores(
+    layers: Sequence[LayerTensors],
+    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
+    head: "object",
+    target: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""DecompX scores (``"separate"`` bias mode) by one vector-Jacobian product per class.
+
+    Equal to :func:`propagate_parts` followed by :func:`head_scores` (up to rounding).
+
+    Args:
+        layers, value_params: as in :func:`propagate_parts`.
+        head: a :class:`~captum_normattr.models.heads.HeadParams`.
+        target: (B,) long: compute only these classes (one product in all); None: all classes.
+
+    Returns:
+        Without ``target``: (scores (B, T, C), bias scores (B, C)); with it:
+        (scores (B, T), bias scores (B,)). The bias score is F(e) - sum of the scores with
+        F the frozen affine network, so scores + bias reproduce F(e), whose distance to
+        the real logit is the completeness error.
+    """
+    if any(layer.pre_ln for layer in layers):
+        raise NotImplementedError("DecompX through pre-LN layers (decoders) is not implemented yet")
+    e = layers[0].hidden_in.detach()
+    slopes = frozen_slopes(layers, head)
+    with torch.enable_grad():
+        x = e.clone().requires_grad_(True)
+        out = frozen_logits(x, layers, value_params, head, True, slopes)
+        if target is not None:
+            picked = out.gather(1, target.view(-1, 1)).squeeze(1)
+            (g,) = torch.autograd.grad(picked.sum(), x)
+            scores = (g * e).sum(-1)
+            return scores.detach(), (picked - scores.sum(1)).detach()
+        c = out.shape[-1]
+        grads = [torch.autograd.grad(out[:, j].sum(), x, retain_graph=j < c - 1)[0] for j in range(c)]
+    scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
+    return scores.detach(), (out - scores.sum(1)).detach()
