@@ -57,45 +57,34 @@ END = "<!-- faithfulness_sst2.py: generated, end -->"
 
 # Published figures (DESIGN section 11)
 PUB_GLOBENC = {"W": -0.11, "N": 0.44, "N_RES": 0.73, "N_RESLN": -0.21, "N_ENC": 0.77}
-PUB_DECOMPX = {"N_ENC": 0.307, "ALTI": 0.416, "GradXInput emb-out (L2)": 0.310, "IG": 0.340}
+PUB_DECOMPX = {"N_ENC": 0.307, "ALTI": 0.416, "GradXInput emb-out (L2)": 0.310, "IG": 0.340, "DecompX": 0.627}
 PUB_ALTI = {"ALTI": (0.269, 0.057), "IG": (0.223, 0.074), "W_FIXEDRES": (0.076, 0.179)}
 
 
 def our_methods(model, names):
-    r"""Our methods that the installed captum_normattr provides, with notes on what is missing."""
-    methods, notes = [], []
-    try:
-        import captum_normattr as core
-    except Exception as err:  # pragma: no cover - depends on the core's state
-        return methods, [f"captum_normattr core not importable ({err!r}): only Captum baselines ran"]
-    maps = getattr(core, "GLOBENC_MAPS", ())
-    if hasattr(core, "GlobEncAttribution"):
-        for m in maps:
-            methods.append(baselines.globenc(model, m))
-    else:
-        notes.append("GlobEncAttribution not available")
-    if hasattr(core, "ALTIAttribution"):
-        methods.append(baselines.alti(model))
-    else:
-        notes.append("ALTIAttribution not available")
-    ff = [n for n in dir(core) if "FF" in n or "FeedForward" in n]
-    ff_classes = [n for n in ff if n.endswith("Attribution")]
-    for cname in ff_classes:
-        cls = getattr(core, cname)
-        scopes = getattr(core, "FF_SCOPES", None) or getattr(cls, "SCOPES", None)
-        try:
-            if scopes:
-                for sc in scopes:
-                    methods.append(baselines.normattr_method(cls(model, scope=sc), name=f"{cname.replace('Attribution', '')} {sc}"))
-            else:
-                methods.append(baselines.normattr_method(cls(model)))
-        except Exception as err:  # pragma: no cover
-            notes.append(f"{cname} could not be built: {err!r}")
-    if not ff_classes:
-        notes.append("no feed-forward decomposition class in captum_normattr yet: FF variants not run")
+    r"""Our methods: every GlobEnc-table map, ALTI, GlobEnc+FF, ALTI+FF and DecompX (both bias modes).
+
+    Args:
+        model: the fine-tuned sequence classifier.
+        names: restrict to these table names (None: all).
+
+    Returns:
+        (methods, notes).
+    """
+    from captum_normattr import GLOBENC_MAPS, FFIntegratedDecomposition
+
+    methods = [baselines.globenc(model, m) for m in GLOBENC_MAPS]
+    methods.append(baselines.alti(model))
+    methods.append(baselines.normattr_method(FFIntegratedDecomposition(model, contribution="norm")))  # GlobEnc+FF
+    methods.append(baselines.normattr_method(FFIntegratedDecomposition(model, contribution="alti")))  # ALTI+FF
+    methods.append(baselines.decompx(model, "separate"))
+    methods.append(baselines.decompx(model, "spread"))
     if names:
+        unknown = set(names) - {m.name for m in methods}
         methods = [m for m in methods if m.name in names]
-    return methods, notes
+        notes = [f"unknown method names ignored: {sorted(unknown)}"] if unknown else []
+        return methods, notes
+    return methods, []
 
 
 def fmt(x, d=3):
@@ -151,6 +140,10 @@ def comparison_tables(res: HarnessResult, ig_name: str) -> str:
     order("ERASER sufficiency ALTI < IG < rollout", ["ALTI", ig_name, "W_FIXEDRES"], "eraser_suff", higher=False)
     order("DecompX [MASK] AOPC ALTI > IG > GxI", ["ALTI", ig_name, "GradXInput emb-out (L2)"], "mask_aopc")
     order("DecompX [MASK] AOPC ALTI > GlobEnc (N_ENC)", ["ALTI", "N_ENC"], "mask_aopc")
+    order("DecompX [MASK] AOPC DecompX > IG (sum) > ALTI", ["DecompX", ig_name, "ALTI"], "mask_aopc")
+    order("DecompX [MASK] accuracy DecompX < IG (sum)", ["DecompX", ig_name], "mask_acc", higher=False)
+    order("ERASER comprehensiveness DecompX > IG (sum)", ["DecompX", ig_name], "eraser_comp")
+    order("ERASER sufficiency DecompX < IG (sum)", ["DecompX", ig_name], "eraser_suff", higher=False)
     if checks:
         out.append("Orderings (computed by the script):\n")
         out.extend(checks)
