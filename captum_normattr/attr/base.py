@@ -28,16 +28,21 @@ class LayerDecompositionAttribution(Attribution):
 
     Args:
         model: a supported Hugging Face model (``*Model`` or ``*ForSequenceClassification``).
-        explained_position: the explained row of the rollout: an int (0 = [CLS], the
-            default), ``"last"`` or a (B,) tensor.
+        explained_position: the explained row of the rollout: an int, ``"last"`` (the last
+            real token) or a (B,) tensor. None (default): 0 ([CLS]) for encoders, ``"last"``
+            for decoders.
         rollout: ``"raw"`` (default; the convention of the published figures) or
             ``"row_normalized"``.
     """
 
     method_name = "decomposition"
 
-    def __init__(self, model: nn.Module, explained_position: Union[int, str, Tensor] = 0, rollout: str = "raw") -> None:
+    def __init__(
+        self, model: nn.Module, explained_position: Union[int, str, Tensor, None] = None, rollout: str = "raw"
+    ) -> None:
         self.adapter = get_adapter(model)
+        if explained_position is None:
+            explained_position = "last" if self.adapter.causal else 0
         if rollout not in ROLLOUT_CONVENTIONS:
             raise ValueError(f"rollout must be one of {ROLLOUT_CONVENTIONS}, got {rollout!r}")
         Attribution.__init__(self, model)
