@@ -31,6 +31,8 @@ def _perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if any(k in name for k in ("wte", "wpe", "embed_tokens")):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))  # realistic scale next to the biases
+            elif name.endswith("weight") and p.dim() == 2:
+                p.mul_(10.0)  # std 0.2: attention and FF visibly mix tokens and gate pre-activations reach O(1)
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
             elif "ln" in name.split(".")[-2] or "norm" in name:

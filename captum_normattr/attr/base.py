@@ -57,9 +57,18 @@ class LayerDecompositionAttribution(Attribution):
     # --- shared -------------------------------------------------------------------
     def capture(self, prepared: PreparedInputs) -> List[LayerTensors]:
         r"""Run one recorded forward pass of the base model and return its layer tensors."""
+        return self.capture_full(prepared)[0]
+
+    def capture_full(self, prepared: PreparedInputs):
+        r"""One recorded forward pass: (layer tensors, final norm (params, input, output) or None).
+
+        The final norm is recorded for pre-LN models (GPT-2, Llama family); None otherwise.
+        """
         with torch.no_grad(), recording(self.model, self.adapter) as rec:
             base_model(self.model)(**prepared.forward_kwargs())
-        return rec.layer_tensors(compute_dtype(self.model))
+        dtype = compute_dtype(self.model)
+        final = rec.final_norm_tensors(dtype) if self.adapter.final_norm is not None else None
+        return rec.layer_tensors(dtype), final
 
     def decompose(self, inputs: Union[Tensor, Tuple[Tensor]], additional_forward_args: Any = None) -> DecompositionResult:
         r"""Decompose every layer and roll the maps out.

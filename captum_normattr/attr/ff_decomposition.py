@@ -8,6 +8,7 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerDecompositionAttribution
+from captum_normattr.decompose.decoder import pre_ln_component_scope_maps
 from captum_normattr.decompose.feed_forward import SCOPES, component_scope_maps
 from captum_normattr.decompose.records import LayerTensors
 
@@ -21,12 +22,19 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
     (FF-output parts), ``RES2`` (FF parts + residual) or ``LN2`` (the whole layer; default).
     The maps do not depend on ``target`` (class-agnostic).
 
+    Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``ATB`` = |h_{i<-j}| (attention block with
+    residual), ``LN2`` = LN2-output parts (the FF input), ``FF`` = FF-output parts, ``RES2`` =
+    the whole layer output h + FF (the default for them). A gated FF (SwiGLU) is integrated by
+    Gauss-Legendre quadrature with ``nodes`` nodes; its completeness error is the delta.
+
     Args:
-        model: a supported post-LN Hugging Face encoder (BERT, RoBERTa, ELECTRA, DistilBERT).
-        scope: one of ``"LN2"``, ``"RES2"``, ``"FF"``, ``"ATB"``.
-        method: ``"closed_form"`` (default) or ``"riemann"``.
+        model: a supported Hugging Face model (post-LN encoder or pre-LN decoder).
+        scope: one of ``"LN2"``, ``"RES2"``, ``"FF"``, ``"ATB"``; None (default): ``"LN2"`` for
+            post-LN encoders, ``"RES2"`` for pre-LN decoders (the whole layer in both cases).
+        method: ``"closed_form"`` (default) or ``"riemann"`` (elementwise FF).
         steps: Riemann steps (ignored for the closed form).
-        explained_position: explained row (0 = [CLS]).
+        nodes: Gauss-Legendre nodes for a gated FF (None: the default, 24).
+        explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
         chunk_rows: query rows per chunk when building explicit parts.
 
@@ -42,27 +50,33 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
     def __init__(
         self,
         model: nn.Module,
-        scope: str = "LN2",
+        scope: Optional[str] = None,
         method: str = "closed_form",
         steps: int = 50,
-        explained_position: Union[int, str, Tensor] = 0,
+        explained_position: Union[int, str, Tensor, None] = None,
         rollout: str = "raw",
         chunk_rows: Optional[int] = None,
+        nodes: Optional[int] = None,
     ) -> None:
-        if scope not in SCOPES:
+        if scope is not None and scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
         if method not in ("closed_form", "riemann"):
             raise ValueError(f"method must be 'closed_form' or 'riemann', got {method!r}")
         super().__init__(model, explained_position, rollout)
-        if self.adapter.pre_ln:
-            raise ValueError(f"FFIntegratedDecomposition supports post-LN encoders; {self.adapter.family} is pre-LN")
-        self.scope, self.method, self.steps, self.chunk_rows = scope, method, steps, chunk_rows
+        if scope is None:
+            scope = "RES2" if self.adapter.pre_ln else "LN2"
+        self.scope, self.method, self.steps, self.chunk_rows, self.nodes = scope, method, steps, chunk_rows, nodes
 
     def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
         per_scope: Dict[str, list] = {s: [] for s in SCOPES}
         ff_err, layer_err, per_ex = [], [], []
         for layer in layers:
-            maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps)
+            if layer.pre_ln:
+                maps, err = pre_ln_component_scope_maps(
+                    layer, valid, self.chunk_rows, self.method, self.steps, self.nodes, self.adapter.causal
+                )
+            else:
+                maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps)
             for s in SCOPES:
                 per_scope[s].append(maps[s])
             ff_err.append(err["ff"])

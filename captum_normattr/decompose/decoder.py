@@ -31,7 +31,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.alti import alti_map
+from captum_normattr.decompose.alti import alti_map, rows_per_chunk
 from captum_normattr.decompose.attention import attention_parts_rows, diagonal_attention_parts, part_norms_gram, project_values
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, mixing_ratio
@@ -41,6 +41,8 @@ from captum_normattr.decompose.records import LayerTensors
 PRE_LN_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "N", "N_FIXEDRES", "N_RES", "N_RESLN")
 #: Norm maps of pre-LN layers (a mixing ratio is defined for them).
 PRE_LN_NORM_MAPS: Tuple[str, ...] = ("N", "N_RES", "N_RESLN")
+#: Memory for the explicit parts of one chunk of query rows when no chunk size is given.
+DEFAULT_BUDGET_BYTES = 1 << 30
 #: The map of pre-LN layers used when none is named (GlobEncAttribution's default for decoders).
 PRE_LN_DEFAULT_MAP = "N_RESLN"
 
@@ -195,3 +197,206 @@ def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor
     h = layer.ln2_in[:, rows]
     parts = apply_norm_to_parts(residual_parts(layer, rows), h, layer.ln2)
     return parts, norm_bias_part(_out_bias(layer), h, layer.ln2)
+
+
+#: Component scopes of a pre-LN layer, in the order of the layer (DESIGN section 5).
+PRE_LN_SCOPES: Tuple[str, ...] = ("ATB", "LN2", "FF", "RES2")
+
+
+def pre_ln_ff_parts(
+    layer: LayerTensors,
+    u_parts: Tensor,
+    u_bias: Tensor,
+    method: str = "closed_form",
+    steps: int = 50,
+    nodes: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""FF-output parts from FF-input parts: gated (Gauss-Legendre) or elementwise (closed form/Riemann).
+
+    Args:
+        layer: the layer's tensors (``layer.ff`` holds the weights and activation).
+        u_parts: (B, R, P, D) parts of the FF input.
+        u_bias: (B, R, D) its bias part.
+        method, steps: for an elementwise FF, as in
+            :func:`~captum_normattr.decompose.feed_forward.ff_parts`.
+        nodes: Gauss-Legendre nodes for a gated FF (None: the default).
+
+    Returns:
+        ((B, R, P, D), (B, R, D)).
+    """
+    from captum_normattr.decompose.feed_forward import ff_parts
+    from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gated_ff_parts
+
+    f = layer.ff
+    if f.get("w_gate") is not None:
+        return gated_ff_parts(u_parts, u_bias, f["w_gate"], f.get("b_gate"), f["w_in"], f.get("b_in"), f["act"],
+                              f["w_out"], f.get("b_out"), nodes or DEFAULT_NODES)
+    return ff_parts(u_parts, u_bias, f["w_in"], f.get("b_in"), f["act"], f["w_out"], f.get("b_out"), method, steps)
+
+
+def pre_ln_component_scope_maps(
+    layer: LayerTensors,
+    valid: Tensor,
+    chunk_rows: Optional[int] = None,
+    method: str = "closed_form",
+    steps: int = 50,
+    nodes: Optional[int] = None,
+    causal: bool = True,
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""Norm maps of the component scopes of a pre-LN layer, built in chunks of query rows.
+
+    Scopes: ``ATB`` |h_{i<-j}| (attention block with its residual), ``LN2`` |LN2 parts| (the
+    FF input), ``FF`` |FF_{i<-j}| (FF output parts), ``RES2`` |h_{i<-j} + FF_{i<-j}| (the
+    whole layer output out_i = h_i + FF(LN2(h_i))).
+
+    Args:
+        layer: the layer's tensors.
+        valid: (B, T) bool.
+        chunk_rows: query rows per chunk (None: as many as fit in about 1 GiB of temporaries).
+        method, steps: elementwise FF integration (``"closed_form"`` or ``"riemann"``).
+        nodes: Gauss-Legendre nodes for a gated FF.
+        causal: zero the entries j > i.
+
+    Returns:
+        (maps, errors): maps scope -> (B, T, T); errors ``"ff"`` (scalar, max over real
+        tokens of |FF parts + bias - real FF output|), ``"layer"`` (the same against the
+        real layer output) and ``"ff_per_example"`` (B,).
+    """
+    b, t, d = layer.hidden_in.shape
+    if chunk_rows is None:  # about 4 (B, R, T, max(D, F)) temporaries within DEFAULT_BUDGET_BYTES
+        width = 2 * max(d, int(layer.ff["w_out"].shape[0]))
+        chunk = rows_per_chunk(b, t, width, layer.hidden_in.element_size(), DEFAULT_BUDGET_BYTES)
+    else:
+        chunk = max(1, int(chunk_rows))
+    dtype = layer.hidden_in.dtype
+    maps = {s: layer.hidden_in.new_zeros(b, t, t) for s in PRE_LN_SCOPES}
+    ff_err = layer.hidden_in.new_zeros(b, t)
+    layer_err = layer.hidden_in.new_zeros(b, t)
+    bias_o = _out_bias(layer)
+    for start in range(0, t, chunk):
+        rows = slice(start, min(t, start + chunk))
+        h = residual_parts(layer, rows)
+        u = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2)
+        u_b = norm_bias_part(bias_o, layer.ln2_in[:, rows], layer.ln2)
+        maps["ATB"][:, rows] = h.norm(dim=-1)
+        maps["LN2"][:, rows] = u.norm(dim=-1)
+        del u
+        u = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2)
+        ffp, ff_b = pre_ln_ff_parts(layer, u, u_b, method, steps, nodes)
+        del u
+        maps["FF"][:, rows] = ffp.norm(dim=-1)
+        ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
+        h.add_(ffp)
+        maps["RES2"][:, rows] = h.norm(dim=-1)
+        layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
+        del h, ffp
+    m2 = causal_mask2d(valid, dtype, causal)
+    maps = {s: v * m2 for s, v in maps.items()}
+    vm = valid.to(dtype)
+    ff_ex = (ff_err * vm).amax(-1)
+    return maps, {"ff": ff_ex.max(), "layer": (layer_err * vm).max(), "ff_per_example": ff_ex}
+
+
+def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
+    r"""The vector w_i that maps a piece v of the final residual stream to its logit, v . w_i.
+
+    The final norm is linearised at the REAL scale of x_{L,i}: a piece v maps to
+    gamma * c(v) / s(x_{L,i}) (c = centering for LayerNorm, identity for RMSNorm), whose logit
+    is u . gamma c(v) / s = v . c(gamma * u) / s (centering is symmetric).
+
+    Args:
+        params: the final norm's :class:`~captum_normattr.decompose.records.NormParams`.
+        real_input: (B, D) the real input x_{L,i} of the final norm at the explained positions.
+        unembed: (B, D) the unembedding direction u (W_U[target], or W_U[target] - W_U[foil]).
+
+    Returns:
+        (B, D).
+    """
+    w = unembed if params.weight is None else unembed * params.weight
+    if params.kind != "rmsnorm":
+        w = w - w.mean(-1, keepdim=True)
+    return w / norm_scale(real_input, params).unsqueeze(-1)
+
+
+def alti_logit_terms(
+    layers,
+    final_params,
+    final_in: Tensor,
+    final_out: Tensor,
+    unembed: Tensor,
+    unembed_bias: Tensor,
+    valid: Tensor,
+    position: Tensor,
+    chunk_rows: Optional[int] = None,
+    causal: bool = True,
+) -> Dict[str, Tensor]:
+    r"""ALTI-Logit (Ferrando et al. 2023): signed logit contributions of input tokens.
+
+    logit = u . FinalNorm(x_{L,i}) + bias_u, with x_{L,i} = x_{0,i} + sum_l (sum_j attn_{l,i<-j}
+    + b_O^l + FF_l(i)). Each piece maps to its logit through :func:`logit_direction`. The
+    attention update of layer l splits over source positions j; its logit is carried to the
+    input tokens k by row j of the ALTI rollout R_{l-1} of the layers below (R_{-1} = I, rows
+    sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k].
+    The embedding at i, the FF updates, the attention output biases and the final norm's
+    beta (with the LM head bias) belong to no token and are returned separately.
+
+    Args:
+        layers: list of :class:`~captum_normattr.decompose.records.LayerTensors` (pre-LN).
+        final_params: the final norm's parameters.
+        final_in, final_out: (B, T, D) real input and output of the final norm.
+        unembed: (B, D) unembedding direction per example.
+        unembed_bias: (B,) the LM head bias along it (0 if none).
+        valid: (B, T) bool.
+        position: (B,) explained positions i.
+        chunk_rows: query rows per chunk for the ALTI maps.
+        causal: zero the ALTI map entries j > i.
+
+    Returns:
+        dict with ``scores`` (B, T) token contributions; ``layer_token_contributions``
+        (B, L, T) (the same per layer, summing to ``scores``); ``layer_logit_updates``
+        (B, L, T) logit of attn_{l,i<-j} per source position j (before the rollout);
+        ``embedding`` (B,), ``ff`` (B, L), ``attention_bias`` (B, L), ``final_bias`` (B,):
+        the no-token terms; ``logit`` (B,) the model's real logit (from the real final
+        norm output); ``reconstruction`` (B,) tokens + no-token terms; ``delta`` (B,)
+        logit - reconstruction.
+    """
+    bidx = torch.arange(valid.shape[0], device=valid.device)
+    x_last = final_in[bidx, position]
+    w = logit_direction(final_params, x_last, unembed)  # (B, D)
+    vm = valid.to(w.dtype)
+    embedding = (layers[0].hidden_in[bidx, position] * w).sum(-1)
+    updates, ff_terms, bias_terms = [], [], []
+    for layer in layers:
+        projected = project_values(layer.values, layer.head_out_weight())  # (B, H, T, D)
+        dots = torch.einsum("bhtd,bd->bht", projected, w)
+        probs_i = layer.probs[bidx, :, position]  # (B, H, T)
+        updates.append((probs_i * dots).sum(1) * vm)
+        ff_terms.append((layer.ff_out[bidx, position] * w).sum(-1))
+        bias_terms.append((_out_bias(layer) * w).sum(-1))
+    updates_t = torch.stack(updates, 1)  # (B, L, T)
+    contributions = [updates_t[:, 0]]
+    joint = None
+    for l in range(1, len(layers)):
+        m = pre_ln_alti_map(layers[l - 1], valid, chunk_rows, causal)
+        joint = m if joint is None else m @ joint
+        contributions.append(torch.einsum("bj,bjk->bk", updates_t[:, l], joint))
+    contrib = torch.stack(contributions, 1) * vm.unsqueeze(1)
+    final_bias = unembed_bias.to(w.dtype)
+    if final_params.bias is not None:
+        final_bias = final_bias + (unembed * final_params.bias).sum(-1)
+    ff_t, bias_t = torch.stack(ff_terms, 1), torch.stack(bias_terms, 1)
+    scores = contrib.sum(1)
+    recon = scores.sum(-1) + embedding + ff_t.sum(-1) + bias_t.sum(-1) + final_bias
+    logit = (final_out[bidx, position] * unembed).sum(-1) + unembed_bias.to(w.dtype)
+    return {
+        "scores": scores,
+        "layer_token_contributions": contrib,
+        "layer_logit_updates": updates_t,
+        "embedding": embedding,
+        "ff": ff_t,
+        "attention_bias": bias_t,
+        "final_bias": final_bias,
+        "logit": logit,
+        "reconstruction": recon,
+        "delta": logit - recon,
+    }
