@@ -33,7 +33,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             post-LN encoders, ``"RES2"`` for pre-LN decoders (the whole layer in both cases).
         method: ``"closed_form"`` (default) or ``"riemann"`` (elementwise FF).
         steps: Riemann steps (ignored for the closed form).
-        nodes: Gauss-Legendre nodes for a gated FF (None: the default, 24).
+        nodes: Gauss-Legendre nodes for a gated FF (None: the default, 48).
         explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
         chunk_rows: query rows per chunk when building explicit parts.
