@@ -10,9 +10,11 @@ from captum_normattr.decompose.decoder import (
     ln2_parts,
     pre_ln_alti_map,
     pre_ln_component_scope_maps,
+    pre_ln_ff_parts,
     pre_ln_layer_maps,
     residual_parts,
 )
+from captum_normattr.decompose.feed_forward import ff_parts
 from captum_normattr.decompose.gated_feed_forward import gate_integrals, gated_ff_parts
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts
 from captum_normattr.decompose.mixing import fixed_residual
@@ -81,6 +83,25 @@ def test_ff_scopes_complete(family):
         assert torch.allclose(maps["ATB"], h.norm(dim=-1) * m2, atol=1e-12)
         assert torch.allclose(maps["LN2"], u.norm(dim=-1) * m2, atol=1e-12)
         assert (maps["FF"].triu(1) == 0).all() and (maps["RES2"].triu(1) == 0).all()
+        # the head-mixed pre-activations equal explicit LN2 parts pushed through the generic FF functions
+        u, u_b = ln2_parts(layer)
+        f = layer.ff
+        if f["w_gate"] is not None:
+            ref, ref_b = gated_ff_parts(u, u_b, f["w_gate"], f["b_gate"], f["w_in"], f["b_in"], f["act"], f["w_out"], f["b_out"])
+        else:
+            ref, ref_b = ff_parts(u, u_b, f["w_in"], f["b_in"], f["act"], f["w_out"], f["b_out"])
+        got, got_b = pre_ln_ff_parts(layer, slice(0, u.shape[1]))
+        assert torch.allclose(got, ref, atol=1e-12) and torch.allclose(got_b, ref_b, atol=1e-12)
+        assert torch.allclose(maps["FF"], ref.norm(dim=-1) * m2, atol=1e-12)
+
+
+def test_elementwise_riemann_converges():
+    model = make_decoder("gpt2")
+    ids, mask = decoder_batch([6], seed=3)
+    layer = capture(model, ids, mask)[0]
+    exact, _ = pre_ln_ff_parts(layer, slice(0, 6))
+    errs = [float((pre_ln_ff_parts(layer, slice(0, 6), "riemann", m)[0] - exact).abs().max()) for m in (4, 16, 64)]
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-3 * exact.abs().max(), errs
 
 
 def test_gated_quadrature_converges():

@@ -203,35 +203,107 @@ def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor
 PRE_LN_SCOPES: Tuple[str, ...] = ("ATB", "LN2", "FF", "RES2")
 
 
+def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[Tensor]) -> Dict[str, Tensor]:
+    r"""Per-layer tensors for :func:`ff_preactivation_parts` (computed once, reused for every row chunk).
+
+    Args:
+        layer: the layer's tensors.
+        weight: (D, F) the FF input (or gate) matrix; bias: (F,) or None.
+
+    Returns:
+        dict: ``projected`` (B, H, T, F) values through W_O^h A W, ``residual`` (B, T, F) x_i A W,
+        ``scale`` (B, T) s(h_i), ``bias`` (B, T, F) ((gamma2 c(b_O) / s_i + beta2) W + b).
+    """
+    d = layer.hidden_in.shape[-1]
+    lin = norm_linear_map(layer.ln2, d, layer.hidden_in.dtype, layer.hidden_in.device) @ weight  # (D, F)
+    pre_bias = norm_bias_part(_out_bias(layer), layer.ln2_in, layer.ln2) @ weight
+    if bias is not None:
+        pre_bias = pre_bias + bias
+    return {
+        "projected": project_values(layer.values, layer.head_out_weight(), lin),
+        "residual": layer.hidden_in @ lin,
+        "scale": norm_scale(layer.ln2_in, layer.ln2),
+        "bias": pre_bias,
+    }
+
+
+def ff_preactivation_parts(layer: LayerTensors, setup: Dict[str, Tensor], rows: slice) -> Tuple[Tensor, Tensor]:
+    r"""Parts of an FF pre-activation LN2(h_i) W + b, straight from the attention values.
+
+    LN2's part of j is A(h_{i<-j}) / s_i with A the fixed linear map of the norm, so
+    (A h_{i<-j} / s_i) W = (sum_h alpha^h_ij f^h_j (A W) + [i=j] x_i (A W)) / s_i: the values
+    are projected once through (A W) per head (:func:`ff_preactivation_setup`) and mixed over
+    heads, O(R T H F) instead of the O(R T D F) of multiplying explicit LN2 parts by W.
+
+    Args:
+        layer: the layer's tensors.
+        setup: from :func:`ff_preactivation_setup`.
+        rows: the query rows.
+
+    Returns:
+        (parts (B, R, T, F), bias part (B, R, F)).
+    """
+    parts = attention_parts_rows(layer.probs, setup["projected"], rows)
+    r = torch.arange(rows.start, rows.stop, device=parts.device)
+    parts[:, r - rows.start, r] += setup["residual"][:, rows]
+    parts.div_(setup["scale"][:, rows, None, None])
+    return parts, setup["bias"][:, rows]
+
+
 def pre_ln_ff_parts(
     layer: LayerTensors,
-    u_parts: Tensor,
-    u_bias: Tensor,
+    rows: slice,
     method: str = "closed_form",
     steps: int = 50,
     nodes: Optional[int] = None,
+    cache: Optional[Dict[str, Dict[str, Tensor]]] = None,
 ) -> Tuple[Tensor, Tensor]:
-    r"""FF-output parts from FF-input parts: gated (Gauss-Legendre) or elementwise (closed form/Riemann).
+    r"""FF-output parts FF_{i<-j} of a pre-LN layer for query rows ``rows``.
+
+    The FF input is LN2(h_i), split into the LN2 parts of h_{i<-j} and a bias part. A gated
+    FF (Llama family) is integrated by Gauss-Legendre quadrature (``nodes``), an elementwise
+    one (GPT-2) in closed form or by a Riemann sum (``method``, ``steps``), as in
+    :mod:`~captum_normattr.decompose.feed_forward`.
 
     Args:
         layer: the layer's tensors (``layer.ff`` holds the weights and activation).
-        u_parts: (B, R, P, D) parts of the FF input.
-        u_bias: (B, R, D) its bias part.
-        method, steps: for an elementwise FF, as in
-            :func:`~captum_normattr.decompose.feed_forward.ff_parts`.
+        rows: the query rows.
+        method, steps: elementwise integration.
         nodes: Gauss-Legendre nodes for a gated FF (None: the default).
+        cache: a dict kept across the row chunks of one layer (per-layer projections).
 
     Returns:
-        ((B, R, P, D), (B, R, D)).
+        (parts (B, R, T, D), bias part (B, R, D)), summing to the FF output.
     """
-    from captum_normattr.decompose.feed_forward import ff_parts
-    from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gated_ff_parts
+    from captum_normattr.decompose.feed_forward import ig_closed_form, ig_riemann
+    from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gated_ff_parts_from_preactivations
 
     f = layer.ff
+    cache = {} if cache is None else cache
+    for key, (w, b) in {"in": (f["w_in"], f.get("b_in")), "gate": (f.get("w_gate"), f.get("b_gate"))}.items():
+        if w is not None and key not in cache:
+            cache[key] = ff_preactivation_setup(layer, w, b)
     if f.get("w_gate") is not None:
-        return gated_ff_parts(u_parts, u_bias, f["w_gate"], f.get("b_gate"), f["w_in"], f.get("b_in"), f["act"],
-                              f["w_out"], f.get("b_out"), nodes or DEFAULT_NODES)
-    return ff_parts(u_parts, u_bias, f["w_in"], f.get("b_in"), f["act"], f["w_out"], f.get("b_out"), method, steps)
+        a, a_b = ff_preactivation_parts(layer, cache["gate"], rows)
+        b, b_b = ff_preactivation_parts(layer, cache["in"], rows)
+        return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f["act"], f["w_out"], f.get("b_out"), nodes or DEFAULT_NODES)
+    pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows)
+    allp = torch.cat([pre, pre_b.unsqueeze(-2)], -2)
+    del pre
+    total = allp.sum(-2)
+    if method == "closed_form":
+        ig = ig_closed_form(allp, total, f["act"])
+    elif method == "riemann":
+        ig = ig_riemann(allp, total, f["act"], steps)
+    else:
+        raise ValueError(f"method must be 'closed_form' or 'riemann', got {method!r}")
+    del allp
+    zero = f["act"](torch.zeros((), dtype=total.dtype, device=total.device))
+    out = ig @ f["w_out"]
+    parts, bias = out[..., :-1, :], out[..., -1, :] + zero * f["w_out"].sum(0)
+    if f.get("b_out") is not None:
+        bias = bias + f["b_out"]
+    return parts, bias
 
 
 def pre_ln_component_scope_maps(
@@ -273,17 +345,13 @@ def pre_ln_component_scope_maps(
     ff_err = layer.hidden_in.new_zeros(b, t)
     layer_err = layer.hidden_in.new_zeros(b, t)
     bias_o = _out_bias(layer)
+    cache: Dict[str, Dict[str, Tensor]] = {}
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
         h = residual_parts(layer, rows)
-        u = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2)
-        u_b = norm_bias_part(bias_o, layer.ln2_in[:, rows], layer.ln2)
         maps["ATB"][:, rows] = h.norm(dim=-1)
-        maps["LN2"][:, rows] = u.norm(dim=-1)
-        del u
-        u = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2)
-        ffp, ff_b = pre_ln_ff_parts(layer, u, u_b, method, steps, nodes)
-        del u
+        maps["LN2"][:, rows] = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2).norm(dim=-1)
+        ffp, ff_b = pre_ln_ff_parts(layer, rows, method, steps, nodes, cache)
         maps["FF"][:, rows] = ffp.norm(dim=-1)
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         h.add_(ffp)

@@ -106,11 +106,34 @@ def gated_ff_parts(
         a_bias = a_bias + b_gate
     if b_up is not None:
         b_bias = b_bias + b_up
+    return gated_ff_parts_from_preactivations(a_parts, a_bias, b_parts, b_bias, act, w_down, b_down, nodes)
+
+
+def gated_ff_parts_from_preactivations(
+    a_parts: Tensor,
+    a_bias: Tensor,
+    b_parts: Tensor,
+    b_bias: Tensor,
+    act: Callable,
+    w_down: Tensor,
+    b_down: Optional[Tensor],
+    nodes: int = DEFAULT_NODES,
+) -> Tuple[Tensor, Tensor]:
+    r"""Gated FF parts from the parts of the gate and up pre-activations.
+
+    Args:
+        a_parts, b_parts: (B, R, P, F) gate and up pre-activation parts (overwritten: pass
+            tensors you do not need afterwards).
+        a_bias, b_bias: (B, R, F) their bias parts (b_gate, b_up included).
+        act, w_down, b_down, nodes: as in :func:`gated_ff_parts`.
+
+    Returns:
+        (parts (B, R, P, D), bias part (B, R, D)).
+    """
     a = a_parts.sum(-2) + a_bias
     b = b_parts.sum(-2) + b_bias
     i1, i2 = gate_integrals(a, act, nodes)
-    c1 = (b * i1).unsqueeze(-2)
-    ig = a_parts.mul_(c1).add_(b_parts.mul_(i2.unsqueeze(-2)))
+    ig = a_parts.mul_((b * i1).unsqueeze(-2)).add_(b_parts.mul_(i2.unsqueeze(-2)))
     del b_parts
     parts = ig @ w_down
     bias = (a_bias * b * i1 + b_bias * i2) @ w_down
