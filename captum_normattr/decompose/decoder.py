@@ -214,8 +214,9 @@ def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[T
         dict: ``projected`` (B, H, T, F) values through W_O^h A W, ``residual`` (B, T, F) x_i A W,
         ``scale`` (B, T) s(h_i), ``bias`` (B, T, F) ((gamma2 c(b_O) / s_i + beta2) W + b).
     """
-    d = layer.hidden_in.shape[-1]
-    lin = norm_linear_map(layer.ln2, d, layer.hidden_in.dtype, layer.hidden_in.device) @ weight  # (D, F)
+    lin = weight if layer.ln2.weight is None else layer.ln2.weight.to(weight.dtype)[:, None] * weight
+    if layer.ln2.kind != "rmsnorm":
+        lin = lin - lin.mean(0, keepdim=True)  # C diag(gamma) W, C = I - 11^T / D: no (D, D) product
     pre_bias = norm_bias_part(_out_bias(layer), layer.ln2_in, layer.ln2) @ weight
     if bias is not None:
         pre_bias = pre_bias + bias
