@@ -2,7 +2,7 @@ r"""ALTI-Logit: token terms + no-token terms = the model's real logit; a naive r
 import pytest
 import torch
 
-from captum_normattr import ALTIAttribution, ALTILogitAttribution, GlobEncAttribution
+from captum_normattr import ALTILogitAttribution, GlobEncAttribution
 from captum_normattr.attr.inputs import prepare_inputs
 
 from conftest import make_model

@@ -16,7 +16,6 @@ from captum_normattr.decompose.decoder import (
 )
 from captum_normattr.decompose.feed_forward import ff_parts
 from captum_normattr.decompose.gated_feed_forward import gate_integrals, gated_ff_parts
-from captum_normattr.decompose.layer_norm import apply_norm_to_parts
 from captum_normattr.decompose.mixing import fixed_residual
 
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
