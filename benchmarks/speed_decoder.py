@@ -12,7 +12,7 @@ model and inputs, polled every 2 ms. Ratios are against one plain forward pass (
 measured the same way. Then, per method in ``--search-methods``, the longest input (a
 multiple of 256) whose peak extra memory stays under ``--limit-gb``: the child aborts as
 soon as it crosses the limit (so the machine never sees much more), the first probe is
-predicted from a quadratic fit of the measured peaks, and the search stops after
+predicted from a fit a + c T^2 (or a full quadratic with 3+ points) of the measured peaks, and the search stops after
 ``--search-budget`` seconds (the answer is then a bracket).
 """
 from __future__ import annotations
@@ -121,7 +121,12 @@ def search(name: str, measured: dict, limit_mb: float, budget_s: float, cap: int
     hi = cap + 256
     if len(pts) >= 2:
         t_arr = np.array([p[0] for p in pts], dtype=float)
-        coef = np.polyfit(t_arr, np.array([p[1] for p in pts]), min(2, len(pts) - 1))
+        m_arr = np.array([p[1] for p in pts])
+        if len(pts) == 2:  # two points: peak = a + c t^2 (the (T, T) tensors dominate)
+            c = (m_arr[1] - m_arr[0]) / (t_arr[1] ** 2 - t_arr[0] ** 2)
+            coef = np.array([c, 0.0, m_arr[0] - c * t_arr[0] ** 2])
+        else:
+            coef = np.polyfit(t_arr, m_arr, 2)
         coef[-1] -= limit_mb  # roots of peak(t) - limit
         roots = [r.real for r in np.roots(coef) if abs(r.imag) < 1e-9 and r.real > 0]
         guess = int(max(roots) // 256 * 256) if roots else 2 * lo
@@ -152,6 +157,7 @@ def search(name: str, measured: dict, limit_mb: float, budget_s: float, cap: int
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="the forward pass always runs")
     p.add_argument("--ff-tokens", type=int, nargs="*", default=[256], help="lengths at which FF decomposition is timed")
     p.add_argument("--search-methods", nargs="*", default=["globenc"])
     p.add_argument("--fit-methods", nargs="*", default=["alti", "alti_logit"],
@@ -172,6 +178,8 @@ def main() -> None:
     results = {}
     for t in args.tokens:
         for m in METHODS:
+            if m != "forward" and m not in args.methods:
+                continue
             if m == "ff" and t not in args.ff_tokens:
                 continue
             r = run_child(m, t, limit_mb)

@@ -75,8 +75,11 @@ def test_ff_scopes_complete(family):
         maps, err = pre_ln_component_scope_maps(layer, v, chunk_rows=2)
         assert err["ff"] < 1e-10 and err["layer"] < 1e-10, err  # FF parts -> real MLP output; h + FF -> layer output
         full, _ = pre_ln_component_scope_maps(layer, v)
+        dense, dense_err = pre_ln_component_scope_maps(layer, v, chunk_rows=4, causal=False)  # every source column
+        assert dense_err["ff"] < 1e-10
         for s in maps:
             assert torch.allclose(maps[s], full[s], atol=1e-13)
+            assert torch.allclose(maps[s], dense[s] * m2, atol=1e-13)
         h = residual_parts(layer)
         u, _ = ln2_parts(layer)
         assert torch.allclose(maps["ATB"], h.norm(dim=-1) * m2, atol=1e-12)

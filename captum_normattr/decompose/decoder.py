@@ -168,12 +168,17 @@ def pre_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int
     return out
 
 
-def residual_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tensor:
-    r"""Explicit parts h_{i<-j} for query rows ``rows`` (all by default): (B, R, T, D)."""
+def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Optional[int] = None) -> Tensor:
+    r"""Explicit parts h_{i<-j} for query rows ``rows`` (all by default): (B, R, C, D).
+
+    ``cols``: only the source tokens j < cols (C = cols; all T by default). With causal
+    attention, rows i < cols have no other non-zero part, so ``cols = rows.stop`` skips zeros.
+    """
     t = layer.hidden_in.shape[1]
     rows = rows if rows is not None else slice(0, t)
-    projected = project_values(layer.values, layer.head_out_weight())
-    parts = attention_parts_rows(layer.probs, projected, rows)
+    cols = t if cols is None else cols
+    projected = project_values(layer.values[:, :, :cols], layer.head_out_weight())
+    parts = attention_parts_rows(layer.probs[..., :cols], projected, rows)
     r = torch.arange(rows.start, rows.stop, device=parts.device)
     parts[:, r - rows.start, r] += layer.hidden_in[:, rows]
     return parts
@@ -228,7 +233,9 @@ def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[T
     }
 
 
-def ff_preactivation_parts(layer: LayerTensors, setup: Dict[str, Tensor], rows: slice) -> Tuple[Tensor, Tensor]:
+def ff_preactivation_parts(
+    layer: LayerTensors, setup: Dict[str, Tensor], rows: slice, cols: Optional[int] = None
+) -> Tuple[Tensor, Tensor]:
     r"""Parts of an FF pre-activation LN2(h_i) W + b, straight from the attention values.
 
     LN2's part of j is A(h_{i<-j}) / s_i with A the fixed linear map of the norm, so
@@ -240,11 +247,13 @@ def ff_preactivation_parts(layer: LayerTensors, setup: Dict[str, Tensor], rows: 
         layer: the layer's tensors.
         setup: from :func:`ff_preactivation_setup`.
         rows: the query rows.
+        cols: only source tokens j < cols (see :func:`residual_parts`).
 
     Returns:
-        (parts (B, R, T, F), bias part (B, R, F)).
+        (parts (B, R, C, F), bias part (B, R, F)).
     """
-    parts = attention_parts_rows(layer.probs, setup["projected"], rows)
+    cols = layer.hidden_in.shape[1] if cols is None else cols
+    parts = attention_parts_rows(layer.probs[..., :cols], setup["projected"][:, :, :cols], rows)
     r = torch.arange(rows.start, rows.stop, device=parts.device)
     parts[:, r - rows.start, r] += setup["residual"][:, rows]
     parts.div_(setup["scale"][:, rows, None, None])
@@ -258,6 +267,7 @@ def pre_ln_ff_parts(
     steps: int = 50,
     nodes: Optional[int] = None,
     cache: Optional[Dict[str, Dict[str, Tensor]]] = None,
+    cols: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     r"""FF-output parts FF_{i<-j} of a pre-LN layer for query rows ``rows``.
 
@@ -272,6 +282,7 @@ def pre_ln_ff_parts(
         method, steps: elementwise integration.
         nodes: Gauss-Legendre nodes for a gated FF (None: the default).
         cache: a dict kept across the row chunks of one layer (per-layer projections).
+        cols: only source tokens j < cols (see :func:`residual_parts`).
 
     Returns:
         (parts (B, R, T, D), bias part (B, R, D)), summing to the FF output.
@@ -285,10 +296,10 @@ def pre_ln_ff_parts(
         if w is not None and key not in cache:
             cache[key] = ff_preactivation_setup(layer, w, b)
     if f.get("w_gate") is not None:
-        a, a_b = ff_preactivation_parts(layer, cache["gate"], rows)
-        b, b_b = ff_preactivation_parts(layer, cache["in"], rows)
+        a, a_b = ff_preactivation_parts(layer, cache["gate"], rows, cols)
+        b, b_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
         return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f["act"], f["w_out"], f.get("b_out"), nodes or DEFAULT_NODES)
-    pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows)
+    pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
     allp = torch.cat([pre, pre_b.unsqueeze(-2)], -2)
     del pre
     total = allp.sum(-2)
@@ -328,7 +339,8 @@ def pre_ln_component_scope_maps(
         chunk_rows: query rows per chunk (None: as many as fit in about 1 GiB of temporaries).
         method, steps: elementwise FF integration (``"closed_form"`` or ``"riemann"``).
         nodes: Gauss-Legendre nodes for a gated FF.
-        causal: zero the entries j > i.
+        causal: the attention is causal: sources j > i (exactly zero parts) are skipped
+            and their entries are 0.
 
     Returns:
         (maps, errors): maps scope -> (B, T, T); errors ``"ff"`` (scalar, max over real
@@ -339,6 +351,8 @@ def pre_ln_component_scope_maps(
     if chunk_rows is None:  # about 4 (B, R, T, max(D, F)) temporaries within DEFAULT_BUDGET_BYTES
         width = 2 * max(d, int(layer.ff["w_out"].shape[0]))
         chunk = rows_per_chunk(b, t, width, layer.hidden_in.element_size(), DEFAULT_BUDGET_BYTES)
+        if causal:  # smaller chunks skip more of the all-zero upper triangle (row i needs only j <= i)
+            chunk = min(chunk, max(16, -(-t // 8)))
     else:
         chunk = max(1, int(chunk_rows))
     dtype = layer.hidden_in.dtype
@@ -349,14 +363,15 @@ def pre_ln_component_scope_maps(
     cache: Dict[str, Dict[str, Tensor]] = {}
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
-        h = residual_parts(layer, rows)
-        maps["ATB"][:, rows] = h.norm(dim=-1)
-        maps["LN2"][:, rows] = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2).norm(dim=-1)
-        ffp, ff_b = pre_ln_ff_parts(layer, rows, method, steps, nodes, cache)
-        maps["FF"][:, rows] = ffp.norm(dim=-1)
+        cols = rows.stop if causal else t  # causal: sources j > i have exactly zero parts
+        h = residual_parts(layer, rows, cols)
+        maps["ATB"][:, rows, :cols] = h.norm(dim=-1)
+        maps["LN2"][:, rows, :cols] = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2).norm(dim=-1)
+        ffp, ff_b = pre_ln_ff_parts(layer, rows, method, steps, nodes, cache, cols)
+        maps["FF"][:, rows, :cols] = ffp.norm(dim=-1)
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         h.add_(ffp)
-        maps["RES2"][:, rows] = h.norm(dim=-1)
+        maps["RES2"][:, rows, :cols] = h.norm(dim=-1)
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, ffp
     m2 = causal_mask2d(valid, dtype, causal)
