@@ -156,13 +156,14 @@ def pre_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int
         layer: the layer's tensors.
         valid: (B, T) bool.
         chunk_rows: query rows per chunk.
-        causal: zero the entries j > i (exactly 0 already up to the last bit of the L1 sums).
+        causal: the attention is causal: each chunk of rows works on the sources before its
+            end only, and the entries j > i are 0.
 
     Returns:
         (B, T, T), real rows summing to 1.
     """
     projected = project_values(layer.values, layer.head_out_weight())
-    out = alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows)
+    out = alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows, causal)
     if causal:
         out = out * causal_mask2d(valid, out.dtype, True)
     return out
