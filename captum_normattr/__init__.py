@@ -1,9 +1,10 @@
 r"""captum_normattr: decomposition-based attributions for Transformers, as Captum classes.
 
-GlobEnc, the norm-based maps of Kobayashi et al., and ALTI, for BERT, RoBERTa, ELECTRA
-and DistilBERT models from Hugging Face ``transformers``.
+GlobEnc, the norm-based maps of Kobayashi et al., ALTI and the FF decomposition, for BERT,
+RoBERTa, ELECTRA and DistilBERT encoders and GPT-2, Llama, Mistral and Qwen2 decoders from
+Hugging Face ``transformers``; ALTI-Logit for next-token logits of the decoders.
 """
-from captum_normattr.attr import ALTIAttribution, FFIntegratedDecomposition, GlobEncAttribution
+from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALTIAttribution",
+    "ALTILogitAttribution",
+    "ALTILogitResult",
     "GlobEncAttribution",
     "FFIntegratedDecomposition",
     "DecompXAttribution",

@@ -28,16 +28,21 @@ class LayerDecompositionAttribution(Attribution):
 
     Args:
         model: a supported Hugging Face model (``*Model`` or ``*ForSequenceClassification``).
-        explained_position: the explained row of the rollout: an int (0 = [CLS], the
-            default), ``"last"`` or a (B,) tensor.
+        explained_position: the explained row of the rollout: an int, ``"last"`` (the last
+            real token) or a (B,) tensor. None (default): 0 ([CLS]) for encoders, ``"last"``
+            for decoders.
         rollout: ``"raw"`` (default; the convention of the published figures) or
             ``"row_normalized"``.
     """
 
     method_name = "decomposition"
 
-    def __init__(self, model: nn.Module, explained_position: Union[int, str, Tensor] = 0, rollout: str = "raw") -> None:
+    def __init__(
+        self, model: nn.Module, explained_position: Union[int, str, Tensor, None] = None, rollout: str = "raw"
+    ) -> None:
         self.adapter = get_adapter(model)
+        if explained_position is None:
+            explained_position = "last" if self.adapter.causal else 0
         if rollout not in ROLLOUT_CONVENTIONS:
             raise ValueError(f"rollout must be one of {ROLLOUT_CONVENTIONS}, got {rollout!r}")
         Attribution.__init__(self, model)
@@ -52,9 +57,18 @@ class LayerDecompositionAttribution(Attribution):
     # --- shared -------------------------------------------------------------------
     def capture(self, prepared: PreparedInputs) -> List[LayerTensors]:
         r"""Run one recorded forward pass of the base model and return its layer tensors."""
+        return self.capture_full(prepared)[0]
+
+    def capture_full(self, prepared: PreparedInputs):
+        r"""One recorded forward pass: (layer tensors, final norm (params, input, output) or None).
+
+        The final norm is recorded for pre-LN models (GPT-2, Llama family); None otherwise.
+        """
         with torch.no_grad(), recording(self.model, self.adapter) as rec:
             base_model(self.model)(**prepared.forward_kwargs())
-        return rec.layer_tensors(compute_dtype(self.model))
+        dtype = compute_dtype(self.model)
+        final = rec.final_norm_tensors(dtype) if self.adapter.final_norm is not None else None
+        return rec.layer_tensors(dtype), final
 
     def decompose(self, inputs: Union[Tensor, Tuple[Tensor]], additional_forward_args: Any = None) -> DecompositionResult:
         r"""Decompose every layer and roll the maps out.

@@ -8,6 +8,7 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerDecompositionAttribution
+from captum_normattr.decompose.decoder import pre_ln_component_scope_maps
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES, component_scope_maps
 from captum_normattr.decompose.records import LayerTensors
 
@@ -25,12 +26,19 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
     **ALTI+FF**, and ``ATB`` is plain ALTI). The maps are rolled out over layers like
     GlobEnc and ALTI, and do not depend on ``target`` (class-agnostic).
 
+    Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``ATB`` = |h_{i<-j}| (attention block with
+    residual), ``LN2`` = LN2-output parts (the FF input), ``FF`` = FF-output parts, ``RES2`` =
+    the whole layer output h + FF (the default for them). A gated FF (SwiGLU) is integrated by
+    Gauss-Legendre quadrature with ``nodes`` nodes; its completeness error is the delta.
+
     Args:
-        model: a supported post-LN Hugging Face encoder (BERT, RoBERTa, ELECTRA, DistilBERT).
-        scope: one of ``"LN2"`` (default), ``"RES2"``, ``"FF"``, ``"ATB"``.
-        method: ``"closed_form"`` (default) or ``"riemann"``.
+        model: a supported Hugging Face model (post-LN encoder or pre-LN decoder).
+        scope: one of ``"LN2"``, ``"RES2"``, ``"FF"``, ``"ATB"``; None (default): ``"LN2"`` for
+            post-LN encoders, ``"RES2"`` for pre-LN decoders (the whole layer in both cases).
+        method: ``"closed_form"`` (default) or ``"riemann"`` (elementwise FF).
         steps: Riemann steps (ignored for the closed form).
-        explained_position: explained row (0 = [CLS]).
+        nodes: Gauss-Legendre nodes for a gated FF (None: the default, 48).
+        explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
         chunk_rows: query rows per chunk when building explicit parts (overrides
             ``memory_budget_mb``).
@@ -54,17 +62,18 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
     def __init__(
         self,
         model: nn.Module,
-        scope: str = "LN2",
+        scope: Optional[str] = None,
         method: str = "closed_form",
         steps: int = 50,
-        explained_position: Union[int, str, Tensor] = 0,
+        explained_position: Union[int, str, Tensor, None] = None,
         rollout: str = "raw",
         chunk_rows: Optional[int] = None,
         contribution: str = "norm",
         memory_budget_mb: float = 128.0,
         ignore_low_gamma: float = 0.0,
+        nodes: Optional[int] = None,
     ) -> None:
-        if scope not in SCOPES:
+        if scope is not None and scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
         if method not in IG_METHODS:
             raise ValueError(f"method must be one of {IG_METHODS}, got {method!r}")
@@ -77,17 +86,27 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         if ignore_low_gamma and contribution != "norm":
             raise ValueError("ignore_low_gamma acts on the norms of LayerNorm-output parts: use contribution='norm'")
         super().__init__(model, explained_position, rollout)
-        if self.adapter.pre_ln:
-            raise ValueError(f"FFIntegratedDecomposition supports post-LN encoders; {self.adapter.family} is pre-LN")
-        self.scope, self.method, self.steps, self.chunk_rows = scope, method, steps, chunk_rows
+        if self.adapter.pre_ln and (contribution != "norm" or ignore_low_gamma):
+            raise ValueError(
+                f"{self.adapter.family} is a pre-LN decoder: FFIntegratedDecomposition supports contribution='norm' "
+                "without ignore_low_gamma there (ALTI+FF and the LayerNorm-gamma ablation are post-LN analyses)"
+            )
+        if scope is None:
+            scope = "RES2" if self.adapter.pre_ln else "LN2"
+        self.scope, self.method, self.steps, self.chunk_rows, self.nodes = scope, method, steps, chunk_rows, nodes
         self.contribution, self.memory_budget_mb, self.ignore_low_gamma = contribution, memory_budget_mb, ignore_low_gamma
 
     def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
         per_map: Dict[str, list] = {}
         ff_err, layer_err, per_ex = [], [], []
         for layer in layers:
-            maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps, self.contribution,
-                                             self.ignore_low_gamma, self.memory_budget_mb)
+            if layer.pre_ln:
+                maps, err = pre_ln_component_scope_maps(
+                    layer, valid, self.chunk_rows, self.method, self.steps, self.nodes, self.adapter.causal
+                )
+            else:
+                maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps,
+                                                 self.contribution, self.ignore_low_gamma, self.memory_budget_mb)
             for name, m in maps.items():
                 per_map.setdefault(name, []).append(m)
             ff_err.append(err["ff"])
@@ -135,7 +154,8 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         return True
 
     def get_name(self) -> str:
-        if self.scope == "LN2":
+        whole_layer = "RES2" if self.adapter.pre_ln else "LN2"
+        if self.scope == whole_layer:
             name = "GlobEnc+FF" if self.contribution == "norm" else "ALTI+FF"
         elif self.contribution == "norm":
             name = f"FF decomposition ({self.scope})"

@@ -7,6 +7,13 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerDecompositionAttribution
+from captum_normattr.decompose.decoder import (
+    PRE_LN_DEFAULT_MAP,
+    PRE_LN_NORM_MAPS,
+    check_pre_ln_map,
+    pre_ln_completeness_error,
+    pre_ln_layer_maps,
+)
 from captum_normattr.decompose.encoder import GLOBENC_MAPS, NORM_MAPS, post_ln_completeness_error, post_ln_layer_maps
 from captum_normattr.decompose.records import LayerTensors
 
@@ -21,10 +28,17 @@ class GlobEncAttribution(LayerDecompositionAttribution):
     Computed exactly from per-token head Gram matrices: no (H, T, T, D) tensor is formed.
     The maps do not depend on ``target`` (class-agnostic).
 
+    Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``W``, ``W_FIXEDRES``, ``N``,
+    ``N_FIXEDRES``, ``N_RES`` (attention + residual, h_{i<-j}) and ``N_RESLN`` (the parts of
+    the LN2 output, the default) are defined; ``N_ENC`` and ``W_RES`` raise (see
+    :mod:`captum_normattr.decompose.decoder`). The explained row defaults to the last token.
+
     Args:
-        model: a supported Hugging Face encoder (BERT, RoBERTa, ELECTRA, DistilBERT).
-        map_name: one of :data:`~captum_normattr.GLOBENC_MAPS`.
-        explained_position: explained row (0 = [CLS]).
+        model: a supported Hugging Face model (BERT, RoBERTa, ELECTRA, DistilBERT, GPT-2,
+            Llama, Mistral, Qwen2).
+        map_name: one of :data:`~captum_normattr.GLOBENC_MAPS`; None (default): ``"N_ENC"``
+            for post-LN encoders, ``"N_RESLN"`` for pre-LN decoders.
+        explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
 
     Examples::
@@ -38,20 +52,33 @@ class GlobEncAttribution(LayerDecompositionAttribution):
     def __init__(
         self,
         model: nn.Module,
-        map_name: str = "N_ENC",
-        explained_position: Union[int, str, Tensor] = 0,
+        map_name: Optional[str] = None,
+        explained_position: Union[int, str, Tensor, None] = None,
         rollout: str = "raw",
     ) -> None:
-        if map_name not in GLOBENC_MAPS:
+        if map_name is not None and map_name not in GLOBENC_MAPS:
             raise ValueError(f"unknown map_name {map_name!r}; choose from {GLOBENC_MAPS}")
         super().__init__(model, explained_position, rollout)
+        if map_name is None:
+            map_name = PRE_LN_DEFAULT_MAP if self.adapter.pre_ln else "N_ENC"
         if self.adapter.pre_ln:
-            raise ValueError(f"GlobEncAttribution supports post-LN encoders; {self.adapter.family} is pre-LN")
+            try:
+                check_pre_ln_map(map_name)
+            except ValueError as e:
+                raise ValueError(f"{self.adapter.family}: {e}") from None
         self.map_name = map_name
 
     def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
         maps, ratios = [], []
         errors = []
+        if self.adapter.pre_ln:
+            for layer in layers:
+                m, r = pre_ln_layer_maps(layer, valid, (self.map_name,), self.adapter.causal)
+                maps.append(m[self.map_name])
+                ratios.append(r.get(self.map_name) if self.map_name in PRE_LN_NORM_MAPS else None)
+                errors.append(pre_ln_completeness_error(layer, valid))
+            mixing = torch.stack(ratios, 1) if all(r is not None for r in ratios) else None
+            return torch.stack(maps, 1), mixing, {"completeness_error": torch.stack(errors)}
         for layer in layers:
             m, r = post_ln_layer_maps(layer, valid, (self.map_name,))
             maps.append(m[self.map_name])

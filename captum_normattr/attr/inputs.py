@@ -19,6 +19,7 @@ class PreparedInputs:
     attention_mask: Tensor  # (B, T) long
     token_type_ids: Optional[Tensor]
     is_tuple: bool
+    causal: bool = False
 
     @property
     def valid(self) -> Tensor:
@@ -37,7 +38,19 @@ class PreparedInputs:
             kw["inputs_embeds"] = self.inputs_embeds
         if self.token_type_ids is not None:
             kw["token_type_ids"] = self.token_type_ids
+        if self.causal:
+            kw["position_ids"] = self.position_ids
+            kw["use_cache"] = False
         return kw
+
+    @property
+    def position_ids(self) -> Tensor:
+        r"""Decoder positions counted over real tokens only (cumsum of the mask - 1; pads get 0).
+
+        A left-padded example thereby gets the positions it has alone (GPT-2's absolute
+        positions and the rotary positions of the Llama family alike).
+        """
+        return (self.attention_mask.cumsum(-1) - 1).clamp_min(0)
 
 
 def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -144,7 +157,15 @@ def prepare_inputs(
         if tuple(token_types.shape) != (b, t):
             raise ValueError(f"token_type_ids must have shape {(b, t)}; got {tuple(token_types.shape)}")
         token_types = token_types.to(device=device, dtype=torch.long)
-    return PreparedInputs(ids, embeds, mask, token_types, is_tuple)
+    if adapter.causal and _has_gaps(mask):
+        raise ValueError("attention_mask of a decoder must be one contiguous block of 1s (left or right padding)")
+    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal)
+
+
+def _has_gaps(mask: Tensor) -> bool:
+    r"""True where some row's 1s are not one contiguous block."""
+    rises = ((mask[:, 1:] == 1) & (mask[:, :-1] == 0)).sum(-1) + (mask[:, 0] == 1).long()
+    return bool((rises > 1).any())
 
 
 def explained_positions(explained_position: Union[int, str, Tensor], valid: Tensor) -> Tensor:

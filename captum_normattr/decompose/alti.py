@@ -53,6 +53,7 @@ def alti_map(
     valid: Tensor,
     row_scale: Optional[Tensor] = None,
     chunk_rows: Optional[int] = None,
+    causal: bool = False,
 ) -> Tensor:
     r"""ALTI layer map from attention probabilities and per-head projected values.
 
@@ -68,20 +69,25 @@ def alti_map(
         valid: (B, T) bool, non-pad tokens.
         row_scale: optional (B, T) divisor per receiving token (a norm's real scale).
         chunk_rows: query rows per chunk (None: all at once).
+        causal: causal attention (decoders): row i has parts only from j <= i, so each chunk
+            of rows works on the source tokens before its end only (entries j > i are 0).
 
     Returns:
         (B, T, T) contributions, valid rows summing to 1, pad rows and columns 0.
     """
     b, _, t, _ = projected.shape
     chunk = t if chunk_rows is None else max(1, int(chunk_rows))
+    if causal:  # smaller chunks skip more of the all-zero upper triangle
+        chunk = min(chunk, max(16, -(-t // 8)))
     out = probs.new_zeros(b, t, t)
     # Source-token-major layout: one (R, H) @ (H, D) product per (example, source token).
     proj_j = projected.permute(0, 2, 1, 3).contiguous()  # (B, T_j, H, D)
     y_l1 = output.abs().sum(-1)  # (B, T)
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
-        mix = probs[:, :, rows].permute(0, 3, 2, 1)  # (B, T_j, R, H)
-        parts = torch.matmul(mix, proj_j)  # (B, T_j, R, D): unscaled part of j in i
+        cols = rows.stop if causal else t
+        mix = probs[:, :, rows, :cols].permute(0, 3, 2, 1)  # (B, T_j, R, H)
+        parts = torch.matmul(mix, proj_j[:, :cols])  # (B, T_j, R, D): unscaled part of j in i
         if residual is not None:
             r_idx = torch.arange(rows.start, rows.stop, device=parts.device)
             parts[:, r_idx, r_idx - rows.start] += residual[:, rows]
@@ -91,7 +97,7 @@ def alti_map(
         dist = parts.sum(-1).transpose(1, 2)  # (B, R, T_j)
         if row_scale is not None:
             dist = dist / row_scale[:, rows, None]
-        out[:, rows] = (y_l1[:, rows, None] - dist).clamp_min(0)
+        out[:, rows, :cols] = (y_l1[:, rows, None] - dist).clamp_min(0)
         del parts
     mask2d = valid.unsqueeze(-1) & valid.unsqueeze(-2)
     out = out * mask2d.to(out.dtype)

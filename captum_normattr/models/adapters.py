@@ -37,6 +37,9 @@ class ArchitectureAdapter:
         max_positions_offset: positions the model reserves (RoBERTa: padding_idx + 1).
         attn_value: the value projection W_V (with b_V), from a layer, or None where no
             method needs it (DecompX propagates parts through it).
+        causal: True for decoders (causal self-attention; position ids are computed from
+            the attention mask so that a left-padded example gets the positions it has alone).
+        lm_head: path of the unembedding (LM head) from the top model, or None.
     """
 
     family: str
@@ -56,6 +59,8 @@ class ArchitectureAdapter:
     transposed_weights: bool = False
     max_positions_offset: int = 0
     attn_value: Optional[str] = None
+    causal: bool = False
+    lm_head: Optional[str] = None
 
 
 _BERT_LIKE = dict(
@@ -89,7 +94,45 @@ ADAPTERS: Dict[str, ArchitectureAdapter] = {
         ff_out="ffn.lin2",
         ln2="output_layer_norm",
     ),
+    "gpt2": ArchitectureAdapter(
+        family="GPT-2",
+        model_types=("gpt2",),
+        layers="h",
+        attention="attn",
+        attn_out="attn.c_proj",
+        ln1="ln_1",
+        ff_in="mlp.c_fc",
+        ff_act="mlp.act",
+        ff_out="mlp.c_proj",
+        ln2="ln_2",
+        pre_ln=True,
+        final_norm="ln_f",
+        transposed_weights=True,
+        causal=True,
+        lm_head="lm_head",
+    ),
 }
+
+#: Llama-family decoders: RMSNorm, rotary positions, grouped-query attention, SwiGLU FF.
+_LLAMA_LIKE = dict(
+    layers="layers",
+    attention="self_attn",
+    attn_out="self_attn.o_proj",
+    ln1="input_layernorm",
+    ff_in="mlp.up_proj",
+    ff_gate="mlp.gate_proj",
+    ff_act="mlp.act_fn",
+    ff_out="mlp.down_proj",
+    ln2="post_attention_layernorm",
+    pre_ln=True,
+    norm_kind="rmsnorm",
+    final_norm="norm",
+    causal=True,
+    lm_head="lm_head",
+)
+ADAPTERS["llama"] = ArchitectureAdapter(family="Llama", model_types=("llama",), **_LLAMA_LIKE)
+ADAPTERS["mistral"] = ArchitectureAdapter(family="Mistral", model_types=("mistral",), **_LLAMA_LIKE)
+ADAPTERS["qwen2"] = ArchitectureAdapter(family="Qwen2", model_types=("qwen2",), **_LLAMA_LIKE)
 
 
 def supported_families() -> str:

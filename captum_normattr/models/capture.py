@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.decompose.records import LayerTensors, NormParams
-from captum_normattr.models.adapters import ArchitectureAdapter, get_path, layer_modules, linear_params
+from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, layer_modules, linear_params
 
 ATTENTION_NAME = "captum_normattr_capture"
 _ACTIVE: List["Recorder"] = []
@@ -85,6 +85,8 @@ def _norm_params(module: nn.Module, kind: str) -> NormParams:
     eps = getattr(module, "eps", None)
     if eps is None:
         eps = getattr(module, "variance_epsilon", None)
+    if eps is None and isinstance(module, getattr(nn, "RMSNorm", ())):
+        eps = torch.finfo(module.weight.dtype if module.weight is not None else torch.float32).eps  # torch's default
     if eps is None:
         raise ValueError(f"cannot find the epsilon of norm module {type(module).__name__}")
     return NormParams(
@@ -106,8 +108,10 @@ class Recorder:
         self.model = model
         self.adapter = adapter
         self.layers = layer_modules(model, adapter)
+        self.base = base_model(model)
         self._attn_index = {id(get_path(layer, adapter.attention)): i for i, layer in enumerate(self.layers)}
         self.records: List[Dict[str, Tensor]] = [dict() for _ in self.layers]
+        self.final: Dict[str, Tensor] = {}
 
     def _record_attention(self, module: nn.Module, probs: Tensor, values: Tensor) -> None:
         idx = self._attn_index.get(id(module))
@@ -141,7 +145,26 @@ class Recorder:
             handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
             handles.append(get_path(layer, a.ff_out).register_forward_hook(store(i, "ff", "out")))
             handles.append(get_path(layer, a.attn_out).register_forward_hook(store(i, "attn", "out")))
+        if a.final_norm is not None:
+
+            def final_hook(module, args, output):
+                self.final["in"] = _first_tensor(args).detach()
+                self.final["out"] = _first_tensor(output).detach()
+
+            handles.append(get_path(self.base, a.final_norm).register_forward_hook(final_hook))
         return handles
+
+    def final_norm_tensors(self, dtype: torch.dtype):
+        r"""The final norm of a pre-LN model: (parameters, real input, real output), in ``dtype``.
+
+        Raises:
+            RuntimeError: if the adapter has no final norm or the forward pass did not reach it.
+        """
+        if self.adapter.final_norm is None or "in" not in self.final:
+            raise RuntimeError(f"the forward pass recorded no final norm for the {self.adapter.family} adapter")
+        p = _norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind)
+        cast = lambda t: None if t is None else t.detach().to(dtype)
+        return NormParams(cast(p.weight), cast(p.bias), p.eps, p.kind), cast(self.final["in"]), cast(self.final["out"])
 
     def layer_tensors(self, dtype: torch.dtype) -> List[LayerTensors]:
         r"""Build the per-layer records in the compute dtype.

@@ -1,0 +1,205 @@
+r"""Speed and memory of the decoder methods on a ~100M-parameter Llama-family model (random weights).
+
+Usage:
+    nice python benchmarks/speed_decoder.py [--tokens 256 1024] [--ff-tokens 256]
+                                            [--search-methods alti] [--limit-gb 8] [--search-budget 300]
+
+Config: hidden 768, 12 layers, 12 heads, 4 key/value heads (GQA), intermediate 2048 (SwiGLU),
+vocab 32000, float32, bare ``LlamaModel`` (97.6M parameters); ALTI-Logit uses the
+(tied) embedding matrix as unembedding. Every measurement runs in a fresh subprocess:
+one call, its wall time, and its peak extra memory = resident-set growth over the loaded
+model and inputs, polled every 2 ms. Ratios are against one plain forward pass (sdpa)
+measured the same way. Then, per method in ``--search-methods``, the longest input (a
+multiple of 256) whose peak extra memory stays under ``--limit-gb``: the child aborts as
+soon as it crosses the limit (so the machine never sees much more), the first probe is
+predicted from a fit a + c T^2 (or a full quadratic with 3+ points) of the measured peaks, and the search stops after
+``--search-budget`` seconds (the answer is then a bracket).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+
+CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+              intermediate_size=2048, vocab_size=32000, max_position_embeddings=16384, hidden_act="silu")
+METHODS = ("forward", "globenc", "alti", "alti_logit", "ff")
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**CONFIG)
+    cfg._attn_implementation = "sdpa"
+    return LlamaModel(cfg).eval()
+
+
+def _runner(name: str, model):
+    from captum_normattr import ALTIAttribution, ALTILogitAttribution, FFIntegratedDecomposition, GlobEncAttribution
+
+    if name == "forward":
+        return lambda ids: model(input_ids=ids, use_cache=False)
+    if name == "globenc":
+        a = GlobEncAttribution(model)  # N_RESLN, the pre-LN default
+        return lambda ids: a.attribute(ids)
+    if name == "alti":
+        a = ALTIAttribution(model)
+        return lambda ids: a.attribute(ids)
+    if name == "alti_logit":
+        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
+        return lambda ids: a.attribute(ids, target=42)
+    if name == "ff":
+        a = FFIntegratedDecomposition(model)  # RES2 scope, gated FF by Gauss-Legendre (48 nodes)
+        return lambda ids: a.attribute(ids)
+    raise ValueError(name)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(name: str, tokens: int, limit_mb: float) -> None:
+    import gc
+    import threading
+
+    torch.set_num_threads(1)
+    model = _model()
+    ids = torch.randint(100, 30000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    fn = _runner(name, model)
+    gc.collect()
+    base = _rss_mb()
+    peak = [base]
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            if peak[0] - base > limit_mb:
+                print(json.dumps({"method": name, "tokens": tokens, "exceeded": True, "extra_peak_mb": peak[0] - base}), flush=True)
+                os._exit(3)
+            done.wait(0.002)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(ids)
+    dt = time.perf_counter() - t0
+    done.set()
+    th.join()
+    print(json.dumps({"method": name, "tokens": tokens, "exceeded": False, "seconds": dt, "extra_peak_mb": peak[0] - base}))
+
+
+def run_child(name: str, tokens: int, limit_mb: float) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--_child", name, "--_tokens", str(tokens), "--_limit", str(limit_mb)],
+                         capture_output=True, text=True)
+    lines = [l for l in out.stdout.strip().splitlines() if l.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"child {name} at {tokens} tokens failed:\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def search(name: str, measured: dict, limit_mb: float, budget_s: float, cap: int) -> dict:
+    r"""Longest multiple of 256 tokens under ``limit_mb``: quadratic-fit first guess, then bisection."""
+    import numpy as np
+
+    pts = sorted((t, r["extra_peak_mb"]) for t, r in measured.items())
+    fits = {t: m for t, m in pts if m <= limit_mb}
+    lo = max(fits) if fits else 0
+    hi = cap + 256
+    if len(pts) >= 2:
+        t_arr = np.array([p[0] for p in pts], dtype=float)
+        m_arr = np.array([p[1] for p in pts])
+        if len(pts) == 2:  # two points: peak = a + c t^2 (the (T, T) tensors dominate)
+            c = (m_arr[1] - m_arr[0]) / (t_arr[1] ** 2 - t_arr[0] ** 2)
+            coef = np.array([c, 0.0, m_arr[0] - c * t_arr[0] ** 2])
+        else:
+            coef = np.polyfit(t_arr, m_arr, 2)
+        coef[-1] -= limit_mb  # roots of peak(t) - limit
+        roots = [r.real for r in np.roots(coef) if abs(r.imag) < 1e-9 and r.real > 0]
+        guess = int(max(roots) // 256 * 256) if roots else 2 * lo
+    else:
+        guess = 2 * lo
+    print(f"    {name}: quadratic fit of the measured peaks predicts ~{guess} tokens at {limit_mb / 1024:g} GB", flush=True)
+    start = time.perf_counter()
+    probes = []
+    t = min(max(guess, lo + 256), cap)
+    while hi - lo > 256 and time.perf_counter() - start < budget_s:
+        r = run_child(name, t, limit_mb)
+        probes.append(r)
+        if r["exceeded"]:
+            hi = t
+        else:
+            lo = t
+        took = "" if r["exceeded"] else f", {r['seconds']:.1f} s"
+        verdict = "over (aborted)" if r["exceeded"] else "fits"
+        print(f"    probe {name} {t} tokens: {verdict} (peak {r['extra_peak_mb']:.0f} MB{took})", flush=True)
+        if t >= cap and not r["exceeded"]:
+            break
+        t = (lo + hi) // 2 // 256 * 256
+        if t <= lo:
+            break
+    return {"method": name, "fits": lo, "over": hi if hi <= cap else None, "complete": hi - lo <= 256, "probes": probes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="the forward pass always runs")
+    p.add_argument("--ff-tokens", type=int, nargs="*", default=[256], help="lengths at which FF decomposition is timed")
+    p.add_argument("--search-methods", nargs="*", default=["globenc"])
+    p.add_argument("--fit-methods", nargs="*", default=["alti", "alti_logit"],
+                   help="methods whose 8 GB length is only predicted from the fit (no probes)")
+    p.add_argument("--limit-gb", type=float, default=8.0)
+    p.add_argument("--search-budget", type=float, default=300.0, help="seconds per searched method")
+    p.add_argument("--search-cap", type=int, default=8192)
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_tokens", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--_limit", type=float, default=1e12, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._child:
+        child(args._child, args._tokens, args._limit)
+        return
+    limit_mb = args.limit_gb * 1024
+    n_params = sum(q.numel() for q in _model().parameters())
+    print(f"Llama-family config {CONFIG}, {n_params / 1e6:.1f}M parameters, float32, batch 1, 1 thread")
+    results = {}
+    for t in args.tokens:
+        for m in METHODS:
+            if m != "forward" and m not in args.methods:
+                continue
+            if m == "ff" and t not in args.ff_tokens:
+                continue
+            r = run_child(m, t, limit_mb)
+            results[(m, t)] = r
+            fwd = results[("forward", t)]["seconds"]
+            extra = "" if m == "forward" else f" = {r['seconds'] / fwd:.1f} x forward"
+            print(f"  {t:>5} tokens {m:<11} {r['seconds']:8.2f} s{extra:<22} peak extra {r['extra_peak_mb']:8.0f} MB", flush=True)
+    for m in args.fit_methods:
+        measured = {t: r for (mm, t), r in results.items() if mm == m}
+        if len(measured) >= 2:
+            search(m, measured, limit_mb, 0.0, args.search_cap)
+    for m in args.search_methods:
+        measured = {t: r for (mm, t), r in results.items() if mm == m}
+        s = search(m, measured, limit_mb, args.search_budget, args.search_cap)
+        if s["complete"]:
+            print(f"  longest input under {args.limit_gb:g} GB extra for {m}: {s['fits']} tokens ({s['over']} do not fit)")
+        else:
+            print(f"  longest input under {args.limit_gb:g} GB extra for {m}: >= {s['fits']} tokens, "
+                  f"< {s['over']} (search stopped by its budget or cap)")
+
+
+if __name__ == "__main__":
+    main()

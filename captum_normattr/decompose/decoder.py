@@ -1,0 +1,488 @@
+r"""Layer maps of pre-LN decoder layers (GPT-2, Llama, Mistral, Qwen2; DESIGN sections 2-4).
+
+Pre-LN layer: h_i = x_i + sum_h sum_j alpha^h_ij f^h(LN1(x_j)) + b_O, out_i = h_i + FF(LN2(h_i)).
+LN1 acts on one token alone, so the whole value path f^h(LN1(x_j)) (the recorded value
+states, bias b_V inside, rotary embeddings never touch them) belongs to token j:
+
+    h_{i<-j} = [i = j] x_i + sum_h alpha^h_ij f^h(LN1(x_j)),   bias part b_O.
+
+How the names of the GlobEnc table read on a pre-LN layer (:data:`PRE_LN_MAPS`):
+
+=============  ==================================================================
+``W``          mean over heads of alpha^h_ij (as for encoders)
+``W_FIXEDRES`` 0.5 * row-normalised W + 0.5 * I
+``N``          |sum_h alpha^h_ij f^h(LN1(x_j))| (attention only, Attn-N)
+``N_FIXEDRES`` 0.5 * row-normalised N + 0.5 * I
+``N_RES``      |h_{i<-j}| (attention + residual, AttnRes-N; the ATB scope)
+``N_RESLN``    |gamma2 * c(h_{i<-j}) / s(h_i)|: the parts of the LN2 output, i.e. the
+               input of the feed-forward block (AttnResLn-N; the LN2 scope)
+=============  ==================================================================
+
+``N_ENC`` (GlobEnc) and ``W_RES`` (which uses the N_ENC mixing ratio) have no pre-LN
+meaning: in a post-LN layer the second LayerNorm closes the layer; in a pre-LN layer no
+norm follows the feed-forward residual. Asking for them raises a ValueError that names
+the valid maps. Causal attention makes every map lower-triangular: entries (i, j > i)
+are exactly 0.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from captum_normattr.decompose.alti import alti_map, rows_per_chunk
+from captum_normattr.decompose.attention import attention_parts_rows, diagonal_attention_parts, part_norms_gram, project_values
+from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
+from captum_normattr.decompose.mixing import fixed_residual, mixing_ratio
+from captum_normattr.decompose.records import LayerTensors
+
+#: The GlobEnc-table maps that have a pre-LN meaning (see the module docstring).
+PRE_LN_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "N", "N_FIXEDRES", "N_RES", "N_RESLN")
+#: Norm maps of pre-LN layers (a mixing ratio is defined for them).
+PRE_LN_NORM_MAPS: Tuple[str, ...] = ("N", "N_RES", "N_RESLN")
+#: Memory for the explicit parts of one chunk of query rows when no chunk size is given.
+DEFAULT_BUDGET_BYTES = 1 << 30
+#: The map of pre-LN layers used when none is named (GlobEncAttribution's default for decoders).
+PRE_LN_DEFAULT_MAP = "N_RESLN"
+
+
+def check_pre_ln_map(name: str) -> None:
+    r"""Raise a ValueError naming the valid pre-LN maps if ``name`` has no pre-LN meaning."""
+    if name not in PRE_LN_MAPS:
+        why = (
+            " (N_ENC and W_RES need the LayerNorm that closes a post-LN layer; a pre-LN layer has none after its "
+            "feed-forward residual)"
+            if name in ("N_ENC", "W_RES")
+            else ""
+        )
+        raise ValueError(f"map {name!r} is not defined for pre-LN decoder layers{why}; choose from {PRE_LN_MAPS}")
+
+
+def causal_mask2d(valid: Tensor, dtype: torch.dtype, causal: bool = True) -> Tensor:
+    r"""(B, T, T) mask: both tokens real and, if ``causal``, j <= i."""
+    m = valid.unsqueeze(-1) & valid.unsqueeze(-2)
+    if causal:
+        t = valid.shape[-1]
+        m = m & torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    return m.to(dtype)
+
+
+def _out_bias(layer: LayerTensors) -> Tensor:
+    return layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
+
+
+def attention_update_sum(layer: LayerTensors) -> Tensor:
+    r"""sum_j sum_h alpha^h_ij f^h(LN1(x_j)) from probabilities and values (no bias), (B, T, D)."""
+    mixed = torch.einsum("bhij,bhjk->bhik", layer.probs, layer.values)
+    return torch.einsum("bhik,hkd->bid", mixed, layer.head_out_weight())
+
+
+def residual_parts_sum(layer: LayerTensors) -> Tensor:
+    r"""x_i + sum_j attention parts + b_O: the reconstruction of the real h_i (= the LN2 input)."""
+    return layer.hidden_in + attention_update_sum(layer) + _out_bias(layer)
+
+
+def pre_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
+    r"""Largest |sum_j h_{i<-j} + b_O - h_i| over real tokens, h_i the model's real LN2 input."""
+    err = (residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1)
+    return (err * valid.to(err.dtype)).max()
+
+
+def pre_ln_norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tensor], Optional[Tensor], bool]:
+    r"""(linear map A or None, row scale (B, T) or None, with residual) of a pre-LN norm map."""
+    if name == "N":
+        return None, None, False
+    if name == "N_RES":
+        return None, None, True
+    if name == "N_RESLN":
+        d = layer.hidden_in.shape[-1]
+        lin = norm_linear_map(layer.ln2, d, layer.hidden_in.dtype, layer.hidden_in.device)
+        return lin, norm_scale(layer.ln2_in, layer.ln2), True
+    check_pre_ln_map(name)
+    raise ValueError(f"map {name!r} is not a norm map; choose from {PRE_LN_NORM_MAPS}")
+
+
+def pre_ln_layer_maps(
+    layer: LayerTensors, valid: Tensor, names: Iterable[str] = PRE_LN_MAPS, causal: bool = True
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""Maps and mixing ratios of one pre-LN layer, by the Gram algorithm (no (T, T, D) tensor).
+
+    Args:
+        layer: the layer's captured tensors (``pre_ln`` True).
+        valid: (B, T) bool, real tokens.
+        names: maps to compute, any of :data:`PRE_LN_MAPS`.
+        causal: zero the entries j > i (the causal attention already gives them exactly 0
+            probability; this keeps rounding in the fixed-residual maps out).
+
+    Returns:
+        (maps name -> (B, T, T), ratios name -> (B, T)); pad rows and columns exactly 0.
+    """
+    names = tuple(names)
+    for n in names:
+        check_pre_ln_map(n)
+    dtype = layer.hidden_in.dtype
+    mask2d = causal_mask2d(valid, dtype, causal)
+    head_w = layer.head_out_weight()
+    attn_diag = diagonal_attention_parts(layer.probs, layer.values, head_w)
+    total_with_res = layer.ln2_in - _out_bias(layer)  # sum_j h_{i<-j}, from the real h
+    needed = {n for n in names if n in PRE_LN_NORM_MAPS}
+    if "N_FIXEDRES" in names:
+        needed.add("N")
+    maps: Dict[str, Tensor] = {}
+    ratios: Dict[str, Tensor] = {}
+    for name in PRE_LN_NORM_MAPS:
+        if name not in needed:
+            continue
+        lin, scale, with_res = pre_ln_norm_map_spec(layer, name)
+        own = attn_diag + layer.hidden_in if with_res else attn_diag
+        total = total_with_res if with_res else total_with_res - layer.hidden_in
+        maps[name] = part_norms_gram(layer.probs, layer.values, head_w, own, lin, scale) * mask2d
+        own_m, total_m = (own, total) if lin is None else (own @ lin, total @ lin)
+        ratios[name] = mixing_ratio(total_m, own_m) * valid.to(dtype)
+    if "W" in names or "W_FIXEDRES" in names:
+        maps["W"] = layer.probs.mean(1) * mask2d
+    if "W_FIXEDRES" in names:
+        maps["W_FIXEDRES"] = fixed_residual(maps["W"], valid) * mask2d
+    if "N_FIXEDRES" in names:
+        maps["N_FIXEDRES"] = fixed_residual(maps["N"], valid) * mask2d
+    return {n: maps[n] for n in names}, ratios
+
+
+def pre_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int] = None, causal: bool = True) -> Tensor:
+    r"""ALTI map of one pre-LN layer: parts h_{i<-j}, block output y_i = h_i (real, b_O inside).
+
+    Args:
+        layer: the layer's tensors.
+        valid: (B, T) bool.
+        chunk_rows: query rows per chunk.
+        causal: the attention is causal: each chunk of rows works on the sources before its
+            end only, and the entries j > i are 0.
+
+    Returns:
+        (B, T, T), real rows summing to 1.
+    """
+    projected = project_values(layer.values, layer.head_out_weight())
+    out = alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows, causal)
+    if causal:
+        out = out * causal_mask2d(valid, out.dtype, True)
+    return out
+
+
+def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Optional[int] = None) -> Tensor:
+    r"""Explicit parts h_{i<-j} for query rows ``rows`` (all by default): (B, R, C, D).
+
+    ``cols``: only the source tokens j < cols (C = cols; all T by default). With causal
+    attention, rows i < cols have no other non-zero part, so ``cols = rows.stop`` skips zeros.
+    """
+    t = layer.hidden_in.shape[1]
+    rows = rows if rows is not None else slice(0, t)
+    cols = t if cols is None else cols
+    projected = project_values(layer.values[:, :, :cols], layer.head_out_weight())
+    parts = attention_parts_rows(layer.probs[..., :cols], projected, rows)
+    r = torch.arange(rows.start, rows.stop, device=parts.device)
+    parts[:, r - rows.start, r] += layer.hidden_in[:, rows]
+    return parts
+
+
+def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor, Tensor]:
+    r"""Parts of the LN2 output (the FF input) gamma2 c(h_{i<-j}) / s(h_i), and the bias part.
+
+    The bias part is gamma2 c(b_O) / s(h_i) + beta2. With an exact norm the parts sum to the
+    real LN2 output.
+
+    Args:
+        layer: the layer's tensors.
+        rows: query rows (all by default).
+
+    Returns:
+        ((B, R, T, D), (B, R, D)).
+    """
+    t = layer.hidden_in.shape[1]
+    rows = rows if rows is not None else slice(0, t)
+    h = layer.ln2_in[:, rows]
+    parts = apply_norm_to_parts(residual_parts(layer, rows), h, layer.ln2)
+    return parts, norm_bias_part(_out_bias(layer), h, layer.ln2)
+
+
+#: Component scopes of a pre-LN layer, in the order of the layer (DESIGN section 5).
+PRE_LN_SCOPES: Tuple[str, ...] = ("ATB", "LN2", "FF", "RES2")
+
+
+def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[Tensor]) -> Dict[str, Tensor]:
+    r"""Per-layer tensors for :func:`ff_preactivation_parts` (computed once, reused for every row chunk).
+
+    Args:
+        layer: the layer's tensors.
+        weight: (D, F) the FF input (or gate) matrix; bias: (F,) or None.
+
+    Returns:
+        dict: ``projected`` (B, H, T, F) values through W_O^h A W, ``residual`` (B, T, F) x_i A W,
+        ``scale`` (B, T) s(h_i), ``bias`` (B, T, F) ((gamma2 c(b_O) / s_i + beta2) W + b).
+    """
+    lin = weight if layer.ln2.weight is None else layer.ln2.weight.to(weight.dtype)[:, None] * weight
+    if layer.ln2.kind != "rmsnorm":
+        lin = lin - lin.mean(0, keepdim=True)  # C diag(gamma) W, C = I - 11^T / D: no (D, D) product
+    pre_bias = norm_bias_part(_out_bias(layer), layer.ln2_in, layer.ln2) @ weight
+    if bias is not None:
+        pre_bias = pre_bias + bias
+    return {
+        "projected": project_values(layer.values, layer.head_out_weight(), lin),
+        "residual": layer.hidden_in @ lin,
+        "scale": norm_scale(layer.ln2_in, layer.ln2),
+        "bias": pre_bias,
+    }
+
+
+def ff_preactivation_parts(
+    layer: LayerTensors, setup: Dict[str, Tensor], rows: slice, cols: Optional[int] = None
+) -> Tuple[Tensor, Tensor]:
+    r"""Parts of an FF pre-activation LN2(h_i) W + b, straight from the attention values.
+
+    LN2's part of j is A(h_{i<-j}) / s_i with A the fixed linear map of the norm, so
+    (A h_{i<-j} / s_i) W = (sum_h alpha^h_ij f^h_j (A W) + [i=j] x_i (A W)) / s_i: the values
+    are projected once through (A W) per head (:func:`ff_preactivation_setup`) and mixed over
+    heads, O(R T H F) instead of the O(R T D F) of multiplying explicit LN2 parts by W.
+
+    Args:
+        layer: the layer's tensors.
+        setup: from :func:`ff_preactivation_setup`.
+        rows: the query rows.
+        cols: only source tokens j < cols (see :func:`residual_parts`).
+
+    Returns:
+        (parts (B, R, C, F), bias part (B, R, F)).
+    """
+    cols = layer.hidden_in.shape[1] if cols is None else cols
+    parts = attention_parts_rows(layer.probs[..., :cols], setup["projected"][:, :, :cols], rows)
+    r = torch.arange(rows.start, rows.stop, device=parts.device)
+    parts[:, r - rows.start, r] += setup["residual"][:, rows]
+    parts.div_(setup["scale"][:, rows, None, None])
+    return parts, setup["bias"][:, rows]
+
+
+def pre_ln_ff_parts(
+    layer: LayerTensors,
+    rows: slice,
+    method: str = "closed_form",
+    steps: int = 50,
+    nodes: Optional[int] = None,
+    cache: Optional[Dict[str, Dict[str, Tensor]]] = None,
+    cols: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""FF-output parts FF_{i<-j} of a pre-LN layer for query rows ``rows``.
+
+    The FF input is LN2(h_i), split into the LN2 parts of h_{i<-j} and a bias part. A gated
+    FF (Llama family) is integrated by Gauss-Legendre quadrature (``nodes``), an elementwise
+    one (GPT-2) in closed form or by a Riemann sum (``method``, ``steps``), as in
+    :mod:`~captum_normattr.decompose.feed_forward`.
+
+    Args:
+        layer: the layer's tensors (``layer.ff`` holds the weights and activation).
+        rows: the query rows.
+        method, steps: elementwise integration.
+        nodes: Gauss-Legendre nodes for a gated FF (None: the default).
+        cache: a dict kept across the row chunks of one layer (per-layer projections).
+        cols: only source tokens j < cols (see :func:`residual_parts`).
+
+    Returns:
+        (parts (B, R, T, D), bias part (B, R, D)), summing to the FF output.
+    """
+    from captum_normattr.decompose.feed_forward import ig_closed_form, ig_riemann
+    from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gated_ff_parts_from_preactivations
+
+    f = layer.ff
+    cache = {} if cache is None else cache
+    for key, (w, b) in {"in": (f["w_in"], f.get("b_in")), "gate": (f.get("w_gate"), f.get("b_gate"))}.items():
+        if w is not None and key not in cache:
+            cache[key] = ff_preactivation_setup(layer, w, b)
+    if f.get("w_gate") is not None:
+        a, a_b = ff_preactivation_parts(layer, cache["gate"], rows, cols)
+        b, b_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
+        return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f["act"], f["w_out"], f.get("b_out"), nodes or DEFAULT_NODES)
+    pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
+    allp = torch.cat([pre, pre_b.unsqueeze(-2)], -2)
+    del pre
+    total = allp.sum(-2)
+    if method == "closed_form":
+        ig = ig_closed_form(allp, total, f["act"])
+    elif method == "riemann":
+        ig = ig_riemann(allp, total, f["act"], steps)
+    else:
+        raise ValueError(f"method must be 'closed_form' or 'riemann', got {method!r}")
+    del allp
+    zero = f["act"](torch.zeros((), dtype=total.dtype, device=total.device))
+    out = ig @ f["w_out"]
+    parts, bias = out[..., :-1, :], out[..., -1, :] + zero * f["w_out"].sum(0)
+    if f.get("b_out") is not None:
+        bias = bias + f["b_out"]
+    return parts, bias
+
+
+def pre_ln_component_scope_maps(
+    layer: LayerTensors,
+    valid: Tensor,
+    chunk_rows: Optional[int] = None,
+    method: str = "closed_form",
+    steps: int = 50,
+    nodes: Optional[int] = None,
+    causal: bool = True,
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""Norm maps of the component scopes of a pre-LN layer, built in chunks of query rows.
+
+    Scopes: ``ATB`` |h_{i<-j}| (attention block with its residual), ``LN2`` |LN2 parts| (the
+    FF input), ``FF`` |FF_{i<-j}| (FF output parts), ``RES2`` |h_{i<-j} + FF_{i<-j}| (the
+    whole layer output out_i = h_i + FF(LN2(h_i))).
+
+    Args:
+        layer: the layer's tensors.
+        valid: (B, T) bool.
+        chunk_rows: query rows per chunk (None: as many as fit in about 1 GiB of temporaries).
+        method, steps: elementwise FF integration (``"closed_form"`` or ``"riemann"``).
+        nodes: Gauss-Legendre nodes for a gated FF.
+        causal: the attention is causal: sources j > i (exactly zero parts) are skipped
+            and their entries are 0.
+
+    Returns:
+        (maps, errors): maps scope -> (B, T, T); errors ``"ff"`` (scalar, max over real
+        tokens of |FF parts + bias - real FF output|), ``"layer"`` (the same against the
+        real layer output) and ``"ff_per_example"`` (B,).
+    """
+    b, t, d = layer.hidden_in.shape
+    if chunk_rows is None:  # about 4 (B, R, T, max(D, F)) temporaries within DEFAULT_BUDGET_BYTES
+        width = 2 * max(d, int(layer.ff["w_out"].shape[0]))
+        chunk = rows_per_chunk(b, t, width, layer.hidden_in.element_size(), DEFAULT_BUDGET_BYTES)
+        if causal:  # smaller chunks skip more of the all-zero upper triangle (row i needs only j <= i)
+            chunk = min(chunk, max(16, -(-t // 8)))
+    else:
+        chunk = max(1, int(chunk_rows))
+    dtype = layer.hidden_in.dtype
+    maps = {s: layer.hidden_in.new_zeros(b, t, t) for s in PRE_LN_SCOPES}
+    ff_err = layer.hidden_in.new_zeros(b, t)
+    layer_err = layer.hidden_in.new_zeros(b, t)
+    bias_o = _out_bias(layer)
+    cache: Dict[str, Dict[str, Tensor]] = {}
+    for start in range(0, t, chunk):
+        rows = slice(start, min(t, start + chunk))
+        cols = rows.stop if causal else t  # causal: sources j > i have exactly zero parts
+        h = residual_parts(layer, rows, cols)
+        maps["ATB"][:, rows, :cols] = h.norm(dim=-1)
+        maps["LN2"][:, rows, :cols] = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2).norm(dim=-1)
+        ffp, ff_b = pre_ln_ff_parts(layer, rows, method, steps, nodes, cache, cols)
+        maps["FF"][:, rows, :cols] = ffp.norm(dim=-1)
+        ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
+        h.add_(ffp)
+        maps["RES2"][:, rows, :cols] = h.norm(dim=-1)
+        layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
+        del h, ffp
+    m2 = causal_mask2d(valid, dtype, causal)
+    maps = {s: v * m2 for s, v in maps.items()}
+    vm = valid.to(dtype)
+    ff_ex = (ff_err * vm).amax(-1)
+    layer_ex = (layer_err * vm).amax(-1)
+    return maps, {"ff": ff_ex.max(), "layer": layer_ex.max(), "ff_per_example": ff_ex, "layer_per_example": layer_ex}
+
+
+def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
+    r"""The vector w_i that maps a piece v of the final residual stream to its logit, v . w_i.
+
+    The final norm is linearised at the REAL scale of x_{L,i}: a piece v maps to
+    gamma * c(v) / s(x_{L,i}) (c = centering for LayerNorm, identity for RMSNorm), whose logit
+    is u . gamma c(v) / s = v . c(gamma * u) / s (centering is symmetric).
+
+    Args:
+        params: the final norm's :class:`~captum_normattr.decompose.records.NormParams`.
+        real_input: (B, D) the real input x_{L,i} of the final norm at the explained positions.
+        unembed: (B, D) the unembedding direction u (W_U[target], or W_U[target] - W_U[foil]).
+
+    Returns:
+        (B, D).
+    """
+    w = unembed if params.weight is None else unembed * params.weight
+    if params.kind != "rmsnorm":
+        w = w - w.mean(-1, keepdim=True)
+    return w / norm_scale(real_input, params).unsqueeze(-1)
+
+
+def alti_logit_terms(
+    layers,
+    final_params,
+    final_in: Tensor,
+    final_out: Tensor,
+    unembed: Tensor,
+    unembed_bias: Tensor,
+    valid: Tensor,
+    position: Tensor,
+    chunk_rows: Optional[int] = None,
+    causal: bool = True,
+) -> Dict[str, Tensor]:
+    r"""ALTI-Logit (Ferrando et al. 2023): signed logit contributions of input tokens.
+
+    logit = u . FinalNorm(x_{L,i}) + bias_u, with x_{L,i} = x_{0,i} + sum_l (sum_j attn_{l,i<-j}
+    + b_O^l + FF_l(i)). Each piece maps to its logit through :func:`logit_direction`. The
+    attention update of layer l splits over source positions j; its logit is carried to the
+    input tokens k by row j of the ALTI rollout R_{l-1} of the layers below (R_{-1} = I, rows
+    sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k].
+    The embedding at i, the FF updates, the attention output biases and the final norm's
+    beta (with the LM head bias) belong to no token and are returned separately.
+
+    Args:
+        layers: list of :class:`~captum_normattr.decompose.records.LayerTensors` (pre-LN).
+        final_params: the final norm's parameters.
+        final_in, final_out: (B, T, D) real input and output of the final norm.
+        unembed: (B, D) unembedding direction per example.
+        unembed_bias: (B,) the LM head bias along it (0 if none).
+        valid: (B, T) bool.
+        position: (B,) explained positions i.
+        chunk_rows: query rows per chunk for the ALTI maps.
+        causal: zero the ALTI map entries j > i.
+
+    Returns:
+        dict with ``scores`` (B, T) token contributions; ``layer_token_contributions``
+        (B, L, T) (the same per layer, summing to ``scores``); ``layer_logit_updates``
+        (B, L, T) logit of attn_{l,i<-j} per source position j (before the rollout);
+        ``embedding`` (B,), ``ff`` (B, L), ``attention_bias`` (B, L), ``final_bias`` (B,):
+        the no-token terms; ``logit`` (B,) the model's real logit (from the real final
+        norm output); ``reconstruction`` (B,) tokens + no-token terms; ``delta`` (B,)
+        logit - reconstruction.
+    """
+    bidx = torch.arange(valid.shape[0], device=valid.device)
+    x_last = final_in[bidx, position]
+    w = logit_direction(final_params, x_last, unembed)  # (B, D)
+    vm = valid.to(w.dtype)
+    embedding = (layers[0].hidden_in[bidx, position] * w).sum(-1)
+    updates, ff_terms, bias_terms = [], [], []
+    for layer in layers:
+        projected = project_values(layer.values, layer.head_out_weight())  # (B, H, T, D)
+        dots = torch.einsum("bhtd,bd->bht", projected, w)
+        probs_i = layer.probs[bidx, :, position]  # (B, H, T)
+        updates.append((probs_i * dots).sum(1) * vm)
+        ff_terms.append((layer.ff_out[bidx, position] * w).sum(-1))
+        bias_terms.append((_out_bias(layer) * w).sum(-1))
+    updates_t = torch.stack(updates, 1)  # (B, L, T)
+    contributions = [updates_t[:, 0]]
+    joint = None
+    for l in range(1, len(layers)):
+        m = pre_ln_alti_map(layers[l - 1], valid, chunk_rows, causal)
+        joint = m if joint is None else m @ joint
+        contributions.append(torch.einsum("bj,bjk->bk", updates_t[:, l], joint))
+    contrib = torch.stack(contributions, 1) * vm.unsqueeze(1)
+    final_bias = unembed_bias.to(w.dtype)
+    if final_params.bias is not None:
+        final_bias = final_bias + (unembed * final_params.bias).sum(-1)
+    ff_t, bias_t = torch.stack(ff_terms, 1), torch.stack(bias_terms, 1)
+    scores = contrib.sum(1)
+    recon = scores.sum(-1) + embedding + ff_t.sum(-1) + bias_t.sum(-1) + final_bias
+    logit = (final_out[bidx, position] * unembed).sum(-1) + unembed_bias.to(w.dtype)
+    return {
+        "scores": scores,
+        "layer_token_contributions": contrib,
+        "layer_logit_updates": updates_t,
+        "embedding": embedding,
+        "ff": ff_t,
+        "attention_bias": bias_t,
+        "final_bias": final_bias,
+        "logit": logit,
+        "reconstruction": recon,
+        "delta": logit - recon,
+    }
