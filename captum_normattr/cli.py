@@ -112,14 +112,33 @@ def _build_ff(model: Any, opts: argparse.Namespace) -> Any:
     from captum_normattr import FFIntegratedDecomposition
 
     return FFIntegratedDecomposition(model, scope=opts.scope, rollout=opts.rollout,
-                                     explained_position=opts.position)
+                                     explained_position=opts.position, contribution=opts.contribution)
+
+
+def _build_decompx(model: Any, opts: argparse.Namespace) -> Any:
+    from captum_normattr import DecompXAttribution
+
+    return DecompXAttribution(model, bias_mode=opts.bias_mode)
+
+
+def _build_alti_logit(model: Any, opts: argparse.Namespace) -> Any:
+    from captum_normattr import ALTILogitAttribution
+
+    return ALTILogitAttribution(model, explained_position="last" if opts.position is None else opts.position)
 
 
 register_method("globenc", _build_globenc,
                 "GlobEnc and the norm-based maps of Kobayashi et al. (choose the map with --map)")
 register_method("alti", _build_alti, "ALTI, L1-distance contributions (Ferrando et al. 2022)")
 register_method("ff", _build_ff,
-                "whole-layer maps with the feed-forward block (Kobayashi et al. 2023); choose the scope with --scope")
+                "whole-layer maps with the feed-forward block (Kobayashi et al. 2023): GlobEnc+FF, or ALTI+FF with "
+                "--contribution alti; choose the scope with --scope")
+register_method("decompx", _build_decompx,
+                "DecompX (Modarressi et al. 2023): signed scores of the target class (-t; default: predicted) "
+                "of a sequence classifier; --bias-mode separate|spread")
+register_method("alti-logit", _build_alti_logit,
+                "ALTI-Logit (Ferrando et al. 2023): signed contributions to the next-token logit of a causal LM "
+                "(-t token id; default: the predicted token)")
 
 FF_SCOPE_NAMES = ("ATB", "FF", "RES2", "LN2")
 
@@ -171,10 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face Hub name or local model folder (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("-m", "--method", nargs="+", default=["globenc"], metavar="METHOD",
                    help="one or more methods (default: globenc); see --list-methods")
-    p.add_argument("--map", default="N_ENC", type=str.upper, choices=GLOBENC_MAP_NAMES, metavar="MAP",
-                   help="GlobEnc layer map: " + ", ".join(GLOBENC_MAP_NAMES) + " (default: N_ENC)")
-    p.add_argument("--scope", default="LN2", type=str.upper, choices=FF_SCOPE_NAMES, metavar="SCOPE",
-                   help="FF decomposition scope: " + ", ".join(FF_SCOPE_NAMES) + " (default: LN2, the whole layer)")
+    p.add_argument("--map", default=None, type=str.upper, choices=GLOBENC_MAP_NAMES, metavar="MAP",
+                   help="GlobEnc layer map: " + ", ".join(GLOBENC_MAP_NAMES)
+                   + " (default: N_ENC for encoders, N_RESLN for decoders)")
+    p.add_argument("--scope", default=None, type=str.upper, choices=FF_SCOPE_NAMES, metavar="SCOPE",
+                   help="FF decomposition scope: " + ", ".join(FF_SCOPE_NAMES)
+                   + " (default: the whole layer, LN2 for encoders and RES2 for decoders)")
+    p.add_argument("--contribution", default="norm", choices=("norm", "alti"),
+                   help="ff method: norms of the parts (GlobEnc+FF, default) or ALTI's L1 contributions (ALTI+FF)")
+    p.add_argument("--bias-mode", default="separate", choices=("separate", "spread"),
+                   help="decompx method: keep biases as their own part (default, exact) or spread them over tokens")
     p.add_argument("--rollout", default="raw", choices=("raw", "row_normalized"),
                    help="rollout convention (default: raw, as the GlobEnc code and figures)")
     p.add_argument("-p", "--position", type=_position, default=None, metavar="POS",
@@ -535,7 +560,11 @@ def explain(
                     err = extras.get("completeness_error") if isinstance(extras, dict) else None
                     if err is not None:
                         ex.extras[f"{label}: max completeness error"] = float(err.max())
-                    if keep_maps and not isinstance(res, torch.Tensor):
+                    delta = getattr(res, "delta", None)
+                    if err is None and isinstance(delta, torch.Tensor):
+                        ex.extras[f"{label}: completeness error |sum - logit|"] = float(delta[i].abs())
+                    has_maps = getattr(res, "layer_maps", None) is not None and getattr(res, "rollout", None) is not None
+                    if keep_maps and has_maps and not isinstance(res, torch.Tensor):
                         m = example_from_result(res, i, tokens[i])
                         m["components"] = _component_maps(extras, i, m["keep"])
                         maps[label] = m

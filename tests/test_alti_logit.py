@@ -114,8 +114,14 @@ def test_contract_and_errors():
     assert torch.allclose(pair, al.attribute(ids, target=(torch.tensor([1, 2]), 3), additional_forward_args=mask))
     with torch.no_grad():
         assert torch.equal(al.attribute(ids, 1, mask), al.attribute(ids, torch.tensor(1), mask))
-    with pytest.raises(ValueError, match="needs target"):
-        al.attribute(ids)
+    # no target: the model's own prediction at the explained (last real) position
+    logits = real_logits(model, ids, mask)
+    res_default = al.decompose(ids, None, mask)
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # last real token (left or right padding)
+    assert torch.equal(res_default.explained_position, last)
+    predicted = logits[torch.arange(2), last].argmax(-1)
+    assert torch.equal(res_default.target, predicted)
+    assert torch.equal(al.attribute(ids, additional_forward_args=mask), al.attribute(ids, predicted, mask))
     with pytest.raises(ValueError, match="token ids must lie"):
         al.attribute(ids, target=999)
     with pytest.raises(ValueError, match="pre-LN decoders"):

@@ -323,3 +323,65 @@ def test_explanations_from_results_remove_pads():
     assert exps[1].explained_position == 1
     with pytest.raises(ValueError):
         report.TextExplanation("x", ["a"], {"S": [1.0, 2.0]})
+
+
+# ----------------------------------------------------------------- signed methods and decoders
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> str:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=5 + len(WORDS), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                        bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    return str(_save_tiny(tmp_path_factory.mktemp("tiny_gpt2"), GPT2LMHeadModel, config))
+
+
+def test_decompx_json_matches_direct_call_and_target(capsys, tiny_model, texts_file, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from captum_normattr import DecompXAttribution
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for target in (None, 1):
+        extra = [] if target is None else ["-t", str(target)]
+        code, out, err = run(capsys, "--file", texts_file, "--model", tiny_model, "-m", "decompx",
+                             "--format", "json", "-b", "2", "-q", *extra)
+        assert code == 0, err
+        doc = json.loads(out)
+        for r in doc["results"]:
+            enc = tok([r["text"]], return_tensors="pt")
+            direct, delta = DecompXAttribution(model).attribute(
+                enc["input_ids"], target=target, additional_forward_args=(enc["attention_mask"],),
+                return_convergence_delta=True)
+            (scores,) = r["attributions"].values()
+            torch.testing.assert_close(torch.tensor(scores, dtype=torch.float64), direct[0].double(),
+                                       rtol=1e-4, atol=1e-6)
+            assert float(delta.abs().max()) < 1e-4
+    # signed scores in the table, and --bias-mode spread runs
+    code, out, err = run(capsys, TEXTS[1], "--model", tiny_model, "-m", "decompx", "--bias-mode", "spread")
+    assert code == 0, err
+    assert "DecompX (spread bias)" in out and "completeness error" in out
+
+
+def test_alti_logit_and_decoder_methods(capsys, tiny_gpt2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from captum_normattr import ALTILogitAttribution
+
+    code, out, err = run(capsys, TEXTS[0], "--model", tiny_gpt2, "-m", "alti-logit", "globenc", "alti", "ff",
+                         "--format", "json", "-q")
+    assert code == 0, err
+    r = json.loads(out)["results"][0]
+    n = len(r["tokens"])
+    assert r["explained_position"] == n - 1  # decoders explain the last token by default
+    assert set(r["attributions"]) >= {"ALTI-Logit", "ALTI", "GlobEnc+FF"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
+    enc = AutoTokenizer.from_pretrained(tiny_gpt2)([TEXTS[0]], return_tensors="pt")
+    direct = ALTILogitAttribution(model).attribute(enc["input_ids"], additional_forward_args=(enc["attention_mask"],))
+    torch.testing.assert_close(torch.tensor(r["attributions"]["ALTI-Logit"], dtype=torch.float64),
+                               direct[0].double(), rtol=1e-4, atol=1e-6)
+    # an encoder is not a causal LM: a one-line usage error
+    code, out, err = run(capsys, TEXTS[0], "-m", "alti-logit")
+    assert code == 2 and "ALTILogitAttribution" in err and "Traceback" not in err

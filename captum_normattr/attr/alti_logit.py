@@ -147,6 +147,22 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
                 )
             self._unembed, self._unembed_bias = head.weight, getattr(head, "bias", None)  # nn.Linear: (V, D)
 
+    def predicted_tokens(self, final_norm_out: Tensor, pos: Tensor) -> Tensor:
+        r"""The argmax next token at the explained positions, from the real final-norm output.
+
+        Args:
+            final_norm_out: (B, T, D) the real output of the final norm.
+            pos: (B,) explained positions.
+
+        Returns:
+            (B,) long token ids.
+        """
+        h = final_norm_out[torch.arange(final_norm_out.shape[0], device=pos.device), pos]
+        logits = h @ self._unembed.to(h.dtype).T
+        if self._unembed_bias is not None:
+            logits = logits + self._unembed_bias.to(h.dtype)
+        return logits.argmax(-1)
+
     def _direction(self, target: Any, b: int, device, dtype) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         if target is None:
             raise ValueError("ALTILogitAttribution needs target: a token id, a (B,) tensor of ids, or (target, foil)")
@@ -183,7 +199,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple.
             target: token id (int), per-example ids (list or (B,) tensor), or a tuple
                 (target, foil) of such (explains logit(target) - logit(foil)); a (B, 2) tensor
-                gives (target, foil) per example.
+                gives (target, foil) per example; None (default): the token the model predicts
+                at the explained position (argmax of its real logits).
             additional_forward_args: attention_mask (B, T) (left or right padding).
 
         Returns:
@@ -195,6 +212,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         with torch.no_grad():
             layers, (fparams, f_in, f_out) = self.capture_full(prepared)
             b, t, d = layers[0].hidden_in.shape
+            if target is None:  # the model's own next-token prediction at the explained position
+                target = self.predicted_tokens(f_out, pos)
             u, ub, t_ids, f_ids = self._direction(target, b, f_in.device, f_in.dtype)
             chunk = rows_per_chunk(b, t, d, f_in.element_size(), int(self.memory_budget_mb * 2**20))
             terms = alti_logit_terms(layers, fparams, f_in, f_out, u, ub, valid, pos, chunk, self.adapter.causal)
@@ -229,7 +248,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
 
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple of them.
-            target: token id, (B,) ids, or (target, foil) — see :meth:`decompose`. Required.
+            target: token id, (B,) ids, or (target, foil) — see :meth:`decompose`; None (default):
+                the token the model predicts at the explained position.
             additional_forward_args: attention_mask (B, T).
             return_convergence_delta: also return delta (B,): the real logit minus token
                 scores minus the no-token terms.
