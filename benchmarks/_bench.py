@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json"]
+__all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json", "random_ids"]
 
 
 def rss_mb() -> float:
@@ -207,3 +207,43 @@ def print_json(record: Mapping[str, Any]) -> None:
         {"method": "forward", "extra_peak_mb": 1.0}
     """
     print(json.dumps(dict(record)), flush=True)
+
+
+def random_ids(
+    batch: int,
+    tokens: int,
+    *,
+    low: int = 1000,
+    high: int = 20000,
+    cls: Optional[int] = 101,
+    sep: Optional[int] = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    r"""Reproducible random token ids for timing: uniform in ``[low, high)``, optional first/last token.
+
+    Args:
+        batch (int): number of examples.
+        tokens (int): sequence length.
+        low (int, optional): smallest id drawn. Default: 1000 (past BERT's special tokens).
+        high (int, optional): one past the largest id drawn. Default: 20000.
+        cls (int, optional): id put at position 0 (BERT's ``[CLS]`` is 101); None: none.
+            Default: 101.
+        sep (int, optional): id put at the last position (BERT's ``[SEP]`` is 102); None: none.
+            Default: None.
+        seed (int, optional): seed of the private generator (the global RNG is untouched).
+            Default: 0.
+
+    Returns:
+        Tensor: int64 ids of shape ``(batch, tokens)``.
+
+    Examples::
+
+        >>> random_ids(2, 8, sep=102)[:, [0, -1]].tolist()
+        [[101, 102], [101, 102]]
+    """
+    ids = torch.randint(low, high, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+    if cls is not None:
+        ids[:, 0] = cls
+    if sep is not None:
+        ids[:, -1] = sep
+    return ids

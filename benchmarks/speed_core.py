@@ -20,18 +20,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # measure the checkout this script lives in
 sys.path.insert(0, str(HERE))
 
-from _bench import measure_peak, print_json, run_child, time_interleaved  # noqa: E402
+from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 
 
 def _setup(batch: int, tokens: int):
     from captum_normattr import load_default_model
 
     model, _ = load_default_model()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 20000, (batch, tokens), generator=g)
-    ids[:, 0] = 101
-    mask = torch.ones_like(ids)
-    return model, ids, mask
+    ids = random_ids(batch, tokens)
+    return model, ids, torch.ones_like(ids)
 
 
 def _runner(name: str, model):

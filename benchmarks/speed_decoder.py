@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
 sys.path.insert(0, HERE)
 
-from _bench import measure_peak, print_json  # noqa: E402
+from _bench import measure_peak, print_json, random_ids  # noqa: E402
 from _bench import run_child as _run_script  # noqa: E402
 
 CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -68,7 +68,7 @@ def _runner(name: str, model):
 def child(name: str, tokens: int, limit_mb: float) -> None:
     torch.set_num_threads(1)
     model = _model()
-    ids = torch.randint(100, 30000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    ids = random_ids(1, tokens, low=100, high=30000, cls=None)
 
     def abort(extra_mb: float) -> None:  # before the machine sees much more than the limit
         print_json({"method": name, "tokens": tokens, "exceeded": True, "extra_peak_mb": extra_mb})

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's package, not an installed one
 sys.path.insert(0, str(HERE))
 
-from _bench import measure_peak, print_json, run_child, time_interleaved  # noqa: E402
+from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 
 
 def _setup(batch: int, tokens: int):
@@ -35,9 +35,7 @@ def _setup(batch: int, tokens: int):
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     model = BertForSequenceClassification.from_pretrained(default_model_path(), num_labels=2).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 20000, (batch, tokens), generator=g)
-    ids[:, 0], ids[:, -1] = 101, 102
+    ids = random_ids(batch, tokens, sep=102)
     return model, ids, torch.ones_like(ids)
 
 

@@ -84,3 +84,13 @@ def test_run_child_parses_last_json_line_and_reports_failures(tmp_path):
     silent.write_text("print('no json here')\n")
     with pytest.raises(RuntimeError, match="no JSON line"):
         _bench.run_child(str(silent), [], what="silent child")
+
+
+def test_random_ids_reproducible_with_special_tokens():
+    a = _bench.random_ids(3, 10, sep=102)
+    assert a.shape == (3, 10) and a.dtype == torch.int64
+    assert torch.equal(a, _bench.random_ids(3, 10, sep=102))
+    assert (a[:, 0] == 101).all() and (a[:, -1] == 102).all()
+    assert ((a[:, 1:-1] >= 1000) & (a[:, 1:-1] < 20000)).all()
+    plain = _bench.random_ids(1, 5, low=100, high=30000, cls=None)
+    assert torch.equal(plain, torch.randint(100, 30000, (1, 5), generator=torch.Generator().manual_seed(0)))
