@@ -18,15 +18,18 @@ predicted from a fit a + c T^2 (or a full quadratic with 3+ points) of the measu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
+sys.path.insert(0, HERE)
+
+from _bench import measure_peak, print_json, random_ids  # noqa: E402
+from _bench import run_child as _run_script  # noqa: E402
 
 CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
               intermediate_size=2048, vocab_size=32000, max_position_embeddings=16384, hidden_act="silu")
@@ -62,53 +65,22 @@ def _runner(name: str, model):
     raise ValueError(name)
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(name: str, tokens: int, limit_mb: float) -> None:
-    import gc
-    import threading
-
     torch.set_num_threads(1)
     model = _model()
-    ids = torch.randint(100, 30000, (1, tokens), generator=torch.Generator().manual_seed(0))
-    fn = _runner(name, model)
-    gc.collect()
-    base = _rss_mb()
-    peak = [base]
-    done = threading.Event()
+    ids = random_ids(1, tokens, low=100, high=30000, cls=None)
 
-    def poll():
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            if peak[0] - base > limit_mb:
-                print(json.dumps({"method": name, "tokens": tokens, "exceeded": True, "extra_peak_mb": peak[0] - base}), flush=True)
-                os._exit(3)
-            done.wait(0.002)
+    def abort(extra_mb: float) -> None:  # before the machine sees much more than the limit
+        print_json({"method": name, "tokens": tokens, "exceeded": True, "extra_peak_mb": extra_mb})
+        os._exit(3)
 
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(ids)
-    dt = time.perf_counter() - t0
-    done.set()
-    th.join()
-    print(json.dumps({"method": name, "tokens": tokens, "exceeded": False, "seconds": dt, "extra_peak_mb": peak[0] - base}))
+    extra_mb, seconds = measure_peak(_runner(name, model), ids, limit_mb=limit_mb, on_exceed=abort)
+    print_json({"method": name, "tokens": tokens, "exceeded": False, "seconds": seconds, "extra_peak_mb": extra_mb})
 
 
 def run_child(name: str, tokens: int, limit_mb: float) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--_child", name, "--_tokens", str(tokens), "--_limit", str(limit_mb)],
-                         capture_output=True, text=True)
-    lines = [l for l in out.stdout.strip().splitlines() if l.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"child {name} at {tokens} tokens failed:\n{out.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return _run_script(__file__, ["--_child", name, "--_tokens", str(tokens), "--_limit", str(limit_mb)],
+                       ok_returncodes=(0, 3), what=f"{name} at {tokens} tokens")
 
 
 def search(name: str, measured: dict, limit_mb: float, budget_s: float, cap: int) -> dict:

@@ -14,16 +14,16 @@ peak extra memory of one call: resident-set growth over the loaded model, polled
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's package, not an installed one
+sys.path.insert(0, str(HERE))
+
+from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 
 
 def _setup(batch: int, tokens: int):
@@ -35,9 +35,7 @@ def _setup(batch: int, tokens: int):
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     model = BertForSequenceClassification.from_pretrained(default_model_path(), num_labels=2).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 20000, (batch, tokens), generator=g)
-    ids[:, 0], ids[:, -1] = 101, 102
+    ids = random_ids(batch, tokens, sep=102)
     return model, ids, torch.ones_like(ids)
 
 
@@ -54,61 +52,24 @@ def _runner(name: str, model):
 
 
 def _slow(name: str) -> bool:
-    return name.endswith("forward") or name == "decompx-spread"  # the T-parts forward algorithm
+    # the T-parts forward algorithm; not the plain forward pass, which is warmed up and repeated like the adjoint
+    return name.startswith("decompx-") and (name.endswith("-forward") or name == "decompx-spread")
 
 
 def time_methods(batch: int, tokens: int, repeats: int, modes, slow_repeats: int = 1) -> dict:
     model, ids, mask = _setup(batch, tokens)
     names = ["forward"] + [f"decompx-{m}" for m in modes]
     runs = {n: _runner(n, model) for n in names}
-    times = {n: [] for n in runs}
-    with torch.no_grad():
-        for n, fn in runs.items():
-            if not _slow(n):
-                fn(ids, mask)  # warm-up (the slow ones are long enough not to need one)
-        for r in range(repeats):
-            for n, fn in runs.items():
-                if _slow(n) and r >= slow_repeats:
-                    continue
-                t0 = time.perf_counter()
-                fn(ids, mask)
-                times[n].append(time.perf_counter() - t0)
-    med = {n: statistics.median(v) for n, v in times.items()}
+    slow = [n for n in names if _slow(n)]  # long enough not to need a warm-up, repeated only slow_repeats times
+    med = time_interleaved(runs, (ids, mask), repeats, max_repeats={n: slow_repeats for n in slow}, no_warm_up=slow)
     return {"batch": batch, "tokens": tokens, "seconds": med,
             "ratio": {n: med[n] / med["forward"] for n in names if n != "forward"}}
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def peak_memory_child(name: str, batch: int, tokens: int) -> None:
-    import gc
-    import threading
-
     model, ids, mask = _setup(batch, tokens)
-    fn = _runner(name, model)
-    gc.collect()
-    base = _rss_mb()
-    peak = [base]
-    done = threading.Event()
-
-    def poll():
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            done.wait(0.002)
-
-    th = threading.Thread(target=poll)
-    th.start()
-    with torch.no_grad():
-        fn(ids, mask)
-    done.set()
-    th.join()
-    print(json.dumps({"method": name, "extra_peak_mb": peak[0] - base}))
+    extra_mb, seconds = measure_peak(_runner(name, model), ids, mask)
+    print_json({"method": name, "extra_peak_mb": extra_mb, "seconds": seconds})
 
 
 def main() -> None:
@@ -133,10 +94,8 @@ def main() -> None:
             n = f"decompx-{m}"
             print(f"  DecompX ({m:<16}) {s[n]:.3f} s = {res['ratio'][n]:.1f} forward passes (goal <= 10)")
         for name in ["forward"] + [f"decompx-{m}" for m in args.modes]:
-            out = subprocess.run(
-                [sys.executable, __file__, "--_memory_child", name, "--batch", str(args.batch), "--tokens", str(tokens)],
-                capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            print(f"  peak extra memory {name:<18} {json.loads(out)['extra_peak_mb']:.0f} MB")
+            r = run_child(__file__, ["--_memory_child", name, "--batch", str(args.batch), "--tokens", str(tokens)])
+            print(f"  peak extra memory {name:<18} {r['extra_peak_mb']:.0f} MB")
         sys.stdout.flush()
 
 

@@ -14,16 +14,16 @@ budget, at --long tokens.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure the checkout this script lives in
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # measure the checkout this script lives in
+sys.path.insert(0, str(HERE))
+
+from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 
 METHODS = ("forward", "closed_form", "riemann50")
 
@@ -32,12 +32,8 @@ def _setup(batch: int, tokens: int):
     from captum_normattr import load_default_model
 
     model, _ = load_default_model()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 20000, (batch, tokens), generator=g)
-    ids[:, 0] = 101
-    ids[:, -1] = 102
-    mask = torch.ones_like(ids)
-    return model, ids, mask
+    ids = random_ids(batch, tokens, sep=102)
+    return model, ids, torch.ones_like(ids)
 
 
 def _runner(name: str, model):
@@ -57,58 +53,17 @@ def _runner(name: str, model):
 def time_methods(batch: int, tokens: int, repeats: int) -> dict:
     model, ids, mask = _setup(batch, tokens)
     runs = {n: _runner(n, model) for n in METHODS}
-    times = {n: [] for n in runs}
-    with torch.no_grad():
-        for fn in runs.values():
-            fn(ids, mask)  # warm-up
-        for _ in range(repeats):
-            for n, fn in runs.items():
-                t0 = time.perf_counter()
-                fn(ids, mask)
-                times[n].append(time.perf_counter() - t0)
-    med = {n: statistics.median(v) for n, v in times.items()}
-    return {"batch": batch, "tokens": tokens, "seconds": med}
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return {"batch": batch, "tokens": tokens, "seconds": time_interleaved(runs, (ids, mask), repeats)}
 
 
 def peak_memory_child(name: str, tokens: int) -> None:
-    import gc
-    import threading
-
     model, ids, mask = _setup(1, tokens)
-    fn = _runner(name, model)
-    gc.collect()
-    base = _rss_mb()
-    peak = [base]
-    done = threading.Event()
-
-    def poll():
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            done.wait(0.002)
-
-    th = threading.Thread(target=poll)
-    th.start()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(ids, mask)
-    sec = time.perf_counter() - t0
-    done.set()
-    th.join()
-    print(json.dumps({"method": name, "tokens": tokens, "extra_peak_mb": peak[0] - base, "seconds": sec}))
+    extra_mb, seconds = measure_peak(_runner(name, model), ids, mask)
+    print_json({"method": name, "tokens": tokens, "extra_peak_mb": extra_mb, "seconds": seconds})
 
 
 def _child(name: str, tokens: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--_memory_child", name, "--long", str(tokens)],
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    return json.loads(out)
+    return run_child(__file__, ["--_memory_child", name, "--long", str(tokens)])
 
 
 def main() -> None:

@@ -1,0 +1,249 @@
+r"""Shared machinery of the speed/memory benchmarks (``benchmarks/speed_*.py``).
+
+Pure helpers, no model code: the resident-set size of this process, the peak extra memory
+and wall time of one call (polled in a thread), interleaved timing with a warm-up and the
+median of repeats, and running a child process of a benchmark script (a fresh process per
+memory figure, so that one measurement's allocator state cannot leak into the next) whose
+answer is the last JSON line of its standard output.
+
+The scripts import it as ``import _bench`` after putting their own folder on ``sys.path``
+(Python does that already for ``python benchmarks/X.py``, from any working directory).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json", "random_ids"]
+
+
+def rss_mb() -> float:
+    r"""Resident-set size of this process in MiB (``VmRSS`` of ``/proc/self/status``).
+
+    Returns:
+        float: the current resident-set size in MiB, or ``nan`` where ``/proc`` has no
+        ``VmRSS`` line (not Linux).
+
+    Examples::
+
+        >>> rss_mb() > 0
+        True
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def measure_peak(
+    fn: Callable[..., Any],
+    *args: Any,
+    poll_s: float = 0.002,
+    limit_mb: Optional[float] = None,
+    on_exceed: Optional[Callable[[float], None]] = None,
+) -> Tuple[float, float]:
+    r"""Peak extra memory and wall time of one call ``fn(*args)`` under ``torch.no_grad()``.
+
+    The extra memory is the resident-set growth over the state before the call (after a
+    ``gc.collect()``): a thread polls :func:`rss_mb` every ``poll_s`` seconds while ``fn``
+    runs and keeps the maximum. Run it in a fresh process with the model and inputs already
+    loaded, so that the baseline is "model loaded" and nothing freed earlier is reused.
+
+    Args:
+        fn (Callable): the call to measure; its result is dropped.
+        *args: positional arguments of ``fn``.
+        poll_s (float, optional): polling interval in seconds. Default: 0.002.
+        limit_mb (float, optional): if given, ``on_exceed(extra_mb)`` is called from the
+            polling thread as soon as the extra memory passes ``limit_mb`` (e.g. to print a
+            verdict and ``os._exit`` before the machine runs out of memory). Default: None.
+        on_exceed (Callable[[float], None], optional): see ``limit_mb``; required with it.
+
+    Returns:
+        tuple[float, float]: ``(extra_peak_mb, seconds)``, the peak resident-set growth in
+        MiB during the call and the call's wall time in seconds.
+
+    Examples::
+
+        >>> extra_mb, seconds = measure_peak(lambda n: torch.ones(n), 10)
+    """
+    if limit_mb is not None and on_exceed is None:
+        raise ValueError("measure_peak: limit_mb needs on_exceed (what to do when the limit is passed)")
+    gc.collect()
+    base = rss_mb()
+    peak = [base]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            if limit_mb is not None and peak[0] - base > limit_mb:
+                on_exceed(peak[0] - base)  # type: ignore[misc]
+                return
+            done.wait(poll_s)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(*args)
+    seconds = time.perf_counter() - t0
+    done.set()
+    th.join()
+    peak[0] = max(peak[0], rss_mb())  # a call shorter than one poll interval
+    return peak[0] - base, seconds
+
+
+def time_interleaved(
+    runs: Mapping[str, Callable[..., Any]],
+    args: Sequence[Any],
+    repeats: int,
+    *,
+    max_repeats: Optional[Mapping[str, int]] = None,
+    no_warm_up: Collection[str] = (),
+) -> dict:
+    r"""Median wall time of every run, with the repeats interleaved so that noise hits all alike.
+
+    Under ``torch.no_grad()``: one warm-up call of every run (except those in
+    ``no_warm_up``), then ``repeats`` rounds that each call every run once, in order.
+
+    Args:
+        runs (Mapping[str, Callable]): name -> callable, each called as ``fn(*args)``.
+        args (Sequence): the positional arguments of every call.
+        repeats (int): number of interleaved rounds.
+        max_repeats (Mapping[str, int], optional): name -> at most this many timed calls
+            (the first rounds), for runs too slow to repeat. Default: None.
+        no_warm_up (Collection[str], optional): names whose warm-up call is skipped (runs
+            long enough not to need one). Default: ().
+
+    Returns:
+        dict: name -> median seconds over its timed calls.
+
+    Examples::
+
+        >>> med = time_interleaved({"a": lambda x: x + 1, "b": lambda x: x * 2}, (torch.ones(3),), 3)
+        >>> sorted(med)
+        ['a', 'b']
+    """
+    max_repeats = dict(max_repeats or {})
+    unknown = (set(max_repeats) | set(no_warm_up)) - set(runs)
+    if unknown:
+        raise ValueError(f"time_interleaved: unknown run names {sorted(unknown)}; the runs are {list(runs)}")
+    times: dict = {n: [] for n in runs}
+    with torch.no_grad():
+        for n, fn in runs.items():
+            if n not in no_warm_up:
+                fn(*args)
+        for r in range(repeats):
+            for n, fn in runs.items():
+                if r >= max_repeats.get(n, repeats):
+                    continue
+                t0 = time.perf_counter()
+                fn(*args)
+                times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def run_child(
+    script: str,
+    argv: Sequence[str],
+    *,
+    ok_returncodes: Collection[int] = (0,),
+    what: Optional[str] = None,
+) -> dict:
+    r"""Run ``python script *argv`` in a fresh process and parse the last JSON line of its stdout.
+
+    Args:
+        script (str): path of the script (usually the caller's ``__file__``).
+        argv (Sequence[str]): its command-line arguments.
+        ok_returncodes (Collection[int], optional): exit statuses that count as success
+            (a child that aborts on purpose may exit non-zero after printing its answer).
+            Default: (0,).
+        what (str, optional): a description of the child for the error message.
+            Default: the command line.
+
+    Returns:
+        dict: the last line of stdout that starts with ``{``, parsed as JSON.
+
+    Raises:
+        RuntimeError: if the child exits with another status or prints no JSON line; the
+            message names the command and quotes the tail of the child's stderr.
+
+    Examples::
+
+        >>> run_child(__file__, ["--_memory_child", "forward"])  # doctest: +SKIP
+        {'method': 'forward', 'extra_peak_mb': 12.0, 'seconds': 0.01}
+    """
+    cmd = [sys.executable, str(script), *map(str, argv)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode not in ok_returncodes or not lines:
+        why = f"exit status {out.returncode}" if out.returncode not in ok_returncodes else "no JSON line on stdout"
+        raise RuntimeError(f"benchmark child {what or ' '.join(cmd)} failed ({why}); its stderr ends with:\n"
+                           f"{out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def print_json(record: Mapping[str, Any]) -> None:
+    r"""Print ``record`` as one JSON line and flush: the answer of a child for :func:`run_child`.
+
+    Args:
+        record (Mapping[str, Any]): JSON-serialisable values.
+
+    Examples::
+
+        >>> print_json({"method": "forward", "extra_peak_mb": 1.0})
+        {"method": "forward", "extra_peak_mb": 1.0}
+    """
+    print(json.dumps(dict(record)), flush=True)
+
+
+def random_ids(
+    batch: int,
+    tokens: int,
+    *,
+    low: int = 1000,
+    high: int = 20000,
+    cls: Optional[int] = 101,
+    sep: Optional[int] = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    r"""Reproducible random token ids for timing: uniform in ``[low, high)``, optional first/last token.
+
+    Args:
+        batch (int): number of examples.
+        tokens (int): sequence length.
+        low (int, optional): smallest id drawn. Default: 1000 (past BERT's special tokens).
+        high (int, optional): one past the largest id drawn. Default: 20000.
+        cls (int, optional): id put at position 0 (BERT's ``[CLS]`` is 101); None: none.
+            Default: 101.
+        sep (int, optional): id put at the last position (BERT's ``[SEP]`` is 102); None: none.
+            Default: None.
+        seed (int, optional): seed of the private generator (the global RNG is untouched).
+            Default: 0.
+
+    Returns:
+        Tensor: int64 ids of shape ``(batch, tokens)``.
+
+    Examples::
+
+        >>> random_ids(2, 8, sep=102)[:, [0, -1]].tolist()
+        [[101, 102], [101, 102]]
+    """
+    ids = torch.randint(low, high, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+    if cls is not None:
+        ids[:, 0] = cls
+    if sep is not None:
+        ids[:, -1] = sep
+    return ids

@@ -1,0 +1,96 @@
+"""Fast tests of the shared benchmark helpers in benchmarks/_bench.py (no models, no timing assertions)."""
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import _bench  # noqa: E402
+
+
+def test_rss_mb_is_positive():
+    r = _bench.rss_mb()
+    assert math.isnan(r) or r > 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+def test_measure_peak_sees_an_allocation_inside_fn():
+    def allocate(n_mb: int) -> None:
+        x = torch.ones(n_mb * 2**18, dtype=torch.float32)  # n_mb MiB, touched
+        x.add_(1)
+        del x
+
+    extra, seconds = _bench.measure_peak(allocate, 200)
+    assert extra > 150, extra  # the 200 MiB tensor, freed before the call returns
+    assert seconds >= 0
+    small, _ = _bench.measure_peak(lambda: None)
+    assert small < 50, small
+
+
+def test_measure_peak_calls_on_exceed():
+    seen = []
+    extra, _ = _bench.measure_peak(lambda: torch.ones(100 * 2**18).add_(1), limit_mb=-1.0, on_exceed=seen.append)
+    assert seen and seen[0] > -1.0
+    with pytest.raises(ValueError, match="on_exceed"):
+        _bench.measure_peak(lambda: None, limit_mb=1.0)
+
+
+def test_time_interleaved_returns_every_name_and_respects_limits():
+    calls = {"a": 0, "b": 0, "slow": 0}
+    grad = []
+
+    def make(n):
+        def fn(x):
+            calls[n] += 1
+            grad.append(torch.is_grad_enabled())
+            return x + 1
+        return fn
+
+    med = _bench.time_interleaved({n: make(n) for n in calls}, (torch.ones(2),), 3,
+                                  max_repeats={"slow": 1}, no_warm_up=["slow"])
+    assert set(med) == {"a", "b", "slow"}
+    assert all(v >= 0 for v in med.values())
+    assert calls == {"a": 4, "b": 4, "slow": 1}  # warm-up + 3 repeats; slow: no warm-up, 1 repeat
+    assert not any(grad)  # under torch.no_grad()
+    with pytest.raises(ValueError, match="unknown run names"):
+        _bench.time_interleaved({"a": make("a")}, (torch.ones(1),), 1, no_warm_up=["typo"])
+
+
+def test_run_child_parses_last_json_line_and_reports_failures(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        mode = sys.argv[1]
+        print("log line")
+        print(json.dumps({"n": 1}))
+        print(json.dumps({"n": 2, "arg": sys.argv[2]}))
+        if mode == "crash":
+            sys.stderr.write("Traceback: something broke\\n")
+            sys.exit(2)
+        if mode == "abort":
+            sys.exit(3)
+    """))
+    assert _bench.run_child(str(script), ["ok", 7]) == {"n": 2, "arg": "7"}
+    assert _bench.run_child(str(script), ["abort", "x"], ok_returncodes=(0, 3))["n"] == 2
+    with pytest.raises(RuntimeError, match=r"(?s)exit status 2.*something broke"):
+        _bench.run_child(str(script), ["crash", "x"])
+    silent = tmp_path / "silent.py"
+    silent.write_text("print('no json here')\n")
+    with pytest.raises(RuntimeError, match="no JSON line"):
+        _bench.run_child(str(silent), [], what="silent child")
+
+
+def test_random_ids_reproducible_with_special_tokens():
+    a = _bench.random_ids(3, 10, sep=102)
+    assert a.shape == (3, 10) and a.dtype == torch.int64
+    assert torch.equal(a, _bench.random_ids(3, 10, sep=102))
+    assert (a[:, 0] == 101).all() and (a[:, -1] == 102).all()
+    assert ((a[:, 1:-1] >= 1000) & (a[:, 1:-1] < 20000)).all()
+    plain = _bench.random_ids(1, 5, low=100, high=30000, cls=None)
+    assert torch.equal(plain, torch.randint(100, 30000, (1, 5), generator=torch.Generator().manual_seed(0)))
