@@ -31,8 +31,18 @@ adjoint one (:func:`adjoint_class_scores`, ``"separate"`` only) uses that the fr
 network is affine in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
 vector-Jacobian product per class (cost a few forward passes). Both agree to rounding.
 
-Layer kinds are one function each (:data:`LAYER_STEPS`); a pre-LN step (GPT-2, Llama)
-plugs in there (and a frozen pre-LN layer next to :func:`frozen_post_ln_layer`).
+Layer kinds are one function each (:data:`LAYER_STEPS`).
+
+pre-LN layer (GPT-2, Llama, Mistral, Qwen2; :func:`pre_ln_layer_parts`):
+  u_{j<-k}   = gamma1 c(x_{j<-k}) / s(x_j)       (RMSNorm: no centering, no beta; bias part + beta1)
+  h_{i<-k}   = x_{i<-k} + sum_h (sum_j alpha^h_ij u_{j<-k} W_V^h) W_O^h   (bias part: b_V mixed, + b_O)
+               (grouped-query attention: each key/value head's values repeated per query head)
+  out_{i<-k} = h_{i<-k} + FF_{i<-k}(gamma2 c(h_{i<-k}) / s(h_i))           (no norm after the residual)
+  FF: elementwise (GPT-2) by the closed form; gated (SwiGLU) by the per-neuron integrated
+  gradients along t (a, b): part k gets a_k b I1(a) + b_k I2(a) (Gauss-Legendre,
+  :func:`ff_coefficients`; the completeness error is the quadrature error, reported).
+then the final norm (real scale) and the LM-head row of the target token
+(:func:`logit_scores`; adjoint: :func:`adjoint_logit_scores` with :func:`frozen_pre_ln_layer`).
 """
 from __future__ import annotations
 
@@ -292,7 +302,7 @@ def _spread_into(parts: Tensor, bias: Tensor, weight: Tensor, fallback: Tensor, 
     return out + w.unsqueeze(-1) * bias.unsqueeze(2), torch.zeros_like(bias)
 
 
-def pre_ln_ff_parts(
+def frozen_ff_parts(
     z: Tensor, z_b: Tensor, ff: Dict[str, object], coefs: Dict[str, Tensor], spread: bool, fallback: Tensor
 ) -> Tuple[Tensor, Tensor]:
     r"""FF-output parts from FF-input parts with frozen coefficients (:func:`ff_coefficients`).
@@ -413,7 +423,7 @@ def pre_ln_layer_parts(
         z_b = norm_bias_part(a_b[:, rc], ln2_in[:, rc], layer.ln2)
         if spread:
             z, z_b = absorb_bias(z, z_b, rows[rc])
-        ff, ff_b = pre_ln_ff_parts(z, z_b, layer.ff, {key: val[:, rc] for key, val in c_rows.items()}, spread, rows[rc])
+        ff, ff_b = frozen_ff_parts(z, z_b, layer.ff, {key: val[:, rc] for key, val in c_rows.items()}, spread, rows[rc])
         del z
         if spread:
             ff, ff_b = absorb_bias(ff, ff_b, rows[rc])
@@ -690,7 +700,7 @@ def adjoint_class_scores(
         the real logit is the completeness error.
     """
     if any(layer.pre_ln for layer in layers):
-        raise NotImplementedError("DecompX through pre-LN layers (decoders) is not implemented yet")
+        raise ValueError("pre-LN layers (decoders) have no classification head: use adjoint_logit_scores")
     e = layers[0].hidden_in.detach()
     slopes = frozen_slopes(layers, head)
     with torch.enable_grad():
