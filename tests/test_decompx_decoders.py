@@ -297,3 +297,15 @@ def test_spread_weights_per_example_fallback():
                           torch.tensor([1.5, -2.0], dtype=torch.float64), "spread", fallback=torch.tensor([1, 2]))
     torch.testing.assert_close(s, torch.tensor([[0.0, 1.5, 0.0], [0.0, 0.0, -2.0]], dtype=torch.float64))
     assert (s_b == 0).all()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_float32_decoder(family):
+    model = make_decoder(family, tied=False).float()
+    ids, mask = decoder_batch([6, 4], seed=10)
+    adj = DecompXAttribution(model).decompose(ids, target=3, additional_forward_args=mask)
+    fwd = DecompXAttribution(model, algorithm="forward").decompose(ids, target=3, additional_forward_args=mask)
+    assert adj.scores.dtype == torch.float32
+    for res in (adj, fwd):
+        assert res.delta.max() < 1e-5 * res.logits.abs().max()
+    torch.testing.assert_close(adj.scores, fwd.scores, rtol=1e-4, atol=1e-5)
