@@ -309,3 +309,74 @@ def test_float32_decoder(family):
     for res in (adj, fwd):
         assert res.delta.max() < 1e-5 * res.logits.abs().max()
     torch.testing.assert_close(adj.scores, fwd.scores, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- toy model
+KEY_ID, TOY_TARGET = 11, 5
+
+
+def toy_gpt2():
+    r"""A GPT-2 whose next-token logit of TOY_TARGET depends on the KEY_ID tokens only (and on the length).
+
+    Features split into A = 0..11 and B = 12..23. Every token and position has one embedding
+    (in A, features 0 and 1 equal) except KEY_ID, whose features 0 and 1 differ. Layer 1
+    attends uniformly (zero queries and keys) and its values read feature 0 minus feature 1
+    of LN1's output (LN1 gamma/beta equal there), 0 for every token but KEY; W_O writes into
+    B. Layer 2 has zero values, the FFs zero input weights. The final norm keeps only B and
+    the LM-head row of TOY_TARGET lives in B with entries summing to 0, so the centering's
+    constant (which carries the last token's own embedding) is removed.
+    """
+    m = make_decoder("gpt2", tied=False, seed=3)
+    A, B = slice(0, 12), slice(12, 24)
+    d = 24
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        wte, wpe = m.transformer.wte.weight, m.transformer.wpe.weight
+        wte[:] = wte[0]
+        wte[:, 1] = wte[:, 0]
+        wte[:, B] = 0.0
+        wpe.zero_()
+        wte[KEY_ID, A] += torch.randn(12, generator=g, dtype=torch.float64)
+        wte[KEY_ID, 0] += 3.0
+        for i, block in enumerate(m.transformer.h):
+            block.ln_1.weight[1] = block.ln_1.weight[0]
+            block.ln_1.bias[1] = block.ln_1.bias[0]
+            c = block.attn.c_attn
+            c.weight[:, : 3 * d] = 0.0
+            c.bias[:] = 0.0
+            if i == 0:
+                w = 5.0 * torch.randn(d, generator=g, dtype=torch.float64)
+                c.weight[0, 2 * d :] = w
+                c.weight[1, 2 * d :] = -w
+            block.attn.c_proj.weight[:, A] = 0.0  # Conv1D [in, out]: W_O writes into B only
+            block.mlp.c_fc.weight.zero_()
+            block.mlp.c_fc.bias.zero_()
+        m.transformer.ln_f.weight[A] = 0.0
+        m.transformer.ln_f.weight[B] = 1.0
+        m.transformer.ln_f.bias[A] = 0.0
+        u = torch.randn(12, generator=g, dtype=torch.float64)
+        m.lm_head.weight[TOY_TARGET] = 0.0
+        m.lm_head.weight[TOY_TARGET, B] = u - u.mean()
+    return m
+
+
+def test_toy_decoder_one_token_gets_all_the_score():
+    m = toy_gpt2()
+    ids = torch.tensor([[7, 5, KEY_ID, 9, 7, 3], [8, KEY_ID, 6, 4, 5, 4]])
+    mask = torch.ones_like(ids)
+    logit = real_logits(m, ids, mask)[:, -1, TOY_TARGET]
+    other = ids.clone()
+    other[0, [0, 1, 3, 4, 5]] = torch.tensor([13, 17, 19, 23, 29])
+    other[1, [0, 2, 3, 4, 5]] = torch.tensor([31, 37, 41, 43, 47])
+    torch.testing.assert_close(real_logits(m, other, mask)[:, -1, TOY_TARGET], logit, rtol=0, atol=1e-12)
+    without = ids.clone()
+    without[0, 2] = 17
+    assert (real_logits(m, without, mask)[0, -1, TOY_TARGET] - logit[0]).abs() > 1e-3  # KEY does matter
+    key = ids == KEY_ID
+    for bias_mode, algorithm in (("separate", "adjoint"), ("separate", "forward")):
+        res = DecompXAttribution(m, bias_mode=bias_mode, algorithm=algorithm).decompose(ids, target=TOY_TARGET)
+        assert res.scores[~key].abs().max() < 1e-12
+        torch.testing.assert_close(res.scores[key], logit - res.bias_scores[:, 0], rtol=0, atol=1e-12)
+        assert res.scores[key].abs().min() > 1e-3
+        res0 = DecompXAttribution(m, algorithm=algorithm).decompose(without[:1], target=TOY_TARGET)
+        assert res0.scores.abs().max() < 1e-12
