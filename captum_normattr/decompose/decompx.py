@@ -31,8 +31,18 @@ adjoint one (:func:`adjoint_class_scores`, ``"separate"`` only) uses that the fr
 network is affine in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
 vector-Jacobian product per class (cost a few forward passes). Both agree to rounding.
 
-Layer kinds are one function each (:data:`LAYER_STEPS`); a pre-LN step (GPT-2, Llama)
-plugs in there (and a frozen pre-LN layer next to :func:`frozen_post_ln_layer`).
+Layer kinds are one function each (:data:`LAYER_STEPS`).
+
+pre-LN layer (GPT-2, Llama, Mistral, Qwen2; :func:`pre_ln_layer_parts`):
+  u_{j<-k}   = gamma1 c(x_{j<-k}) / s(x_j)       (RMSNorm: no centering, no beta; bias part + beta1)
+  h_{i<-k}   = x_{i<-k} + sum_h (sum_j alpha^h_ij u_{j<-k} W_V^h) W_O^h   (bias part: b_V mixed, + b_O)
+               (grouped-query attention: each key/value head's values repeated per query head)
+  out_{i<-k} = h_{i<-k} + FF_{i<-k}(gamma2 c(h_{i<-k}) / s(h_i))           (no norm after the residual)
+  FF: elementwise (GPT-2) by the closed form; gated (SwiGLU) by the per-neuron integrated
+  gradients along t (a, b): part k gets a_k b I1(a) + b_k I2(a) (Gauss-Legendre,
+  :func:`ff_coefficients`; the completeness error is the quadrature error, reported).
+then the final norm (real scale) and the LM-head row of the target token
+(:func:`logit_scores`; adjoint: :func:`adjoint_logit_scores` with :func:`frozen_pre_ln_layer`).
 """
 from __future__ import annotations
 
@@ -43,8 +53,9 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.feed_forward import ig_closed_form
+from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
-from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.records import LayerTensors, NormParams
 
 BIAS_MODES: Tuple[str, ...] = ("separate", "spread")
 
@@ -60,8 +71,8 @@ def spread_weights(dots: Tensor, fallback: Tensor) -> Tensor:
 
     Args:
         dots: (B, R, K) dot products <part_{r<-k}, bias_r>.
-        fallback: (R,) long: the source token that receives the whole bias of a row whose
-            dot products are all 0.
+        fallback: (R,) long (or (B, R), one per example): the source token that receives
+            the whole bias of a row whose dot products are all 0.
 
     Returns:
         (B, R, K).
@@ -69,7 +80,11 @@ def spread_weights(dots: Tensor, fallback: Tensor) -> Tensor:
     a = dots.abs()
     total = a.sum(-1, keepdim=True)
     own = torch.zeros_like(a)
-    own[:, torch.arange(a.shape[1], device=a.device), fallback.to(a.device)] = 1.0
+    fallback = fallback.to(a.device)
+    if fallback.dim() == 2:
+        own.scatter_(-1, fallback.unsqueeze(-1), 1.0)
+    else:
+        own[:, torch.arange(a.shape[1], device=a.device), fallback] = 1.0
     return torch.where(total > 0, a / torch.where(total > 0, total, torch.ones_like(total)), own)
 
 
@@ -230,17 +245,192 @@ def post_ln_layer_parts(
     return y, y_b
 
 
-def pre_ln_layer_parts(*args, **kwargs):
-    r"""Pre-LN layer step (GPT-2, Llama family): not implemented yet.
+def ff_coefficients(layer: LayerTensors, nodes: int = DEFAULT_NODES) -> Dict[str, Tensor]:
+    r"""The frozen per-neuron FF coefficients of one layer, at the REAL FF input.
 
-    What it needs: parts of LN1(x_j) per token (apply_norm_to_parts with the real LN1
-    input; LN1 acts on one token, so no mixing), the values/mixing/W_O of the post-LN
-    step applied to them, the residual x_{i<-k} added WITHOUT a norm, the FF on parts of
-    LN2(h_i) (gated FF: the Gauss-Legendre path integrals of the decoder issue), the
-    residual again; after the last layer the final norm; then the LM-head row of the
-    target token (linear) instead of a classification head.
+    The FF input is LN1's output for a post-LN layer and LN2's output for a pre-LN one.
+    Every FF part is linear in its input part through these coefficients:
+
+    - elementwise g (BERT, GPT-2): ``{"slope": (g(p) - g(0)) / p}`` at the real
+      pre-activation p (the exact closed form of integrated gradients); part k of the
+      pre-activation p_k maps to p_k * slope.
+    - gated (SwiGLU, Llama family), phi(a, b) = g(a) b per neuron with a = u W_gate + b_gate,
+      b = u W_up + b_up: integrated gradients along t * (a, b) gives part k
+      a_k * b * I1(a) + b_k * I2(a), I1 = int_0^1 t g'(t a) dt, I2 = int_0^1 g(t a) dt
+      (Gauss-Legendre, :func:`~captum_normattr.decompose.gated_feed_forward.gate_integrals`):
+      ``{"gate": b * I1, "up": I2, "quadrature_error": (B, T) max over neurons of
+      |b (a I1 + I2) - b g(a)|}`` — the completeness error that the quadrature leaves.
+
+    Args:
+        layer: the layer's real tensors.
+        nodes: Gauss-Legendre nodes (gated FF only).
+
+    Returns:
+        dict of (B, T, F) tensors (and the (B, T) quadrature error for a gated FF).
     """
-    raise NotImplementedError("DecompX propagation through pre-LN layers (decoders) is not implemented yet")
+    f = layer.ff
+    u = layer.ln2_out if layer.pre_ln else layer.ln1_out
+    pre = u @ f["w_in"]
+    if f.get("b_in") is not None:
+        pre = pre + f["b_in"]
+    if f.get("w_gate") is None:
+        return {"slope": _slopes(pre, f["act"])}
+    a = u @ f["w_gate"]
+    if f.get("b_gate") is not None:
+        a = a + f["b_gate"]
+    i1, i2 = gate_integrals(a, f["act"], nodes)
+    err = (pre * (a * i1 + i2) - pre * f["act"](a)).abs().amax(-1)
+    return {"gate": pre * i1, "up": i2, "quadrature_error": err}
+
+
+def _value_heads(v: Tensor, kv_heads: int, groups: int) -> Tensor:
+    r"""(..., H_kv * Dh) -> (..., H, Dh), each key/value head repeated for the ``groups`` query heads it serves."""
+    v = v.reshape(v.shape[:-1] + (kv_heads, v.shape[-1] // kv_heads))
+    return v if groups == 1 else v.repeat_interleave(groups, dim=-2)
+
+
+def _spread_into(parts: Tensor, bias: Tensor, weight: Tensor, fallback: Tensor, spread: bool) -> Tuple[Tensor, Tensor]:
+    r"""``"spread"``: give parts their |<part W, bias>| share of a bias living after the matrix W.
+
+    parts: (B, R, K, D) input parts; bias: (B, R, F) a bias part in the output space of W (D, F).
+    Returns (parts W + shares, bias or zeros).
+    """
+    out = parts @ weight
+    if not spread:
+        return out, bias
+    w = spread_weights(torch.einsum("brkd,brd->brk", parts, bias @ weight.T), fallback)
+    return out + w.unsqueeze(-1) * bias.unsqueeze(2), torch.zeros_like(bias)
+
+
+def frozen_ff_parts(
+    z: Tensor, z_b: Tensor, ff: Dict[str, object], coefs: Dict[str, Tensor], spread: bool, fallback: Tensor
+) -> Tuple[Tensor, Tensor]:
+    r"""FF-output parts from FF-input parts with frozen coefficients (:func:`ff_coefficients`).
+
+    Args:
+        z: (B, R, K, D) input parts; z_b: (B, R, D) their bias part.
+        ff: the layer's FF parameters (``LayerTensors.ff``).
+        coefs: the coefficients at these R rows, (B, R, F) each.
+        spread: ``"spread"`` bias mode (every bias entering here is spread over the parts).
+        fallback: (R,) long, the source token taking a bias whose dot products are all 0.
+
+    Returns:
+        (parts (B, R, K, D), bias part (B, R, D)).
+    """
+    f = ff
+    w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
+    pre_b = z_b @ w1 + (b1 if b1 is not None else 0.0)
+    pre, pre_b = _spread_into(z, pre_b, w1, fallback, spread)
+    if f.get("w_gate") is None:
+        slope = coefs["slope"]
+        ig = pre.mul_(slope.unsqueeze(-2))
+        ig_b = pre_b * slope + act(torch.zeros((), dtype=z.dtype, device=z.device))
+    else:
+        gate_b = z_b @ f["w_gate"] + (f["b_gate"] if f.get("b_gate") is not None else 0.0)
+        gate, gate_b = _spread_into(z, gate_b, f["w_gate"], fallback, spread)
+        ig = gate.mul_(coefs["gate"].unsqueeze(-2)).add_(pre.mul_(coefs["up"].unsqueeze(-2)))
+        ig_b = gate_b * coefs["gate"] + pre_b * coefs["up"]
+    del pre
+    out = ig @ w2
+    out_b = ig_b @ w2
+    if b2 is not None:
+        out_b = out_b + b2
+    return out, out_b
+
+
+def pre_ln_layer_parts(
+    parts: Tensor,
+    bias: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    bias_mode: str = "separate",
+    rows: Optional[Tensor] = None,
+    memory_budget_mb: float = 256.0,
+    coefs: Optional[Dict[str, Tensor]] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""Map parts of a pre-LN layer's input to parts of its output (GPT-2, Llama, Mistral, Qwen2).
+
+    h_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij LN1(x)_{j<-k} W_V^h) W_O^h   (bias part + b_V mixed, + b_O)
+    out_{i<-k} = h_{i<-k} + FF_{i<-k}(LN2(h)_{i<-k})                          (no norm after the residual)
+
+    LN1/LN2 use the real per-token scale (RMSNorm: no centering, no beta); grouped-query
+    values are repeated per query head; rotary embeddings never touch values. The FF is
+    linear in its input parts through :func:`ff_coefficients` (closed form for GPT-2's
+    elementwise activation, Gauss-Legendre integrals for a gated FF).
+
+    Args:
+        parts, bias, layer, bias_mode, rows, memory_budget_mb: as in :func:`post_ln_layer_parts`.
+        value_weight: (D, H_kv * Dh) W_V; value_bias: (H_kv * Dh,) or None.
+        coefs: :func:`ff_coefficients` of this layer (computed if None).
+
+    Returns:
+        (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
+    """
+    check_bias_mode(bias_mode)
+    spread = bias_mode == "spread"
+    b, t, k, d = parts.shape
+    dev, dtype = parts.device, parts.dtype
+    all_rows = torch.arange(t, device=dev)
+    rows = all_rows if rows is None else rows.to(dev)
+    r = rows.shape[0]
+    h = layer.num_heads
+    hd = layer.out_weight.shape[0]
+    dh = hd // h
+    kv_heads = value_weight.shape[1] // dh
+    groups = h // kv_heads
+    coefs = ff_coefficients(layer) if coefs is None else coefs
+    ff_dim = layer.ff["w_out"].shape[0]
+    k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), 2 * ff_dim, parts.element_size(), memory_budget_mb)
+    probs = layer.probs[:, :, rows]  # (B, H, R, T)
+    b_o = layer.out_bias if layer.out_bias is not None else torch.zeros(d, dtype=dtype, device=dev)
+
+    # --- LN1 (one token alone), values, mixing per head, W_O --------------------------
+    u = apply_norm_to_parts(parts, layer.ln1_in, layer.ln1)
+    u_b = norm_bias_part(bias, layer.ln1_in, layer.ln1)
+    if spread:
+        u, u_b = absorb_bias(u, u_b, all_rows)
+    v_b = u_b @ value_weight + (value_bias if value_bias is not None else 0.0)  # (B, T, H_kv Dh)
+    v_weights = None
+    if spread:
+        v_weights = spread_weights(torch.einsum("btkd,btd->btk", u, v_b @ value_weight.T), all_rows)
+    a = parts.new_empty(b, r, k, d)
+    for start in range(0, k, k_chunk):
+        kc = slice(start, min(k, start + k_chunk))
+        v = u[:, :, kc] @ value_weight
+        if spread:
+            v = v + v_weights[:, :, kc, None] * v_b[:, :, None, :]
+        v = _value_heads(v, kv_heads, groups)  # (B, T, kc, H, Dh)
+        mixed = torch.einsum("bhij,bjkhe->bikhe", probs, v).reshape(b, r, v.shape[2], hd)
+        a[:, :, kc] = mixed @ layer.out_weight
+        del v, mixed
+    del u
+    if spread:
+        a, a_b = absorb_bias(a, b_o.expand(b, r, d), rows)
+    else:
+        mixed_b = torch.einsum("bhij,bjhe->bihe", probs, _value_heads(v_b, kv_heads, groups)).reshape(b, r, hd)
+        a_b = mixed_b @ layer.out_weight + b_o
+
+    # --- residual (no norm), LN2, FF, residual ----------------------------------------
+    a += parts[:, rows]
+    a_b = a_b + bias[:, rows]
+    ln2_in = layer.ln2_in[:, rows]
+    c_rows = {key: val[:, rows] for key, val in coefs.items() if key != "quadrature_error"}
+    out_b = torch.empty_like(a_b)
+    for start in range(0, r, r_chunk):
+        rc = slice(start, min(r, start + r_chunk))
+        z = apply_norm_to_parts(a[:, rc], ln2_in[:, rc], layer.ln2)
+        z_b = norm_bias_part(a_b[:, rc], ln2_in[:, rc], layer.ln2)
+        if spread:
+            z, z_b = absorb_bias(z, z_b, rows[rc])
+        ff, ff_b = frozen_ff_parts(z, z_b, layer.ff, {key: val[:, rc] for key, val in c_rows.items()}, spread, rows[rc])
+        del z
+        if spread:
+            ff, ff_b = absorb_bias(ff, ff_b, rows[rc])
+        a[:, rc] += ff
+        out_b[:, rc] = a_b[:, rc] + ff_b
+        del ff
+    return a, out_b
 
 
 #: One step function per layer kind.
@@ -278,6 +468,7 @@ def propagate_parts(
     bias_mode: str = "separate",
     last_rows: Optional[Tensor] = None,
     memory_budget_mb: float = 256.0,
+    ff_coefs: Optional[Sequence[Dict[str, Tensor]]] = None,
 ) -> PropagatedParts:
     r"""Carry per-input-token parts through every layer.
 
@@ -288,6 +479,8 @@ def propagate_parts(
         bias_mode: ``"separate"`` or ``"spread"``.
         last_rows: (R,) long rows to produce in the last layer (default: all).
         memory_budget_mb: bound on the temporary tensors of one layer step.
+        ff_coefs: per pre-LN layer its :func:`ff_coefficients` (computed with the default
+            number of quadrature nodes if None); ignored for post-LN layers.
 
     Returns:
         :class:`PropagatedParts`.
@@ -308,7 +501,8 @@ def propagate_parts(
         step = LAYER_STEPS["pre_ln" if layer.pre_ln else "post_ln"]
         rows = torch.arange(t, device=x.device) if (l < n - 1 or last_rows is None) else last_rows.to(x.device)
         w_v, b_v = value_params[l]
-        parts, bias = step(parts, bias, layer, w_v, b_v, bias_mode, rows=rows, memory_budget_mb=memory_budget_mb)
+        extra = {"coefs": None if ff_coefs is None else ff_coefs[l]} if layer.pre_ln else {}
+        parts, bias = step(parts, bias, layer, w_v, b_v, bias_mode, rows=rows, memory_budget_mb=memory_budget_mb, **extra)
         row_valid = vf[:, rows]
         norms[:, l, rows] = parts.norm(dim=-1) * row_valid.unsqueeze(-1) * vf.unsqueeze(1)
         bias_norms[:, l, rows] = bias.norm(dim=-1) * row_valid
@@ -506,7 +700,7 @@ def adjoint_class_scores(
         the real logit is the completeness error.
     """
     if any(layer.pre_ln for layer in layers):
-        raise NotImplementedError("DecompX through pre-LN layers (decoders) is not implemented yet")
+        raise ValueError("pre-LN layers (decoders) have no classification head: use adjoint_logit_scores")
     e = layers[0].hidden_in.detach()
     slopes = frozen_slopes(layers, head)
     with torch.enable_grad():
@@ -520,4 +714,159 @@ def adjoint_class_scores(
         c = out.shape[-1]
         grads = [torch.autograd.grad(out[:, j].sum(), x, retain_graph=j < c - 1)[0] for j in range(c)]
     scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
+    return scores.detach(), (out - scores.sum(1)).detach()
+
+
+# --------------------------------------------------------------------------------------
+# Decoders (pre-LN: GPT-2, Llama, Mistral, Qwen2): after the last layer the final norm
+# (real per-token scale) and one row of the LM head, u = W_U[target] (or W_U[target] -
+# W_U[foil]): the explained logit is <FinalNorm(x_{L,i}), u> + u_bias, linear in the parts.
+# --------------------------------------------------------------------------------------
+def logit_scores(
+    parts: Tensor,
+    bias: Tensor,
+    final_params: NormParams,
+    final_input: Tensor,
+    direction: Tensor,
+    direction_bias: Optional[Tensor] = None,
+    bias_mode: str = "separate",
+    fallback: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""Per-source-token scores of one logit through the final norm and an LM-head row.
+
+    Args:
+        parts: (B, K, D) parts of the last layer's output at the explained position i.
+        bias: (B, D) its bias part.
+        final_params: the final norm's parameters.
+        final_input: (B, D) the real input of the final norm at i (fixes its scale).
+        direction: (B, D) the unembedding direction u.
+        direction_bias: (B,) the LM-head bias along u, or None.
+        bias_mode: ``"separate"`` or ``"spread"``.
+        fallback: (B,) long, the token that takes a bias whose dot products are all 0
+            (default: the last source token).
+
+    Returns:
+        (scores (B, K), bias scores (B,)) with scores.sum(1) + bias = the logit (given
+        parts that sum to the real final-norm input).
+    """
+    check_bias_mode(bias_mode)
+    spread = bias_mode == "spread"
+    b, k, _ = parts.shape
+    fb = (torch.full((b,), k - 1, device=parts.device) if fallback is None else fallback.to(parts.device)).view(b, 1)
+    y = apply_norm_to_parts(parts.unsqueeze(1), final_input.unsqueeze(1), final_params)  # (B, 1, K, D)
+    y_b = norm_bias_part(bias.unsqueeze(1), final_input.unsqueeze(1), final_params)  # (B, 1, D)
+    if spread:
+        y, y_b = absorb_bias(y, y_b, fb)
+    s = torch.einsum("brkd,bd->brk", y, direction).unsqueeze(-1)  # (B, 1, K, 1)
+    s_b = (y_b * direction.unsqueeze(1)).sum(-1, keepdim=True)  # (B, 1, 1)
+    if direction_bias is not None:
+        s_b = s_b + direction_bias.view(b, 1, 1).to(s_b.dtype)
+    if spread:
+        s, s_b = absorb_bias(s, s_b, fb)
+    return s.view(b, k), s_b.view(b)
+
+
+def frozen_pre_ln_layer(
+    x: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    with_bias: bool,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""A pre-LN layer with its nonlinear quantities frozen at the real values.
+
+    Linear in ``x`` when ``with_bias`` is False (the map of :func:`pre_ln_layer_parts`
+    applied to one part); with ``with_bias`` and the real input it reproduces the real
+    output (up to the quadrature error of a gated FF).
+
+    Args:
+        x: (B, T, D).
+        layer: the layer's real tensors.
+        value_weight, value_bias: W_V (D, H_kv Dh) and b_V.
+        with_bias: add every bias (beta1, b_V, b_O, beta2, FF biases, g(0) W2).
+        coefs: :func:`ff_coefficients` of this layer.
+        rows: (R,) output rows to produce (default all).
+
+    Returns:
+        (B, R, D).
+    """
+    b, t, _ = x.shape
+    h = layer.num_heads
+    hd = layer.out_weight.shape[0]
+    kv_heads = value_weight.shape[1] // (hd // h)
+    sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
+    probs = sel(layer.probs.transpose(1, 2)).transpose(1, 2)
+
+    def norm(z: Tensor, real: Tensor, params) -> Tensor:
+        return norm_bias_part(z, real, params) if with_bias else apply_norm_to_parts(z, real, params)
+
+    v = norm(x, layer.ln1_in, layer.ln1) @ value_weight
+    if with_bias and value_bias is not None:
+        v = v + value_bias
+    mixed = torch.einsum("bhij,bjhe->bihe", probs, _value_heads(v, kv_heads, h // kv_heads))
+    hcur = mixed.reshape(b, mixed.shape[1], hd) @ layer.out_weight + sel(x)
+    if with_bias and layer.out_bias is not None:
+        hcur = hcur + layer.out_bias
+    z = norm(hcur, sel(layer.ln2_in), layer.ln2)
+    f = layer.ff
+
+    def lin(w: Tensor, bb: Optional[Tensor]) -> Tensor:
+        return z @ w + bb if (with_bias and bb is not None) else z @ w
+
+    if f.get("w_gate") is None:
+        ig = lin(f["w_in"], f.get("b_in")) * sel(coefs["slope"])
+        if with_bias:
+            ig = ig + f["act"](torch.zeros((), dtype=x.dtype, device=x.device))
+    else:
+        ig = lin(f["w_gate"], f.get("b_gate")) * sel(coefs["gate"]) + lin(f["w_in"], f.get("b_in")) * sel(coefs["up"])
+    ff = ig @ f["w_out"]
+    if with_bias and f.get("b_out") is not None:
+        ff = ff + f["b_out"]
+    return hcur + ff
+
+
+def adjoint_logit_scores(
+    layers: Sequence[LayerTensors],
+    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
+    ff_coefs: Sequence[Dict[str, Tensor]],
+    final_params: NormParams,
+    final_input: Tensor,
+    direction: Tensor,
+    direction_bias: Optional[Tensor],
+    position: Tensor,
+) -> Tuple[Tensor, Tensor]:
+    r"""Decoder DecompX scores (``"separate"`` bias mode) by one vector-Jacobian product.
+
+    The frozen decoder (every layer by :func:`frozen_pre_ln_layer`, the final norm at its
+    real scale, the LM-head row u) is affine in the embedding output e: token k's score is
+    <dF/dx_k, e_k>. Equal to :func:`propagate_parts` followed by :func:`logit_scores`.
+
+    Args:
+        layers, value_params, ff_coefs: as in :func:`propagate_parts`.
+        final_params: the final norm's parameters; final_input: (B, T, D) its real input.
+        direction: (B, D) u; direction_bias: (B,) or None.
+        position: (B,) long explained positions.
+
+    Returns:
+        (scores (B, T), bias scores (B,)): the bias score is F(e) - sum of the scores.
+    """
+    e = layers[0].hidden_in.detach()
+    b = e.shape[0]
+    ar = torch.arange(b, device=e.device)
+    rows = torch.unique(position)
+    row_index = torch.searchsorted(rows, position)
+    n = len(layers)
+    with torch.enable_grad():
+        x = e.clone().requires_grad_(True)
+        y = x
+        for l, (layer, (w_v, b_v)) in enumerate(zip(layers, value_params)):
+            y = frozen_pre_ln_layer(y, layer, w_v, b_v, True, ff_coefs[l], rows=rows if l == n - 1 else None)
+        last = y[ar, row_index]  # (B, D)
+        out = (norm_bias_part(last.unsqueeze(1), final_input[ar, position].unsqueeze(1), final_params).squeeze(1) * direction).sum(-1)
+        if direction_bias is not None:
+            out = out + direction_bias
+        (g,) = torch.autograd.grad(out.sum(), x)
+    scores = (g * e).sum(-1)
     return scores.detach(), (out - scores.sum(1)).detach()

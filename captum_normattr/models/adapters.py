@@ -40,6 +40,9 @@ class ArchitectureAdapter:
         causal: True for decoders (causal self-attention; position ids are computed from
             the attention mask so that a left-padded example gets the positions it has alone).
         lm_head: path of the unembedding (LM head) from the top model, or None.
+        attn_value_slice: (index, count) where ``attn_value`` is a fused projection (GPT-2's
+            ``c_attn`` computes [q, k, v]): the value projection is output slice ``index`` of
+            ``count`` equal slices (see :func:`value_projection`); None for a plain projection.
     """
 
     family: str
@@ -61,6 +64,7 @@ class ArchitectureAdapter:
     attn_value: Optional[str] = None
     causal: bool = False
     lm_head: Optional[str] = None
+    attn_value_slice: Optional[Tuple[int, int]] = None
 
 
 _BERT_LIKE = dict(
@@ -100,6 +104,8 @@ ADAPTERS: Dict[str, ArchitectureAdapter] = {
         layers="h",
         attention="attn",
         attn_out="attn.c_proj",
+        attn_value="attn.c_attn",
+        attn_value_slice=(2, 3),
         ln1="ln_1",
         ff_in="mlp.c_fc",
         ff_act="mlp.act",
@@ -117,6 +123,7 @@ ADAPTERS: Dict[str, ArchitectureAdapter] = {
 _LLAMA_LIKE = dict(
     layers="layers",
     attention="self_attn",
+    attn_value="self_attn.v_proj",
     attn_out="self_attn.o_proj",
     ln1="input_layernorm",
     ff_in="mlp.up_proj",
@@ -198,6 +205,28 @@ def linear_params(module: nn.Module, transposed: bool = False) -> Tuple[Tensor, 
     w = module.weight
     w = w if transposed else w.T
     return w, getattr(module, "bias", None)
+
+
+def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Tensor, Optional[Tensor]]:
+    r"""The value projection W_V of one layer as a right-multiplied matrix, and b_V.
+
+    Args:
+        layer: one layer module.
+        adapter: its adapter (``attn_value`` must be set).
+
+    Returns:
+        (W_V (D, H_kv * Dh), b_V (H_kv * Dh,) or None); with grouped-query attention the
+        columns are the key/value heads (each serves several query heads).
+    """
+    if adapter.attn_value is None:
+        raise ValueError(f"the {adapter.family} adapter does not name the value projection (attn_value)")
+    w, b = linear_params(get_path(layer, adapter.attn_value), adapter.transposed_weights)
+    if adapter.attn_value_slice is not None:
+        index, count = adapter.attn_value_slice
+        size = w.shape[1] // count
+        w = w[:, index * size : (index + 1) * size]
+        b = None if b is None else b[index * size : (index + 1) * size]
+    return w, b
 
 
 def max_positions(model: nn.Module, adapter: ArchitectureAdapter) -> Optional[int]:
