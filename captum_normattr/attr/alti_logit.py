@@ -8,7 +8,7 @@ import torch
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerDecompositionAttribution
+from captum_normattr.attr.base import LayerDecompositionAttribution, format_output
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.alti import rows_per_chunk
 from captum_normattr.decompose.decoder import alti_logit_terms, pre_ln_completeness_error
@@ -259,10 +259,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             ``return_convergence_delta``, (scores, delta).
         """
         res = self.decompose(inputs, target, additional_forward_args)
-        scores = (res.scores,) if isinstance(inputs, tuple) else res.scores
-        if return_convergence_delta:
-            return scores, res.delta
-        return scores
+        return format_output(inputs, res.scores, res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:
         return True

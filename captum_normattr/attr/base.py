@@ -16,6 +16,22 @@ from captum_normattr.models.capture import recording
 from captum_normattr.result import DecompositionResult
 
 
+def format_output(inputs: Any, scores: Tensor, delta: Optional[Tensor] = None, return_convergence_delta: bool = False):
+    r"""Captum's output convention: tuple in, tuple out; ``(scores, delta)`` when the delta is asked for.
+
+    Args:
+        inputs: what the caller passed as ``inputs`` (a tensor or a 1-tuple).
+        scores: (B, T) token scores.
+        delta: (B,) completeness error, needed when ``return_convergence_delta``.
+        return_convergence_delta: append ``delta``.
+
+    Returns:
+        ``scores``, ``(scores,)``, or either of them paired with ``delta``.
+    """
+    out = (scores,) if isinstance(inputs, tuple) else scores
+    return (out, delta) if return_convergence_delta else out
+
+
 def compute_dtype(model: nn.Module) -> torch.dtype:
     r"""float64 for float64 models, float32 otherwise (half-precision models are decomposed in float32)."""
     return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
@@ -123,7 +139,7 @@ class LayerDecompositionAttribution(Attribution):
     def _attribute(self, inputs, additional_forward_args):
         res = self.decompose(inputs, additional_forward_args)
         scores = res.scores
-        return (scores,) if isinstance(inputs, tuple) else scores
+        return format_output(inputs, scores)
 
     def has_convergence_delta(self) -> bool:
         return False

@@ -9,7 +9,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import compute_dtype
+from captum_normattr.attr.base import compute_dtype, format_output
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.decompx import (
     BIAS_MODES,
@@ -413,10 +413,7 @@ class DecompXAttribution(Attribution):
             ``return_convergence_delta``, (scores, delta).
         """
         res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True)
-        scores = (res.scores,) if isinstance(inputs, tuple) else res.scores
-        if return_convergence_delta:
-            return scores, res.delta
-        return scores
+        return format_output(inputs, res.scores, res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:
         return True

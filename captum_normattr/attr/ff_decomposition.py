@@ -7,7 +7,7 @@ import torch
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerDecompositionAttribution
+from captum_normattr.attr.base import LayerDecompositionAttribution, format_output
 from captum_normattr.decompose.decoder import pre_ln_component_scope_maps
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES, component_scope_maps
 from captum_normattr.decompose.records import LayerTensors
@@ -145,10 +145,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             ``return_convergence_delta``, (scores, delta).
         """
         res = self.decompose(inputs, additional_forward_args)
-        scores = (res.scores,) if isinstance(inputs, tuple) else res.scores
-        if return_convergence_delta:
-            return scores, res.extras["example_completeness_error"]
-        return scores
+        return format_output(inputs, res.scores, res.extras["example_completeness_error"], return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:
         return True
