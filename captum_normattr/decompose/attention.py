@@ -8,10 +8,12 @@ chunks from per-head projected values (B, H, T, D).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from captum_normattr.decompose.mixing import mixing_ratio
 
 
 def project_values(values: Tensor, head_weight: Tensor, lin_map: Optional[Tensor] = None) -> Tensor:
@@ -96,3 +98,46 @@ def part_norms_gram(
     if row_scale is not None:
         sq = sq / row_scale.pow(2).unsqueeze(-1)
     return sq.clamp_min(0).sqrt()
+
+
+def norm_maps_and_ratios(
+    probs: Tensor,
+    values: Tensor,
+    head_weight: Tensor,
+    residual: Tensor,
+    total_with_residual: Tensor,
+    names: Iterable[str],
+    spec: Callable[[str], Tuple[Optional[Tensor], Optional[Tensor], bool]],
+    mask2d: Tensor,
+    valid: Tensor,
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""Norm maps (Gram algorithm) and Kobayashi mixing ratios for several map definitions.
+
+    Every map is the norm of (sum_h alpha^h_ij f^h(x_j) + [i=j, with residual] residual_i) A / s_i
+    for the (A, s, with_residual) that ``spec(name)`` returns; post-LN and pre-LN layers
+    differ only in their ``spec`` and in what the residual and the total are.
+
+    Args:
+        probs: (B, H, T, T); values: (B, H, T, Dh); head_weight: (H, Dh, D).
+        residual: (B, T, D) the residual term of token i (its layer input).
+        total_with_residual: (B, T, D) sum over j of the parts including the residual
+            (bias parts excluded), taken from the real tensors.
+        names: the maps to compute.
+        spec: name -> (A (D, D) or None, row scale (B, T) or None, with_residual).
+        mask2d: (B, T, T) mask applied to every map.
+        valid: (B, T) bool.
+
+    Returns:
+        (maps name -> (B, T, T), ratios name -> (B, T)).
+    """
+    attn_diag = diagonal_attention_parts(probs, values, head_weight)
+    maps: Dict[str, Tensor] = {}
+    ratios: Dict[str, Tensor] = {}
+    for name in names:
+        lin, scale, with_res = spec(name)
+        own = attn_diag + residual if with_res else attn_diag
+        total = total_with_residual if with_res else total_with_residual - residual
+        maps[name] = part_norms_gram(probs, values, head_weight, own, lin, scale) * mask2d
+        own_m, total_m = (own, total) if lin is None else (own @ lin, total @ lin)
+        ratios[name] = mixing_ratio(total_m, own_m) * valid.to(total.dtype)
+    return maps, ratios

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map, rows_per_chunk
-from captum_normattr.decompose.attention import attention_parts_rows, diagonal_attention_parts, part_norms_gram, project_values
+from captum_normattr.decompose.attention import attention_parts_rows, norm_maps_and_ratios, project_values
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
-from captum_normattr.decompose.mixing import fixed_residual, mixing_ratio
+from captum_normattr.decompose.mixing import fixed_residual
 from captum_normattr.decompose.records import LayerTensors
 
 #: The GlobEnc-table maps that have a pre-LN meaning (see the module docstring).
@@ -124,22 +124,14 @@ def pre_ln_layer_maps(
     dtype = layer.hidden_in.dtype
     mask2d = causal_mask2d(valid, dtype, causal)
     head_w = layer.head_out_weight()
-    attn_diag = diagonal_attention_parts(layer.probs, layer.values, head_w)
     total_with_res = layer.ln2_in - _out_bias(layer)  # sum_j h_{i<-j}, from the real h
     needed = {n for n in names if n in PRE_LN_NORM_MAPS}
     if "N_FIXEDRES" in names:
         needed.add("N")
-    maps: Dict[str, Tensor] = {}
-    ratios: Dict[str, Tensor] = {}
-    for name in PRE_LN_NORM_MAPS:
-        if name not in needed:
-            continue
-        lin, scale, with_res = pre_ln_norm_map_spec(layer, name)
-        own = attn_diag + layer.hidden_in if with_res else attn_diag
-        total = total_with_res if with_res else total_with_res - layer.hidden_in
-        maps[name] = part_norms_gram(layer.probs, layer.values, head_w, own, lin, scale) * mask2d
-        own_m, total_m = (own, total) if lin is None else (own @ lin, total @ lin)
-        ratios[name] = mixing_ratio(total_m, own_m) * valid.to(dtype)
+    maps, ratios = norm_maps_and_ratios(
+        layer.probs, layer.values, head_w, layer.hidden_in, total_with_res,
+        [n for n in PRE_LN_NORM_MAPS if n in needed], lambda name: pre_ln_norm_map_spec(layer, name), mask2d, valid,
+    )
     if "W" in names or "W_FIXEDRES" in names:
         maps["W"] = layer.probs.mean(1) * mask2d
     if "W_FIXEDRES" in names:

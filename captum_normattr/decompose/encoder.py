@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map
-from captum_normattr.decompose.attention import diagonal_attention_parts, part_norms_gram, project_values
+from captum_normattr.decompose.attention import norm_maps_and_ratios, project_values
 from captum_normattr.decompose.layer_norm import norm_linear_map, norm_scale
-from captum_normattr.decompose.mixing import fixed_residual, mixing_ratio, ratio_residual
+from captum_normattr.decompose.mixing import fixed_residual, ratio_residual
 from captum_normattr.decompose.records import LayerTensors
 
 #: Every layer map of the GlobEnc table, in the paper's order.
@@ -75,7 +75,6 @@ def post_ln_layer_maps(
     dtype = layer.hidden_in.dtype
     mask2d = _mask2d(valid, dtype)
     head_w = layer.head_out_weight()
-    attn_diag = diagonal_attention_parts(layer.probs, layer.values, head_w)  # (B, T, D)
     out_bias = layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
     # sum_j a_{i<-j} + x_i, from the real LN1 input (the bias b_O removed)
     total_with_res = layer.ln1_in - out_bias
@@ -86,17 +85,10 @@ def post_ln_layer_maps(
     if "W_RES" in names:
         needed.add("N_ENC")
 
-    maps: Dict[str, Tensor] = {}
-    ratios: Dict[str, Tensor] = {}
-    for name in NORM_MAPS:
-        if name not in needed:
-            continue
-        lin_map, scale, with_res = norm_map_spec(layer, name)
-        own = attn_diag + layer.hidden_in if with_res else attn_diag
-        total = total_with_res if with_res else total_with_res - layer.hidden_in
-        maps[name] = part_norms_gram(layer.probs, layer.values, head_w, own, lin_map, scale) * mask2d
-        own_m, total_m = (own, total) if lin_map is None else (own @ lin_map, total @ lin_map)
-        ratios[name] = mixing_ratio(total_m, own_m) * valid.to(dtype)
+    maps, ratios = norm_maps_and_ratios(
+        layer.probs, layer.values, head_w, layer.hidden_in, total_with_res,
+        [n for n in NORM_MAPS if n in needed], lambda name: norm_map_spec(layer, name), mask2d, valid,
+    )
 
     if any(n.startswith("W") for n in names):
         maps["W"] = layer.probs.mean(1) * mask2d
