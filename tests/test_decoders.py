@@ -88,10 +88,10 @@ def test_ff_scopes_complete(family):
         # the head-mixed pre-activations equal explicit LN2 parts pushed through the generic FF functions
         u, u_b = ln2_parts(layer)
         f = layer.ff
-        if f["w_gate"] is not None:
-            ref, ref_b = gated_ff_parts(u, u_b, f["w_gate"], f["b_gate"], f["w_in"], f["b_in"], f["act"], f["w_out"], f["b_out"])
+        if f.w_gate is not None:
+            ref, ref_b = gated_ff_parts(u, u_b, f.w_gate, f.b_gate, f.w_in, f.b_in, f.act, f.w_out, f.b_out)
         else:
-            ref, ref_b = ff_parts(u, u_b, f["w_in"], f["b_in"], f["act"], f["w_out"], f["b_out"])
+            ref, ref_b = ff_parts(u, u_b, f.w_in, f.b_in, f.act, f.w_out, f.b_out)
         got, got_b = pre_ln_ff_parts(layer, slice(0, u.shape[1]))
         assert torch.allclose(got, ref, atol=1e-12) and torch.allclose(got_b, ref_b, atol=1e-12)
         assert torch.allclose(maps["FF"], ref.norm(dim=-1) * m2, atol=1e-12)

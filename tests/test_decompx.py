@@ -39,14 +39,14 @@ def _frozen_layer(x, layer, w_v, b_v, with_bias):
 
     zt = ln(z, layer.ln1_in, layer.ln1)
     f = layer.ff
-    act = f["act"]
-    real_pre = layer.ln1_out @ f["w_in"] + f["b_in"]
+    act = f.act
+    real_pre = layer.ln1_out @ f.w_in + f.b_in
     g0 = act(torch.zeros((), dtype=x.dtype))
     ratio = (act(real_pre) - g0) / real_pre
-    p = zt @ f["w_in"] + (f["b_in"] if with_bias else 0.0)
-    ff = (p * ratio) @ f["w_out"]
+    p = zt @ f.w_in + (f.b_in if with_bias else 0.0)
+    ff = (p * ratio) @ f.w_out
     if with_bias:
-        ff = ff + g0 * f["w_out"].sum(0) + f["b_out"]
+        ff = ff + g0 * f.w_out.sum(0) + f.b_out
     return ln(zt + ff, layer.ln2_in, layer.ln2)
 
 

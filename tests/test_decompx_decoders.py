@@ -62,12 +62,12 @@ def naive_scores(model, ids, target):
     frozen = []
     for layer in layers:
         f = layer.ff
-        pre = layer.ln2_out @ f["w_in"] + (f["b_in"] if f["b_in"] is not None else 0.0)
-        if f["w_gate"] is None:
-            g0 = f["act"](torch.zeros((), dtype=torch.float64))
-            frozen.append({"slope": (f["act"](pre) - g0) / pre, "g0": g0})
+        pre = layer.ln2_out @ f.w_in + (f.b_in if f.b_in is not None else 0.0)
+        if f.w_gate is None:
+            g0 = f.act(torch.zeros((), dtype=torch.float64))
+            frozen.append({"slope": (f.act(pre) - g0) / pre, "g0": g0})
         else:
-            gate = layer.ln2_out @ f["w_gate"] + (f["b_gate"] if f["b_gate"] is not None else 0.0)
+            gate = layer.ln2_out @ f.w_gate + (f.b_gate if f.b_gate is not None else 0.0)
             i1, i2 = _simpson_gate_integrals(gate)
             frozen.append({"gate": pre * i1, "up": i2})
 
@@ -86,11 +86,11 @@ def naive_scores(model, ids, target):
             z = _norm(hh, layer.ln2_in, layer.ln2, with_bias)
             f = layer.ff
             lin = lambda w, b: z @ w + (b if (with_bias and b is not None) else 0.0)
-            if f["w_gate"] is None:
-                ig = lin(f["w_in"], f["b_in"]) * c["slope"] + (c["g0"] if with_bias else 0.0)
+            if f.w_gate is None:
+                ig = lin(f.w_in, f.b_in) * c["slope"] + (c["g0"] if with_bias else 0.0)
             else:
-                ig = lin(f["w_gate"], f["b_gate"]) * c["gate"] + lin(f["w_in"], f["b_in"]) * c["up"]
-            x = hh + ig @ f["w_out"] + (f["b_out"] if (with_bias and f["b_out"] is not None) else 0.0)
+                ig = lin(f.w_gate, f.b_gate) * c["gate"] + lin(f.w_in, f.b_in) * c["up"]
+            x = hh + ig @ f.w_out + (f.b_out if (with_bias and f.b_out is not None) else 0.0)
         y = _norm(x[0, -1], f_in[0, -1], fp, with_bias)
         return y @ u
 

@@ -33,7 +33,7 @@ def capture(model, ids, mask):
 
 def layer_ff(layer, zt, zt_b, **kw):
     f = layer.ff
-    return ff_parts(zt, zt_b, f["w_in"], f.get("b_in"), f["act"], f["w_out"], f.get("b_out"), **kw)
+    return ff_parts(zt, zt_b, f.w_in, f.b_in, f.act, f.w_out, f.b_out, **kw)
 
 
 @pytest.mark.parametrize("name", FAMILIES + ["bert_silu"])

@@ -1,16 +1,15 @@
 r"""ALTI (Ferrando et al. 2022): L1-distance contributions rolled out over layers."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Union
 
-import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerDecompositionAttribution
-from captum_normattr.decompose.alti import rows_per_chunk
-from captum_normattr.decompose.decoder import pre_ln_alti_map, pre_ln_completeness_error
-from captum_normattr.decompose.encoder import post_ln_alti_map, post_ln_completeness_error
+from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget
 from captum_normattr.decompose.records import LayerTensors
+
+#: Default memory for the explicit parts of one chunk of query rows, in MB.
+ALTI_MEMORY_BUDGET_MB = 256.0
 
 
 class ALTIAttribution(LayerDecompositionAttribution):
@@ -41,22 +40,13 @@ class ALTIAttribution(LayerDecompositionAttribution):
         model: nn.Module,
         explained_position: Union[int, str, Tensor, None] = None,
         rollout: str = "raw",
-        memory_budget_mb: float = 1024.0,
+        memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
     ) -> None:
         super().__init__(model, explained_position, rollout)
-        if memory_budget_mb <= 0:
-            raise ValueError("memory_budget_mb must be positive")
-        self.memory_budget_mb = memory_budget_mb
+        self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
-    def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
-        maps, errors = [], []
-        for layer in layers:
-            b, t, d = layer.hidden_in.shape
-            chunk = rows_per_chunk(b, t, d, layer.hidden_in.element_size(), int(self.memory_budget_mb * 2**20))
-            if layer.pre_ln:
-                maps.append(pre_ln_alti_map(layer, valid, chunk, self.adapter.causal))
-                errors.append(pre_ln_completeness_error(layer, valid))
-            else:
-                maps.append(post_ln_alti_map(layer, valid, chunk))
-                errors.append(post_ln_completeness_error(layer, valid))
-        return torch.stack(maps, 1), None, {"completeness_error": torch.stack(errors)}
+    def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:
+        return LayerContribution(
+            map=self.kind.alti_map(layer, valid, self.memory_budget_mb),
+            errors={"completeness_error": self.kind.completeness_error(layer, valid)},
+        )

@@ -1,22 +1,25 @@
 r"""ALTI-Logit (Ferrando et al. 2023): signed token contributions to a next-token logit."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerDecompositionAttribution, format_output
+from captum_normattr.attr.alti import ALTI_MEMORY_BUDGET_MB
+from captum_normattr.attr.base import LayerDecompositionAttribution, check_memory_budget, format_output, streamed_forward
+from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.alti import rows_per_chunk
-from captum_normattr.decompose.decoder import alti_logit_terms, pre_ln_completeness_error
-from captum_normattr.models.adapters import get_path
+from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
+from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.models.adapters import layer_modules
+from captum_normattr.result import LogitDecompositionResult
 
 
 @dataclass
-class ALTILogitResult:
+class ALTILogitResult(LogitDecompositionResult):
     r"""Everything ALTI-Logit computed for one batch.
 
     Attributes:
@@ -29,52 +32,33 @@ class ALTILogitResult:
         ff: (B, L) logit of every feed-forward update at i (no token).
         attention_bias: (B, L) logit of every attention output bias b_O (no token).
         final_bias: (B,) final-norm beta and LM-head bias along the unembedding (no token).
-        logit: (B,) the model's real logit (target, or target minus foil).
+        logit: (B,) the model's real logit (target, or target minus foil); also ``logits``.
         delta: (B,) ``logit`` minus (token scores + no-token terms): the completeness error.
         target: (B,) token ids; foil: (B,) or None.
         attention_mask: (B, T); explained_position: (B,).
-        extras: e.g. ``"completeness_error"`` (L,) of the attention-block parts.
+        extras: ``"completeness_error"`` (L,) of the attention-block parts.
     """
 
-    method: str
-    scores: Tensor
-    layer_token_contributions: Tensor
-    layer_logit_updates: Tensor
-    embedding: Tensor
-    ff: Tensor
-    attention_bias: Tensor
-    final_bias: Tensor
-    logit: Tensor
-    delta: Tensor
-    target: Tensor
-    foil: Optional[Tensor]
-    attention_mask: Tensor
-    explained_position: Tensor
-    extras: Dict[str, Tensor] = field(default_factory=dict)
+    TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {
+        "scores": (1,), "layer_token_contributions": (2,), "layer_logit_updates": (2,),
+    }
+
+    layer_token_contributions: Optional[Tensor] = None
+    layer_logit_updates: Optional[Tensor] = None
+    embedding: Optional[Tensor] = None
+    ff: Optional[Tensor] = None
+    attention_bias: Optional[Tensor] = None
+    final_bias: Optional[Tensor] = None
+
+    @property
+    def logit(self) -> Tensor:
+        r"""(B,) the model's real explained logit."""
+        return self.logits
 
     @property
     def no_token_total(self) -> Tensor:
         r"""(B,) the sum of all terms that belong to no token."""
         return self.embedding + self.ff.sum(-1) + self.attention_bias.sum(-1) + self.final_bias
-
-    def to(self, device) -> "ALTILogitResult":
-        r"""A copy with every tensor moved to ``device``."""
-        kw = {k: v.to(device) for k, v in self.__dict__.items() if isinstance(v, Tensor)}
-        return replace(self, extras={k: v.to(device) for k, v in self.extras.items()}, **kw)
-
-
-def _as_ids(x: Any, b: int, name: str, device) -> Tensor:
-    if isinstance(x, int) and not isinstance(x, bool):
-        return torch.full((b,), x, dtype=torch.long, device=device)
-    if isinstance(x, list) and all(isinstance(v, int) for v in x):
-        x = torch.tensor(x, dtype=torch.long)
-    if isinstance(x, Tensor) and not x.is_floating_point():
-        if x.dim() == 0:
-            return torch.full((b,), int(x), dtype=torch.long, device=device)
-        if tuple(x.shape) == (b,):
-            return x.to(device=device, dtype=torch.long)
-        raise ValueError(f"{name} must be an int or a ({b},) tensor of token ids; got shape {tuple(x.shape)}")
-    raise TypeError(f"{name} must be a token id (int), a list of ints or a ({b},) long tensor; got {type(x).__name__}")
 
 
 class ALTILogitAttribution(LayerDecompositionAttribution):
@@ -117,83 +101,17 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         model: nn.Module,
         unembedding: Optional[Tensor] = None,
         explained_position: Union[int, str, Tensor, None] = "last",
-        memory_budget_mb: float = 1024.0,
+        memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
     ) -> None:
         super().__init__(model, explained_position, "raw")
-        if not self.adapter.pre_ln or self.adapter.final_norm is None:
-            raise ValueError(
-                f"ALTILogitAttribution explains next-token logits of pre-LN decoders (GPT-2, Llama, Mistral, Qwen2); "
-                f"{self.adapter.family} is not one"
-            )
-        if memory_budget_mb <= 0:
-            raise ValueError("memory_budget_mb must be positive")
-        self.memory_budget_mb = memory_budget_mb
-        d = model.config.hidden_size
-        if unembedding is not None:
-            if not isinstance(unembedding, Tensor) or unembedding.dim() != 2 or unembedding.shape[1] != d:
-                raise ValueError(f"unembedding must be a (vocab, {d}) tensor")
-            self._unembed, self._unembed_bias = unembedding, None
-        else:
-            head = None
-            if self.adapter.lm_head is not None:
-                try:
-                    head = get_path(model, self.adapter.lm_head)
-                except AttributeError:
-                    head = None
-            if head is None:
-                raise ValueError(
-                    f"{type(model).__name__} has no LM head: pass a model with one (GPT2LMHeadModel, "
-                    f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) or an explicit unembedding=(vocab, {d}) matrix"
-                )
-            self._unembed, self._unembed_bias = head.weight, getattr(head, "bias", None)  # nn.Linear: (V, D)
-
-    def predicted_tokens(self, final_norm_out: Tensor, pos: Tensor) -> Tensor:
-        r"""The argmax next token at the explained positions, from the real final-norm output.
-
-        Args:
-            final_norm_out: (B, T, D) the real output of the final norm.
-            pos: (B,) explained positions.
-
-        Returns:
-            (B,) long token ids.
-        """
-        h = final_norm_out[torch.arange(final_norm_out.shape[0], device=pos.device), pos]
-        logits = h @ self._unembed.to(h.dtype).T
-        if self._unembed_bias is not None:
-            logits = logits + self._unembed_bias.to(h.dtype)
-        return logits.argmax(-1)
-
-    def _direction(self, target: Any, b: int, device, dtype) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        if target is None:
-            raise ValueError("ALTILogitAttribution needs target: a token id, a (B,) tensor of ids, or (target, foil)")
-        foil = None
-        if isinstance(target, tuple):
-            if len(target) != 2:
-                raise ValueError("a tuple target must be (target, foil)")
-            target, foil = target
-        elif isinstance(target, Tensor) and target.dim() == 2 and target.shape == (b, 2):
-            target, foil = target[:, 0], target[:, 1]
-        t_ids = _as_ids(target, b, "target", device)
-        f_ids = None if foil is None else _as_ids(foil, b, "foil", device)
-        vocab = self._unembed.shape[0]
-        for ids, name in ((t_ids, "target"), (f_ids, "foil")):
-            if ids is not None and bool(((ids < 0) | (ids >= vocab)).any()):
-                raise ValueError(f"{name} token ids must lie in [0, {vocab - 1}]; got {ids.tolist()}")
-        W = self._unembed.detach().to(device=device, dtype=dtype)
-        u = W[t_ids]
-        ub = torch.zeros(b, dtype=dtype, device=device)
-        if self._unembed_bias is not None:
-            ub = self._unembed_bias.detach().to(device=device, dtype=dtype)[t_ids]
-        if f_ids is not None:
-            u = u - W[f_ids]
-            if self._unembed_bias is not None:
-                ub = ub - self._unembed_bias.detach().to(device=device, dtype=dtype)[f_ids]
-        return u, ub, t_ids, f_ids
+        check_logit_model(self.adapter, "ALTILogitAttribution")
+        self.memory_budget_mb = check_memory_budget(memory_budget_mb)
+        self.output = NextTokenLogit(model, self.adapter, unembedding)
 
     def decompose(  # type: ignore[override]
         self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None
     ) -> ALTILogitResult:
-        r"""All terms of the ALTI-Logit decomposition.
+        r"""All terms of the ALTI-Logit decomposition, layer by layer as the forward pass runs.
 
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple.
@@ -209,33 +127,51 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
+        bidx = torch.arange(valid.shape[0], device=valid.device)
+        n_layers = len(layer_modules(self.model, self.adapter))
+        kept: Dict[str, Any] = {"errors": [], "biases": []}
+
+        def on_layer(layer: LayerTensors) -> None:
+            l = layer.index
+            if "maps" not in kept:
+                b, t, d = layer.hidden_in.shape
+                kept["maps"] = layer.hidden_in.new_zeros(b, n_layers, t, t)
+                kept["updates"] = layer.hidden_in.new_zeros(b, n_layers, t, d)
+                kept["ff"] = layer.hidden_in.new_zeros(b, n_layers, d)
+            if l == 0:
+                kept["embedding"] = layer.hidden_in[bidx, pos]
+            kept["maps"][:, l] = self.kind.alti_map(layer, valid, self.memory_budget_mb)
+            kept["updates"][:, l] = attention_update_at(layer, pos)
+            kept["ff"][:, l] = layer.ff_out[bidx, pos]
+            kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
+            kept["errors"].append(self.kind.completeness_error(layer, valid))
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer) as (rec, _):
+            fparams, f_in, f_out = rec.final_norm_tensors()
         with torch.no_grad():
-            layers, (fparams, f_in, f_out) = self.capture_full(prepared)
-            b, t, d = layers[0].hidden_in.shape
-            if target is None:  # the model's own next-token prediction at the explained position
-                target = self.predicted_tokens(f_out, pos)
-            u, ub, t_ids, f_ids = self._direction(target, b, f_in.device, f_in.dtype)
-            chunk = rows_per_chunk(b, t, d, f_in.element_size(), int(self.memory_budget_mb * 2**20))
-            terms = alti_logit_terms(layers, fparams, f_in, f_out, u, ub, valid, pos, chunk, self.adapter.causal)
-            errors = torch.stack([pre_ln_completeness_error(layer, valid) for layer in layers])
+            f_in, f_out = f_in[bidx, pos], f_out[bidx, pos]
+            out = self.output.resolve(target, f_out)
+            terms = alti_logit_terms(
+                kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
+                fparams, f_in, f_out, out.direction, out.bias, valid, pos,
+            )
         return ALTILogitResult(
             method=self.get_name(),
             scores=terms["scores"],
+            attention_mask=prepared.attention_mask,
+            explained_position=pos,
+            delta=terms["delta"],
+            extras={"completeness_error": torch.stack(kept["errors"])},
+            target=out.target,
+            foil=out.foil,
+            logits=terms["logit"],
             layer_token_contributions=terms["layer_token_contributions"],
             layer_logit_updates=terms["layer_logit_updates"],
             embedding=terms["embedding"],
             ff=terms["ff"],
             attention_bias=terms["attention_bias"],
             final_bias=terms["final_bias"],
-            logit=terms["logit"],
-            delta=terms["delta"],
-            target=t_ids,
-            foil=f_ids,
-            attention_mask=prepared.attention_mask,
-            explained_position=pos,
-            extras={"completeness_error": errors},
         )
-
     @log_usage()
     def attribute(
         self,

@@ -1,15 +1,15 @@
 r"""Feed-forward-inclusive decomposition of post-LN encoders (Kobayashi et al. 2023): GlobEnc+FF, ALTI+FF."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerDecompositionAttribution, format_output
-from captum_normattr.decompose.decoder import pre_ln_component_scope_maps
-from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES, component_scope_maps
+from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget, format_output
+from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
+from captum_normattr.decompose.layer_kinds import FFOptions
 from captum_normattr.decompose.records import LayerTensors
 
 
@@ -79,48 +79,37 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             raise ValueError(f"method must be one of {IG_METHODS}, got {method!r}")
         if contribution not in CONTRIBUTIONS:
             raise ValueError(f"unknown contribution {contribution!r}; choose from {CONTRIBUTIONS}")
-        if memory_budget_mb <= 0:
-            raise ValueError("memory_budget_mb must be positive")
+        memory_budget_mb = check_memory_budget(memory_budget_mb)
         if not 0.0 <= ignore_low_gamma < 1.0:
             raise ValueError(f"ignore_low_gamma must be in [0, 1), got {ignore_low_gamma}")
         if ignore_low_gamma and contribution != "norm":
             raise ValueError("ignore_low_gamma acts on the norms of LayerNorm-output parts: use contribution='norm'")
         super().__init__(model, explained_position, rollout)
-        if self.adapter.pre_ln and (contribution != "norm" or ignore_low_gamma):
-            raise ValueError(
-                f"{self.adapter.family} is a pre-LN decoder: FFIntegratedDecomposition supports contribution='norm' "
-                "without ignore_low_gamma there (ALTI+FF and the LayerNorm-gamma ablation are post-LN analyses)"
-            )
+        self.options = FFOptions(method, steps, nodes, contribution, ignore_low_gamma, chunk_rows, memory_budget_mb)
+        self.kind.check_ff_options(self.options, self.adapter.family)
         if scope is None:
-            scope = "RES2" if self.adapter.pre_ln else "LN2"
+            scope = self.kind.whole_layer_scope
         self.scope, self.method, self.steps, self.chunk_rows, self.nodes = scope, method, steps, chunk_rows, nodes
         self.contribution, self.memory_budget_mb, self.ignore_low_gamma = contribution, memory_budget_mb, ignore_low_gamma
 
-    def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
-        per_map: Dict[str, list] = {}
-        ff_err, layer_err, per_ex = [], [], []
-        for layer in layers:
-            if layer.pre_ln:
-                maps, err = pre_ln_component_scope_maps(
-                    layer, valid, self.chunk_rows, self.method, self.steps, self.nodes, self.adapter.causal
-                )
-            else:
-                maps, err = component_scope_maps(layer, valid, self.chunk_rows, self.method, self.steps,
-                                                 self.contribution, self.ignore_low_gamma, self.memory_budget_mb)
-            for name, m in maps.items():
-                per_map.setdefault(name, []).append(m)
-            ff_err.append(err["ff"])
-            layer_err.append(err["layer"])
-            per_ex.append(torch.maximum(err["ff_per_example"], err["layer_per_example"]))
-        extras = {
-            "completeness_error": torch.stack(ff_err),
-            "layer_completeness_error": torch.stack(layer_err),
-            "example_completeness_error": torch.stack(per_ex, 1).amax(1),
-        }
-        for name, ms in per_map.items():
-            extras[f"scope_{name}"] = torch.stack(ms, 1)
-        key = f"scope_{self.scope}_ablated" if self.ignore_low_gamma and self.scope in LN_SCOPES else f"scope_{self.scope}"
-        return extras[key], None, extras
+    def _map_key(self) -> str:
+        return f"{self.scope}_ablated" if self.ignore_low_gamma and self.scope in LN_SCOPES else self.scope
+
+    def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:
+        maps, err = self.kind.scope_maps(layer, valid, self.options)
+        return LayerContribution(
+            map=maps[self._map_key()],
+            errors={
+                "completeness_error": err["ff"],
+                "layer_completeness_error": err["layer"],
+                "example_completeness_error": torch.maximum(err["ff_per_example"], err["layer_per_example"]),
+            },
+            maps={f"scope_{name}": m for name, m in maps.items()} if keep_maps else {},
+        )
+
+    def finish_extras(self, errors: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        errors["example_completeness_error"] = errors["example_completeness_error"].amax(1)
+        return errors
 
     @log_usage()
     def attribute(
@@ -144,15 +133,14 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0; with
             ``return_convergence_delta``, (scores, delta).
         """
-        res = self.decompose(inputs, additional_forward_args)
-        return format_output(inputs, res.scores, res.extras["example_completeness_error"], return_convergence_delta)
+        res = self.decompose(inputs, additional_forward_args, return_layer_maps=False, return_rollout=False)
+        return format_output(inputs, res.scores, res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:
         return True
 
     def get_name(self) -> str:
-        whole_layer = "RES2" if self.adapter.pre_ln else "LN2"
-        if self.scope == whole_layer:
+        if self.scope == self.kind.whole_layer_scope:
             name = "GlobEnc+FF" if self.contribution == "norm" else "ALTI+FF"
         elif self.contribution == "norm":
             name = f"FF decomposition ({self.scope})"

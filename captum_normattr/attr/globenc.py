@@ -1,20 +1,12 @@
 r"""GlobEnc (Modarressi et al. 2022) and the norm-based maps of Kobayashi et al. 2020/2021."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Optional, Union
 
-import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerDecompositionAttribution
-from captum_normattr.decompose.decoder import (
-    PRE_LN_DEFAULT_MAP,
-    PRE_LN_NORM_MAPS,
-    check_pre_ln_map,
-    pre_ln_completeness_error,
-    pre_ln_layer_maps,
-)
-from captum_normattr.decompose.encoder import GLOBENC_MAPS, NORM_MAPS, post_ln_completeness_error, post_ln_layer_maps
+from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution
+from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.records import LayerTensors
 
 
@@ -60,33 +52,21 @@ class GlobEncAttribution(LayerDecompositionAttribution):
             raise ValueError(f"unknown map_name {map_name!r}; choose from {GLOBENC_MAPS}")
         super().__init__(model, explained_position, rollout)
         if map_name is None:
-            map_name = PRE_LN_DEFAULT_MAP if self.adapter.pre_ln else "N_ENC"
-        if self.adapter.pre_ln:
-            try:
-                check_pre_ln_map(map_name)
-            except ValueError as e:
-                raise ValueError(f"{self.adapter.family}: {e}") from None
+            map_name = self.kind.default_map
+        try:
+            self.kind.check_map(map_name)
+        except ValueError as e:
+            raise ValueError(f"{self.adapter.family}: {e}") from None
         self.map_name = map_name
 
-    def _layer_maps(self, layers: List[LayerTensors], valid: Tensor) -> Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]:
-        maps, ratios = [], []
-        errors = []
-        if self.adapter.pre_ln:
-            for layer in layers:
-                m, r = pre_ln_layer_maps(layer, valid, (self.map_name,), self.adapter.causal)
-                maps.append(m[self.map_name])
-                ratios.append(r.get(self.map_name) if self.map_name in PRE_LN_NORM_MAPS else None)
-                errors.append(pre_ln_completeness_error(layer, valid))
-            mixing = torch.stack(ratios, 1) if all(r is not None for r in ratios) else None
-            return torch.stack(maps, 1), mixing, {"completeness_error": torch.stack(errors)}
-        for layer in layers:
-            m, r = post_ln_layer_maps(layer, valid, (self.map_name,))
-            maps.append(m[self.map_name])
-            ratio_name = self.map_name if self.map_name in NORM_MAPS else ("N_ENC" if self.map_name == "W_RES" else None)
-            ratios.append(r.get(ratio_name) if ratio_name else None)
-            errors.append(post_ln_completeness_error(layer, valid))
-        mixing = torch.stack(ratios, 1) if all(r is not None for r in ratios) else None
-        return torch.stack(maps, 1), mixing, {"completeness_error": torch.stack(errors)}
+    def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:
+        maps, ratios = self.kind.norm_maps(layer, valid, (self.map_name,))
+        ratio_name = self.kind.mixing_ratio_name(self.map_name)
+        return LayerContribution(
+            map=maps[self.map_name],
+            mixing_ratio=ratios.get(ratio_name) if ratio_name else None,
+            errors={"completeness_error": self.kind.completeness_error(layer, valid)},
+        )
 
     def get_name(self) -> str:
         return f"GlobEnc ({self.map_name})"

@@ -30,21 +30,6 @@ def l1_contributions(parts: Tensor, output: Tensor) -> Tensor:
     return (y_l1 - dist).clamp_min(0)
 
 
-def rows_per_chunk(batch: int, tokens: int, dim: int, element_size: int, budget_bytes: int) -> int:
-    r"""How many query rows fit the memory budget (about two (B, R, T, D) temporaries).
-
-    Args:
-        batch, tokens, dim: B, T, D.
-        element_size: bytes per element of the compute dtype.
-        budget_bytes: the caller's budget.
-
-    Returns:
-        Rows per chunk, at least 1.
-    """
-    per_row = 2 * batch * tokens * dim * element_size
-    return max(1, min(tokens, int(budget_bytes // max(per_row, 1))))
-
-
 def alti_map(
     probs: Tensor,
     projected: Tensor,
@@ -68,7 +53,8 @@ def alti_map(
         output: (B, T, D) real block output y_i (bias parts included).
         valid: (B, T) bool, non-pad tokens.
         row_scale: optional (B, T) divisor per receiving token (a norm's real scale).
-        chunk_rows: query rows per chunk (None: all at once).
+        chunk_rows: query rows per chunk (None: all at once; see
+            :func:`~captum_normattr.decompose.chunking.rows_for_budget`).
         causal: causal attention (decoders): row i has parts only from j <= i, so each chunk
             of rows works on the source tokens before its end only (entries j > i are 0).
 
@@ -77,8 +63,6 @@ def alti_map(
     """
     b, _, t, _ = projected.shape
     chunk = t if chunk_rows is None else max(1, int(chunk_rows))
-    if causal:  # smaller chunks skip more of the all-zero upper triangle
-        chunk = min(chunk, max(16, -(-t // 8)))
     out = probs.new_zeros(b, t, t)
     # Source-token-major layout: one (R, H) @ (H, D) product per (example, source token).
     proj_j = projected.permute(0, 2, 1, 3).contiguous()  # (B, T_j, H, D)
@@ -99,6 +83,7 @@ def alti_map(
             dist = dist / row_scale[:, rows, None]
         out[:, rows, :cols] = (y_l1[:, rows, None] - dist).clamp_min(0)
         del parts
-    mask2d = valid.unsqueeze(-1) & valid.unsqueeze(-2)
-    out = out * mask2d.to(out.dtype)
+    out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
+    if causal:
+        out.tril_()
     return row_normalize(out)

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.chunking import GRAM_CHUNK_MB, rows_for_budget
 from captum_normattr.decompose.mixing import mixing_ratio
 
 
@@ -86,11 +87,18 @@ def part_norms_gram(
     Returns:
         (B, T, T) norms, entry [b, i, j].
     """
-    t = values.shape[2]
+    b, h, t = values.shape[:3]
     projected = project_values(values, head_weight, lin_map)  # (B, H, T, D): f^h(x_j) A
     gram = torch.einsum("bhtd,bgtd->bthg", projected, projected)  # (B, T, H, H) per source token j
-    tmp = torch.einsum("bhij,bjhg->bijg", probs, gram)
-    sq = torch.einsum("bijg,bgij->bij", tmp, probs)
+    del projected
+    sq = probs.new_empty(b, t, t)
+    # one (B, R, T, H) temporary per chunk of query rows
+    chunk = rows_for_budget(b, t, h, probs.element_size(), GRAM_CHUNK_MB, temporaries=1)
+    for start in range(0, t, chunk):
+        rows = slice(start, min(t, start + chunk))
+        tmp = torch.einsum("bhij,bjhg->bijg", probs[:, :, rows], gram)
+        sq[:, rows] = torch.einsum("bijg,bgij->bij", tmp, probs[:, :, rows])
+        del tmp
     diag = diagonal_parts if lin_map is None else diagonal_parts @ lin_map
     diag_sq = diag.pow(2).sum(-1)
     idx = torch.arange(t, device=probs.device)

@@ -31,7 +31,8 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.alti import alti_map, rows_per_chunk
+from captum_normattr.decompose.alti import alti_map
+from captum_normattr.decompose.chunking import row_chunks, rows_for_budget
 from captum_normattr.decompose.attention import attention_parts_rows, norm_maps_and_ratios, project_values
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual
@@ -41,8 +42,6 @@ from captum_normattr.decompose.records import LayerTensors
 PRE_LN_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "N", "N_FIXEDRES", "N_RES", "N_RESLN")
 #: Norm maps of pre-LN layers (a mixing ratio is defined for them).
 PRE_LN_NORM_MAPS: Tuple[str, ...] = ("N", "N_RES", "N_RESLN")
-#: Memory for the explicit parts of one chunk of query rows when no chunk size is given.
-DEFAULT_BUDGET_BYTES = 1 << 30
 #: The map of pre-LN layers used when none is named (GlobEncAttribution's default for decoders).
 PRE_LN_DEFAULT_MAP = "N_RESLN"
 
@@ -285,29 +284,29 @@ def pre_ln_ff_parts(
 
     f = layer.ff
     cache = {} if cache is None else cache
-    for key, (w, b) in {"in": (f["w_in"], f.get("b_in")), "gate": (f.get("w_gate"), f.get("b_gate"))}.items():
+    for key, (w, b) in {"in": (f.w_in, f.b_in), "gate": (f.w_gate, f.b_gate)}.items():
         if w is not None and key not in cache:
             cache[key] = ff_preactivation_setup(layer, w, b)
-    if f.get("w_gate") is not None:
+    if f.w_gate is not None:
         a, a_b = ff_preactivation_parts(layer, cache["gate"], rows, cols)
         b, b_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
-        return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f["act"], f["w_out"], f.get("b_out"), nodes or DEFAULT_NODES)
+        return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f.act, f.w_out, f.b_out, nodes or DEFAULT_NODES)
     pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
     allp = torch.cat([pre, pre_b.unsqueeze(-2)], -2)
     del pre
     total = allp.sum(-2)
     if method == "closed_form":
-        ig = ig_closed_form(allp, total, f["act"])
+        ig = ig_closed_form(allp, total, f.act)
     elif method == "riemann":
-        ig = ig_riemann(allp, total, f["act"], steps)
+        ig = ig_riemann(allp, total, f.act, steps)
     else:
         raise ValueError(f"method must be 'closed_form' or 'riemann', got {method!r}")
     del allp
-    zero = f["act"](torch.zeros((), dtype=total.dtype, device=total.device))
-    out = ig @ f["w_out"]
-    parts, bias = out[..., :-1, :], out[..., -1, :] + zero * f["w_out"].sum(0)
-    if f.get("b_out") is not None:
-        bias = bias + f["b_out"]
+    zero = f.act(torch.zeros((), dtype=total.dtype, device=total.device))
+    out = ig @ f.w_out
+    parts, bias = out[..., :-1, :], out[..., -1, :] + zero * f.w_out.sum(0)
+    if f.b_out is not None:
+        bias = bias + f.b_out
     return parts, bias
 
 
@@ -319,6 +318,7 @@ def pre_ln_component_scope_maps(
     steps: int = 50,
     nodes: Optional[int] = None,
     causal: bool = True,
+    memory_budget_mb: float = 128.0,
 ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
     r"""Norm maps of the component scopes of a pre-LN layer, built in chunks of query rows.
 
@@ -329,11 +329,13 @@ def pre_ln_component_scope_maps(
     Args:
         layer: the layer's tensors.
         valid: (B, T) bool.
-        chunk_rows: query rows per chunk (None: as many as fit in about 1 GiB of temporaries).
+        chunk_rows: query rows per chunk (None: from ``memory_budget_mb``).
         method, steps: elementwise FF integration (``"closed_form"`` or ``"riemann"``).
         nodes: Gauss-Legendre nodes for a gated FF.
         causal: the attention is causal: sources j > i (exactly zero parts) are skipped
             and their entries are 0.
+        memory_budget_mb: budget of one chunk's explicit parts (about four (B, R, T, max(D, F))
+            temporaries), in MB.
 
     Returns:
         (maps, errors): maps scope -> (B, T, T); errors ``"ff"`` (scalar, max over real
@@ -341,11 +343,9 @@ def pre_ln_component_scope_maps(
         real layer output) and ``"ff_per_example"`` (B,).
     """
     b, t, d = layer.hidden_in.shape
-    if chunk_rows is None:  # about 4 (B, R, T, max(D, F)) temporaries within DEFAULT_BUDGET_BYTES
-        width = 2 * max(d, int(layer.ff["w_out"].shape[0]))
-        chunk = rows_per_chunk(b, t, width, layer.hidden_in.element_size(), DEFAULT_BUDGET_BYTES)
-        if causal:  # smaller chunks skip more of the all-zero upper triangle (row i needs only j <= i)
-            chunk = min(chunk, max(16, -(-t // 8)))
+    if chunk_rows is None:
+        width = max(d, layer.ff.width)
+        chunk = rows_for_budget(b, t, width, layer.hidden_in.element_size(), memory_budget_mb, 4, causal)
     else:
         chunk = max(1, int(chunk_rows))
     dtype = layer.hidden_in.dtype
@@ -396,8 +396,30 @@ def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
     return w / norm_scale(real_input, params).unsqueeze(-1)
 
 
+def attention_update_at(layer: LayerTensors, position: Tensor) -> Tensor:
+    r"""The attention update of layer l at the explained positions, split over source positions.
+
+    Entry [b, j] is sum_h alpha^h_ij f^h(LN1(x_j)) for i = position[b]: the pieces whose
+    logits ALTI-Logit carries to the input tokens (:func:`alti_logit_terms`).
+
+    Args:
+        layer: the layer's tensors (pre-LN).
+        position: (B,) long explained positions.
+
+    Returns:
+        (B, T, D).
+    """
+    bidx = torch.arange(position.shape[0], device=position.device)
+    projected = project_values(layer.values, layer.head_out_weight())  # (B, H, T, D)
+    return torch.einsum("bht,bhtd->btd", layer.probs[bidx, :, position], projected)
+
+
 def alti_logit_terms(
-    layers,
+    updates: Tensor,
+    alti_maps: Tensor,
+    embedding: Tensor,
+    ff_updates: Tensor,
+    attention_biases: Tensor,
     final_params,
     final_in: Tensor,
     final_out: Tensor,
@@ -405,8 +427,6 @@ def alti_logit_terms(
     unembed_bias: Tensor,
     valid: Tensor,
     position: Tensor,
-    chunk_rows: Optional[int] = None,
-    causal: bool = True,
 ) -> Dict[str, Tensor]:
     r"""ALTI-Logit (Ferrando et al. 2023): signed logit contributions of input tokens.
 
@@ -414,20 +434,23 @@ def alti_logit_terms(
     + b_O^l + FF_l(i)). Each piece maps to its logit through :func:`logit_direction`. The
     attention update of layer l splits over source positions j; its logit is carried to the
     input tokens k by row j of the ALTI rollout R_{l-1} of the layers below (R_{-1} = I, rows
-    sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k].
+    sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k], computed as
+    vector-matrix products down the stored maps (O(L^2 T^2), no T x T x T product).
     The embedding at i, the FF updates, the attention output biases and the final norm's
     beta (with the LM head bias) belong to no token and are returned separately.
 
     Args:
-        layers: list of :class:`~captum_normattr.decompose.records.LayerTensors` (pre-LN).
+        updates: (B, L, T, D) per layer, :func:`attention_update_at` (source position j).
+        alti_maps: (B, L, T, T) the ALTI maps of the layers.
+        embedding: (B, D) the first layer's input x_{0,i} at the explained positions.
+        ff_updates: (B, L, D) every layer's FF output at the explained positions.
+        attention_biases: (L, D) every layer's attention output bias b_O (zeros if none).
         final_params: the final norm's parameters.
-        final_in, final_out: (B, T, D) real input and output of the final norm.
+        final_in, final_out: (B, D) real input and output of the final norm at the explained positions.
         unembed: (B, D) unembedding direction per example.
         unembed_bias: (B,) the LM head bias along it (0 if none).
         valid: (B, T) bool.
         position: (B,) explained positions i.
-        chunk_rows: query rows per chunk for the ALTI maps.
-        causal: zero the ALTI map entries j > i.
 
     Returns:
         dict with ``scores`` (B, T) token contributions; ``layer_token_contributions``
@@ -438,39 +461,32 @@ def alti_logit_terms(
         norm output); ``reconstruction`` (B,) tokens + no-token terms; ``delta`` (B,)
         logit - reconstruction.
     """
-    bidx = torch.arange(valid.shape[0], device=valid.device)
-    x_last = final_in[bidx, position]
-    w = logit_direction(final_params, x_last, unembed)  # (B, D)
+    w = logit_direction(final_params, final_in, unembed)  # (B, D)
     vm = valid.to(w.dtype)
-    embedding = (layers[0].hidden_in[bidx, position] * w).sum(-1)
-    updates, ff_terms, bias_terms = [], [], []
-    for layer in layers:
-        projected = project_values(layer.values, layer.head_out_weight())  # (B, H, T, D)
-        dots = torch.einsum("bhtd,bd->bht", projected, w)
-        probs_i = layer.probs[bidx, :, position]  # (B, H, T)
-        updates.append((probs_i * dots).sum(1) * vm)
-        ff_terms.append((layer.ff_out[bidx, position] * w).sum(-1))
-        bias_terms.append((_out_bias(layer) * w).sum(-1))
-    updates_t = torch.stack(updates, 1)  # (B, L, T)
-    contributions = [updates_t[:, 0]]
-    joint = None
-    for l in range(1, len(layers)):
-        m = pre_ln_alti_map(layers[l - 1], valid, chunk_rows, causal)
-        joint = m if joint is None else m @ joint
-        contributions.append(torch.einsum("bj,bjk->bk", updates_t[:, l], joint))
+    n_layers = updates.shape[1]
+    logit_updates = torch.einsum("bltd,bd->blt", updates, w) * vm.unsqueeze(1)  # (B, L, T)
+    contributions = []
+    for l in range(n_layers):
+        v = logit_updates[:, l]
+        for m in range(l - 1, -1, -1):  # row vector times R_{l-1} = M_{l-1} ... M_0
+            v = torch.einsum("bj,bjk->bk", v, alti_maps[:, m])
+        contributions.append(v)
     contrib = torch.stack(contributions, 1) * vm.unsqueeze(1)
     final_bias = unembed_bias.to(w.dtype)
     if final_params.bias is not None:
         final_bias = final_bias + (unembed * final_params.bias).sum(-1)
-    ff_t, bias_t = torch.stack(ff_terms, 1), torch.stack(bias_terms, 1)
+    emb = (embedding * w).sum(-1)
+    ff_t = torch.einsum("bld,bd->bl", ff_updates, w)
+    bias_t = attention_biases @ w.T  # (L, B)
+    bias_t = bias_t.T
     scores = contrib.sum(1)
-    recon = scores.sum(-1) + embedding + ff_t.sum(-1) + bias_t.sum(-1) + final_bias
-    logit = (final_out[bidx, position] * unembed).sum(-1) + unembed_bias.to(w.dtype)
+    recon = scores.sum(-1) + emb + ff_t.sum(-1) + bias_t.sum(-1) + final_bias
+    logit = (final_out * unembed).sum(-1) + unembed_bias.to(w.dtype)
     return {
         "scores": scores,
         "layer_token_contributions": contrib,
-        "layer_logit_updates": updates_t,
-        "embedding": embedding,
+        "layer_logit_updates": logit_updates,
+        "embedding": emb,
         "ff": ff_t,
         "attention_bias": bias_t,
         "final_bias": final_bias,

@@ -165,7 +165,7 @@ def post_ln_layer_parts(
     h = layer.num_heads
     hd = value_weight.shape[1]
     f = layer.ff
-    ff_dim = f["w_in"].shape[1]
+    ff_dim = f.w_in.shape[1]
     k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), ff_dim, parts.element_size(), memory_budget_mb)
     probs = layer.probs[:, :, rows]  # (B, H, R, T)
     w_o = layer.out_weight
@@ -206,7 +206,7 @@ def post_ln_layer_parts(
         zt, zt_b = absorb_bias(zt, zt_b, rows)
 
     # --- feed-forward (closed form at the real pre-activation), residual, LN2 -------
-    w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
+    w1, b1, w2, b2, act = f.w_in, f.b_in, f.w_out, f.b_out, f.act
     real_pre = layer.ln1_out[:, rows] @ w1
     if b1 is not None:
         real_pre = real_pre + b1
@@ -270,16 +270,16 @@ def ff_coefficients(layer: LayerTensors, nodes: int = DEFAULT_NODES) -> Dict[str
     """
     f = layer.ff
     u = layer.ln2_out if layer.pre_ln else layer.ln1_out
-    pre = u @ f["w_in"]
-    if f.get("b_in") is not None:
-        pre = pre + f["b_in"]
-    if f.get("w_gate") is None:
-        return {"slope": _slopes(pre, f["act"])}
-    a = u @ f["w_gate"]
-    if f.get("b_gate") is not None:
-        a = a + f["b_gate"]
-    i1, i2 = gate_integrals(a, f["act"], nodes)
-    err = (pre * (a * i1 + i2) - pre * f["act"](a)).abs().amax(-1)
+    pre = u @ f.w_in
+    if f.b_in is not None:
+        pre = pre + f.b_in
+    if f.w_gate is None:
+        return {"slope": _slopes(pre, f.act)}
+    a = u @ f.w_gate
+    if f.b_gate is not None:
+        a = a + f.b_gate
+    i1, i2 = gate_integrals(a, f.act, nodes)
+    err = (pre * (a * i1 + i2) - pre * f.act(a)).abs().amax(-1)
     return {"gate": pre * i1, "up": i2, "quadrature_error": err}
 
 
@@ -318,16 +318,16 @@ def frozen_ff_parts(
         (parts (B, R, K, D), bias part (B, R, D)).
     """
     f = ff
-    w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
+    w1, b1, w2, b2, act = f.w_in, f.b_in, f.w_out, f.b_out, f.act
     pre_b = z_b @ w1 + (b1 if b1 is not None else 0.0)
     pre, pre_b = _spread_into(z, pre_b, w1, fallback, spread)
-    if f.get("w_gate") is None:
+    if f.w_gate is None:
         slope = coefs["slope"]
         ig = pre.mul_(slope.unsqueeze(-2))
         ig_b = pre_b * slope + act(torch.zeros((), dtype=z.dtype, device=z.device))
     else:
-        gate_b = z_b @ f["w_gate"] + (f["b_gate"] if f.get("b_gate") is not None else 0.0)
-        gate, gate_b = _spread_into(z, gate_b, f["w_gate"], fallback, spread)
+        gate_b = z_b @ f.w_gate + (f.b_gate if f.b_gate is not None else 0.0)
+        gate, gate_b = _spread_into(z, gate_b, f.w_gate, fallback, spread)
         ig = gate.mul_(coefs["gate"].unsqueeze(-2)).add_(pre.mul_(coefs["up"].unsqueeze(-2)))
         ig_b = gate_b * coefs["gate"] + pre_b * coefs["up"]
     del pre
@@ -380,7 +380,7 @@ def pre_ln_layer_parts(
     kv_heads = value_weight.shape[1] // dh
     groups = h // kv_heads
     coefs = ff_coefficients(layer) if coefs is None else coefs
-    ff_dim = layer.ff["w_out"].shape[0]
+    ff_dim = layer.ff.w_out.shape[0]
     k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), 2 * ff_dim, parts.element_size(), memory_budget_mb)
     probs = layer.probs[:, :, rows]  # (B, H, R, T)
     b_o = layer.out_bias if layer.out_bias is not None else torch.zeros(d, dtype=dtype, device=dev)
@@ -580,10 +580,10 @@ def frozen_slopes(layers: Sequence[LayerTensors], head: "object") -> Tuple[List[
     out = []
     for layer in layers:
         f = layer.ff
-        pre = layer.ln1_out @ f["w_in"]
-        if f.get("b_in") is not None:
-            pre = pre + f["b_in"]
-        out.append(_slopes(pre, f["act"]))
+        pre = layer.ln1_out @ f.w_in
+        if f.b_in is not None:
+            pre = pre + f.b_in
+        out.append(_slopes(pre, f.act))
     u = layers[-1].layer_out[:, head.position] @ head.w_dense
     if head.b_dense is not None:
         u = u + head.b_dense
@@ -633,7 +633,7 @@ def frozen_post_ln_layer(
 
     zt = norm(a + sel(x), sel(layer.ln1_in), layer.ln1)
     f = layer.ff
-    w1, b1, w2, b2, act = f["w_in"], f.get("b_in"), f["w_out"], f.get("b_out"), f["act"]
+    w1, b1, w2, b2, act = f.w_in, f.b_in, f.w_out, f.b_out, f.act
     p = zt @ w1
     if with_bias and b1 is not None:
         p = p + b1
@@ -815,15 +815,15 @@ def frozen_pre_ln_layer(
     def lin(w: Tensor, bb: Optional[Tensor]) -> Tensor:
         return z @ w + bb if (with_bias and bb is not None) else z @ w
 
-    if f.get("w_gate") is None:
-        ig = lin(f["w_in"], f.get("b_in")) * sel(coefs["slope"])
+    if f.w_gate is None:
+        ig = lin(f.w_in, f.b_in) * sel(coefs["slope"])
         if with_bias:
-            ig = ig + f["act"](torch.zeros((), dtype=x.dtype, device=x.device))
+            ig = ig + f.act(torch.zeros((), dtype=x.dtype, device=x.device))
     else:
-        ig = lin(f["w_gate"], f.get("b_gate")) * sel(coefs["gate"]) + lin(f["w_in"], f.get("b_in")) * sel(coefs["up"])
-    ff = ig @ f["w_out"]
-    if with_bias and f.get("b_out") is not None:
-        ff = ff + f["b_out"]
+        ig = lin(f.w_gate, f.b_gate) * sel(coefs["gate"]) + lin(f.w_in, f.b_in) * sel(coefs["up"])
+    ff = ig @ f.w_out
+    if with_bias and f.b_out is not None:
+        ff = ff + f.b_out
     return hcur + ff
 
 

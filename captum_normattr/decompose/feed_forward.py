@@ -12,13 +12,13 @@ receiving tokens (query rows) at a time: memory is bounded by ``memory_budget_mb
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.alti import l1_contributions, rows_per_chunk
+from captum_normattr.decompose.alti import l1_contributions
+from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.attention import attention_parts_rows, project_values
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import row_normalize
@@ -174,7 +174,7 @@ def ln1_output_parts(layer: LayerTensors, chunk_rows: Optional[int] = None) -> T
 
 def _ff(layer: LayerTensors, zt_parts: Tensor, zt_bias: Tensor, method: str, steps: int):
     f = layer.ff
-    return ff_parts(zt_parts, zt_bias, f["w_in"], f.get("b_in"), f["act"], f["w_out"], f.get("b_out"), method, steps)
+    return ff_parts(zt_parts, zt_bias, f.w_in, f.b_in, f.act, f.w_out, f.b_out, method, steps)
 
 
 def post_ln_whole_layer_parts(
@@ -218,8 +218,8 @@ def low_gamma_keep(params: NormParams, fraction: float, dim: int) -> Tensor:
     return torch.nonzero(keep).flatten().to(device)
 
 
-def ff_rows_per_chunk(layer: LayerTensors, budget_bytes: int) -> int:
-    r"""Query rows per chunk so that one chunk's explicit parts fit ``budget_bytes``.
+def ff_rows_per_chunk(layer: LayerTensors, memory_budget_mb: float) -> int:
+    r"""Query rows per chunk so that one chunk's explicit parts fit ``memory_budget_mb``.
 
     A chunk holds about (F + 8 D) numbers per (receiving, source) pair: the F-wide
     pre-activation parts and a handful of D-wide parts (LN1 output, FF output, RES2, LN2
@@ -229,9 +229,8 @@ def ff_rows_per_chunk(layer: LayerTensors, budget_bytes: int) -> int:
         Rows per chunk, at least 1.
     """
     b, t, d = layer.hidden_in.shape
-    f = layer.ff["w_in"].shape[-1]
-    # rows_per_chunk counts two (B, R, T, width) temporaries per row
-    return rows_per_chunk(b, t, math.ceil((f + 8 * d) / 2), layer.hidden_in.element_size(), budget_bytes)
+    f = layer.ff.w_in.shape[-1]
+    return rows_for_budget(b, t, f + 8 * d, layer.hidden_in.element_size(), memory_budget_mb, temporaries=1)
 
 
 def scope_outputs(layer: LayerTensors) -> Dict[str, Tensor]:
@@ -282,7 +281,7 @@ def component_scope_maps(
         raise ValueError("ignore_low_gamma acts on the norms of LayerNorm-output parts: use contribution='norm'")
     b, t, d = layer.hidden_in.shape
     if chunk_rows is None:
-        chunk_rows = t if memory_budget_mb is None else ff_rows_per_chunk(layer, int(memory_budget_mb * 2**20))
+        chunk_rows = t if memory_budget_mb is None else ff_rows_per_chunk(layer, memory_budget_mb)
     chunk = max(1, int(chunk_rows))
     keep = {}
     if ignore_low_gamma:
@@ -295,13 +294,13 @@ def component_scope_maps(
     head_w = layer.head_out_weight()
     projected = project_values(layer.values, head_w)
     zt_b = norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
-    pre_b = zt_b @ f["w_in"]
-    if f.get("b_in") is not None:
-        pre_b = pre_b + f["b_in"]
+    pre_b = zt_b @ f.w_in
+    if f.b_in is not None:
+        pre_b = pre_b + f.b_in
     # Pre-activation parts zt_{i<-j} W1 = (sum_h alpha^h_ij v^h_j W_O^h + [i=j] x_i) A1 W1 / s1_i with
     # A1 the linear part of LN1: project values straight to the F neurons per head (H x F per
     # pair instead of D x F).
-    a1w1 = norm_linear_map(layer.ln1, d, layer.hidden_in.dtype, layer.hidden_in.device) @ f["w_in"]
+    a1w1 = norm_linear_map(layer.ln1, d, layer.hidden_in.dtype, layer.hidden_in.device) @ f.w_in
     pre_values = project_values(layer.values, head_w, a1w1)  # (B, H, T, F)
     pre_res = layer.hidden_in @ a1w1  # (B, T, F)
     s1 = norm_scale(layer.ln1_in, layer.ln1)
@@ -314,7 +313,7 @@ def component_scope_maps(
         pre = attention_parts_rows(layer.probs, pre_values, rows)  # (B, R, T, F)
         pre[:, r - rows.start, r] += pre_res[:, rows]
         pre.div_(s1[:, rows, None, None])
-        ffp, ff_b = ff_parts_from_pre(pre, pre_b[:, rows], f["act"], f["w_out"], f.get("b_out"), method, steps)
+        ffp, ff_b = ff_parts_from_pre(pre, pre_b[:, rows], f.act, f.w_out, f.b_out, method, steps)
         del pre
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         res2 = zt + ffp

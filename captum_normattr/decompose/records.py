@@ -1,8 +1,8 @@
 r"""Plain data records that flow from tensor capture into the decomposition math."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -26,6 +26,38 @@ class NormParams:
 
 
 @dataclass
+class FFParams:
+    r"""Weights of one feed-forward block, as right-multiplied matrices.
+
+    FF(u) = act(u W_in + b_in) W_out + b_out, or for a gated block (Llama family)
+    FF(u) = (act(u W_gate + b_gate) * (u W_in + b_in)) W_out + b_out.
+
+    Attributes:
+        w_in: (D, F). b_in: (F,) or None.
+        w_out: (F, D). b_out: (D,) or None.
+        act: the elementwise activation (a callable module or function).
+        w_gate: (D, F) or None (not gated). b_gate: (F,) or None.
+    """
+
+    w_in: Tensor
+    b_in: Optional[Tensor]
+    w_out: Tensor
+    b_out: Optional[Tensor]
+    act: Callable[[Tensor], Tensor]
+    w_gate: Optional[Tensor] = None
+    b_gate: Optional[Tensor] = None
+
+    @property
+    def gated(self) -> bool:
+        return self.w_gate is not None
+
+    @property
+    def width(self) -> int:
+        r"""F, the inner width."""
+        return int(self.w_out.shape[0])
+
+
+@dataclass
 class LayerTensors:
     r"""Everything the decompositions need from one Transformer layer, for one batch.
 
@@ -46,9 +78,10 @@ class LayerTensors:
         ff_out: the real output of the feed-forward block (before the residual), (B, T, D).
         layer_out: the real output of the layer, (B, T, D).
         pre_ln: True for pre-LN layers (GPT-2, Llama family), False for post-LN (BERT).
-        ff: feed-forward parameters, a dict with keys ``w_in`` (D, F), ``b_in`` (F,) or
-            None, ``w_out`` (F, D), ``b_out`` (D,) or None, ``w_gate`` (D, F) or None,
-            ``b_gate``, and ``act`` (an elementwise callable).
+        ff: the feed-forward weights, :class:`FFParams`.
+        causal: True when the self-attention is causal (decoders): every map is
+            lower-triangular and chunked paths skip the all-zero upper triangle.
+        index: the layer's position in the stack (0 = first).
     """
 
     hidden_in: Tensor
@@ -65,7 +98,9 @@ class LayerTensors:
     ff_out: Tensor
     layer_out: Tensor
     pre_ln: bool = False
-    ff: Dict[str, object] = field(default_factory=dict)
+    ff: Optional[FFParams] = None
+    causal: bool = False
+    index: int = 0
 
     @property
     def num_heads(self) -> int:

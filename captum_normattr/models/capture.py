@@ -1,26 +1,83 @@
-r"""Recording the tensors of one forward pass through public hooks (DESIGN section 8).
+r"""Streaming capture: each layer's tensors are handed over as soon as the forward pass has made them.
 
 For the duration of one call the model's attention implementation is switched to a
-function registered in transformers' ``AttentionInterface`` that computes the usual
-eager attention and records its probabilities and value states; forward hooks record
-the inputs and outputs of the norms, the feed-forward block and each layer. Everything
-(hooks, attention implementation, training mode) is restored when the call ends, also
-when it raises. No modeling file is copied or edited.
+function registered in transformers' ``AttentionInterface``. It computes the usual eager
+attention (head by head in chunks, so that no more than one (B, H, T, T) probability
+tensor and one chunk of scores exist at a time) and records the probabilities and value
+states of the modules the calling thread is recording. Forward hooks record the inputs
+and outputs of the norms, the feed-forward block and each layer. When a layer's forward
+hook fires, its tensors become one :class:`~captum_normattr.decompose.records.LayerTensors`
+that is passed to the caller's ``on_layer`` callback and then dropped: the memory of a
+call does not grow with depth (see ``docs/design.md``, "Streaming engine").
+
+Recording is scoped to the calling thread: the hooks and the attention function record
+only for recorders that the current thread opened, and a forward pass that no recorder of
+its thread watches (another thread's plain forward pass, say) runs the attention
+implementation the model had before. The switch of the implementation, the hooks and the
+per-module training flags are reference-counted per model under a lock and restored when
+the last call ends, also when it raises. No modeling file is copied or edited.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Optional
+import threading
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.decompose.records import LayerTensors, NormParams
+from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, layer_modules, linear_params
 
 ATTENTION_NAME = "captum_normattr_capture"
-_ACTIVE: List["Recorder"] = []
+#: Bytes of one chunk of attention scores in the recording attention.
+SCORE_CHUNK_BYTES = 64 * 2**20
+
+_LOCAL = threading.local()  # .stack: the recorders opened by this thread, innermost last
+_LOCK = threading.RLock()
+_SWITCHED: Dict[int, list] = {}  # id(config) -> [config, original implementation, users]
+_FLAGS: Dict[int, list] = {}  # id(model) -> [{module: training}, users]
 _REGISTERED = False
+
+
+def _active() -> List["Recorder"]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool):
+    r"""Eager attention computed in chunks of heads; returns (output (B, T, H, Dh), probs or None)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: one key/value head serves `groups` query heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    b, h, t, _ = query.shape
+    s = key.shape[-2]
+    soft_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    probs = torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
+    per_head = max(1, b * t * s * max(query.element_size(), 4))
+    step = max(1, min(h, SCORE_CHUNK_BYTES // per_head))
+    for h0 in range(0, h, step):
+        sl = slice(h0, min(h, h0 + step))
+        scores = torch.matmul(query[:, sl], key[:, sl].transpose(2, 3)).mul_(scaling)
+        if attention_mask is not None:
+            m = attention_mask[..., :s]
+            if m.dtype == torch.bool:
+                scores.masked_fill_(~m, torch.finfo(scores.dtype).min)
+            else:
+                scores.add_(m)
+        probs[:, sl] = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+        del scores
+    used = probs if probs.dtype == query.dtype else probs.to(query.dtype)
+    if training and dropout > 0:
+        used = nn.functional.dropout(used, p=dropout, training=True)
+    out = torch.matmul(used, value).transpose(1, 2).contiguous()
+    del used
+    return out, (probs if keep_probs else None), value
 
 
 def _recording_attention(
@@ -33,28 +90,28 @@ def _recording_attention(
     dropout: float = 0.0,
     **kwargs,
 ):
-    r"""Eager attention that records probabilities and values of the modules being watched."""
+    r"""Eager attention that records probabilities and values for the current thread's recorders.
+
+    A module that no recorder of this thread watches runs the model's original
+    implementation (sdpa, flash, ...), so other threads are unaffected.
+    """
+    watching = [r for r in _active() if r.watches(module)]
+    if not watching:
+        entry = _SWITCHED.get(id(getattr(module, "config", None)))
+        original = entry[1] if entry is not None else None
+        if original not in (None, "eager", ATTENTION_NAME):
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            fn = ALL_ATTENTION_FUNCTIONS.get(original) if hasattr(ALL_ATTENTION_FUNCTIONS, "get") else None
+            if fn is not None:
+                return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention soft-capping and attention sinks are not supported by captum_normattr")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: one key/value head serves `groups` query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask[..., : key.shape[-2]]
-    probs32 = torch.softmax(scores, dim=-1, dtype=torch.float32 if scores.dtype != torch.float64 else torch.float64)
-    probs = probs32.to(query.dtype)
-    if module.training and dropout > 0:
-        probs = nn.functional.dropout(probs, p=dropout, training=True)
-    for recorder in _ACTIVE:
-        recorder._record_attention(module, probs32 if probs32.dtype != probs.dtype else probs, value)
-    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    out, probs, values = _eager_attention(
+        query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching)
+    )
+    for recorder in watching:
+        recorder.record_attention(module, probs, values)
     return out, probs
 
 
@@ -81,7 +138,8 @@ def _configs(model: nn.Module):
     return list(seen.values())
 
 
-def _norm_params(module: nn.Module, kind: str) -> NormParams:
+def norm_params(module: nn.Module, kind: str, dtype: Optional[torch.dtype] = None) -> NormParams:
+    r"""The parameters of a LayerNorm/RMSNorm module, cast to ``dtype`` (kept as they are if None)."""
     eps = getattr(module, "eps", None)
     if eps is None:
         eps = getattr(module, "variance_epsilon", None)
@@ -89,9 +147,10 @@ def _norm_params(module: nn.Module, kind: str) -> NormParams:
         eps = torch.finfo(module.weight.dtype if module.weight is not None else torch.float32).eps  # torch's default
     if eps is None:
         raise ValueError(f"cannot find the epsilon of norm module {type(module).__name__}")
+    cast = (lambda t: t) if dtype is None else (lambda t: None if t is None else t.detach().to(dtype))
     return NormParams(
-        weight=getattr(module, "weight", None),
-        bias=getattr(module, "bias", None) if kind == "layernorm" else None,
+        weight=cast(getattr(module, "weight", None)),
+        bias=cast(getattr(module, "bias", None)) if kind == "layernorm" else None,
         eps=float(eps),
         kind=kind,
     )
@@ -101,23 +160,56 @@ def _first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-class Recorder:
-    r"""Holds what one forward pass recorded, per layer."""
+_RECORD_KEYS = ("hidden_in", "probs", "values", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out")
 
-    def __init__(self, model: nn.Module, adapter: ArchitectureAdapter):
+
+class Recorder:
+    r"""Records one forward pass layer by layer and hands each layer to ``on_layer``.
+
+    Args:
+        model: a supported ``transformers`` model.
+        adapter: its :class:`~captum_normattr.models.adapters.ArchitectureAdapter`.
+        dtype: the compute dtype of the handed-over tensors (float32 or float64).
+        on_layer: called with every layer's :class:`LayerTensors` as soon as the layer has
+            run; the recorder keeps nothing of it afterwards.
+        keep_calls: keep each layer's call arguments (masks and position embeddings, shared
+            between layers) so that :meth:`rerun_layer` can recompute a layer later.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: ArchitectureAdapter,
+        dtype: torch.dtype,
+        on_layer: Callable[[LayerTensors], None],
+        keep_calls: bool = False,
+    ):
         self.model = model
         self.adapter = adapter
+        self.dtype = dtype
+        self.on_layer = on_layer
+        self.keep_calls = keep_calls
         self.layers = layer_modules(model, adapter)
         self.base = base_model(model)
         self._attn_index = {id(get_path(layer, adapter.attention)): i for i, layer in enumerate(self.layers)}
-        self.records: List[Dict[str, Tensor]] = [dict() for _ in self.layers]
+        self.records: Dict[int, Dict[str, Tensor]] = {}
+        self.calls: Dict[int, Tuple[tuple, dict, bool]] = {}
         self.final: Dict[str, Tensor] = {}
+        self.layers_done = 0
 
-    def _record_attention(self, module: nn.Module, probs: Tensor, values: Tensor) -> None:
+    # --- recording -------------------------------------------------------------
+    def watches(self, module: nn.Module) -> bool:
+        return id(module) in self._attn_index
+
+    def _mine(self) -> bool:
+        return self in _active()
+
+    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor) -> None:
         idx = self._attn_index.get(id(module))
         if idx is not None:
-            self.records[idx]["probs"] = probs.detach()
-            self.records[idx]["values"] = values.detach()
+            rec = self.records.setdefault(idx, {})
+            rec["probs"] = probs.detach()
+            rec["values"] = values.detach()
 
     def _hooks(self) -> list:
         a = self.adapter
@@ -125,7 +217,9 @@ class Recorder:
 
         def store(idx: int, key: str, what: str):
             def hook(module, args, output):
-                rec = self.records[idx]
+                if not self._mine():
+                    return
+                rec = self.records.setdefault(idx, {})
                 if what in ("in", "both"):
                     rec[key + "_in"] = _first_tensor(args).detach()
                 if what in ("out", "both"):
@@ -136,128 +230,201 @@ class Recorder:
         for i, layer in enumerate(self.layers):
 
             def pre_hook(module, args, kwargs, idx=i):
-                x = args[0] if args else kwargs.get("hidden_states")
-                self.records[idx]["hidden_in"] = x.detach()
+                if not self._mine():
+                    return
+                from_args = bool(args)
+                x = args[0] if from_args else kwargs.get("hidden_states")
+                self.records.setdefault(idx, {})["hidden_in"] = x.detach()
+                if self.keep_calls:
+                    rest = args[1:] if from_args else args
+                    kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                    self.calls[idx] = (rest, kw, from_args)
+
+            def post_hook(module, args, output, idx=i):
+                if not self._mine():
+                    return
+                self.records.setdefault(idx, {})["layer_out"] = _first_tensor(output).detach()
+                self._finish_layer(idx)
 
             handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(layer.register_forward_hook(store(i, "layer", "out")))
             handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
             handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
             handles.append(get_path(layer, a.ff_out).register_forward_hook(store(i, "ff", "out")))
-            handles.append(get_path(layer, a.attn_out).register_forward_hook(store(i, "attn", "out")))
+            handles.append(layer.register_forward_hook(post_hook))
         if a.final_norm is not None:
 
             def final_hook(module, args, output):
+                if not self._mine():
+                    return
                 self.final["in"] = _first_tensor(args).detach()
                 self.final["out"] = _first_tensor(output).detach()
 
             handles.append(get_path(self.base, a.final_norm).register_forward_hook(final_hook))
         return handles
 
-    def final_norm_tensors(self, dtype: torch.dtype):
-        r"""The final norm of a pre-LN model: (parameters, real input, real output), in ``dtype``.
+    def _finish_layer(self, idx: int) -> None:
+        rec = self.records.pop(idx, {})
+        missing = [k for k in _RECORD_KEYS if k not in rec]
+        if missing:
+            raise RuntimeError(
+                f"layer {idx}: the forward pass recorded no {missing}; the model's structure does not match the "
+                f"{self.adapter.family} adapter"
+            )
+        tensors = self.layer_tensors(idx, rec)
+        del rec
+        self.layers_done = max(self.layers_done, idx + 1)
+        self.on_layer(tensors)
+
+    # --- what the recorded tensors become ---------------------------------------
+    def layer_tensors(self, idx: int, rec: Dict[str, Tensor]) -> LayerTensors:
+        r"""One layer's :class:`LayerTensors` in the compute dtype, from its recorded tensors."""
+        a, dtype = self.adapter, self.dtype
+        layer = self.layers[idx]
+        cast = lambda t: None if t is None else t.detach().to(dtype)
+        w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
+        w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
+        w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
+        w_g = b_g = None
+        if a.ff_gate is not None:
+            w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
+        ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
+        return LayerTensors(
+            hidden_in=cast(rec["hidden_in"]),
+            probs=cast(rec["probs"]),
+            values=cast(rec["values"]),
+            out_weight=cast(w_o),
+            out_bias=cast(b_o),
+            ln1=norm_params(get_path(layer, a.ln1), a.norm_kind, dtype),
+            ln1_in=cast(rec["ln1_in"]),
+            ln1_out=cast(rec["ln1_out"]),
+            ln2=norm_params(get_path(layer, a.ln2), a.norm_kind, dtype),
+            ln2_in=cast(rec["ln2_in"]),
+            ln2_out=cast(rec["ln2_out"]),
+            ff_out=cast(rec["ff_out"]),
+            layer_out=cast(rec["layer_out"]),
+            pre_ln=a.pre_ln,
+            ff=ff,
+            causal=a.causal,
+            index=idx,
+        )
+
+    def final_norm_tensors(self) -> Tuple[NormParams, Tensor, Tensor]:
+        r"""The final norm of a pre-LN model: (parameters, real input, real output), in the compute dtype.
 
         Raises:
             RuntimeError: if the adapter has no final norm or the forward pass did not reach it.
         """
         if self.adapter.final_norm is None or "in" not in self.final:
             raise RuntimeError(f"the forward pass recorded no final norm for the {self.adapter.family} adapter")
-        p = _norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind)
-        cast = lambda t: None if t is None else t.detach().to(dtype)
-        return NormParams(cast(p.weight), cast(p.bias), p.eps, p.kind), cast(self.final["in"]), cast(self.final["out"])
+        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind, self.dtype)
+        return p, self.final["in"].to(self.dtype), self.final["out"].to(self.dtype)
 
-    def layer_tensors(self, dtype: torch.dtype) -> List[LayerTensors]:
-        r"""Build the per-layer records in the compute dtype.
+    def rerun_layer(self, idx: int, hidden_in: Tensor) -> LayerTensors:
+        r"""Run layer ``idx`` again on ``hidden_in`` (its checkpointed input) and return its tensors.
 
-        Args:
-            dtype: float32 or float64.
-
-        Returns:
-            One :class:`LayerTensors` per layer.
+        Needs ``keep_calls=True`` and the forward pass to have reached the layer; used by
+        algorithms that walk the layers top-down (the DecompX adjoint) instead of keeping
+        every layer's attention probabilities.
         """
-        a = self.adapter
-        out = []
-        for i, (layer, rec) in enumerate(zip(self.layers, self.records)):
-            missing = [k for k in ("hidden_in", "probs", "values", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out") if k not in rec]
-            if missing:
-                raise RuntimeError(
-                    f"layer {i}: the forward pass recorded no {missing}; the model's structure does not match the "
-                    f"{a.family} adapter"
-                )
-            cast = lambda t: None if t is None else t.detach().to(dtype)
-            w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
-            w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
-            w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
-            ff = {"w_in": cast(w_in), "b_in": cast(b_in), "w_out": cast(w_out), "b_out": cast(b_out),
-                  "act": get_path(layer, a.ff_act), "w_gate": None, "b_gate": None}
-            if a.ff_gate is not None:
-                w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
-                ff["w_gate"], ff["b_gate"] = cast(w_g), cast(b_g)
+        if idx not in self.calls:
+            raise RuntimeError(f"layer {idx} cannot be recomputed: its call was not recorded (keep_calls=True)")
+        rest, kw, from_args = self.calls[idx]
+        got: List[LayerTensors] = []
+        saved = self.on_layer
+        self.on_layer = got.append
+        try:
+            x = hidden_in.to(next(self.layers[idx].parameters()).dtype)
+            if from_args:
+                self.layers[idx](x, *rest, **kw)
+            else:
+                self.layers[idx](*rest, hidden_states=x, **kw)
+        finally:
+            self.on_layer = saved
+        return got[0]
 
-            def norm(path: str) -> NormParams:
-                p = _norm_params(get_path(layer, path), a.norm_kind)
-                return NormParams(cast(p.weight), cast(p.bias), p.eps, p.kind)
 
-            out.append(
-                LayerTensors(
-                    hidden_in=cast(rec["hidden_in"]),
-                    probs=cast(rec["probs"]),
-                    values=cast(rec["values"]),
-                    out_weight=cast(w_o),
-                    out_bias=cast(b_o),
-                    ln1=norm(a.ln1),
-                    ln1_in=cast(rec["ln1_in"]),
-                    ln1_out=cast(rec["ln1_out"]),
-                    ln2=norm(a.ln2),
-                    ln2_in=cast(rec["ln2_in"]),
-                    ln2_out=cast(rec["ln2_out"]),
-                    ff_out=cast(rec["ff_out"]),
-                    layer_out=cast(rec["layer_out"]),
-                    pre_ln=a.pre_ln,
-                    ff=ff,
-                )
-            )
-        return out
+def _switch_on(model: nn.Module, configs) -> None:
+    with _LOCK:
+        for cfg in configs:
+            entry = _SWITCHED.get(id(cfg))
+            if entry is None:
+                _SWITCHED[id(cfg)] = [cfg, cfg.__dict__.get("_attn_implementation_internal"), 1]
+                cfg.__dict__["_attn_implementation_internal"] = ATTENTION_NAME
+            else:
+                entry[2] += 1
+        flags = _FLAGS.get(id(model))
+        if flags is None:
+            _FLAGS[id(model)] = [{m: m.training for m in model.modules()}, 1]
+        else:
+            flags[1] += 1
+        model.eval()
+
+
+def _switch_off(model: nn.Module, configs) -> None:
+    with _LOCK:
+        for cfg in configs:
+            entry = _SWITCHED.get(id(cfg))
+            if entry is None:
+                continue
+            entry[2] -= 1
+            if entry[2] == 0:
+                cfg.__dict__["_attn_implementation_internal"] = entry[1]
+                del _SWITCHED[id(cfg)]
+        flags = _FLAGS.get(id(model))
+        if flags is not None:
+            flags[1] -= 1
+            if flags[1] == 0:
+                for m, training in flags[0].items():
+                    m.training = training
+                del _FLAGS[id(model)]
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, adapter: ArchitectureAdapter) -> Iterator[Recorder]:
-    r"""Record one forward pass of ``model``; restore everything on exit, even on error.
+def recording(
+    model: nn.Module,
+    adapter: ArchitectureAdapter,
+    on_layer: Callable[[LayerTensors], None],
+    dtype: torch.dtype = torch.float32,
+    keep_calls: bool = False,
+) -> Iterator[Recorder]:
+    r"""Record the forward passes run inside the block, handing each layer to ``on_layer``.
 
     Inside the block the model runs in eval mode with the recording attention function;
-    afterwards its hooks, attention implementation and training mode are as before.
+    afterwards its hooks, attention implementation and the training flag of every
+    submodule are as before (also after an error, and with several threads recording or
+    running the model at once).
 
     Args:
         model: a supported ``transformers`` model.
         adapter: its :class:`ArchitectureAdapter`.
+        on_layer: callback receiving each layer's :class:`LayerTensors` in the compute dtype.
+        dtype: the compute dtype.
+        keep_calls: allow :meth:`Recorder.rerun_layer`.
 
     Yields:
-        A :class:`Recorder`; call ``recorder.layer_tensors(dtype)`` after the forward.
+        The :class:`Recorder`.
 
     Examples::
 
-        >>> with recording(model, get_adapter(model)) as rec:
+        >>> maps = []
+        >>> with recording(model, get_adapter(model), lambda layer: maps.append(layer.probs.mean(1))) as rec:
         ...     model(input_ids=ids, attention_mask=mask)
-        >>> layers = rec.layer_tensors(torch.float32)
     """
     _register()
-    recorder = Recorder(model, adapter)
+    recorder = Recorder(model, adapter, dtype, on_layer, keep_calls)
     configs = _configs(model)
-    saved = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in configs]
-    was_training = model.training
     handles = []
+    stack = _active()
+    _switch_on(model, configs)
     try:
-        for cfg in configs:
-            cfg.__dict__["_attn_implementation_internal"] = ATTENTION_NAME
         handles = recorder._hooks()
-        model.eval()
-        _ACTIVE.append(recorder)
+        stack.append(recorder)
         yield recorder
     finally:
-        if recorder in _ACTIVE:
-            _ACTIVE.remove(recorder)
+        if recorder in stack:
+            stack.remove(recorder)
         for h in handles:
             h.remove()
-        for cfg, impl in saved:
-            cfg.__dict__["_attn_implementation_internal"] = impl
-        model.train(was_training)
+        recorder.records.clear()
+        recorder.calls.clear()
+        _switch_off(model, configs)

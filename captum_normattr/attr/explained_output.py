@@ -1,0 +1,146 @@
+r"""The "explained output" of the signed methods (ALTI-Logit, DecompX): which logit, along which direction.
+
+:class:`NextTokenLogit` is the next-token logit of a decoder at the explained position:
+``<FinalNorm(x_L,i), u> + u_bias`` with u = W_U[target] (or W_U[target] - W_U[foil]) from
+the LM head (or an explicit unembedding matrix). It parses ``target`` once for every
+method: a token id, per-example ids, ``(target, foil)``, a (B, 2) tensor, or None for the
+token the model predicts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from captum_normattr.models.adapters import ArchitectureAdapter, get_path
+
+
+def as_token_ids(x: Any, b: int, name: str, device) -> Tensor:
+    r"""(B,) long ids from an int, a list of ints, or a 0-d / (B,) integer tensor."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return torch.full((b,), x, dtype=torch.long, device=device)
+    if isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        x = torch.tensor(x, dtype=torch.long)
+    if isinstance(x, Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
+        if x.dim() == 0:
+            return torch.full((b,), int(x), dtype=torch.long, device=device)
+        if tuple(x.shape) == (b,):
+            return x.to(device=device, dtype=torch.long)
+        raise ValueError(f"{name} must be an int or a ({b},) tensor of token ids; got shape {tuple(x.shape)}")
+    raise TypeError(f"{name} must be a token id (int), a list of ints or a ({b},) long tensor; got {type(x).__name__}")
+
+
+@dataclass
+class LogitDirection:
+    r"""One explained logit per example.
+
+    Attributes:
+        direction: (B, D) u, the unembedding row (or row difference).
+        bias: (B,) the LM-head bias along u (0 if none).
+        target: (B,) long target ids; foil: (B,) long foil ids or None.
+    """
+
+    direction: Tensor
+    bias: Tensor
+    target: Tensor
+    foil: Optional[Tensor]
+
+
+class NextTokenLogit:
+    r"""The next-token logit of a decoder (its LM head, or an explicit unembedding).
+
+    Args:
+        model: a decoder with an LM head (``GPT2LMHeadModel``, ``*ForCausalLM``), or a bare
+            ``*Model`` together with ``unembedding``.
+        adapter: its adapter.
+        unembedding: optional (V, D) unembedding matrix (rows = tokens).
+
+    Raises:
+        ValueError: for a model without an LM head and no ``unembedding``.
+    """
+
+    def __init__(self, model: nn.Module, adapter: ArchitectureAdapter, unembedding: Optional[Tensor] = None) -> None:
+        d = model.config.hidden_size
+        if unembedding is not None:
+            if not isinstance(unembedding, Tensor) or unembedding.dim() != 2 or unembedding.shape[1] != d:
+                raise ValueError(f"unembedding must be a (vocab, {d}) tensor")
+            self.weight, self.weight_bias = unembedding, None
+            return
+        head = None
+        if adapter.lm_head is not None:
+            try:
+                head = get_path(model, adapter.lm_head)
+            except AttributeError:
+                head = None
+        if head is None:
+            raise ValueError(
+                f"{type(model).__name__} has no LM head: pass a model with one (GPT2LMHeadModel, "
+                f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) or an explicit unembedding=(vocab, {d}) matrix"
+            )
+        self.weight, self.weight_bias = head.weight, getattr(head, "bias", None)  # nn.Linear: (V, D)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def logits(self, final_out: Tensor) -> Tensor:
+        r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D)."""
+        w = self.weight.detach().to(device=final_out.device, dtype=final_out.dtype)
+        out = final_out @ w.T
+        if self.weight_bias is not None:
+            out = out + self.weight_bias.detach().to(device=final_out.device, dtype=final_out.dtype)
+        return out
+
+    def resolve(self, target: Any, final_out: Tensor) -> LogitDirection:
+        r"""The explained direction of every example.
+
+        Args:
+            target: a token id, per-example ids (list or (B,) tensor), ``(target, foil)`` of
+                such, a (B, 2) tensor of (target, foil) rows, or None: the token the model
+                predicts (argmax of its real logits).
+            final_out: (B, D) the real final-norm output at the explained positions.
+
+        Returns:
+            :class:`LogitDirection` in ``final_out``'s dtype and device.
+        """
+        b, device, dtype = final_out.shape[0], final_out.device, final_out.dtype
+        if target is None:
+            target = self.logits(final_out).argmax(-1)
+        foil = None
+        if isinstance(target, tuple):
+            if len(target) != 2:
+                raise ValueError("a tuple target must be (target, foil)")
+            target, foil = target
+        elif isinstance(target, Tensor) and target.dim() == 2 and tuple(target.shape) == (b, 2):
+            target, foil = target[:, 0], target[:, 1]
+        t_ids = as_token_ids(target, b, "target", device)
+        f_ids = None if foil is None else as_token_ids(foil, b, "foil", device)
+        for ids, name in ((t_ids, "target"), (f_ids, "foil")):
+            if ids is not None and bool(((ids < 0) | (ids >= self.vocab_size)).any()):
+                raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size - 1}]; got {ids.tolist()}")
+        w = self.weight.detach().to(device=device, dtype=dtype)
+        u = w[t_ids]
+        ub = torch.zeros(b, dtype=dtype, device=device)
+        wb = None if self.weight_bias is None else self.weight_bias.detach().to(device=device, dtype=dtype)
+        if wb is not None:
+            ub = wb[t_ids]
+        if f_ids is not None:
+            u = u - w[f_ids]
+            if wb is not None:
+                ub = ub - wb[f_ids]
+        return LogitDirection(u, ub, t_ids, f_ids)
+
+
+def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
+    r"""Raise a ValueError unless the model is a pre-LN decoder with a final norm."""
+    if not adapter.pre_ln or adapter.final_norm is None:
+        raise ValueError(
+            f"{method} explains next-token logits of pre-LN decoders (GPT-2, Llama, Mistral, Qwen2) through their "
+            f"final norm; {adapter.family} is not one"
+        )
+
+
+__all__ = ["NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
+

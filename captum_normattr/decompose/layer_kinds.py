@@ -1,0 +1,174 @@
+r"""One object per layer kind: what every method asks of a layer, answered once per kind.
+
+A layer kind owns its parts, the outputs of its scopes, its norm handling and its
+completeness error. The Captum classes ask the kind of the layer they are given
+(:func:`layer_kind`) and never branch on the architecture themselves.
+
+=============  ===============================================================  ==========================
+kind           layer                                                            families
+=============  ===============================================================  ==========================
+``post_ln``    z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt))                BERT, RoBERTa, ELECTRA,
+                                                                                DistilBERT
+``pre_ln``     h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the     GPT-2, Llama, Mistral,
+               layer record says)                                               Qwen2
+=============  ===============================================================  ==========================
+
+The formulas are in ``docs/design.md`` ("Layer kinds"); the functions that compute them
+live in :mod:`~captum_normattr.decompose.encoder` (post-LN) and
+:mod:`~captum_normattr.decompose.decoder` (pre-LN).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from torch import Tensor
+
+from captum_normattr.decompose import decoder, encoder
+from captum_normattr.decompose.chunking import rows_for_budget
+from captum_normattr.decompose.feed_forward import component_scope_maps
+from captum_normattr.decompose.records import LayerTensors
+
+
+@dataclass(frozen=True)
+class FFOptions:
+    r"""How the feed-forward block is decomposed (one record for every method that needs it).
+
+    Attributes:
+        method: ``"closed_form"`` or ``"riemann"`` (elementwise activations).
+        steps: Riemann steps.
+        nodes: Gauss-Legendre nodes of a gated FF (None: the default).
+        contribution: ``"norm"`` or ``"alti"``.
+        ignore_low_gamma: share of LayerNorm dimensions with the lowest gamma ignored.
+        chunk_rows: query rows per chunk (None: from ``memory_budget_mb``).
+        memory_budget_mb: budget of one chunk's explicit parts, in MB.
+    """
+
+    method: str = "closed_form"
+    steps: int = 50
+    nodes: Optional[int] = None
+    contribution: str = "norm"
+    ignore_low_gamma: float = 0.0
+    chunk_rows: Optional[int] = None
+    memory_budget_mb: float = 128.0
+
+
+class LayerKind:
+    r"""The interface of a layer kind (see the module docstring)."""
+
+    name: str = ""
+    #: the GlobEnc-table maps defined for this kind
+    globenc_maps: Tuple[str, ...] = ()
+    #: GlobEncAttribution's map when none is named
+    default_map: str = ""
+    #: the FF scope that covers the whole layer
+    whole_layer_scope: str = ""
+
+    def check_map(self, name: str) -> None:
+        raise NotImplementedError
+
+    def norm_maps(self, layer: LayerTensors, valid: Tensor, names) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+        r"""GlobEnc-table maps (B, T, T) and mixing ratios (B, T) of one layer."""
+        raise NotImplementedError
+
+    def mixing_ratio_name(self, map_name: str) -> Optional[str]:
+        r"""The ratio reported as the mixing ratio of ``map_name`` (None: no ratio is defined)."""
+        raise NotImplementedError
+
+    def alti_map(self, layer: LayerTensors, valid: Tensor, memory_budget_mb: float) -> Tensor:
+        r"""The ALTI map (B, T, T) of the attention block, rows summing to 1."""
+        raise NotImplementedError
+
+    def completeness_error(self, layer: LayerTensors, valid: Tensor) -> Tensor:
+        r"""Largest |parts + bias part - real tensor| of the attention block over real tokens."""
+        raise NotImplementedError
+
+    def scope_maps(self, layer: LayerTensors, valid: Tensor, options: FFOptions):
+        r"""Maps of the FF component scopes and their completeness errors (see the kind's function)."""
+        raise NotImplementedError
+
+    def check_ff_options(self, options: FFOptions, family: str) -> None:
+        r"""Raise a ValueError for options this kind does not support."""
+
+    def alti_chunk_rows(self, layer: LayerTensors, memory_budget_mb: float) -> int:
+        b, t, d = layer.hidden_in.shape
+        return rows_for_budget(b, t, d, layer.hidden_in.element_size(), memory_budget_mb, causal=layer.causal)
+
+
+class PostLNKind(LayerKind):
+    r"""Post-LN encoder layers (BERT family)."""
+
+    name = "post_ln"
+    globenc_maps = encoder.GLOBENC_MAPS
+    default_map = "N_ENC"
+    whole_layer_scope = "LN2"
+
+    def check_map(self, name: str) -> None:
+        if name not in self.globenc_maps:
+            raise ValueError(f"unknown map_name {name!r}; choose from {self.globenc_maps}")
+
+    def norm_maps(self, layer, valid, names):
+        return encoder.post_ln_layer_maps(layer, valid, names)
+
+    def mixing_ratio_name(self, map_name):
+        if map_name in encoder.NORM_MAPS:
+            return map_name
+        return "N_ENC" if map_name == "W_RES" else None
+
+    def alti_map(self, layer, valid, memory_budget_mb):
+        return encoder.post_ln_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb))
+
+    def completeness_error(self, layer, valid):
+        return encoder.post_ln_completeness_error(layer, valid)
+
+    def scope_maps(self, layer, valid, options):
+        return component_scope_maps(
+            layer, valid, options.chunk_rows, options.method, options.steps, options.contribution,
+            options.ignore_low_gamma, options.memory_budget_mb,
+        )
+
+
+class PreLNKind(LayerKind):
+    r"""Pre-LN layers (GPT-2 and Llama families; causal or bidirectional by the layer record)."""
+
+    name = "pre_ln"
+    globenc_maps = decoder.PRE_LN_MAPS
+    default_map = decoder.PRE_LN_DEFAULT_MAP
+    whole_layer_scope = "RES2"
+
+    def check_map(self, name: str) -> None:
+        decoder.check_pre_ln_map(name)
+
+    def norm_maps(self, layer, valid, names):
+        return decoder.pre_ln_layer_maps(layer, valid, names, layer.causal)
+
+    def mixing_ratio_name(self, map_name):
+        return map_name if map_name in decoder.PRE_LN_NORM_MAPS else None
+
+    def alti_map(self, layer, valid, memory_budget_mb):
+        return decoder.pre_ln_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb), layer.causal)
+
+    def completeness_error(self, layer, valid):
+        return decoder.pre_ln_completeness_error(layer, valid)
+
+    def scope_maps(self, layer, valid, options):
+        return decoder.pre_ln_component_scope_maps(
+            layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,
+            options.memory_budget_mb,
+        )
+
+    def check_ff_options(self, options, family):
+        if options.contribution != "norm" or options.ignore_low_gamma:
+            raise ValueError(
+                f"{family} is a pre-LN model: FFIntegratedDecomposition supports contribution='norm' "
+                "without ignore_low_gamma there (ALTI+FF and the LayerNorm-gamma ablation are post-LN analyses)"
+            )
+
+
+#: The layer kinds by name.
+LAYER_KINDS: Dict[str, LayerKind] = {"post_ln": PostLNKind(), "pre_ln": PreLNKind()}
+
+
+def layer_kind(pre_ln: bool) -> LayerKind:
+    r"""The kind object of a layer (``pre_ln`` from the adapter or the layer record)."""
+    return LAYER_KINDS["pre_ln" if pre_ln else "post_ln"]
