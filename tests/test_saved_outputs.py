@@ -1,0 +1,183 @@
+r"""Regression against saved outputs of an earlier version (``tests/saved_outputs/reference.pt``).
+
+The file was written by ``tests/saved_outputs/make_saved_outputs.py`` (commit in
+``created_with``). For each of the 8 tiny float64 models (4 encoders, 4 decoders) it holds the
+config and the state dict, so the model is rebuilt here without relying on transformers'
+random initialisation, and the padded batch. Every recorded public call (constructor
+options, ``decompose(...)`` and ``attribute(...)`` kwargs) is rerun and every saved tensor
+must agree to atol 1e-12, rtol 0 (integer tensors: exactly).
+
+The saved entries are named by the PUBLIC RESULT FIELDS of the version that wrote the file:
+``"decompose.<field>"`` (e.g. ``decompose.layer_maps``, ``decompose.layer_part_norms``),
+``"decompose.extras.<key>"`` and ``"attribute.scores"`` / ``"attribute.delta"`` (the
+``attribute`` return values). If a field is renamed or moved, update :data:`RENAMED` (the one
+place that maps saved names to current ones); a saved name that can no longer be found
+fails loudly, it is never skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+import pytest
+import torch
+import transformers
+
+import captum_normattr
+
+REFERENCE = os.path.join(os.path.dirname(__file__), "saved_outputs", "reference.pt")
+ATOL = 1e-12
+FAMILIES = ["bert", "roberta", "electra", "distilbert", "gpt2", "llama", "mistral", "qwen2"]
+
+# saved name -> current name, e.g. {"decompose.layer_maps": "decompose.maps",
+# "decompose.extras.completeness_error": "decompose.extras.attention_completeness_error"}.
+RENAMED: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    r"""The tensors are tiny: intra-op threads only add overhead (and spin under CPU contention)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@lru_cache(maxsize=1)
+def reference() -> dict:
+    return torch.load(REFERENCE, weights_only=True)
+
+
+def rebuild(rec: dict) -> torch.nn.Module:
+    r"""The saved model: architecture from the config, exact RMSNorm swaps, then the saved state dict."""
+    cfg = getattr(transformers, rec["config_class"]).from_dict(json.loads(rec["config"]))
+    cfg._attn_implementation = rec["attn_implementation"]
+    model = getattr(transformers, rec["model_class"])(cfg).double().eval()
+    for path, dim, eps in rec["rmsnorm_swaps"]:  # tests/decoder_models.py exact_norms=True
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), child, torch.nn.RMSNorm(dim, eps=eps, dtype=torch.float64))
+    model.load_state_dict(rec["state_dict"], strict=True)
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert types == rec["module_types"], "the rebuilt model's modules differ from the saved model's"
+    return model.eval()
+
+
+def run(model: torch.nn.Module, batch: dict, spec: dict) -> dict:
+    r"""Rerun one recorded call through the public API: {"decompose": result, "attribute": {...}}."""
+    obj = getattr(captum_normattr, spec["cls"])(model, **spec["init"])
+    ids = batch["input_ids"]
+    inputs = (ids,) if spec["tuple_inputs"] else ids
+    afa = (batch["attention_mask"],)
+    if spec["aux"] == "mask+token_type_ids":
+        afa = (batch["attention_mask"], batch["token_type_ids"])
+    out = {}
+    if spec["decompose"] is not None:
+        out["decompose"] = obj.decompose(inputs, additional_forward_args=afa, **spec["decompose"])
+    if spec["attribute"] is not None:
+        a = obj.attribute(inputs, additional_forward_args=afa, **spec["attribute"])
+        scores, delta = a if spec["attribute"].get("return_convergence_delta") else (a, None)
+        if spec["tuple_inputs"]:
+            assert isinstance(scores, tuple) and len(scores) == 1, "tuple inputs must give a 1-tuple of scores"
+            scores = scores[0]
+        out["attribute"] = {"scores": scores, "delta": delta}
+    return out
+
+
+def read_field(out: dict, saved_name: str):
+    r"""The current value of a saved name (through :data:`RENAMED`); KeyError naming what exists if absent."""
+    name = RENAMED.get(saved_name, saved_name)
+    obj = out
+    for part in name.split("."):
+        if isinstance(obj, dict):
+            if part not in obj:
+                raise KeyError(f"{saved_name!r} (read as {name!r}): no {part!r}; available: {sorted(obj)}")
+            obj = obj[part]
+        else:
+            if not hasattr(obj, part):
+                fields = sorted(k for k in vars(obj) if not k.startswith("_"))
+                raise KeyError(f"{saved_name!r} (read as {name!r}): {type(obj).__name__} has no {part!r}; "
+                               f"fields: {fields}")
+            obj = getattr(obj, part)
+    return obj
+
+
+def compare(saved: torch.Tensor, new) -> str | None:
+    if not isinstance(new, torch.Tensor):
+        return f"expected a tensor, got {type(new).__name__}"
+    if tuple(new.shape) != tuple(saved.shape):
+        return f"shape {tuple(new.shape)} != saved {tuple(saved.shape)}"
+    if saved.is_floating_point():
+        if new.dtype != torch.float64:
+            return f"dtype {new.dtype} != float64"
+        diff = (new - saved).abs()
+        bad = ~(diff <= ATOL)  # NaN counts as bad
+        if bool(bad.any()):
+            return f"max |diff| {diff.max().item():.3e} at {int(bad.sum())} of {diff.numel()} entries"
+        return None
+    if not torch.equal(new.to(saved.dtype), saved):
+        return f"{new.tolist()} != saved {saved.tolist()}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def family_model(family: str) -> torch.nn.Module:
+    return rebuild(reference()["models"][family])
+
+
+def entries_of(family: str) -> dict:
+    return {k: e for k, e in reference()["entries"].items() if e["family"] == family}
+
+
+def test_reference_file_covers_every_family():
+    ref = reference()
+    assert ref["format"] == 1
+    assert set(ref["models"]) == set(FAMILIES)
+    for family in FAMILIES:
+        assert len(entries_of(family)) >= 20, family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_outputs(family):
+    ref = reference()
+    model = family_model(family)
+    batch = ref["models"][family]["batch"]
+    failures, checked = [], 0
+    for key, entry in entries_of(family).items():
+        try:
+            out = run(model, batch, entry["spec"])
+        except Exception as e:  # a call that used to work must still work
+            failures.append(f"{key}: call raised {type(e).__name__}: {e}")
+            continue
+        for name, saved in entry["tensors"].items():
+            try:
+                new = read_field(out, name)
+            except KeyError as e:
+                failures.append(f"{key} :: {name}: saved field not found: {e}")
+                continue
+            msg = compare(saved, new)
+            checked += 1
+            if msg:
+                failures.append(f"{key} :: {name}: {msg}")
+        for name, label in entry["labels"].items():  # method names, rollout convention, bias mode, algorithm
+            try:
+                new = read_field(out, name)
+            except KeyError as e:
+                failures.append(f"{key} :: {name}: saved field not found: {e}")
+                continue
+            if new != label:
+                failures.append(f"{key} :: {name}: {new!r} != saved {label!r}")
+    assert not failures, f"{len(failures)} mismatches ({checked} tensors checked):\n" + "\n".join(failures[:60])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_rejections_still_raise(family):
+    r"""Combinations that raised ValueError by design in the saved version still do."""
+    ref = reference()
+    model = family_model(family)
+    batch = ref["models"][family]["batch"]
+    for key, entry in ref["skipped"].items():
+        if entry["family"] != family:
+            continue
+        with pytest.raises(ValueError):
+            run(model, batch, entry["spec"])
