@@ -55,7 +55,7 @@ SECTION = "## Faithfulness on SST-2"
 START = "<!-- faithfulness_sst2.py: generated, start -->"
 END = "<!-- faithfulness_sst2.py: generated, end -->"
 
-# Published figures (DESIGN section 11)
+# Published figures (docs/design.md, section 15)
 PUB_GLOBENC = {"W": -0.11, "N": 0.44, "N_RES": 0.73, "N_RESLN": -0.21, "N_ENC": 0.77}
 PUB_DECOMPX = {"N_ENC": 0.307, "ALTI": 0.416, "GradXInput emb-out (L2)": 0.310, "IG": 0.340, "DecompX": 0.627}
 PUB_ALTI = {"ALTI": (0.269, 0.057), "IG": (0.223, 0.074), "W_FIXEDRES": (0.076, 0.179)}

@@ -9,12 +9,13 @@ Examples (shell)::
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
     captum-normattr --list-methods
 
-Methods live in :data:`METHODS`, a dict name -> :class:`MethodSpec`. A new method
-adds itself with :func:`register_method` (or by adding an entry to the dict)::
+Methods come from the registry, :data:`captum_normattr.registry.METHODS` (re-exported
+here as :data:`METHODS`): its keys are the ``-m`` choices, and every option a method
+accepts (``--map``, ``--scope`` ...) is declared there with its flag, default and choices.
+A new method adds itself with :func:`register_method`::
 
     from captum_normattr.cli import register_method
-    register_method("decompx", lambda model, opts: DecompXAttribution(
-        model, explained_position=opts.position), "DecompX (Modarressi et al. 2023)")
+    register_method("my-alti", lambda model, opts: MyAttribution(model), "my ALTI variant")
 
 Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option),
 1 for an error raised while explaining, 130 on Ctrl-C.
@@ -22,137 +23,40 @@ Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option
 from __future__ import annotations
 
 import argparse
-import inspect
-import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from captum_normattr.registry import METHODS, MethodSpec, OptionSpec, get_method, register_method
 
 PROG = "captum-normattr"
 
-GLOBENC_MAP_NAMES = ("W", "W_FIXEDRES", "W_RES", "N", "N_FIXEDRES", "N_RES", "N_RESLN", "N_ENC")
+__all__ = ["CLIError", "METHODS", "MethodSpec", "build_parser", "explain", "main", "method_options", "register_method"]
 
 
 class CLIError(Exception):
     r"""A user error: printed as ``captum-normattr: error: <message>``, exit code 2."""
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    r"""One entry of the method table.
-
-    Attributes:
-        name: the command-line name (``-m NAME``).
-        build: ``build(model, options) -> attribution``. ``options`` is the parsed
-            ``argparse.Namespace`` (fields: ``map``, ``rollout``, ``position``,
-            ``target`` ...). The attribution must have ``decompose(inputs,
-            additional_forward_args=...)`` returning a DecompositionResult, or
-            ``attribute(...)`` returning (B, T) scores.
-        help: one line shown by ``--list-methods``.
-    """
-
-    name: str
-    build: Callable[[Any, argparse.Namespace], Any]
-    help: str = ""
-
-
-METHODS: Dict[str, MethodSpec] = {}
-
-
-def register_method(
-    name: str,
-    build: Callable[[Any, argparse.Namespace], Any],
-    help: str = "",
-    *,
-    replace: bool = False,
-) -> MethodSpec:
-    r"""Add a method to the command line's method table.
-
-    Args:
-        name: command-line name, lower case (e.g. ``"decompx"``).
-        build: ``build(model, options) -> attribution`` (see :class:`MethodSpec`).
-        help: one-line description for ``--list-methods``.
-        replace: allow overwriting an existing entry.
-
-    Returns:
-        The registered :class:`MethodSpec`.
-
-    Raises:
-        ValueError: if ``name`` is taken and ``replace`` is False.
-
-    Examples:
-        >>> spec = register_method("my-alti", lambda m, o: None, "demo", replace=True)
-        >>> "my-alti" in METHODS
-        True
-        >>> del METHODS["my-alti"]
-    """
-    key = name.lower()
-    if key in METHODS and not replace:
-        raise ValueError(f"method {key!r} is already registered")
-    spec = MethodSpec(key, build, help)
-    METHODS[key] = spec
-    return spec
-
-
-def _build_globenc(model: Any, opts: argparse.Namespace) -> Any:
-    from captum_normattr import GlobEncAttribution
-
-    return GlobEncAttribution(model, map_name=opts.map, rollout=opts.rollout,
-                              explained_position=opts.position)
-
-
-def _build_alti(model: Any, opts: argparse.Namespace) -> Any:
-    from captum_normattr import ALTIAttribution
-
-    return ALTIAttribution(model, rollout=opts.rollout, explained_position=opts.position)
-
-
-def _build_ff(model: Any, opts: argparse.Namespace) -> Any:
-    from captum_normattr import FFIntegratedDecomposition
-
-    return FFIntegratedDecomposition(model, scope=opts.scope, rollout=opts.rollout,
-                                     explained_position=opts.position, contribution=opts.contribution)
-
-
-def _build_decompx(model: Any, opts: argparse.Namespace) -> Any:
-    from captum_normattr import DecompXAttribution
-
-    return DecompXAttribution(model, bias_mode=opts.bias_mode)
-
-
-def _build_alti_logit(model: Any, opts: argparse.Namespace) -> Any:
-    from captum_normattr import ALTILogitAttribution
-
-    return ALTILogitAttribution(model, explained_position="last" if opts.position is None else opts.position)
-
-
-register_method("globenc", _build_globenc,
-                "GlobEnc and the norm-based maps of Kobayashi et al. (choose the map with --map)")
-register_method("alti", _build_alti, "ALTI, L1-distance contributions (Ferrando et al. 2022)")
-register_method("ff", _build_ff,
-                "whole-layer maps with the feed-forward block (Kobayashi et al. 2023): GlobEnc+FF, or ALTI+FF with "
-                "--contribution alti; choose the scope with --scope")
-register_method("decompx", _build_decompx,
-                "DecompX (Modarressi et al. 2023): signed scores of the target class (-t; default: predicted) "
-                "of a sequence classifier; --bias-mode separate|spread")
-register_method("alti-logit", _build_alti_logit,
-                "ALTI-Logit (Ferrando et al. 2023): signed contributions to the next-token logit of a causal LM "
-                "(-t token id; default: the predicted token)")
-
-FF_SCOPE_NAMES = ("ATB", "FF", "RES2", "LN2")
-
-
 # --------------------------------------------------------------------------- parsing
 
 
-def _position(value: str) -> Any:
-    if value == "last":
-        return "last"
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or 'last', got {value!r}") from None
+def method_options(specs: Optional[Sequence[MethodSpec]] = None) -> Dict[str, Tuple[OptionSpec, List[str]]]:
+    r"""The options of the registry's methods, once each: ``dest -> (option, method keys using it)``.
+
+    Raises:
+        ValueError: when two methods declare different options under one ``dest``.
+    """
+    out: Dict[str, Tuple[OptionSpec, List[str]]] = {}
+    for spec in (METHODS.values() if specs is None else specs):
+        for opt in spec.options:
+            if opt.dest in out:
+                if out[opt.dest][0] != opt:
+                    raise ValueError(f"methods {out[opt.dest][1]} and {spec.key!r} declare different --{opt.dest} options")
+                out[opt.dest][1].append(spec.key)
+            else:
+                out[opt.dest] = (opt, [spec.key])
+    return out
 
 
 def _positive_int(value: str) -> int:
@@ -189,24 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="Hugging Face Hub name or local model folder (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("-m", "--method", nargs="+", default=["globenc"], metavar="METHOD",
-                   help="one or more methods (default: globenc); see --list-methods")
-    p.add_argument("--map", default=None, type=str.upper, choices=GLOBENC_MAP_NAMES, metavar="MAP",
-                   help="GlobEnc layer map: " + ", ".join(GLOBENC_MAP_NAMES)
-                   + " (default: N_ENC for encoders, N_RESLN for decoders)")
-    p.add_argument("--scope", default=None, type=str.upper, choices=FF_SCOPE_NAMES, metavar="SCOPE",
-                   help="FF decomposition scope: " + ", ".join(FF_SCOPE_NAMES)
-                   + " (default: the whole layer, LN2 for encoders and RES2 for decoders)")
-    p.add_argument("--contribution", default="norm", choices=("norm", "alti"),
-                   help="ff method: norms of the parts (GlobEnc+FF, default) or ALTI's L1 contributions (ALTI+FF)")
-    p.add_argument("--bias-mode", default="separate", choices=("separate", "spread"),
-                   help="decompx method: keep biases as their own part (default, exact) or spread them over tokens")
-    p.add_argument("--rollout", default="raw", choices=("raw", "row_normalized"),
-                   help="rollout convention (default: raw, as the GlobEnc code and figures)")
-    p.add_argument("-p", "--position", type=_position, default=None, metavar="POS",
-                   help="explained position: an integer (negative counts from the last real token) "
-                   "or 'last' (default: 0, the [CLS] token, for encoders; 'last' for decoders)")
+                   help=f"one or more of: {', '.join(METHODS)} (default: globenc); see --list-methods")
+    for opt, used_by in method_options().values():
+        opt.add_to(p, used_by)
+    target_users = [k for k, spec in METHODS.items() if spec.uses_target]
     p.add_argument("-t", "--target", type=int, default=None,
-                   help="target class/token passed to methods that use it")
+                   help=f"target class/token passed to the methods that use it [methods: {', '.join(target_users)}]")
     p.add_argument("-b", "--batch-size", type=_positive_int, default=8, help="texts per batch (default: 8)")
     p.add_argument("--max-length", type=_positive_int, default=None,
                    help="truncate texts to this many tokens (default: the model's limit)")
@@ -427,18 +319,32 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="batch", desc=PROG, file=sys.stderr, leave=False)
 
 
-def _explain_batch(attr: Any, input_ids: Any, mask: Any, target: Optional[int]) -> Any:
-    r"""Run one method on a batch: a DecompositionResult if available, else (B, T) scores."""
-    fn = getattr(attr, "decompose", None) or attr.attribute
+def _explain_batch(spec: MethodSpec, attr: Any, input_ids: Any, mask: Any, target: Optional[int],
+                   keep_maps: bool) -> Any:
+    r"""Run one method on a batch: an :class:`~captum_normattr.result.AttributionResult`, or (B, T)
+    scores from a registered method that has only ``attribute``.
+
+    The registry says what to pass: ``target`` to the methods that use it, and to the map
+    methods whether to keep the layer maps and form the full rollout (only for pictures).
+    """
+    from torch import Tensor
+
+    from captum_normattr.result import AttributionResult
+
     kwargs: Dict[str, Any] = {"additional_forward_args": (mask,)}
-    if target is not None:
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):  # pragma: no cover
-            params = {}
-        if "target" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            kwargs["target"] = target
-    return fn(input_ids, **kwargs)
+    if spec.uses_target and target is not None:
+        kwargs["target"] = target
+    if spec.maps:
+        kwargs.update(return_layer_maps=keep_maps, return_rollout=keep_maps)
+    if spec.cls is not None or hasattr(attr, "decompose"):
+        res = attr.decompose(input_ids, **kwargs)
+    else:  # a registered factory's object with only attribute(): (B, T) scores
+        res = attr.attribute(input_ids, **kwargs)
+        if isinstance(res, tuple) and len(res) == 1:
+            res = res[0]
+    if not isinstance(res, (AttributionResult, Tensor)):
+        raise CLIError(f"method {spec.key!r} returned {type(res).__name__}; expected an AttributionResult or (B, T) scores")
+    return res
 
 
 def _predictions(model: Any, tok: Any, enc: Dict[str, Any], positions: Any) -> Optional[List[str]]:
@@ -470,9 +376,11 @@ def _predictions(model: Any, tok: Any, enc: Dict[str, Any], positions: Any) -> O
 
 
 def _method_label(res: Any, spec: MethodSpec, taken: Dict[str, Any]) -> str:
-    label = str(getattr(res, "method", "") or "") or spec.name
+    from captum_normattr.result import AttributionResult
+
+    label = (res.method if isinstance(res, AttributionResult) else "") or spec.key
     if label in taken:
-        label = f"{label} [{spec.name}]"
+        label = f"{label} [{spec.key}]"
     return label
 
 
@@ -504,9 +412,9 @@ def explain(
         and, per text, a dict method label -> ``example_from_result`` dict (empty
         dicts unless ``keep_maps``).
     """
-    import torch
-
+    from captum_normattr.attr.inputs import explained_positions
     from captum_normattr.report import explanations_from_results
+    from captum_normattr.result import AttributionResult, DecompositionResult
     from captum_normattr.visualization import example_from_result
 
     device = next(model.parameters()).device
@@ -515,7 +423,7 @@ def explain(
         try:
             attrs.append((spec, spec.build(model, options)))
         except (ValueError, TypeError, NotImplementedError) as err:
-            raise CLIError(f"method {spec.name!r} cannot explain this model: {err}") from None
+            raise CLIError(f"method {spec.key!r} cannot explain this model: {err}") from None
     max_len = options.max_length
     if max_len is None:
         limit = getattr(tokenizer, "model_max_length", None)
@@ -536,16 +444,13 @@ def explain(
             results: Dict[str, Any] = {}
             for spec, attr in attrs:
                 try:
-                    res = _explain_batch(attr, ids, mask, options.target)
+                    res = _explain_batch(spec, attr, ids, mask, options.target, keep_maps)
                 except (ValueError, TypeError, NotImplementedError) as err:
-                    raise CLIError(f"{spec.name}: {err}") from None
+                    raise CLIError(f"{spec.key}: {err}") from None
                 results[_method_label(res, spec, results)] = res
-            first = next(iter(results.values()))
-            pos = getattr(first, "explained_position", None)
-            if pos is None:
-                from captum_normattr.attr.inputs import explained_positions
-
-                pos = explained_positions(options.position, mask.bool())
+            known = [r.explained_position for r in results.values()
+                     if isinstance(r, AttributionResult) and r.explained_position is not None]
+            pos = known[0] if known else explained_positions(options.position, mask.bool())
             fwd = {"input_ids": ids, "attention_mask": mask}
             preds = _predictions(model, tokenizer, fwd, pos)
             tokens = [tokenizer.convert_ids_to_tokens(row) for row in enc["input_ids"].tolist()]
@@ -556,17 +461,17 @@ def explain(
             for i, ex in enumerate(exps):
                 maps: Dict[str, Any] = {}
                 for label, res in results.items():
-                    extras = getattr(res, "extras", None) or {}
-                    err = extras.get("completeness_error") if isinstance(extras, dict) else None
+                    if not isinstance(res, AttributionResult):
+                        continue  # plain scores: nothing more to show
+                    err = res.extras.get("completeness_error")
                     if err is not None:
                         ex.extras[f"{label}: max completeness error"] = float(err.max())
-                    delta = getattr(res, "delta", None)
-                    if err is None and isinstance(delta, torch.Tensor):
-                        ex.extras[f"{label}: completeness error |sum - logit|"] = float(delta[i].abs())
-                    has_maps = getattr(res, "layer_maps", None) is not None and getattr(res, "rollout", None) is not None
-                    if keep_maps and has_maps and not isinstance(res, torch.Tensor):
+                    elif res.delta is not None:
+                        ex.extras[f"{label}: completeness error |sum - logit|"] = float(res.delta[i].abs())
+                    if keep_maps and isinstance(res, DecompositionResult) and res.layer_maps is not None \
+                            and res.rollout is not None:
                         m = example_from_result(res, i, tokens[i])
-                        m["components"] = _component_maps(extras, i, m["keep"])
+                        m["components"] = _component_maps(res, i)
                         maps[label] = m
                 all_maps.append(maps)
             all_exps.extend(exps)
@@ -576,13 +481,12 @@ def explain(
     return all_exps, all_maps
 
 
-def _component_maps(extras: Any, b: int, keep: Any) -> Dict[str, Any]:
-    r"""Last-layer component-scope maps (``extras["scope_<NAME>"]``, (B, L, T, T)) of one example."""
+def _component_maps(res: Any, b: int) -> Dict[str, Any]:
+    r"""Last-layer component-scope maps (``extras["scope_<NAME>"]``, (B, L, T, T)) of one example, pads removed."""
+    keep = res.real_tokens(b).cpu()
     out: Dict[str, Any] = {}
-    if not isinstance(extras, dict):
-        return out
-    for key, val in extras.items():
-        if key.startswith("scope_") and getattr(val, "dim", lambda: 0)() == 4:
+    for key, val in res.extras.items():
+        if key.startswith("scope_") and val.dim() == 4:
             last = val[b, -1].detach().cpu().double()
             out[key[len("scope_"):]] = last[keep][:, keep]
     return out
@@ -657,17 +561,32 @@ def _can_print_blocks() -> bool:
     return True
 
 
+def _list_methods() -> str:
+    r"""``--list-methods``: every registered method, its description, options and properties."""
+    width = max(len(k) for k in METHODS)
+    lines = []
+    for key, spec in METHODS.items():
+        lines.append(f"{key.ljust(width)}  {spec.description}")
+        facts = [", ".join(spec.families)]
+        if spec.options:
+            facts.append("options " + " ".join(o.flags[-1] for o in spec.options))
+        if spec.uses_target:
+            facts.append("uses --target")
+        if spec.signed:
+            facts.append("signed scores")
+        lines.append(f"{''.ljust(width)}  ({'; '.join(facts)})")
+    return "\n".join(lines)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.list_methods:
-        width = max(len(k) for k in METHODS)
-        for key, spec in METHODS.items():
-            print(f"{key.ljust(width)}  {spec.help}")
+        print(_list_methods())
         return 0
     names = [m.lower() for arg in args.method for m in arg.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        raise CLIError(f"unknown method {unknown[0]!r}; available: {', '.join(METHODS)}")
-    specs = [METHODS[m] for m in dict.fromkeys(names)]
+    try:
+        specs = [get_method(m) for m in dict.fromkeys(names)]
+    except ValueError as err:
+        raise CLIError(str(err)) from None
     fmt = args.format
     if fmt is None:
         suffix = Path(args.output).suffix.lower() if args.output else ""
@@ -696,17 +615,10 @@ def _run(args: argparse.Namespace) -> int:
         args.position = "last" if _is_decoder(model) else 0
     exps, maps = explain(texts, model, tok, specs, args, progress=not args.quiet,
                          keep_maps=bool(args.html_maps or args.plots))
-    meta = {
-        "model": model_name,
-        "methods": [s.name for s in specs],
-        "globenc_map": args.map if any(s.name == "globenc" for s in specs) else None,
-        "ff_scope": args.scope if any(s.name == "ff" for s in specs) else None,
-        "rollout": args.rollout,
-        "explained_position": args.position,
-        "target": args.target,
-        "device": str(device),
-        "texts": len(texts),
-    }
+    meta: Dict[str, Any] = {"model": model_name, "methods": [s.key for s in specs]}
+    for opt, _ in method_options(specs).values():  # the options of the methods that ran
+        meta[opt.meta_key or opt.dest] = getattr(args, opt.dest)
+    meta.update(explained_position=args.position, target=args.target, device=str(device), texts=len(texts))
     meta = {k: v for k, v in meta.items() if v is not None}
     if args.plots:
         written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format)

@@ -8,7 +8,6 @@ import argparse
 import sys
 from typing import List, Optional
 
-import torch
 
 from captum_normattr.attr import ALTIAttribution, GlobEncAttribution
 from captum_normattr.models.loading import load_default_model

@@ -2,7 +2,8 @@ r"""Rendering explanations as a terminal table, JSON, or a self-contained HTML r
 
 The unit is :class:`TextExplanation`: one text, its tokens, and the token scores of
 one or more methods. :func:`explanations_from_results` builds them from
-:class:`~captum_normattr.DecompositionResult`\ s (or plain (B, T) score tensors);
+:class:`~captum_normattr.result.AttributionResult`\ s (any method's result, read through
+its per-example accessor ``example(i)``, which drops the pads) or plain (B, T) score tensors;
 :func:`render_table`, :func:`render_json` and :func:`render_html` turn a list of
 them into a string. No dependency beyond the standard library and torch.
 
@@ -22,6 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from captum_normattr.result import AttributionResult
 
 __all__ = [
     "TextExplanation",
@@ -115,11 +118,14 @@ def explanations_from_results(
         texts: the B texts.
         tokens: the tokens of each text, padded length T (pads are removed with the
             attention mask) or already without pads.
-        results: method name -> a DecompositionResult (its ``scores``,
-            ``attention_mask`` and ``explained_position`` are used) or a (B, T) score
-            tensor (then ``attention_mask`` must be given when there is padding).
-        attention_mask: (B, T) mask for plain score tensors.
-        explained_position: (B,) explained rows (padded indexing) for plain tensors.
+        results: method name -> an :class:`~captum_normattr.result.AttributionResult`
+            (its per-example ``example(i)`` gives the unpadded scores; its
+            ``attention_mask`` and ``explained_position`` are the defaults of the two
+            arguments below) or a (B, T) score tensor (then ``attention_mask`` must be
+            given, or come from a result, when there is padding).
+        attention_mask: (B, T) mask for plain score tensors and the token labels.
+        explained_position: (B,) explained positions (padded indexing); default: those
+            of the first result that has them.
         predictions: optional readable prediction per text.
 
     Returns:
@@ -132,42 +138,42 @@ def explanations_from_results(
         [0.25, 0.5, 0.25]
     """
     b = len(texts)
-    mask = attention_mask
+    found = [r for r in results.values() if isinstance(r, AttributionResult)]
+    mask = attention_mask if attention_mask is not None else (found[0].attention_mask if found else None)
     pos = explained_position
-    score_rows: Dict[str, Tensor] = {}
+    if pos is None:
+        pos = next((r.explained_position for r in found if r.explained_position is not None), None)
+    batch: Dict[str, AttributionResult] = {}
     for name, res in results.items():
-        if isinstance(res, Tensor):
-            s = res
-        else:
-            s = res.scores
-            if mask is None:
-                mask = res.attention_mask
-            if pos is None:
-                pos = getattr(res, "explained_position", None)
-        s = s.detach().to("cpu", torch.float64)
-        if s.dim() != 2 or s.shape[0] != b:
-            raise ValueError(f"method {name!r}: expected scores of shape ({b}, T), got {tuple(s.shape)}")
-        score_rows[name] = s
-    t_len = next(iter(score_rows.values())).shape[1] if score_rows else max((len(t) for t in tokens), default=0)
+        scores = res.scores if isinstance(res, AttributionResult) else res
+        if scores.dim() != 2 or scores.shape[0] != b:
+            raise ValueError(f"method {name!r}: expected scores of shape ({b}, T), got {tuple(scores.shape)}")
+        if mask is None:
+            mask = torch.ones(scores.shape, dtype=torch.long)
+        if not isinstance(res, AttributionResult):  # plain scores: read through a bare result
+            res = AttributionResult(method=name, scores=scores.detach(), attention_mask=mask.to(scores.device))
+        batch[name] = res
     if mask is None:
-        mask = torch.ones(b, t_len, dtype=torch.bool)
-    mask = mask.detach().cpu().bool()
+        mask = torch.ones(b, max((len(t) for t in tokens), default=0), dtype=torch.long)
+    # the rows all methods share (token labels, explained position), read with the same accessor
+    shared = AttributionResult(method="", scores=torch.zeros(mask.shape), attention_mask=mask.detach().cpu(),
+                               explained_position=None if pos is None else torch.as_tensor(pos).cpu())
+    t_len = mask.shape[-1]
     out = []
     for i in range(b):
-        keep = torch.nonzero(mask[i]).flatten()
+        keep = shared.real_tokens(i)
         toks = list(tokens[i])
         if len(toks) == t_len and len(toks) != keep.numel():
             toks = [toks[j] for j in keep.tolist()]
         if len(toks) != keep.numel():
             raise ValueError(f"text {i}: {len(toks)} tokens for {keep.numel()} real positions")
         p: Optional[int] = None
-        if pos is not None:
-            hits = torch.nonzero(keep == int(pos[i])).flatten()
-            p = int(hits[0]) if hits.numel() else None
+        if pos is not None and bool(shared.attention_mask[i, int(pos[i])]):  # a pad explains nothing
+            p = shared.example(i)["explained_position"]
         out.append(TextExplanation(
             text=str(texts[i]),
             tokens=[str(t) for t in toks],
-            scores={k: v[i, keep].tolist() for k, v in score_rows.items()},
+            scores={k: r.example(i)["scores"].detach().to("cpu", torch.float64).tolist() for k, r in batch.items()},
             explained_position=p,
             prediction=None if predictions is None else predictions[i],
         ))

@@ -1,7 +1,8 @@
 r"""Pictures of decomposition results, and interop with Captum's visualisation tools.
 
 Every function here is pure: it takes tensors (or numpy arrays), token lists and,
-where convenient, a :class:`~captum_normattr.DecompositionResult`, and returns a
+where convenient, a result (:class:`~captum_normattr.result.AttributionResult`: pads are
+dropped by its per-example accessor ``example(i)``), and returns a
 ``matplotlib.figure.Figure`` (or a Captum object). Nothing is shown or kept in a
 global figure registry; pass ``path=`` to save a PNG, SVG or PDF (the format comes
 from the file suffix), or display the returned figure in a notebook.
@@ -25,12 +26,15 @@ Functions:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from captum_normattr.result import AttributionResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -98,8 +102,20 @@ def _to_numpy(x: ArrayLike) -> np.ndarray:
 
 
 def _is_result(obj: Any) -> bool:
-    r"""Duck-typed check for a DecompositionResult (avoids importing the core)."""
-    return all(hasattr(obj, a) for a in ("layer_maps", "rollout", "scores", "attention_mask"))
+    r"""True for a result of ``decompose`` (any :class:`~captum_normattr.result.AttributionResult`)."""
+    return isinstance(obj, AttributionResult)
+
+
+def _unpadded_tokens(tokens: Optional[Sequence[str]], keep: Tensor, t_len: int) -> Optional[List[str]]:
+    r"""Token labels of the real positions ``keep``, from padded (``t_len``) or unpadded labels."""
+    if tokens is None:
+        return None
+    tokens = [str(t) for t in tokens]
+    if len(tokens) == keep.numel():
+        return tokens
+    if len(tokens) == t_len:
+        return [tokens[i] for i in keep.tolist()]
+    raise ValueError(f"got {len(tokens)} tokens; expected {t_len} (padded) or {keep.numel()} (unpadded)")
 
 
 def _check_tokens(tokens: Optional[Sequence[str]], n: int) -> List[str]:
@@ -164,62 +180,53 @@ def _finish(fig: "Figure", path: Optional[Union[str, Path]]) -> "Figure":
 
 
 def example_from_result(
-    result: Any, b: int = 0, tokens: Optional[Sequence[str]] = None
+    result: AttributionResult, b: int = 0, tokens: Optional[Sequence[str]] = None
 ) -> Dict[str, Any]:
-    r"""One example of a :class:`~captum_normattr.DecompositionResult`, pads removed.
+    r"""One example of a result, pads removed, on the CPU.
 
-    Works on any object with ``layer_maps`` (B, L, T, T), ``rollout`` (B, T, T),
-    ``scores`` (B, T), ``attention_mask`` (B, T) and, optionally,
-    ``explained_position`` (B,) and ``method``. Padding may be on either side.
+    A thin layer over :meth:`~captum_normattr.result.AttributionResult.example` (which
+    drops the pads of every token-indexed field; padding may be on either side): float
+    tensors become float64 on the CPU, and the token labels are matched.
 
     Args:
-        result: the decomposition result.
+        result: any result of ``decompose`` (a
+            :class:`~captum_normattr.result.AttributionResult`).
         b: index of the example in the batch.
         tokens: optional token labels, either for the padded length T (pads are
             dropped) or already without pads.
 
     Returns:
-        A dict with ``layer_maps`` (L, n, n), ``rollout`` (n, n), ``scores`` (n,)
-        float tensors on the CPU, ``keep`` (the kept padded positions, long (n,)),
-        ``explained_position`` (an int, in unpadded indexing, or None),
-        ``method`` (str) and ``tokens`` (list of n str, or None).
+        ``result.example(b)`` (``scores`` (n,), ``delta``, and per class its other
+        fields: ``layer_maps`` (L, n, n) and ``rollout`` (n, n) of a
+        DecompositionResult, None when not computed), plus ``keep`` (the kept padded
+        positions, long (n,)), ``explained_position`` (an int in unpadded indexing, or
+        None), ``method`` (str) and ``tokens`` (list of n str, or None).
 
     Examples:
         >>> ex = example_from_result(res, 0, tokenizer.convert_ids_to_tokens(ids[0]))  # doctest: +SKIP
         >>> plot_layer_grid(ex["layer_maps"], ex["tokens"])  # doctest: +SKIP
     """
-    mask = result.attention_mask[b].detach().to("cpu").bool()
-    keep = torch.nonzero(mask).flatten()
-    maps = result.layer_maps[b].detach().to("cpu", torch.float64)
-    roll = result.rollout[b].detach().to("cpu", torch.float64)
-    scores = result.scores[b].detach().to("cpu", torch.float64)
-    pos: Optional[int] = None
-    ep = getattr(result, "explained_position", None)
-    if ep is not None:
-        ep_b = ep[b] if isinstance(ep, Tensor) and ep.dim() > 0 else ep
-        p = int(ep_b)
-        hits = torch.nonzero(keep == p).flatten()
-        pos = int(hits[0]) if hits.numel() else None
-    toks: Optional[List[str]] = None
-    if tokens is not None:
-        tokens = list(tokens)
-        if len(tokens) == mask.numel():
-            toks = [str(tokens[i]) for i in keep.tolist()]
-        elif len(tokens) == keep.numel():
-            toks = [str(t) for t in tokens]
-        else:
-            raise ValueError(
-                f"got {len(tokens)} tokens; expected {mask.numel()} (padded) or {keep.numel()} (unpadded)"
-            )
-    return {
-        "layer_maps": maps[:, keep][:, :, keep],
-        "rollout": roll[keep][:, keep],
-        "scores": scores[keep],
-        "keep": keep,
-        "explained_position": pos,
-        "method": str(getattr(result, "method", "")),
-        "tokens": toks,
-    }
+    if not _is_result(result):
+        raise TypeError(f"expected a result of decompose (AttributionResult), got {type(result).__name__}")
+    keep = result.real_tokens(b).cpu()
+    out: Dict[str, Any] = {"layer_maps": None, "rollout": None}
+    for name, value in result.example(b).items():
+        if isinstance(value, Tensor):
+            value = value.detach().to("cpu", torch.float64 if value.is_floating_point() else value.dtype)
+        out[name] = value
+    out["keep"] = keep
+    out["method"] = str(out.get("method") or "")
+    out["tokens"] = _unpadded_tokens(tokens, keep, result.attention_mask.shape[-1])
+    return out
+
+
+def _require(ex: Dict[str, Any], name: str, what: str) -> Tensor:
+    if ex.get(name) is None:
+        raise ValueError(
+            f"the {ex['method'] or 'result'} result has no {what}; pass a result of decompose(..., "
+            "return_layer_maps=True, return_rollout=True) of a layer-map method"
+        )
+    return ex[name]
 
 
 def _scores_and_tokens(
@@ -371,7 +378,7 @@ def plot_layer_grid(
     method = ""
     if _is_result(layer_maps):
         ex = example_from_result(layer_maps, b, tokens)
-        maps, tokens, method = ex["layer_maps"].numpy(), ex["tokens"], ex["method"]
+        maps, tokens, method = _require(ex, "layer_maps", "layer maps").numpy(), ex["tokens"], ex["method"]
     else:
         maps = _to_numpy(layer_maps)
     if maps.ndim != 3 or maps.shape[1] != maps.shape[2]:
@@ -493,7 +500,7 @@ def plot_rollout_row(
     r"""The attribution row (the explained row of the rollout) as bars or colored text.
 
     Args:
-        scores: (T,) token scores, or a DecompositionResult (its ``scores`` of
+        scores: (T,) token scores, or a result of any method (its ``scores`` of
             example ``b``, pads removed).
         tokens: T token labels.
         b: example index when ``scores`` is a result.
@@ -589,7 +596,7 @@ def plot_method_comparison(
     r"""Compare several methods' token scores on one sentence.
 
     Args:
-        scores: ordered mapping method name -> (T,) scores or DecompositionResult
+        scores: ordered mapping method name -> (T,) scores or a result of any method
             (example ``b``, pads removed). All must have the same length.
         tokens: T token labels (for results: padded or unpadded labels).
         b: example index for results.
@@ -722,7 +729,7 @@ def to_visualization_records(
     r"""Turn token scores into Captum ``VisualizationDataRecord``\ s for ``visualize_text``.
 
     Args:
-        scores: (T,) or (B, T) scores, or a DecompositionResult (its ``scores`` and
+        scores: (T,) or (B, T) scores, or a result of any method (its ``scores`` and
             ``attention_mask``; the method name becomes the default attribution label).
         tokens: the tokens of one example (list of str) or of each example (list of
             lists), padded length or with pads already removed.
@@ -749,24 +756,24 @@ def to_visualization_records(
 
     VisualizationDataRecord = _captum_viz.VisualizationDataRecord
 
-    method = ""
     if _is_result(scores):
-        method = str(getattr(scores, "method", ""))
-        if attention_mask is None:
-            attention_mask = scores.attention_mask
-        scores = scores.scores
-    s = torch.as_tensor(_to_numpy(scores))
-    if s.dim() == 1:
-        s = s.unsqueeze(0)
-    n_ex, t_len = s.shape
+        result = scores if attention_mask is None else replace(
+            scores, attention_mask=torch.as_tensor(_to_numpy(attention_mask)).reshape(scores.attention_mask.shape))
+    else:  # plain scores: the same per-example accessor, through a bare result
+        s = torch.as_tensor(_to_numpy(scores))
+        if s.dim() == 1:
+            s = s.unsqueeze(0)
+        mask = (torch.as_tensor(_to_numpy(attention_mask)).reshape(s.shape) if attention_mask is not None
+                else torch.ones(s.shape, dtype=torch.long))
+        result = AttributionResult(method="", scores=s, attention_mask=mask)
+    method = result.method
+    n_ex, t_len = result.scores.shape
     if tokens and isinstance(tokens[0], str):
         token_lists = [list(tokens)] * n_ex
     else:
         token_lists = [list(t) for t in tokens]  # type: ignore[arg-type]
     if len(token_lists) != n_ex:
         raise ValueError(f"got token lists for {len(token_lists)} examples, scores for {n_ex}")
-    mask = (torch.as_tensor(_to_numpy(attention_mask)).reshape(n_ex, t_len) != 0
-            if attention_mask is not None else torch.ones(n_ex, t_len, dtype=torch.bool))
     probs = _per_example(pred_probs, n_ex, float("nan"))
     preds = _per_example(pred_classes, n_ex, "")
     trues = _per_example(true_classes, n_ex, "")
@@ -774,13 +781,11 @@ def to_visualization_records(
     convs = _per_example(convergence_scores, n_ex, float("nan"))
     records = []
     for i in range(n_ex):
-        keep = torch.nonzero(mask[i]).flatten()
-        row = s[i, keep]
-        toks = token_lists[i]
-        if len(toks) == t_len and len(toks) != keep.numel():
-            toks = [toks[j] for j in keep.tolist()]
-        if len(toks) != row.numel():
-            raise ValueError(f"example {i}: {len(toks)} tokens for {row.numel()} scores")
+        row = result.example(i)["scores"].detach().to("cpu", torch.float64)
+        try:
+            toks = _unpadded_tokens(token_lists[i], result.real_tokens(i).cpu(), t_len)
+        except ValueError:
+            raise ValueError(f"example {i}: {len(token_lists[i])} tokens for {row.numel()} scores") from None
         word_attr = normalize_scores(row) if normalize else row.float()
         records.append(VisualizationDataRecord(
             word_attr, float(probs[i]), preds[i], trues[i], attrs[i],
@@ -831,8 +836,7 @@ def to_llm_attribution_result(
     from captum.attr import LLMAttributionResult
 
     if _is_result(source):
-        ex = example_from_result(source, b)
-        roll = ex["rollout"]
+        roll = _require(example_from_result(source, b), "rollout", "full rollout")
     else:
         roll = torch.as_tensor(_to_numpy(source))
     tokens = [str(t) for t in tokens]

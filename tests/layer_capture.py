@@ -1,5 +1,4 @@
 r"""Test helper: every layer's tensors of one forward pass, kept (the package itself streams them)."""
-import torch
 
 from captum_normattr.attr.base import streamed_forward
 from captum_normattr.attr.inputs import prepare_inputs

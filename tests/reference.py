@@ -1,5 +1,14 @@
 r"""Naive, fully materialised reference implementations (tests only): every part as a vector."""
+from typing import Optional, Tuple
+
 import torch
+from torch import Tensor
+
+from captum_normattr.decompose.attention import project_values
+from captum_normattr.decompose.decoder import _out_bias, residual_parts
+from captum_normattr.decompose.feed_forward import _ln1_parts_rows, ff_parts
+from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
+from captum_normattr.decompose.records import LayerTensors
 
 
 def ln_parts(parts, real, gamma, eps):
@@ -38,3 +47,55 @@ def naive_alti(layer, valid):
     c = c * (valid[:, :, None] & valid[:, None, :])
     s = c.sum(-1, keepdim=True)
     return torch.where(s > 0, c / s, torch.zeros_like(c))
+
+
+# --- explicit (materialised) parts, the references of the chunked paths ---
+
+def ln1_output_parts(layer: LayerTensors, chunk_rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    r"""Explicit parts zt_{i<-j} = gamma1 c(a_{i<-j} + [i=j] x_i) / s(z_i) and the bias part.
+
+    Returns:
+        ((B, T, T, D), (B, T, D)).
+    """
+    t = layer.hidden_in.shape[1]
+    projected = project_values(layer.values, layer.head_out_weight())
+    chunk = chunk_rows or t
+    parts = torch.cat([_ln1_parts_rows(layer, projected, slice(s, min(s + chunk, t))) for s in range(0, t, chunk)], 1)
+    return parts, norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
+
+
+def post_ln_whole_layer_parts(
+    layer: LayerTensors, chunk_rows: Optional[int] = None, method: str = "closed_form", steps: int = 50
+) -> Tuple[Tensor, Tensor]:
+    r"""Parts of the post-LN layer output: yt_{i<-j} = gamma2 c(zt_{i<-j} + FF_{i<-j}) / s(ln2_in_i).
+
+    Materialises (B, T, T, D); prefer :func:`component_scope_maps` for maps (row chunks).
+
+    Returns:
+        (parts (B, T, T, D), bias (B, T, D)), summing to the real LN2 output.
+    """
+    zt, zt_b = ln1_output_parts(layer, chunk_rows)
+    f = layer.ff
+    ffp, ff_b = ff_parts(zt, zt_b, f.w_in, f.b_in, f.act, f.w_out, f.b_out, method, steps)
+    parts = apply_norm_to_parts(zt + ffp, layer.ln2_in, layer.ln2)
+    return parts, norm_bias_part(zt_b + ff_b, layer.ln2_in, layer.ln2)
+
+
+def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor, Tensor]:
+    r"""Parts of the LN2 output (the FF input) gamma2 c(h_{i<-j}) / s(h_i), and the bias part.
+
+    The bias part is gamma2 c(b_O) / s(h_i) + beta2. With an exact norm the parts sum to the
+    real LN2 output.
+
+    Args:
+        layer: the layer's tensors.
+        rows: query rows (all by default).
+
+    Returns:
+        ((B, R, T, D), (B, R, D)).
+    """
+    t = layer.hidden_in.shape[1]
+    rows = rows if rows is not None else slice(0, t)
+    h = layer.ln2_in[:, rows]
+    parts = apply_norm_to_parts(residual_parts(layer, rows), h, layer.ln2)
+    return parts, norm_bias_part(_out_bias(layer), h, layer.ln2)

@@ -1,9 +1,9 @@
 r"""ALTI-Logit: token terms + no-token terms = the model's real logit; a naive reference; Captum contract."""
 import pytest
+from layer_capture import capture_layers
 import torch
 
 from captum_normattr import ALTILogitAttribution, GlobEncAttribution
-from captum_normattr.attr.inputs import prepare_inputs
 
 from conftest import make_model
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
@@ -45,8 +45,7 @@ def test_sums_to_real_logit(family, tied):
 
 def _naive(model, ids, target):
     r"""Everything explicit, one example, no padding: parts vector by vector, ALTI maps from them."""
-    attr = GlobEncAttribution(model)
-    layers, (fp, f_in, f_out) = attr.capture_full(prepare_inputs(model, attr.adapter, ids, None))
+    layers, (fp, f_in, f_out) = capture_layers(model, ids, with_final=True)
     i = ids.shape[1] - 1
     u = model.lm_head.weight[target].detach()
     x = f_in[0, i]

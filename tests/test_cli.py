@@ -156,7 +156,7 @@ def test_ff_method_scope_and_component_pictures(capsys, tiny_model, tmp_path):
     assert doc["meta"]["ff_scope"] == "ATB"
     attrs = doc["results"][0]["attributions"]
     assert list(attrs) == ["FF decomposition (ATB)", "GlobEnc (N_RESLN)"]
-    # the ATB scope is the N_RESLN map (DESIGN section 5)
+    # the ATB scope is the N_RESLN map (docs/design.md, section 6)
     torch.testing.assert_close(torch.tensor(attrs["FF decomposition (ATB)"]),
                                torch.tensor(attrs["GlobEnc (N_RESLN)"]), rtol=1e-4, atol=1e-6)
     assert (tmp_path / "text001_ff_decomposition_atb_components.png").stat().st_size > 0
@@ -385,3 +385,84 @@ def test_alti_logit_and_decoder_methods(capsys, tiny_gpt2):
     # an encoder is not a causal LM: a one-line usage error
     code, out, err = run(capsys, TEXTS[0], "-m", "alti-logit")
     assert code == 2 and "ALTILogitAttribution" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------- the method registry
+
+
+def test_registry_lists_every_exported_attribution_class():
+    import inspect
+
+    from captum.attr import Attribution
+
+    import captum_normattr
+    from captum_normattr import registry
+
+    exported = {getattr(captum_normattr, n) for n in captum_normattr.__all__}
+    classes = {c for c in exported if isinstance(c, type) and issubclass(c, Attribution)}
+    assert classes == {s.cls for s in registry.METHODS.values() if s.cls is not None}
+    for spec in registry.METHODS.values():
+        if spec.cls is None:
+            continue
+        init = inspect.signature(spec.cls.__init__).parameters
+        decompose = inspect.signature(spec.cls.decompose).parameters
+        assert spec.uses_target == ("target" in decompose), spec.key
+        assert spec.maps == ("return_layer_maps" in decompose and "return_rollout" in decompose), spec.key
+        assert set(spec.families) <= set(registry.FAMILIES) and spec.description and spec.explains
+        for opt in spec.options:  # every option is a constructor keyword with the same default
+            assert opt.param in init, (spec.key, opt.param)
+            assert opt.default is None or opt.default == init[opt.param].default, (spec.key, opt.param)
+    table = registry.method_table_markdown().splitlines()
+    assert len(table) == 2 + len(registry.METHODS)
+    for key, row in zip(registry.METHODS, table[2:]):
+        assert row.startswith(f"| `{key}` | `{registry.METHODS[key].class_name}` |")
+    with pytest.raises(ValueError, match="unknown method 'nosuch'; available: globenc, alti"):
+        registry.get_method("nosuch")
+
+
+def test_cli_methods_and_options_are_the_registry(capsys):
+    from captum_normattr import registry
+
+    assert cli.METHODS is registry.METHODS and cli.register_method is registry.register_method
+    actions = {a.dest: a for a in cli.build_parser()._actions}
+    for key in registry.METHODS:
+        assert key in actions["method"].help
+    declared = {o.dest: o for s in registry.METHODS.values() for o in s.options}
+    for dest, opt in declared.items():  # one argparse option per registry option, as declared
+        a = actions[dest]
+        assert tuple(a.option_strings) == opt.flags and a.default == opt.default
+        assert (tuple(a.choices) if a.choices is not None else None) == opt.choices
+    assert all(registry.METHODS[k].uses_target for k in ("decompx", "alti-logit"))
+    code, out, _ = run(capsys, "--list-methods")
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines() if line[:1].strip()] == list(registry.METHODS)
+
+
+def test_cli_asks_only_for_what_it_prints(tiny_model, monkeypatch):
+    r"""Without pictures the map methods skip the layer maps and the full rollout."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from captum_normattr import GlobEncAttribution
+    from captum_normattr.registry import get_method
+
+    seen = []
+    original = GlobEncAttribution.decompose
+
+    def spy(self, *args, **kwargs):
+        res = original(self, *args, **kwargs)
+        seen.append((kwargs.get("return_layer_maps"), kwargs.get("return_rollout"), res.layer_maps is None))
+        return res
+
+    monkeypatch.setattr(GlobEncAttribution, "decompose", spy)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = cli.build_parser().parse_args(["x", "-p", "0"])
+    specs = [get_method("globenc")]
+    exps, maps = cli.explain(TEXTS[:2], model, tok, specs, args, progress=False)
+    assert seen == [(False, False, True)] and maps == [{}, {}]
+    exps, maps = cli.explain(TEXTS[:2], model, tok, specs, args, progress=False, keep_maps=True)
+    assert seen[-1] == (True, True, False)
+    n = len(exps[1].tokens)  # the shorter text: its maps lose the pads
+    assert n < len(exps[0].tokens)
+    assert maps[1]["GlobEnc (N_ENC)"]["layer_maps"].shape == (2, n, n)
+    assert maps[1]["GlobEnc (N_ENC)"]["rollout"].shape == (n, n)

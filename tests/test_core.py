@@ -1,9 +1,9 @@
 import pytest
+from layer_capture import capture_layers
 import torch
 from captum.attr import NoiseTunnel
 
 from captum_normattr import GLOBENC_MAPS, ALTIAttribution, GlobEncAttribution, UnsupportedModelError, rollout
-from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.decompose.encoder import post_ln_alti_map, post_ln_layer_maps, post_ln_ln1_parts_sum
 from captum_normattr.decompose.mixing import fixed_residual, row_normalize
 from captum_normattr.models.adapters import get_adapter
@@ -13,8 +13,7 @@ from reference import naive_alti, naive_parts, naive_ratio
 
 
 def capture(model, ids, mask):
-    attr = GlobEncAttribution(model)
-    return attr.capture(prepare_inputs(model, attr.adapter, ids, (mask,)))
+    return capture_layers(model, ids, mask)
 
 
 def test_completeness_ln1_output(tiny_model):
@@ -102,12 +101,12 @@ def test_restored_after_exception():
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    attr._layer_maps = boom
     h = model.bert.encoder.layer[1].output.register_forward_hook(lambda *a: (_ for _ in ()).throw(KeyError("mid")))
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError):  # an error inside the forward pass, after layer 0 was decomposed
         attr.attribute(ids, additional_forward_args=mask)
     h.remove()
     assert _hook_count(model) == hooks and model.config._attn_implementation == "sdpa"
+    attr.layer_contribution = boom  # an error inside the decomposition of a layer
     with pytest.raises(RuntimeError):
         attr.attribute(ids, additional_forward_args=mask)
     assert _hook_count(model) == hooks and model.config._attn_implementation == "sdpa"

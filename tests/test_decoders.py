@@ -1,13 +1,12 @@
 r"""Decoders (GPT-2, Llama with GQA, Mistral, Qwen2 with qkv biases): every map and FF scope on pre-LN layers."""
 import pytest
+from layer_capture import capture_layers
 import torch
 from captum.attr import NoiseTunnel
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, FFIntegratedDecomposition, GlobEncAttribution
-from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.decompose.decoder import (
     PRE_LN_MAPS,
-    ln2_parts,
     pre_ln_alti_map,
     pre_ln_component_scope_maps,
     pre_ln_ff_parts,
@@ -15,6 +14,7 @@ from captum_normattr.decompose.decoder import (
     residual_parts,
 )
 from captum_normattr.decompose.feed_forward import ff_parts
+from reference import ln2_parts
 from captum_normattr.decompose.gated_feed_forward import gate_integrals, gated_ff_parts
 from captum_normattr.decompose.mixing import fixed_residual
 
@@ -25,8 +25,7 @@ LENGTHS = [6, 4]
 
 
 def capture(model, ids, mask):
-    attr = GlobEncAttribution(model)
-    return attr.capture(prepare_inputs(model, attr.adapter, ids, (mask,)))
+    return capture_layers(model, ids, mask)
 
 
 def naive_alti(parts, y, valid):

@@ -421,3 +421,25 @@ def test_our_methods_in_harness(tiny):
     res = FaithfulnessHarness(clf, methods, ["globenc_spearman", "eraser_aopc"], batch_size=4, progress=False).run(
         ids, mask, labels)
     assert all(res.summary()[m]["eraser_comp"]["n"] == len(ids) for m in res.methods)
+
+
+def test_our_methods_come_from_the_registry(tiny):
+    r"""Our methods are the registry's: one per encoder entry, ``uses_target`` as declared."""
+    from captum_normattr import DecompXAttribution, FFIntegratedDecomposition
+    from captum_normattr.registry import METHODS
+
+    model, clf, ids, mask, labels = tiny
+    ours = baselines.our_methods(model)
+    expected = [k for k, s in METHODS.items() if s.cls is not None and s.applies_to("encoders")]
+    assert expected == ["globenc", "alti", "ff", "decompx"]  # alti-logit is for causal LMs
+    assert [m.name for m in ours] == ["GlobEnc (N_ENC)", "ALTI", "GlobEnc+FF", "DecompX"]
+    assert [m.uses_target for m in ours] == [METHODS[k].uses_target for k in expected]
+    ff = baselines.ff(model, contribution="alti")
+    assert ff.name == "ALTI+FF" and not ff.uses_target
+    direct = FFIntegratedDecomposition(model, contribution="alti").attribute(ids, additional_forward_args=(mask,))
+    torch.testing.assert_close(ff(ids, mask, labels), direct)
+    # a wrapped instance takes uses_target from the registry entry of its class
+    assert baselines.normattr_method(DecompXAttribution(model)).uses_target
+    assert not baselines.normattr_method(FFIntegratedDecomposition(model)).uses_target
+    with pytest.raises(ValueError, match="available: globenc"):
+        baselines.ours(model, "nosuch")

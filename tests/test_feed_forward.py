@@ -1,4 +1,5 @@
 import pytest
+from layer_capture import capture_layers
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
@@ -8,10 +9,9 @@ from captum_normattr.decompose.feed_forward import (
     component_scope_maps,
     contextualization_change,
     ff_parts,
-    ln1_output_parts,
-    post_ln_whole_layer_parts,
 )
 
+from reference import ln1_output_parts, post_ln_whole_layer_parts
 from conftest import FAMILIES, VOCAB, _perturb, make_model, random_batch
 
 
@@ -27,8 +27,7 @@ def get_model(name):
 
 
 def capture(model, ids, mask):
-    attr = FFIntegratedDecomposition(model)
-    return attr.capture(prepare_inputs(model, attr.adapter, ids, (mask,)))
+    return capture_layers(model, ids, mask)
 
 
 def layer_ff(layer, zt, zt_b, **kw):
@@ -106,8 +105,7 @@ def test_minilm_completeness():
     model, tok = load_default_model()
     batch = tok(["a gripping , funny film .", "dull ."], return_tensors="pt", padding=True)
     res = FFIntegratedDecomposition(model).decompose(batch["input_ids"], (batch["attention_mask"],))
-    layers = FFIntegratedDecomposition(model).capture(
-        prepare_inputs(model, FFIntegratedDecomposition(model).adapter, batch["input_ids"], (batch["attention_mask"],)))
+    layers = capture_layers(model, batch["input_ids"], batch["attention_mask"])
     for l, e, le in zip(layers, res.extras["completeness_error"], res.extras["layer_completeness_error"]):
         assert e <= 1e-4 * l.ff_out.abs().max() and le <= 1e-4 * l.ln2_out.abs().max()
     assert torch.isfinite(res.scores).all()
@@ -169,10 +167,10 @@ def test_memory_budget_sets_chunks():
     model = make_model("bert")
     ids, mask = random_batch([8], seed=8)
     layer = capture(model, ids, mask)[0]
-    per_row = 8 * (40 + 8 * 24) * 8  # T * (F + 8 D) * bytes
+    per_row = 8 * (40 + 8 * 24) * 8 / 2**20  # T * (F + 8 D) * bytes, in MB
     assert ff_rows_per_chunk(layer, 3 * per_row) == 3
-    assert ff_rows_per_chunk(layer, 1) == 1 and ff_rows_per_chunk(layer, 10**9) == 8
-    a = FFIntegratedDecomposition(model, memory_budget_mb=3 * per_row / 2**20).decompose(ids, (mask,))
+    assert ff_rows_per_chunk(layer, 1e-9) == 1 and ff_rows_per_chunk(layer, 1e3) == 8
+    a = FFIntegratedDecomposition(model, memory_budget_mb=3 * per_row).decompose(ids, (mask,))
     b = FFIntegratedDecomposition(model).decompose(ids, (mask,))
     assert torch.allclose(a.layer_maps, b.layer_maps, atol=1e-12, rtol=0)
 
@@ -222,7 +220,7 @@ def test_half_precision_decomposed_in_float32(dtype, tol):
         attr = FFIntegratedDecomposition(model, contribution=contribution)
         res = attr.decompose(ids, (mask,))
         assert res.layer_maps.dtype == torch.float32 and torch.isfinite(res.scores).all()
-        layers = attr.capture(prepare_inputs(model, attr.adapter, ids, (mask,)))
+        layers = capture_layers(model, ids, mask)
         for l, e, le in zip(layers, res.extras["completeness_error"], res.extras["layer_completeness_error"]):
             assert l.ff_out.dtype == torch.float32  # the model's real half tensors, upcast
             assert e <= tol * l.ff_out.abs().max() and le <= tol * l.ln2_out.abs().max()

@@ -1,13 +1,12 @@
 r"""Plots and Captum interop of captum_normattr.visualization, on tiny plain tensors.
 
-A small stand-in dataclass plays the DecompositionResult, so these tests do not
-depend on the decomposition engine.
+Results are real :class:`~captum_normattr.result.DecompositionResult`\ s built from
+random tensors, so these tests do not depend on the decomposition engine; the
+per-example accessor of every result type is checked on tiny real models at the end.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, Optional
 
 import pytest
 import torch
@@ -20,20 +19,10 @@ from captum_normattr import visualization as V  # noqa: E402
 TOKENS = ["[CLS]", "the", "film", "was", "great", "[SEP]"]
 
 
-@dataclass
-class FakeResult:
-    method: str
-    layer_maps: torch.Tensor
-    rollout: torch.Tensor
-    scores: torch.Tensor
-    attention_mask: torch.Tensor
-    explained_position: torch.Tensor
-    rollout_convention: str = "raw"
-    mixing_ratio: Optional[torch.Tensor] = None
-    extras: Dict[str, torch.Tensor] = field(default_factory=dict)
+from captum_normattr.result import DecompositionResult  # noqa: E402
 
 
-def make_result(lengths=(6, 4), t=6, n_layers=3, left_pad=False, seed=0) -> FakeResult:
+def make_result(lengths=(6, 4), t=6, n_layers=3, left_pad=False, seed=0) -> DecompositionResult:
     g = torch.Generator().manual_seed(seed)
     b = len(lengths)
     mask = torch.zeros(b, t, dtype=torch.long)
@@ -50,7 +39,8 @@ def make_result(lengths=(6, 4), t=6, n_layers=3, left_pad=False, seed=0) -> Fake
         roll = maps[:, l] @ roll
     pos = (t - torch.tensor(lengths)) if left_pad else torch.zeros(b, dtype=torch.long)
     scores = roll[torch.arange(b), pos]
-    return FakeResult("Fake (N_ENC)", maps, roll, scores, mask, pos.long())
+    return DecompositionResult(method="Fake (N_ENC)", scores=scores, attention_mask=mask,
+                               explained_position=pos.long(), layer_maps=maps, rollout=roll)
 
 
 @pytest.fixture
@@ -236,3 +226,92 @@ def test_llm_attribution_result_from_padded_result():
     ex = V.example_from_result(res, 1)
     expected = ex["rollout"][1:3, :2].float()
     torch.testing.assert_close(r.token_attr, expected / expected.abs().max())
+
+
+# ----------------------------------------------------------------- example() of every result type
+
+
+def _check_example_drops_pads(res, single, i):
+    r"""``res.example(i)`` has n real tokens on every token axis and equals the unpadded single call."""
+    from captum_normattr.result import AttributionResult
+
+    assert isinstance(res, AttributionResult) and isinstance(single, AttributionResult)
+    n = int(res.attention_mask[i].sum())
+    ex, one = res.example(i), single.example(0)
+    assert ex["method"] == res.method and ex["explained_position"] == one["explained_position"]
+    for name, axes in type(res).TOKEN_AXES.items():
+        if getattr(res, name) is None:
+            continue
+        assert all(ex[name].shape[a - 1] == n for a in axes), name
+        torch.testing.assert_close(ex[name], one[name], rtol=1e-8, atol=1e-10, msg=name)
+    if res.delta is not None:
+        torch.testing.assert_close(ex["delta"], one["delta"], rtol=1e-6, atol=1e-8)
+    viz = V.example_from_result(res, i)  # the visualisation's view is the same accessor
+    assert viz["scores"].shape == (n,) and viz["keep"].tolist() == res.real_tokens(i).tolist()
+
+
+def _run_examples(decompose, ids, mask, key):
+    from captum_normattr.registry import get_method
+
+    res = decompose(ids, mask)
+    assert res.signed == get_method(key).signed
+    for i in range(ids.shape[0]):
+        real = mask[i].bool()
+        _check_example_drops_pads(res, decompose(ids[i : i + 1, real], mask[i : i + 1, real]), i)
+    return res
+
+
+@pytest.mark.parametrize("key", ["globenc", "alti", "ff"])
+def test_example_drops_pads_map_methods_encoder(key):
+    from conftest import make_model, random_batch
+
+    from captum_normattr.registry import get_method
+
+    attr = get_method(key).build(make_model("bert"))
+    ids, mask = random_batch([6, 3, 5])
+    res = _run_examples(lambda i, m: attr.decompose(i, additional_forward_args=(m,)), ids, mask, key)
+    fig = V.plot_layer_grid(res, b=1)
+    assert [a for a in fig.axes if a.images][0].images[0].get_array().shape == (3, 3)
+
+
+def test_example_drops_pads_ff_decoder_left_padded():
+    from decoder_models import decoder_batch, make_decoder
+
+    from captum_normattr.registry import get_method
+
+    attr = get_method("ff").build(make_decoder("gpt2"))
+    ids, mask = decoder_batch([5, 2, 4])
+    res = _run_examples(lambda i, m: attr.decompose(i, additional_forward_args=(m,)), ids, mask, "ff")
+    assert res.example(1)["explained_position"] == 1  # the last real token
+
+
+def test_example_drops_pads_alti_logit():
+    from decoder_models import decoder_batch, make_decoder
+
+    from captum_normattr import ALTILogitResult
+    from captum_normattr.registry import get_method
+
+    attr = get_method("alti-logit").build(make_decoder("llama"))
+    ids, mask = decoder_batch([5, 2, 4])
+    res = _run_examples(lambda i, m: attr.decompose(i, target=7, additional_forward_args=(m,)), ids, mask,
+                        "alti-logit")
+    assert isinstance(res, ALTILogitResult)
+    assert res.example(1)["layer_token_contributions"].shape == (2, 2)
+    fig = V.plot_rollout_row(res, b=1)  # signed scores of any result type plot the same way
+    assert len(fig.axes[0].patches) == 2
+    with pytest.raises(ValueError, match="no layer maps"):
+        V.plot_layer_grid(res)
+
+
+def test_example_drops_pads_decompx():
+    from conftest import make_model, random_batch
+
+    from captum_normattr import DecompXResult
+    from captum_normattr.registry import get_method
+
+    attr = get_method("decompx").build(make_model("roberta"))
+    ids, mask = random_batch([6, 3, 5])
+    res = _run_examples(lambda i, m: attr.decompose(i, target=1, additional_forward_args=(m,), layer_parts=True),
+                        ids, mask, "decompx")
+    assert isinstance(res, DecompXResult)
+    assert res.example(1)["class_scores"].shape == (3, 2)

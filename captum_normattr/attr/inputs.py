@@ -180,7 +180,6 @@ def explained_positions(explained_position: Union[int, str, Tensor], valid: Tens
         (B,) long positions, each on a real token.
     """
     b, t = valid.shape
-    lengths = valid.long().sum(-1)
     last = t - 1 - torch.flip(valid.long(), dims=[-1]).argmax(-1)
     if isinstance(explained_position, str):
         if explained_position != "last":

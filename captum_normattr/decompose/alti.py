@@ -1,4 +1,4 @@
-r"""ALTI contributions (Ferrando et al. 2022; DESIGN section 4).
+r"""ALTI contributions (Ferrando et al. 2022; docs/design.md, section 5).
 
 c_ij = max(0, |y_i|_1 - |y_i - T_i(x_j)|_1), rows normalised to sum to 1, where T_i(x_j)
 is token j's part of the block output y_i (bias parts are inside y_i but belong to no
@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.attention import attention_parts_rows
 from captum_normattr.decompose.mixing import row_normalize
 
 

@@ -1,4 +1,4 @@
-r"""Parts of the attention block and their norms (DESIGN sections 2, 3 and 7).
+r"""Parts of the attention block and their norms (docs/design.md, sections 3, 4 and 10).
 
 Token j's part of the attention output of token i is
 a_{i<-j} = sum_h alpha^h_ij f^h(x_j), with f^h(x_j) = v^h_j W_O^h (the value bias inside).

@@ -9,7 +9,7 @@ is capped at max(16, T / 8) rows.
 from __future__ import annotations
 
 #: Budget of the row-chunked Gram products of the norm maps (one (B, R, T, H) temporary).
-GRAM_CHUNK_MB = 128.0
+GRAM_CHUNK_MB = 64.0
 
 
 def rows_for_budget(

@@ -1,4 +1,4 @@
-r"""Layer maps of pre-LN decoder layers (GPT-2, Llama, Mistral, Qwen2; DESIGN sections 2-4).
+r"""Layer maps of pre-LN decoder layers (GPT-2, Llama, Mistral, Qwen2; docs/design.md, sections 2-5).
 
 Pre-LN layer: h_i = x_i + sum_h sum_j alpha^h_ij f^h(LN1(x_j)) + b_O, out_i = h_i + FF(LN2(h_i)).
 LN1 acts on one token alone, so the whole value path f^h(LN1(x_j)) (the recorded value
@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map
-from captum_normattr.decompose.chunking import row_chunks, rows_for_budget
+from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.attention import attention_parts_rows, norm_maps_and_ratios, project_values
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
-from captum_normattr.decompose.mixing import fixed_residual
+from captum_normattr.decompose.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import LayerTensors
 
 #: The GlobEnc-table maps that have a pre-LN meaning (see the module docstring).
@@ -56,15 +56,6 @@ def check_pre_ln_map(name: str) -> None:
             else ""
         )
         raise ValueError(f"map {name!r} is not defined for pre-LN decoder layers{why}; choose from {PRE_LN_MAPS}")
-
-
-def causal_mask2d(valid: Tensor, dtype: torch.dtype, causal: bool = True) -> Tensor:
-    r"""(B, T, T) mask: both tokens real and, if ``causal``, j <= i."""
-    m = valid.unsqueeze(-1) & valid.unsqueeze(-2)
-    if causal:
-        t = valid.shape[-1]
-        m = m & torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
-    return m.to(dtype)
 
 
 def _out_bias(layer: LayerTensors) -> Tensor:
@@ -121,7 +112,7 @@ def pre_ln_layer_maps(
     for n in names:
         check_pre_ln_map(n)
     dtype = layer.hidden_in.dtype
-    mask2d = causal_mask2d(valid, dtype, causal)
+    mask2d = pair_mask(valid, dtype, causal)
     head_w = layer.head_out_weight()
     total_with_res = layer.ln2_in - _out_bias(layer)  # sum_j h_{i<-j}, from the real h
     needed = {n for n in names if n in PRE_LN_NORM_MAPS}
@@ -154,10 +145,7 @@ def pre_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int
         (B, T, T), real rows summing to 1.
     """
     projected = project_values(layer.values, layer.head_out_weight())
-    out = alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows, causal)
-    if causal:
-        out = out * causal_mask2d(valid, out.dtype, True)
-    return out
+    return alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows, causal)
 
 
 def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Optional[int] = None) -> Tensor:
@@ -176,27 +164,7 @@ def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Opti
     return parts
 
 
-def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor, Tensor]:
-    r"""Parts of the LN2 output (the FF input) gamma2 c(h_{i<-j}) / s(h_i), and the bias part.
-
-    The bias part is gamma2 c(b_O) / s(h_i) + beta2. With an exact norm the parts sum to the
-    real LN2 output.
-
-    Args:
-        layer: the layer's tensors.
-        rows: query rows (all by default).
-
-    Returns:
-        ((B, R, T, D), (B, R, D)).
-    """
-    t = layer.hidden_in.shape[1]
-    rows = rows if rows is not None else slice(0, t)
-    h = layer.ln2_in[:, rows]
-    parts = apply_norm_to_parts(residual_parts(layer, rows), h, layer.ln2)
-    return parts, norm_bias_part(_out_bias(layer), h, layer.ln2)
-
-
-#: Component scopes of a pre-LN layer, in the order of the layer (DESIGN section 5).
+#: Component scopes of a pre-LN layer, in the order of the layer (docs/design.md, section 6, feed-forward).
 PRE_LN_SCOPES: Tuple[str, ...] = ("ATB", "LN2", "FF", "RES2")
 
 
@@ -367,7 +335,7 @@ def pre_ln_component_scope_maps(
         maps["RES2"][:, rows, :cols] = h.norm(dim=-1)
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, ffp
-    m2 = causal_mask2d(valid, dtype, causal)
+    m2 = pair_mask(valid, dtype, causal)
     maps = {s: v * m2 for s, v in maps.items()}
     vm = valid.to(dtype)
     ff_ex = (ff_err * vm).amax(-1)

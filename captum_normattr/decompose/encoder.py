@@ -1,7 +1,7 @@
 r"""Layer maps of post-LN encoder layers (BERT, RoBERTa, ELECTRA, DistilBERT).
 
 Post-LN layer: z_i = x_i + a_i, zt_i = LN1(z_i), y_i = LN2(zt_i + FF(zt_i)).
-Every map is computed from the parts of DESIGN section 3 by the Gram algorithm of
+Every map is computed from the parts of docs/design.md, section 3, by the Gram algorithm of
 :mod:`captum_normattr.decompose.attention`.
 """
 from __future__ import annotations
@@ -14,17 +14,13 @@ from torch import Tensor
 from captum_normattr.decompose.alti import alti_map
 from captum_normattr.decompose.attention import norm_maps_and_ratios, project_values
 from captum_normattr.decompose.layer_norm import norm_linear_map, norm_scale
-from captum_normattr.decompose.mixing import fixed_residual, ratio_residual
+from captum_normattr.decompose.mixing import fixed_residual, pair_mask, ratio_residual
 from captum_normattr.decompose.records import LayerTensors
 
 #: Every layer map of the GlobEnc table, in the paper's order.
 GLOBENC_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "W_RES", "N", "N_FIXEDRES", "N_RES", "N_RESLN", "N_ENC")
 #: Maps built from norms of parts, for which a mixing ratio is defined.
 NORM_MAPS: Tuple[str, ...] = ("N", "N_RES", "N_RESLN", "N_ENC")
-
-
-def _mask2d(valid: Tensor, dtype: torch.dtype) -> Tensor:
-    return (valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(dtype)
 
 
 def norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tensor], Optional[Tensor], bool]:
@@ -73,7 +69,7 @@ def post_ln_layer_maps(
     if unknown:
         raise ValueError(f"unknown map(s) {unknown}; choose from {GLOBENC_MAPS}")
     dtype = layer.hidden_in.dtype
-    mask2d = _mask2d(valid, dtype)
+    mask2d = pair_mask(valid, dtype)
     head_w = layer.head_out_weight()
     out_bias = layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
     # sum_j a_{i<-j} + x_i, from the real LN1 input (the bias b_O removed)

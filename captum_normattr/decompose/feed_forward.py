@@ -1,4 +1,4 @@
-r"""Feed-forward decomposition by integrated gradients (Kobayashi et al. 2023; DESIGN section 5).
+r"""Feed-forward decomposition by integrated gradients (Kobayashi et al. 2023; docs/design.md, section 6).
 
 FF(u) = W2 g(W1 u + b1) + b2 with g elementwise. For input parts u = sum_j u_j + u_bias
 the pre-activation parts are p_j = u_j W1 and p_bias = u_bias W1 + b1. Integrated
@@ -157,40 +157,6 @@ def _ln1_parts_rows(layer: LayerTensors, projected: Tensor, rows: slice) -> Tens
     r = torch.arange(rows.start, rows.stop, device=a.device)
     a[:, r - rows.start, r] += layer.hidden_in[:, rows]
     return apply_norm_to_parts(a, layer.ln1_in[:, rows], layer.ln1)
-
-
-def ln1_output_parts(layer: LayerTensors, chunk_rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    r"""Explicit parts zt_{i<-j} = gamma1 c(a_{i<-j} + [i=j] x_i) / s(z_i) and the bias part.
-
-    Returns:
-        ((B, T, T, D), (B, T, D)).
-    """
-    t = layer.hidden_in.shape[1]
-    projected = project_values(layer.values, layer.head_out_weight())
-    chunk = chunk_rows or t
-    parts = torch.cat([_ln1_parts_rows(layer, projected, slice(s, min(s + chunk, t))) for s in range(0, t, chunk)], 1)
-    return parts, norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
-
-
-def _ff(layer: LayerTensors, zt_parts: Tensor, zt_bias: Tensor, method: str, steps: int):
-    f = layer.ff
-    return ff_parts(zt_parts, zt_bias, f.w_in, f.b_in, f.act, f.w_out, f.b_out, method, steps)
-
-
-def post_ln_whole_layer_parts(
-    layer: LayerTensors, chunk_rows: Optional[int] = None, method: str = "closed_form", steps: int = 50
-) -> Tuple[Tensor, Tensor]:
-    r"""Parts of the post-LN layer output: yt_{i<-j} = gamma2 c(zt_{i<-j} + FF_{i<-j}) / s(ln2_in_i).
-
-    Materialises (B, T, T, D); prefer :func:`component_scope_maps` for maps (row chunks).
-
-    Returns:
-        (parts (B, T, T, D), bias (B, T, D)), summing to the real LN2 output.
-    """
-    zt, zt_b = ln1_output_parts(layer, chunk_rows)
-    ffp, ff_b = _ff(layer, zt, zt_b, method, steps)
-    parts = apply_norm_to_parts(zt + ffp, layer.ln2_in, layer.ln2)
-    return parts, norm_bias_part(zt_b + ff_b, layer.ln2_in, layer.ln2)
 
 
 def low_gamma_keep(params: NormParams, fraction: float, dim: int) -> Tensor:

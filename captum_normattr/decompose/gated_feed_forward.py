@@ -1,4 +1,4 @@
-r"""Gated feed-forward decomposition (SwiGLU, Llama family) by Gauss-Legendre quadrature (DESIGN 5).
+r"""Gated feed-forward decomposition (SwiGLU, Llama family) by Gauss-Legendre quadrature (docs/design.md, section 6).
 
 FF(u) = (g(u W_gate + b_gate) * (u W_up + b_up)) W_down + b_down. Given input parts
 u = sum_j u_j + u_bias, the pre-activations split into parts a = sum_j a_j + a_bias

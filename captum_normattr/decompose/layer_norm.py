@@ -1,4 +1,4 @@
-r"""LayerNorm and RMSNorm applied to a sum of parts (DESIGN section 2).
+r"""LayerNorm and RMSNorm applied to a sum of parts (docs/design.md, section 3).
 
 A norm is not linear, but once the scale of the REAL full input is fixed it is: every
 part u_k maps to gamma * c(u_k) / s(u) (LayerNorm) or gamma * u_k / rms(u) (RMSNorm),

@@ -1,7 +1,5 @@
-r"""Mixing ratios and fixed-residual corrections of layer maps (DESIGN section 3)."""
+r"""Mixing ratios and fixed-residual corrections of layer maps (docs/design.md, section 4, norm maps)."""
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -23,6 +21,23 @@ def mixing_ratio(total_parts: Tensor, own_part: Tensor) -> Tensor:
     own = own_part.norm(dim=-1)
     denom = others + own
     return torch.where(denom > 0, others / denom.clamp_min(torch.finfo(denom.dtype).tiny), torch.zeros_like(denom))
+
+
+def pair_mask(valid: Tensor, dtype: torch.dtype, causal: bool = False) -> Tensor:
+    r"""(B, T, T) mask of the (receiving i, source j) pairs of real tokens, and j <= i if ``causal``.
+
+    Args:
+        valid: (B, T) bool, real tokens.
+        dtype: the dtype of the mask.
+        causal: also drop the pairs j > i (causal attention).
+
+    Returns:
+        (B, T, T) of 0 and 1.
+    """
+    m = valid.unsqueeze(-1) & valid.unsqueeze(-2)
+    if causal:
+        m = m.tril()
+    return m.to(dtype)
 
 
 def row_normalize(maps: Tensor) -> Tensor:

@@ -8,10 +8,13 @@ the scores depend on ``target``; the factories build methods from
   ``inputs_embeds``), ``LayerGradientXActivation`` (on the embedding-block output, after
   its LayerNorm: GlobEnc's gradient x input) and ``LayerIntegratedGradients`` (on either
   layer), reduced to token scores by the L2 norm or the sum over features;
-- our Captum classes (``GlobEncAttribution``, ``ALTIAttribution``, or any object whose
-  ``attribute(input_ids, additional_forward_args=(attention_mask,))`` returns (B, T)).
+- our Captum classes, from the method registry (:data:`captum_normattr.registry.METHODS`:
+  the class, its options and whether it uses ``target``): :func:`ours` builds one by its
+  registry key, :func:`our_methods` every one that applies to the model, and
+  :func:`normattr_method` wraps any object whose
+  ``attribute(input_ids, additional_forward_args=(attention_mask,))`` returns (B, T).
 
-Captum pitfalls handled here (DESIGN section 9): the attention mask always travels in
+Captum pitfalls handled here (docs/design.md, section 14): the attention mask always travels in
 ``additional_forward_args`` (so that IG's step expansion repeats it), gradients are
 re-enabled when a metric calls under ``torch.no_grad()``, IG keeps [CLS]/[SEP] in its
 baseline and pads only the other tokens, and the model stays in eval mode.
@@ -39,8 +42,11 @@ __all__ = [
     "gradient_x_input_embedding_output",
     "integrated_gradients",
     "normattr_method",
+    "ours",
+    "our_methods",
     "globenc",
     "alti",
+    "ff",
     "decompx",
     "default_baselines",
 ]
@@ -178,7 +184,7 @@ def gradient_x_input_embedding_output(clf: SequenceClassifier, reduction: str = 
     r"""GlobEnc's gradient x input: on the embedding-block output (after the embedding LayerNorm).
 
     Captum ``LayerGradientXActivation`` on ``clf.embedding_layer``; with the default L2
-    reduction this is the reference of the GlobEnc Spearman protocol (DESIGN section 11).
+    reduction this is the reference of the GlobEnc Spearman protocol (docs/design.md, section 15).
 
     Args:
         clf: the wrapped classifier.
@@ -339,16 +345,17 @@ def _accepts_target(f) -> bool:
         return False
 
 
-def normattr_method(attribution, name: Optional[str] = None, uses_target: bool = False) -> Method:
+def normattr_method(attribution, name: Optional[str] = None, uses_target: Optional[bool] = None) -> Method:
     r"""Wrap one of our Captum classes (or anything with the same ``attribute``) as a method.
 
     Args:
         attribution: e.g. ``GlobEncAttribution(model, map_name="N_ENC")``; its
             ``attribute(input_ids, additional_forward_args=(attention_mask,))`` must give (B, T).
         name: table name; default ``attribution.get_name()``.
-        uses_target: whether the scores depend on the target class (False for the
-            norm-based decompositions, which explain the [CLS] representation). When True
-            the target is passed as ``target=``.
+        uses_target: whether the scores depend on the target class. None (default): what
+            the method registry says of the attribution's class (False for the norm-based
+            decompositions, which explain the [CLS] representation; True for DecompX), and
+            False for a class it does not list. When True the target is passed as ``target=``.
 
     Returns:
         a :class:`Method`.
@@ -357,8 +364,13 @@ def normattr_method(attribution, name: Optional[str] = None, uses_target: bool =
         >>> from captum_normattr import GlobEncAttribution  # doctest: +SKIP
         >>> m = normattr_method(GlobEncAttribution(model, map_name="N_ENC"))  # doctest: +SKIP
     """
+    from captum_normattr.registry import spec_for
+
     if not hasattr(attribution, "attribute"):
         raise TypeError(f"{type(attribution).__name__} has no attribute() method")
+    if uses_target is None:
+        spec = spec_for(attribution)
+        uses_target = bool(spec is not None and spec.uses_target)
     if name is None:
         name = attribution.get_name() if hasattr(attribution, "get_name") else type(attribution).__name__
     pass_target = uses_target and _accepts_target(attribution.attribute)
@@ -371,8 +383,51 @@ def normattr_method(attribution, name: Optional[str] = None, uses_target: bool =
     return Method(name, fn, uses_target, f"captum_normattr {type(attribution).__name__}")
 
 
+def ours(model, key: str, name: Optional[str] = None, **kwargs) -> Method:
+    r"""The registry's method ``key`` (``"globenc"``, ``"alti"``, ``"ff"``, ``"decompx"`` ...) as a harness method.
+
+    Args:
+        model: the Hugging Face model.
+        key: a key of :data:`captum_normattr.registry.METHODS`.
+        name: table name (default: the attribution's ``get_name()``).
+        **kwargs: constructor keywords of the method's class (``map_name``, ``bias_mode`` ...).
+
+    Returns:
+        a :class:`Method` whose ``uses_target`` is the registry's.
+
+    Examples:
+        >>> m = ours(model, "ff", contribution="alti")  # ALTI+FF  # doctest: +SKIP
+    """
+    from captum_normattr.registry import get_method
+
+    spec = get_method(key)
+    return normattr_method(spec.build(model, **kwargs), name=name, uses_target=spec.uses_target)
+
+
+def our_methods(model, keys: Optional[Sequence[str]] = None) -> List[Method]:
+    r"""Every registry method (or those in ``keys``) that applies to ``model``, with its defaults.
+
+    Args:
+        model: the Hugging Face model; a decoder (``config.is_decoder`` or a causal-LM
+            architecture) takes the methods for decoders, anything else those for encoders.
+        keys: registry keys to build (default: all that apply).
+
+    Returns:
+        a list of :class:`Method`, in registry order.
+    """
+    from captum_normattr.registry import METHODS, get_method
+
+    cfg = getattr(model, "config", None)
+    decoder = bool(getattr(cfg, "is_decoder", False)) or any(
+        a.endswith(("ForCausalLM", "LMHeadModel")) for a in (getattr(cfg, "architectures", None) or [])
+    ) or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    family = "decoders" if decoder else "encoders"
+    specs = [get_method(k) for k in keys] if keys is not None else list(METHODS.values())
+    return [ours(model, s.key) for s in specs if s.cls is not None and s.applies_to(family)]
+
+
 def globenc(model, map_name: str = "N_ENC", rollout: str = "raw", name: Optional[str] = None, **kwargs) -> Method:
-    r"""``GlobEncAttribution(model, map_name=..., rollout=...)`` as a method (target-independent).
+    r"""The registry's ``globenc`` (``GlobEncAttribution(model, map_name=..., rollout=...)``) as a method.
 
     Args:
         model: the Hugging Face model (the classifier; the encoder is found by the adapters).
@@ -381,24 +436,31 @@ def globenc(model, map_name: str = "N_ENC", rollout: str = "raw", name: Optional
         name: table name, default ``"GlobEnc-family {map_name}"`` with the convention if not raw.
         **kwargs: passed on to ``GlobEncAttribution``.
     """
-    from captum_normattr import GlobEncAttribution
-
-    attr = GlobEncAttribution(model, map_name=map_name, rollout=rollout, **kwargs)
     if name is None:
         name = map_name + ("" if rollout == "raw" else f" ({rollout})")
-    return normattr_method(attr, name=name)
+    return ours(model, "globenc", name=name, map_name=map_name, rollout=rollout, **kwargs)
 
 
 def alti(model, rollout: str = "raw", name: Optional[str] = None, **kwargs) -> Method:
-    r"""``ALTIAttribution(model)`` as a method (target-independent)."""
-    from captum_normattr import ALTIAttribution
+    r"""The registry's ``alti`` (``ALTIAttribution(model)``) as a method (target-independent)."""
+    return ours(model, "alti", name=name or ("ALTI" if rollout == "raw" else f"ALTI ({rollout})"), rollout=rollout,
+                **kwargs)
 
-    attr = ALTIAttribution(model, rollout=rollout, **kwargs)
-    return normattr_method(attr, name=name or ("ALTI" if rollout == "raw" else f"ALTI ({rollout})"))
+
+def ff(model, contribution: str = "norm", name: Optional[str] = None, **kwargs) -> Method:
+    r"""The registry's ``ff``: GlobEnc+FF (``contribution="norm"``) or ALTI+FF (``"alti"``) as a method.
+
+    Args:
+        model: the Hugging Face model.
+        contribution: ``"norm"`` or ``"alti"``.
+        name: table name (default: ``"GlobEnc+FF"`` / ``"ALTI+FF"`` or the scope's name).
+        **kwargs: passed on to ``FFIntegratedDecomposition`` (``scope`` ...).
+    """
+    return ours(model, "ff", name=name, contribution=contribution, **kwargs)
 
 
 def decompx(model, bias_mode: str = "separate", name: Optional[str] = None, **kwargs) -> Method:
-    r"""``DecompXAttribution(model, bias_mode=...)`` as a method; it explains the protocol's target class.
+    r"""The registry's ``decompx`` (``DecompXAttribution(model, bias_mode=...)``); it explains the protocol's target class.
 
     Args:
         model: a supported sequence classifier (``BertForSequenceClassification`` ...).
@@ -409,10 +471,7 @@ def decompx(model, bias_mode: str = "separate", name: Optional[str] = None, **kw
     Returns:
         a :class:`Method` with ``uses_target=True`` (signed scores of the target class).
     """
-    from captum_normattr.attr.decompx import DecompXAttribution
-
-    attr = DecompXAttribution(model, bias_mode=bias_mode, **kwargs)
-    return normattr_method(attr, name=name, uses_target=True)
+    return ours(model, "decompx", name=name, bias_mode=bias_mode, **kwargs)
 
 
 def default_baselines(clf: SequenceClassifier, ig_steps: int = 50, internal_batch_size: Optional[int] = None) -> list:

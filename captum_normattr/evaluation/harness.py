@@ -11,7 +11,7 @@ Usage::
     print(result.table())
     result.to_json("faithfulness.json")
 
-Every preset names the convention it implements (DESIGN section 11); the target each
+Every preset names the convention it implements (docs/design.md, section 15, faithfulness); the target each
 method is asked to explain is the preset's (gold label for the GlobEnc Spearman protocol,
 predicted class for the AOPC protocols and Captum's metrics). Target-independent methods
 (``Method.uses_target=False``) are called once per batch; target-dependent ones are

@@ -6,7 +6,7 @@ Every function here takes plain tensors and callables — no hooks, no model int
 - token scores ``(B, T)`` (higher = more important; pads are ignored);
 - ``special_mask (B, T)`` bool, True at special tokens ([CLS], [SEP], ...) *and* pads.
 
-Conventions (DESIGN section 11):
+Conventions (docs/design.md, section 15, faithfulness):
 
 - :func:`spearman_per_example` — rank correlation over all valid positions, special
   tokens included (GlobEnc protocol);
@@ -25,7 +25,6 @@ broken by position (earlier first), so the selection is deterministic.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -353,7 +352,7 @@ def eraser_aopc(
     order, n = rank_tokens(scores, special_mask)
     specials_kept = special_mask & attention_mask.bool()
 
-    comp_ids, comp_masks, suff_ids, suff_masks = [], [], [], []
+    comp_ids, suff_ids = [], []
     for k in ks:
         top = top_k_mask(order, num_selected(n, k, rounding))
         comp_ids.append(delete_tokens(input_ids, attention_mask, attention_mask.bool() & ~top, pad_token_id))

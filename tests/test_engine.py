@@ -1,0 +1,179 @@
+r"""The streaming engine: one layer alive at a time, explained-row rollout, model state restored, threads."""
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from captum_normattr import (
+    ALTIAttribution,
+    ALTILogitAttribution,
+    DecompXAttribution,
+    FFIntegratedDecomposition,
+    GlobEncAttribution,
+    rollout,
+)
+from captum_normattr.decompose.encoder import post_ln_layer_maps
+from captum_normattr.decompose.mixing import row_normalize
+from captum_normattr.decompose.rollout import rollout_rows
+from captum_normattr.models import capture
+from conftest import make_model, random_batch
+from decoder_models import decoder_batch, make_decoder
+from layer_capture import capture_layers
+
+ENCODER_METHODS = {
+    "globenc": lambda m: GlobEncAttribution(m),
+    "alti": lambda m: ALTIAttribution(m),
+    "ff": lambda m: FFIntegratedDecomposition(m),
+    "decompx": lambda m: DecompXAttribution(m),
+}
+DECODER_METHODS = dict(ENCODER_METHODS, alti_logit=lambda m: ALTILogitAttribution(m))
+
+
+def _call(attr, ids, mask):
+    return attr.attribute(ids, additional_forward_args=(mask,))  # target None: the predicted class / token
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+@pytest.mark.parametrize("name", sorted(DECODER_METHODS))
+def test_one_layer_of_attention_probabilities_alive_at_a_time(monkeypatch, decoder, name):
+    if not decoder and name == "alti_logit":
+        pytest.skip("ALTI-Logit explains decoder logits")
+    model = make_decoder("gpt2", layers=5) if decoder else make_model("bert")
+    ids, mask = (decoder_batch([7, 5]) if decoder else random_batch([7, 5]))
+    alive = []
+    made = []
+    original = capture.Recorder.layer_tensors
+
+    def watched(self, idx, rec):
+        layer = original(self, idx, rec)
+        gc.collect()
+        alive.append(sum(r() is not None for r in made))
+        made.append(weakref.ref(layer.probs))
+        return layer
+
+    monkeypatch.setattr(capture.Recorder, "layer_tensors", watched)
+    _call(DECODER_METHODS[name](model), ids, mask)
+    assert len(made) >= 2
+    assert max(alive) == 0, f"earlier layers' attention probabilities still alive when a new layer arrived: {alive}"
+
+
+def test_explained_rows_equal_full_rollout():
+    g = torch.Generator().manual_seed(0)
+    maps = torch.rand(3, 4, 6, 6, generator=g, dtype=torch.float64)
+    pos = torch.tensor([0, 5, 2])
+    for conv in ("raw", "row_normalized"):
+        full = rollout(maps, conv)
+        assert torch.allclose(rollout_rows(maps, pos, conv), full[torch.arange(3), pos], atol=1e-14, rtol=0)
+    # the full rollout is the product of the maps, bottom layer first
+    assert torch.allclose(rollout(maps), maps[:, 3] @ maps[:, 2] @ maps[:, 1] @ maps[:, 0], atol=1e-14)
+
+
+@pytest.mark.parametrize("convention", ["raw", "row_normalized"])
+def test_scores_are_the_rollout_of_independently_computed_maps(convention):
+    model = make_model("roberta")
+    ids, mask = random_batch([7, 4], seed=3)
+    layers = capture_layers(model, ids, mask)
+    valid = mask.bool()
+    maps = torch.stack([post_ln_layer_maps(layer, valid, ("N_ENC",))[0]["N_ENC"] for layer in layers], 1)
+    prep = row_normalize if convention == "row_normalized" else (lambda m: m)
+    joint = prep(maps[:, 0])
+    for l in range(1, maps.shape[1]):
+        joint = prep(maps[:, l]) @ joint
+    attr = GlobEncAttribution(model, rollout=convention)
+    scores = attr.attribute(ids, additional_forward_args=(mask,))
+    assert torch.allclose(scores, joint[:, 0] * valid, atol=1e-12, rtol=0)
+    res = attr.decompose(ids, (mask,))
+    assert torch.allclose(res.rollout, joint * (valid[:, :, None] & valid[:, None, :]), atol=1e-12, rtol=0)
+    other = GlobEncAttribution(model, rollout="raw" if convention == "row_normalized" else "row_normalized")
+    assert not torch.allclose(other.attribute(ids, additional_forward_args=(mask,)), scores, atol=1e-6)
+
+
+def test_long_input_switches_off_maps_and_rollout():
+    model = make_decoder("llama")
+    ids, mask = decoder_batch([9, 6], seed=2)
+    attr = ALTIAttribution(model)
+    full = attr.decompose(ids, (mask,))
+    lean = attr.decompose(ids, (mask,), return_layer_maps=False, return_rollout=False)
+    assert lean.layer_maps is None and lean.rollout is None
+    assert torch.allclose(full.scores, lean.scores, atol=1e-14, rtol=0)
+    assert torch.allclose(full.rollout[torch.arange(2), full.explained_position], full.scores, atol=1e-12, rtol=0)
+
+
+def _flags(model):
+    return {name: m.training for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("name", sorted(DECODER_METHODS))
+def test_per_module_training_flags_restored(name):
+    model = make_decoder("gpt2") if name == "alti_logit" else make_model("bert")
+    ids, mask = decoder_batch([6, 4]) if name == "alti_logit" else random_batch([6, 4])
+    model.train()
+    first = next(iter(model.children()))
+    first.eval()  # MC-dropout style: flags set per module
+    before = _flags(model)
+    assert len(set(before.values())) == 2
+    _call(DECODER_METHODS[name](model), ids, mask)
+    assert _flags(model) == before
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_flags_and_implementation_restored_after_error_inside_a_layer():
+    model = make_model("bert")
+    model.train()
+    model.bert.embeddings.eval()
+    before = _flags(model)
+    attr = ALTIAttribution(model)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    attr.layer_contribution = boom
+    ids, mask = random_batch([5])
+    with pytest.raises(RuntimeError, match="boom"):
+        attr.attribute(ids, additional_forward_args=(mask,))
+    assert _flags(model) == before
+    assert model.config._attn_implementation == "sdpa"
+    assert not capture._SWITCHED and not capture._FLAGS
+
+
+def test_threads_attributing_and_plain_forward_passes():
+    model = make_model("bert")
+    batches = [random_batch([n, max(2, n - 3)], seed=n) for n in (5, 7, 9, 11)]
+    attr = GlobEncAttribution(model)
+    expected = [attr.attribute(ids, additional_forward_args=(mask,)) for ids, mask in batches]
+    with torch.no_grad():
+        plain_ids, plain_mask = random_batch([8, 6], seed=99)
+        plain_expected = model(input_ids=plain_ids, attention_mask=plain_mask).logits
+    errors = []
+
+    def attribute_many(offset):
+        try:
+            for k in range(12):
+                i = (k + offset) % len(batches)
+                ids, mask = batches[i]
+                got = GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+                if not torch.allclose(got, expected[i], atol=1e-12, rtol=0):
+                    errors.append(f"attribution {i} differs")
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    def forward_many():
+        try:
+            for _ in range(12):
+                with torch.no_grad():
+                    out = model(input_ids=plain_ids, attention_mask=plain_mask).logits
+                if not torch.allclose(out, plain_expected, atol=1e-12, rtol=0):
+                    errors.append("plain forward differs")
+        except Exception as e:  # pragma: no cover
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=attribute_many, args=(o,)) for o in range(3)] + [threading.Thread(target=forward_many)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert model.config._attn_implementation == "sdpa"
+    assert not capture._SWITCHED and not capture._FLAGS
