@@ -2,12 +2,12 @@ r"""DecompX: completeness against the real tensors, a naive reference, padding, 
 import pytest
 import torch
 from conftest import FAMILIES, VOCAB, make_model, random_batch
+from layer_capture import capture_layers
 
 from captum_normattr import DecompXAttribution, UnsupportedModelError
 from captum_normattr.attr.base import compute_dtype
 from captum_normattr.decompose.decompx import BIAS_MODES, propagate_parts, spread_weights
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, linear_params
-from captum_normattr.models.capture import recording
 from captum_normattr.models.heads import get_head_adapter, head_params
 
 TOL = 1e-9
@@ -54,9 +54,7 @@ def naive_class_scores(model, ids, mask):
     r"""One source token at a time through the frozen network: (B, T, C) scores, (B, C) bias."""
     adapter = get_adapter(model)
     dtype = compute_dtype(model)
-    with torch.no_grad(), recording(model, adapter) as rec:
-        model(input_ids=ids, attention_mask=mask)
-    layers = rec.layer_tensors(dtype)
+    layers = capture_layers(model, ids, mask, top_model=True)
     vp = [linear_params(get_path(m, adapter.attn_value)) for m in layer_modules(model, adapter)]
     hp = head_params(model, get_head_adapter(model), dtype)
     real_u = layers[-1].layer_out[:, 0] @ hp.w_dense + hp.b_dense

@@ -5,11 +5,10 @@ import torch
 from conftest import make_model
 
 from captum_normattr import DecompXAttribution
-from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.decompose.decompx import BIAS_MODES
-from captum_normattr.models.adapters import base_model, get_adapter, layer_modules, value_projection
-from captum_normattr.models.capture import recording
+from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
+from layer_capture import capture_layers
 
 TOL = 1e-9
 
@@ -21,11 +20,8 @@ def real_logits(model, ids, mask):
 
 
 def capture(model, ids, mask=None):
-    adapter = get_adapter(model)
-    prepared = prepare_inputs(model, adapter, ids, mask)
-    with torch.no_grad(), recording(model, adapter) as rec:
-        base_model(model)(**prepared.forward_kwargs())
-    return rec.layer_tensors(torch.float64), rec.final_norm_tensors(torch.float64)
+    r"""(every layer's tensors, the final norm's (params, input, output)) of one recorded forward pass (float64 models)."""
+    return capture_layers(model, ids, mask, with_final=True)
 
 
 # ----------------------------------------------------------------------- naive reference
@@ -380,3 +376,81 @@ def test_toy_decoder_one_token_gets_all_the_score():
         assert res.scores[key].abs().min() > 1e-3
         res0 = DecompXAttribution(m, algorithm=algorithm).decompose(without[:1], target=TOY_TARGET)
         assert res0.scores.abs().max() < 1e-12
+
+
+# ------------------------------------------------------------------ streaming: one layer at a time
+class LayerWatch:
+    r"""Watches a Recorder: the layers rerun (in order) and, whenever a layer's tensors are made,
+    how many earlier LayerTensors (and attention probabilities of earlier reruns) are still alive."""
+
+    def __init__(self, monkeypatch):
+        import weakref
+
+        from captum_normattr.models.capture import Recorder
+
+        self.reruns, self.layers_made = [], 0
+        self.most_alive = self.most_alive_probs = 0
+        self._tensors, self._probs, self._in_rerun = [], [], False
+        make, rerun = Recorder.layer_tensors, Recorder.rerun_layer
+
+        def layer_tensors(rec, idx, recorded):
+            self.most_alive = max(self.most_alive, sum(r() is not None for r in self._tensors))
+            self.most_alive_probs = max(self.most_alive_probs, sum(r() is not None for r in self._probs))
+            out = make(rec, idx, recorded)
+            self.layers_made += 1
+            self._tensors.append(weakref.ref(out))
+            if self._in_rerun:
+                self._probs.append(weakref.ref(out.probs))
+            return out
+
+        def rerun_layer(rec, idx, hidden_in):
+            self.reruns.append(idx)
+            self._in_rerun = True
+            try:
+                return rerun(rec, idx, hidden_in)
+            finally:
+                self._in_rerun = False
+
+        monkeypatch.setattr(Recorder, "layer_tensors", layer_tensors)
+        monkeypatch.setattr(Recorder, "rerun_layer", rerun_layer)
+
+
+def _six_layer_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=60, hidden_size=24, num_hidden_layers=6, num_attention_heads=4, intermediate_size=40,
+                     max_position_embeddings=24, num_labels=3)
+    return BertForSequenceClassification(cfg).double().eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_streaming_holds_one_layer_at_a_time(family, monkeypatch):
+    r"""Adjoint: the forward pass keeps no layer, then layers L-1..0 are rerun once each, in reverse order,
+    and no layer's tensors or attention probabilities outlive its own step. Forward: no rerun, one layer alive."""
+    if family == "bert":
+        model = _six_layer_bert()
+        ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[1, 5:] = 0
+        runs = [("adjoint", "decompose", None), ("adjoint", "attribute", 2), ("forward", "decompose", None)]
+    else:
+        model = make_decoder(family, layers=6)
+        ids, mask = decoder_batch([7, 5], seed=11)
+        runs = [("adjoint", "decompose", 4), ("adjoint", "attribute", (4, 9)), ("forward", "decompose", 4)]
+    n = 6
+    for algorithm, call, target in runs:
+        watch = LayerWatch(monkeypatch)
+        dx = DecompXAttribution(model, algorithm=algorithm)
+        if call == "decompose":
+            res = dx.decompose(ids, target=target, additional_forward_args=mask)
+            assert res.algorithm == algorithm and res.delta.max() < TOL
+        else:
+            _, delta = dx.attribute(ids, target=target, additional_forward_args=mask, return_convergence_delta=True)
+            assert delta.max() < TOL
+        monkeypatch.undo()
+        expect = list(range(n - 1, -1, -1)) if algorithm == "adjoint" else []
+        assert watch.reruns == expect, (algorithm, call, watch.reruns)
+        assert watch.layers_made == n + len(expect)
+        assert watch.most_alive == 0, (algorithm, call, watch.most_alive)  # earlier layers' tensors are gone
+        assert watch.most_alive_probs == 0  # the rerun's probabilities die with its step

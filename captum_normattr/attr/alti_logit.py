@@ -14,6 +14,7 @@ from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_mo
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
 from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.rollout import LayerMapStore
 from captum_normattr.models.adapters import layer_modules
 from captum_normattr.result import LogitDecompositionResult
 
@@ -135,12 +136,12 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             l = layer.index
             if "maps" not in kept:
                 b, t, d = layer.hidden_in.shape
-                kept["maps"] = layer.hidden_in.new_zeros(b, n_layers, t, t)
+                kept["maps"] = LayerMapStore(n_layers, layer.causal, dense=False)
                 kept["updates"] = layer.hidden_in.new_zeros(b, n_layers, t, d)
                 kept["ff"] = layer.hidden_in.new_zeros(b, n_layers, d)
             if l == 0:
                 kept["embedding"] = layer.hidden_in[bidx, pos]
-            kept["maps"][:, l] = self.kind.alti_map(layer, valid, self.memory_budget_mb)
+            kept["maps"].put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
             kept["updates"][:, l] = attention_update_at(layer, pos)
             kept["ff"][:, l] = layer.ff_out[bidx, pos]
             kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))

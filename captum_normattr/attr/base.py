@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.layer_kinds import LayerKind, layer_kind
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.rollout import check_convention, rollout, rollout_rows
+from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
 from captum_normattr.models.capture import Recorder, recording
 from captum_normattr.result import DecompositionResult
@@ -104,25 +104,22 @@ class LayerContribution:
 
 
 class _MapCollector:
-    r"""Keeps what the layers contribute: the maps (preallocated (B, L, T, T)) and small per-layer numbers."""
+    r"""Keeps what the layers contribute: the maps (a :class:`LayerMapStore`) and small per-layer numbers."""
 
-    def __init__(self, num_layers: int, keep_maps: bool):
-        self.num_layers = num_layers
+    def __init__(self, num_layers: int, causal: bool, keep_maps: bool):
         self.keep_maps = keep_maps
-        self.maps: Optional[Tensor] = None
+        self.store = LayerMapStore(num_layers, causal, dense=keep_maps)
         self.extra_maps: Dict[str, Tensor] = {}
         self.ratios: List[Optional[Tensor]] = []
         self.errors: Dict[str, List[Tensor]] = {}
 
     def add(self, index: int, c: LayerContribution) -> None:
-        if self.maps is None:
-            b, t, _ = c.map.shape
-            self.maps = c.map.new_zeros(b, self.num_layers, t, t)
-        self.maps[:, index] = c.map
+        self.store.put(index, c.map)
         if self.keep_maps:
             for name, m in c.maps.items():
                 if name not in self.extra_maps:
-                    self.extra_maps[name] = m.new_zeros(self.maps.shape)
+                    b, t, _ = m.shape
+                    self.extra_maps[name] = m.new_zeros(b, self.store.num_layers, t, t)
                 self.extra_maps[name][:, index] = m
         self.ratios.append(c.mixing_ratio)
         for name, e in c.errors.items():
@@ -202,7 +199,7 @@ class LayerDecompositionAttribution(Attribution):
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
-        collector = _MapCollector(len(layer_modules(self.model, self.adapter)), return_layer_maps)
+        collector = _MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, return_layer_maps or return_rollout)
 
         def on_layer(layer: LayerTensors) -> None:
             collector.add(layer.index, self.layer_contribution(layer, valid, return_layer_maps))
@@ -210,8 +207,8 @@ class LayerDecompositionAttribution(Attribution):
         with streamed_forward(self.model, self.adapter, prepared, on_layer):
             pass
         with torch.no_grad():
-            maps = collector.maps
-            scores = rollout_rows(maps, pos, self.rollout_convention)
+            maps = collector.store.dense()
+            scores = collector.store.rollout_rows(pos, self.rollout_convention)
             scores = scores * valid.to(scores.dtype)
             joint = rollout(maps, self.rollout_convention) if return_rollout else None
             extras = self.finish_extras(collector.stacked_errors())

@@ -1,36 +1,42 @@
 r"""DecompX (Modarressi et al., ACL 2023): signed, class-specific token scores by exact propagation."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
 from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import compute_dtype, format_output
-from captum_normattr.attr.inputs import explained_positions, prepare_inputs
+from captum_normattr.attr.base import check_memory_budget, compute_dtype, format_output, streamed_forward
+from captum_normattr.attr.explained_output import ClassLogit, NextTokenLogit
+from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.decompx import (
     BIAS_MODES,
-    adjoint_class_scores,
-    adjoint_logit_scores,
+    AdjointPass,
+    FrozenStep,
+    PartsPropagation,
+    adjoint_head_scores,
+    adjoint_next_token_scores,
     check_bias_mode,
     ff_coefficients,
+    frozen_step,
     head_scores,
+    head_slope,
     logit_scores,
-    propagate_parts,
 )
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
+from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
-from captum_normattr.models.capture import recording
-from captum_normattr.models.heads import get_head_adapter, head_params
+from captum_normattr.models.capture import Recorder
+from captum_normattr.result import LogitDecompositionResult
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 
 
 @dataclass
-class DecompXResult:
+class DecompXResult(LogitDecompositionResult):
     r"""Everything one DecompX call computed, for one batch.
 
     For a decoder (GPT-2, Llama family) the explained quantity is one logit per example,
@@ -59,84 +65,29 @@ class DecompXResult:
         extras: e.g. ``"all_class_delta"`` (B,); decoders: ``"quadrature_error"`` (B, L), the
             largest |b (a I1 + I2) - b g(a)| of each gated FF (the completeness error the
             Gauss-Legendre rule leaves; 0 for an elementwise FF).
-        explained_position: (B,) decoders: the position whose next-token logit is explained.
+        explained_position: (B,) decoders: the position whose next-token logit is explained
+            (None for a classifier, whose head fixes the token it reads).
         foil: (B,) decoders: the foil token ids, or None.
+
+    :meth:`~captum_normattr.result.AttributionResult.example` drops the pads along the token
+    axes of ``scores``, ``class_scores``, ``layer_part_norms`` and ``layer_bias_norms``.
     """
 
-    method: str
-    scores: Tensor
-    target: Tensor
-    class_scores: Optional[Tensor]
-    bias_scores: Optional[Tensor]
-    logits: Tensor
-    delta: Tensor
-    layer_part_norms: Optional[Tensor]
-    layer_bias_norms: Optional[Tensor]
-    layer_errors: Optional[Tensor]
-    attention_mask: Tensor
-    bias_mode: str
+    TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {
+        "scores": (1,), "class_scores": (1,), "layer_part_norms": (2, 3), "layer_bias_norms": (2,),
+    }
+
+    class_scores: Optional[Tensor] = None
+    bias_scores: Optional[Tensor] = None
+    layer_part_norms: Optional[Tensor] = None
+    layer_bias_norms: Optional[Tensor] = None
+    layer_errors: Optional[Tensor] = None
+    bias_mode: str = "separate"
     algorithm: str = "forward"
-    extras: Dict[str, Tensor] = field(default_factory=dict)
-    explained_position: Optional[Tensor] = None
-    foil: Optional[Tensor] = None
 
     @property
     def num_layers(self) -> Optional[int]:
         return None if self.layer_part_norms is None else self.layer_part_norms.shape[1]
-
-    def to(self, device) -> "DecompXResult":
-        r"""A copy with every tensor moved to ``device``."""
-        mv = lambda t: t.to(device) if isinstance(t, Tensor) else t
-        return replace(self, **{k: mv(getattr(self, k)) for k in (
-            "scores", "target", "class_scores", "bias_scores", "logits", "delta", "layer_part_norms",
-            "layer_bias_norms", "layer_errors", "attention_mask", "explained_position", "foil")}, extras={k: mv(v) for k, v in self.extras.items()})
-
-    def example(self, index: int) -> Dict[str, Any]:
-        r"""One example's tensors with the pad positions removed.
-
-        Returns:
-            dict with ``scores`` (n,), ``class_scores`` (n, C), ``bias_scores`` (C,),
-            ``logits`` (C,), ``target`` (int), ``delta`` (float), ``layer_part_norms`` (L, n, n).
-        """
-        idx = self.attention_mask[index].bool().nonzero().squeeze(-1)
-        return {
-            "scores": self.scores[index][idx],
-            "class_scores": self.class_scores[index][idx],
-            "bias_scores": self.bias_scores[index],
-            "logits": self.logits[index],
-            "target": int(self.target[index]),
-            "delta": float(self.delta[index]),
-            "layer_part_norms": None if self.layer_part_norms is None else self.layer_part_norms[index][:, idx][:, :, idx],
-        }
-
-
-def _targets(target: Any, logits: Tensor) -> Tensor:
-    b, c = logits.shape
-    if target is None:
-        return logits.argmax(-1)
-    if isinstance(target, int) and not isinstance(target, bool):
-        t = torch.full((b,), target, dtype=torch.long, device=logits.device)
-    elif isinstance(target, Tensor):
-        if target.is_floating_point() or target.dtype == torch.bool:
-            raise TypeError(f"target must be an integer class index; got a {target.dtype} tensor")
-        if target.dim() == 0 or tuple(target.shape) == (1,):
-            t = target.reshape(1).expand(b).to(logits.device, torch.long)
-        elif tuple(target.shape) == (b,):
-            t = target.to(logits.device, torch.long)
-        else:
-            raise ValueError(f"target tensor must have shape ({b},) (one class per example); got {tuple(target.shape)}")
-    elif isinstance(target, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in target):
-        if len(target) != b:
-            raise ValueError(f"target list must have one class per example ({b}); got {len(target)}")
-        t = torch.tensor(list(target), dtype=torch.long, device=logits.device)
-    else:
-        raise TypeError(
-            "target must be None (predicted class), an int, a list of ints or a (B,) long tensor of class indices; "
-            f"got {type(target).__name__}"
-        )
-    if bool(((t < 0) | (t >= c)).any()):
-        raise ValueError(f"target class(es) {t.tolist()} out of range: the model has {c} classes (0..{c - 1})")
-    return t
 
 
 class DecompXAttribution(Attribution):
@@ -156,6 +107,13 @@ class DecompXAttribution(Attribution):
     vector-Jacobian product per class (cost a few forward passes). ``"auto"`` (default)
     takes ``"adjoint"`` for ``"separate"`` and ``"forward"`` for ``"spread"`` (whose
     weights depend on the forward parts).
+
+    Both stream: the layers are decomposed as the forward pass reaches them, so that no
+    more than one layer's attention probabilities exist at a time. ``"forward"`` carries
+    the (B, T, T, D) parts from layer to layer and keeps per layer only their norms;
+    ``"adjoint"`` keeps each layer's input (B, T, D) and then walks the layers top-down,
+    rerunning each layer on its input for one local vector-Jacobian product
+    (:class:`~captum_normattr.decompose.decompx.AdjointPass`).
 
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
@@ -228,45 +186,51 @@ class DecompXAttribution(Attribution):
             raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
         self.adapter = get_adapter(model)
         self.decoder = bool(self.adapter.pre_ln)
-        self._logit = None
+        self.output: Union[ClassLogit, NextTokenLogit]
         if self.decoder:
             if self.adapter.final_norm is None:
                 raise ValueError(f"the {self.adapter.family} adapter names no final norm; DecompX needs it for decoders")
             if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
                 raise ValueError(f"nodes (Gauss-Legendre nodes) must be a positive int, got {nodes!r}")
-            from captum_normattr.attr.alti_logit import ALTILogitAttribution
-
-            # the LM-head lookup and the (target, foil) parsing are ALTI-Logit's
-            self._logit = ALTILogitAttribution(
-                model, unembedding=unembedding, explained_position="last" if explained_position is None else explained_position
-            )
-            self.head = None
+            self.output = NextTokenLogit(model, self.adapter, unembedding)
         else:
             if explained_position is not None or unembedding is not None:
                 raise ValueError(
                     "explained_position and unembedding apply to decoders only; an encoder classifier's head fixes the "
                     "position it reads"
                 )
-            self.head = get_head_adapter(model)
+            self.output = ClassLogit(model)
+        self.head = None if self.decoder else self.output.head
         self.explained_position = "last" if explained_position is None else explained_position
         self.nodes = nodes
         if self.adapter.attn_value is None:
             raise ValueError(f"the {self.adapter.family} adapter does not name the value projection (attn_value)")
-        if memory_budget_mb <= 0:
-            raise ValueError(f"memory_budget_mb must be positive, got {memory_budget_mb}")
+        self.memory_budget_mb = check_memory_budget(memory_budget_mb)
         Attribution.__init__(self, model)
         self.model = model
         self.bias_mode = bias_mode
-        self.memory_budget_mb = float(memory_budget_mb)
         self.full_last_layer = full_last_layer
         self.algorithm = algorithm
+        self._modules_list = layer_modules(model, self.adapter)
 
-    def _value_params(self, dtype: torch.dtype) -> List[Tuple[Tensor, Optional[Tensor]]]:
-        out = []
-        for layer in layer_modules(self.model, self.adapter):
-            w, b = value_projection(layer, self.adapter)
-            out.append((w.detach().to(dtype), None if b is None else b.detach().to(dtype)))
-        return out
+    def _value_param(self, index: int, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
+        r"""(W_V, b_V) of layer ``index`` in ``dtype``."""
+        w, b = value_projection(self._modules_list[index], self.adapter)
+        return w.detach().to(dtype), None if b is None else b.detach().to(dtype)
+
+    def _coefficients(self, layer: LayerTensors) -> Dict[str, Tensor]:
+        return ff_coefficients(layer, self.nodes)
+
+    def _frozen(self, layer: LayerTensors) -> FrozenStep:
+        return frozen_step(layer, *self._value_param(layer.index, layer.hidden_in.dtype), self._coefficients(layer))
+
+    def _rerun(self, rec: Recorder) -> Callable[[int, Tensor], FrozenStep]:
+        r"""``(l, checkpoint) -> FrozenStep``: layer l recomputed from its input, for the adjoint's walk."""
+        return lambda l, x: self._frozen(rec.rerun_layer(l, x))
+
+    def _algorithm(self, layer_parts: bool) -> str:
+        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate"
+        return "forward" if forward else "adjoint"
 
     def decompose(
         self,
@@ -292,101 +256,131 @@ class DecompXAttribution(Attribution):
         """
         return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False)
 
-    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool):
-        if self.decoder:
-            return self._compute_decoder(inputs, target, additional_forward_args, layer_parts)
+    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool) -> DecompXResult:
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
+        algorithm = self._algorithm(layer_parts)
+        if self.decoder:
+            return self._compute_decoder(prepared, target, algorithm)
+        return self._compute_classifier(prepared, target, algorithm, target_only)
+
+    # --- classifiers -----------------------------------------------------------------
+    def _compute_classifier(self, prepared: PreparedInputs, target: Any, algorithm: str, target_only: bool) -> DecompXResult:
         valid = prepared.valid
         dtype = compute_dtype(self.model)
-        with torch.no_grad():
-            with recording(self.model, self.adapter) as rec:
-                out = self.model(**prepared.forward_kwargs())
-            logits_real = (out.logits if hasattr(out, "logits") else out[0]).detach()
-            layers = rec.layer_tensors(dtype)
-            pos = self.head.position
-            hp = head_params(self.model, self.head, dtype)
-            algorithm = "forward" if (layer_parts or self.algorithm == "forward" or self.bias_mode != "separate") else "adjoint"
-            prop = None
-            logits = logits_real.to(dtype)
-            tgt = _targets(target, logits)
-            ar = torch.arange(logits.shape[0], device=logits.device)
-            if algorithm == "adjoint" and target_only:  # one vector-Jacobian product in all
-                scores, bias_t = adjoint_class_scores(layers, self._value_params(dtype), hp, tgt)
-                scores = scores * valid.to(dtype)
-                delta = (scores.sum(-1) + bias_t - logits[ar, tgt]).abs()
-                return DecompXResult(
-                    method=self.get_name(), scores=scores, target=tgt, class_scores=None, bias_scores=None,
-                    logits=logits, delta=delta, layer_part_norms=None, layer_bias_norms=None, layer_errors=None,
-                    attention_mask=prepared.attention_mask, bias_mode=self.bias_mode, algorithm=algorithm,
-                )
-            if algorithm == "adjoint":
-                cls_scores, bias_scores = adjoint_class_scores(layers, self._value_params(dtype), hp)
+        n = len(self._modules_list)
+        pos = self.output.position
+        head_rows = torch.tensor([pos], device=valid.device)
+        kept: Dict[str, Tensor] = {}
+        prop: Optional[PartsPropagation] = None
+        adj: Optional[AdjointPass] = None
+        if algorithm == "forward":
+            prop = PartsPropagation(n, valid, self.bias_mode, None if self.full_last_layer else head_rows, self.memory_budget_mb)
+        else:
+            adj = AdjointPass(n, head_rows)
+
+        def on_layer(layer: LayerTensors) -> None:
+            if prop is not None:
+                prop.step(layer, *self._value_param(layer.index, dtype))
             else:
-                last_rows = None if self.full_last_layer else torch.tensor([pos], device=valid.device)
-                prop = propagate_parts(layers, self._value_params(dtype), valid, self.bias_mode, last_rows, self.memory_budget_mb)
-                row = int((prop.rows == pos).nonzero()[0, 0])
+                adj.forward(layer.hidden_in, self._frozen(layer))
+            if layer.index == n - 1:
+                kept["pooled"] = layer.layer_out[:, pos]  # the head's real input
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None) as (
+            rec,
+            out,
+        ):
+            logits = (out.logits if hasattr(out, "logits") else out[0]).detach().to(dtype)
+            tgt = self.output.resolve(target, logits)
+            hp = self.output.params(dtype)
+            ar = torch.arange(logits.shape[0], device=logits.device)
+            if adj is not None:
+                slope = head_slope(kept["pooled"], hp)
+                if target_only:  # one vector-Jacobian product per layer in all
+                    scores, bias_t = adjoint_head_scores(adj, self._rerun(rec), hp, slope, tgt)
+                    scores = scores * valid.to(dtype)
+                    delta = (scores.sum(-1) + bias_t - logits[ar, tgt]).abs()
+                    return DecompXResult(
+                        method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
+                        target=tgt, logits=logits, bias_mode=self.bias_mode, algorithm=algorithm,
+                    )
+                cls_scores, bias_scores = adjoint_head_scores(adj, self._rerun(rec), hp, slope)
+        with torch.no_grad():
+            res = None
+            if prop is not None:
+                res = prop.result()
+                row = int((res.rows == pos).nonzero()[0, 0])
                 cls_scores, bias_scores = head_scores(
-                    prop.parts[:, row], prop.bias[:, row], layers[-1].layer_out[:, pos],
+                    res.parts[:, row], res.bias[:, row], kept["pooled"],
                     hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
                 )
             cls_scores = cls_scores * valid.to(dtype).unsqueeze(-1)
             scores = cls_scores[ar, :, tgt]
             delta = (scores.sum(-1) + bias_scores[ar, tgt] - logits[ar, tgt]).abs()
-        name = self.get_name()
         return DecompXResult(
-            method=name, scores=scores, target=tgt, class_scores=cls_scores, bias_scores=bias_scores,
-            logits=logits, delta=delta,
-            layer_part_norms=None if prop is None else prop.layer_part_norms,
-            layer_bias_norms=None if prop is None else prop.layer_bias_norms,
-            layer_errors=None if prop is None else prop.layer_errors,
-            attention_mask=prepared.attention_mask, bias_mode=self.bias_mode, algorithm=algorithm,
+            method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
             extras={"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)},
+            target=tgt, logits=logits, class_scores=cls_scores, bias_scores=bias_scores,
+            layer_part_norms=None if res is None else res.layer_part_norms,
+            layer_bias_norms=None if res is None else res.layer_bias_norms,
+            layer_errors=None if res is None else res.layer_errors,
+            bias_mode=self.bias_mode, algorithm=algorithm,
         )
 
-    def _compute_decoder(self, inputs, target, additional_forward_args, layer_parts: bool) -> DecompXResult:
-        prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
+    # --- decoders --------------------------------------------------------------------
+    def _compute_decoder(self, prepared: PreparedInputs, target: Any, algorithm: str) -> DecompXResult:
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
-        with torch.no_grad():
-            layers, (fparams, f_in, f_out) = self._logit.capture_full(prepared)
-            b = valid.shape[0]
-            ar = torch.arange(b, device=valid.device)
-            dtype = f_in.dtype
-            if target is None:  # the predicted next token at the explained position
-                w_u = self._logit._unembed.detach().to(device=f_in.device, dtype=dtype)
-                nxt = f_out[ar, pos] @ w_u.T
-                if self._logit._unembed_bias is not None:
-                    nxt = nxt + self._logit._unembed_bias.detach().to(device=f_in.device, dtype=dtype)
-                target = nxt.argmax(-1)
-            u, ub, t_ids, f_ids = self._logit._direction(target, b, f_in.device, dtype)
-            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
-            value_params = self._value_params(dtype)
-            coefs = [ff_coefficients(layer, self.nodes) for layer in layers]
-            algorithm = "forward" if (layer_parts or self.algorithm == "forward" or self.bias_mode != "separate") else "adjoint"
-            prop = None
-            if algorithm == "adjoint":
-                scores, bias_score = adjoint_logit_scores(layers, value_params, coefs, fparams, f_in, u, ub, pos)
+        dtype = compute_dtype(self.model)
+        n = len(self._modules_list)
+        b = valid.shape[0]
+        ar = torch.arange(b, device=valid.device)
+        vf = valid.to(dtype)
+        quad = []  # (B,) per layer: the largest quadrature error over real tokens
+        prop: Optional[PartsPropagation] = None
+        adj: Optional[AdjointPass] = None
+        if algorithm == "forward":
+            last_rows = None if self.full_last_layer else torch.unique(pos)
+            prop = PartsPropagation(n, valid, self.bias_mode, last_rows, self.memory_budget_mb)
+        else:
+            adj = AdjointPass(n, torch.unique(pos))
+
+        def on_layer(layer: LayerTensors) -> None:
+            coefs = self._coefficients(layer)
+            q = coefs.get("quadrature_error")
+            quad.append(((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])) * vf).amax(-1))
+            w_v, b_v = self._value_param(layer.index, dtype)
+            if prop is not None:
+                prop.step(layer, w_v, b_v, coefs)
             else:
-                last_rows = None if self.full_last_layer else torch.unique(pos)
-                prop = propagate_parts(layers, value_params, valid, self.bias_mode, last_rows, self.memory_budget_mb, coefs)
-                idx = torch.searchsorted(prop.rows, pos)
+                adj.forward(layer.hidden_in, frozen_step(layer, w_v, b_v, coefs))
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
+            fparams, f_in, f_out = rec.final_norm_tensors()
+            out = self.output.resolve(target, f_out[ar, pos])
+            u, ub = out.direction, out.bias
+            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
+            if adj is not None:
+                scores, bias_score = adjoint_next_token_scores(adj, self._rerun(rec), fparams, f_in, u, ub, pos)
+        with torch.no_grad():
+            res = None
+            if prop is not None:
+                res = prop.result()
+                idx = torch.searchsorted(res.rows, pos)
                 scores, bias_score = logit_scores(
-                    prop.parts[ar, idx], prop.bias[ar, idx], fparams, f_in[ar, pos], u, ub, self.bias_mode, fallback=pos
+                    res.parts[ar, idx], res.bias[ar, idx], fparams, f_in[ar, pos], u, ub, self.bias_mode, fallback=pos
                 )
-            scores = scores * valid.to(dtype)
+            scores = scores * vf
             delta = (scores.sum(-1) + bias_score - logit).abs()
-            quad = torch.stack(
-                [c["quadrature_error"] if "quadrature_error" in c else torch.zeros_like(f_in[..., 0]) for c in coefs], 1
-            )  # (B, L, T)
-            quad = (quad * valid.to(dtype).unsqueeze(1)).amax(-1)
         return DecompXResult(
-            method=self.get_name(), scores=scores, target=t_ids, class_scores=scores.unsqueeze(-1),
-            bias_scores=bias_score.unsqueeze(-1), logits=logit.unsqueeze(-1), delta=delta,
-            layer_part_norms=None if prop is None else prop.layer_part_norms,
-            layer_bias_norms=None if prop is None else prop.layer_bias_norms,
-            layer_errors=None if prop is None else prop.layer_errors,
-            attention_mask=prepared.attention_mask, bias_mode=self.bias_mode, algorithm=algorithm,
-            extras={"quadrature_error": quad}, explained_position=pos, foil=f_ids,
+            method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, explained_position=pos,
+            delta=delta, extras={"quadrature_error": torch.stack(quad, 1)},
+            target=out.target, foil=out.foil, logits=logit.unsqueeze(-1),
+            class_scores=scores.unsqueeze(-1), bias_scores=bias_score.unsqueeze(-1),
+            layer_part_norms=None if res is None else res.layer_part_norms,
+            layer_bias_norms=None if res is None else res.layer_bias_norms,
+            layer_errors=None if res is None else res.layer_errors,
+            bias_mode=self.bias_mode, algorithm=algorithm,
         )
 
     @log_usage()

@@ -1,10 +1,14 @@
 r"""The "explained output" of the signed methods (ALTI-Logit, DecompX): which logit, along which direction.
 
-:class:`NextTokenLogit` is the next-token logit of a decoder at the explained position:
-``<FinalNorm(x_L,i), u> + u_bias`` with u = W_U[target] (or W_U[target] - W_U[foil]) from
-the LM head (or an explicit unembedding matrix). It parses ``target`` once for every
-method: a token id, per-example ids, ``(target, foil)``, a (B, 2) tensor, or None for the
-token the model predicts.
+Two kinds, each parsing ``target`` once for every method that explains it:
+
+- :class:`NextTokenLogit`: the next-token logit of a decoder at the explained position,
+  ``<FinalNorm(x_L,i), u> + u_bias`` with u = W_U[target] (or W_U[target] - W_U[foil]) from
+  the LM head (or an explicit unembedding matrix). ``target``: a token id, per-example ids,
+  ``(target, foil)``, a (B, 2) tensor, or None for the token the model predicts.
+- :class:`ClassLogit`: a class logit of a sequence classifier through its classification
+  head, ``act(h_p W_d + b_d) W_c + b_c`` on the last layer's output at the head's token p.
+  ``target``: a class index, per-example indices, or None for the predicted class.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.models.adapters import ArchitectureAdapter, get_path
+from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 
 
 def as_token_ids(x: Any, b: int, name: str, device) -> Tensor:
@@ -133,6 +138,74 @@ class NextTokenLogit:
         return LogitDirection(u, ub, t_ids, f_ids)
 
 
+class ClassLogit:
+    r"""The class logits of a sequence classifier, through its classification head.
+
+    Args:
+        model: a classifier with a supported head
+            (:func:`~captum_normattr.models.heads.supported_heads`).
+
+    Raises:
+        UnsupportedModelError: for a model without a supported classification head.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.head: HeadAdapter = get_head_adapter(model)
+
+    @property
+    def position(self) -> int:
+        r"""The token whose last-layer output the head reads."""
+        return self.head.position
+
+    def params(self, dtype: torch.dtype) -> HeadParams:
+        r"""The head's parameters as right-multiplied matrices in ``dtype``."""
+        return head_params(self.model, self.head, dtype)
+
+    def resolve(self, target: Any, logits: Tensor) -> Tensor:
+        r"""The explained class of every example.
+
+        Args:
+            target: None (the predicted class, argmax of ``logits``), an int, a list of ints
+                (one per example) or a 0-d / (1,) / (B,) integer tensor.
+            logits: (B, C) the model's real logits.
+
+        Returns:
+            (B,) long class indices on ``logits``' device.
+
+        Raises:
+            TypeError / ValueError: for a target of the wrong type, shape or range.
+        """
+        b, c = logits.shape
+        if target is None:
+            return logits.argmax(-1)
+        if isinstance(target, int) and not isinstance(target, bool):
+            t = torch.full((b,), target, dtype=torch.long, device=logits.device)
+        elif isinstance(target, Tensor):
+            if target.is_floating_point() or target.dtype == torch.bool:
+                raise TypeError(f"target must be an integer class index; got a {target.dtype} tensor")
+            if target.dim() == 0 or tuple(target.shape) == (1,):
+                t = target.reshape(1).expand(b).to(logits.device, torch.long)
+            elif tuple(target.shape) == (b,):
+                t = target.to(logits.device, torch.long)
+            else:
+                raise ValueError(
+                    f"target tensor must have shape ({b},) (one class per example); got {tuple(target.shape)}"
+                )
+        elif isinstance(target, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in target):
+            if len(target) != b:
+                raise ValueError(f"target list must have one class per example ({b}); got {len(target)}")
+            t = torch.tensor(list(target), dtype=torch.long, device=logits.device)
+        else:
+            raise TypeError(
+                "target must be None (predicted class), an int, a list of ints or a (B,) long tensor of class indices; "
+                f"got {type(target).__name__}"
+            )
+        if bool(((t < 0) | (t >= c)).any()):
+            raise ValueError(f"target class(es) {t.tolist()} out of range: the model has {c} classes (0..{c - 1})")
+        return t
+
+
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
     r"""Raise a ValueError unless the model is a pre-LN decoder with a final norm."""
     if not adapter.pre_ln or adapter.final_norm is None:
@@ -142,5 +215,5 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
         )
 
 
-__all__ = ["NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
+__all__ = ["ClassLogit", "NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
 

@@ -104,8 +104,8 @@ def part_norms_gram(
     idx = torch.arange(t, device=probs.device)
     sq[:, idx, idx] = diag_sq
     if row_scale is not None:
-        sq = sq / row_scale.pow(2).unsqueeze(-1)
-    return sq.clamp_min(0).sqrt()
+        sq.div_(row_scale.pow(2).unsqueeze(-1))
+    return sq.clamp_min_(0).sqrt_()
 
 
 def norm_maps_and_ratios(
@@ -145,7 +145,7 @@ def norm_maps_and_ratios(
         lin, scale, with_res = spec(name)
         own = attn_diag + residual if with_res else attn_diag
         total = total_with_residual if with_res else total_with_residual - residual
-        maps[name] = part_norms_gram(probs, values, head_weight, own, lin, scale) * mask2d
+        maps[name] = part_norms_gram(probs, values, head_weight, own, lin, scale).mul_(mask2d)
         own_m, total_m = (own, total) if lin is None else (own @ lin, total @ lin)
         ratios[name] = mixing_ratio(total_m, own_m) * valid.to(total.dtype)
     return maps, ratios

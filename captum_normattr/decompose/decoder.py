@@ -37,6 +37,7 @@ from captum_normattr.decompose.attention import attention_parts_rows, norm_maps_
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.rollout import LayerMapStore
 
 #: The GlobEnc-table maps that have a pre-LN meaning (see the module docstring).
 PRE_LN_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "N", "N_FIXEDRES", "N_RES", "N_RESLN")
@@ -336,7 +337,7 @@ def pre_ln_component_scope_maps(
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, ffp
     m2 = pair_mask(valid, dtype, causal)
-    maps = {s: v * m2 for s, v in maps.items()}
+    maps = {s: v.mul_(m2) for s, v in maps.items()}
     vm = valid.to(dtype)
     ff_ex = (ff_err * vm).amax(-1)
     layer_ex = (layer_err * vm).amax(-1)
@@ -384,7 +385,7 @@ def attention_update_at(layer: LayerTensors, position: Tensor) -> Tensor:
 
 def alti_logit_terms(
     updates: Tensor,
-    alti_maps: Tensor,
+    alti_maps: LayerMapStore,
     embedding: Tensor,
     ff_updates: Tensor,
     attention_biases: Tensor,
@@ -409,7 +410,8 @@ def alti_logit_terms(
 
     Args:
         updates: (B, L, T, D) per layer, :func:`attention_update_at` (source position j).
-        alti_maps: (B, L, T, T) the ALTI maps of the layers.
+        alti_maps: the ALTI maps of the layers (a
+            :class:`~captum_normattr.decompose.rollout.LayerMapStore`).
         embedding: (B, D) the first layer's input x_{0,i} at the explained positions.
         ff_updates: (B, L, D) every layer's FF output at the explained positions.
         attention_biases: (L, D) every layer's attention output bias b_O (zeros if none).
@@ -437,7 +439,7 @@ def alti_logit_terms(
     for l in range(n_layers):
         v = logit_updates[:, l]
         for m in range(l - 1, -1, -1):  # row vector times R_{l-1} = M_{l-1} ... M_0
-            v = torch.einsum("bj,bjk->bk", v, alti_maps[:, m])
+            v = alti_maps.row_times_layer(v, m)
         contributions.append(v)
     contrib = torch.stack(contributions, 1) * vm.unsqueeze(1)
     final_bias = unembed_bias.to(w.dtype)

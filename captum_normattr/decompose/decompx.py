@@ -24,12 +24,18 @@ Bias handling (``bias_mode``):
   (If every dot product is 0 the bias goes to the receiving token itself.)
 Both modes are complete: parts (+ bias part) sum to the real tensors.
 
-Two algorithms. The forward one (:func:`propagate_parts`, :func:`head_scores`) carries all
+Two algorithms. The forward one (:class:`PartsPropagation`, :func:`head_scores`) carries all
 T parts, a (B, T, T, D) tensor, through every layer (cost about T forward passes; it
 yields per-layer parts; needed for ``"spread"``, whose weights depend on the parts). The
-adjoint one (:func:`adjoint_class_scores`, ``"separate"`` only) uses that the frozen
-network is affine in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
-vector-Jacobian product per class (cost a few forward passes). Both agree to rounding.
+adjoint one (:class:`AdjointPass`, ``"separate"`` only) uses that the frozen network is
+affine in the embedding output: token k's score is <dF_c/dx_k, e_k>, one vector-Jacobian
+product per class (cost a few forward passes). Both agree to rounding. Both run layer by
+layer as the recorded forward pass produces the layers, so that no more than one layer's
+attention probabilities exist at a time: the forward one keeps the current parts and small
+per-layer results; the adjoint one keeps each layer's input (B, T, D) and, walking the
+layers top-down, reruns each layer on it for its local vector-Jacobian product.
+:func:`propagate_parts`, :func:`adjoint_class_scores` and :func:`adjoint_logit_scores` run
+them over a list of captured layers.
 
 Layer kinds are one function each (:data:`LAYER_STEPS`).
 
@@ -52,6 +58,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import ig_closed_form
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
@@ -117,18 +124,6 @@ def initial_parts(embeddings: Tensor) -> Tuple[Tensor, Tensor]:
     return embeddings.unsqueeze(2) * eye[None, :, :, None], torch.zeros_like(embeddings)
 
 
-def chunk_sizes(batch: int, tokens: int, rows: int, dim: int, ff_dim: int, itemsize: int, memory_budget_mb: float) -> Tuple[int, int]:
-    r"""Chunk sizes that keep the temporary tensors of one layer step within ``memory_budget_mb``.
-
-    Returns:
-        (source tokens per attention chunk, rows per feed-forward chunk), each >= 1.
-    """
-    budget = memory_budget_mb * 2**20
-    k_chunk = int(budget // max(1, 3 * batch * tokens * dim * itemsize))
-    r_chunk = int(budget // max(1, 3 * batch * tokens * ff_dim * itemsize))
-    return max(1, min(tokens, k_chunk)), max(1, min(rows, r_chunk))
-
-
 def post_ln_layer_parts(
     parts: Tensor,
     bias: Tensor,
@@ -166,7 +161,9 @@ def post_ln_layer_parts(
     hd = value_weight.shape[1]
     f = layer.ff
     ff_dim = f.w_in.shape[1]
-    k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), ff_dim, parts.element_size(), memory_budget_mb)
+    # the one chunk rule: 3 temporaries (B, T, chunk, width) per attention chunk of source tokens, per FF chunk of rows
+    k_chunk = rows_for_budget(b, t, max(d, hd), parts.element_size(), memory_budget_mb, temporaries=3)
+    r_chunk = min(r, rows_for_budget(b, t, ff_dim, parts.element_size(), memory_budget_mb, temporaries=3))
     probs = layer.probs[:, :, rows]  # (B, H, R, T)
     w_o = layer.out_weight
     zeros_d = torch.zeros(d, dtype=dtype, device=dev)
@@ -381,7 +378,9 @@ def pre_ln_layer_parts(
     groups = h // kv_heads
     coefs = ff_coefficients(layer) if coefs is None else coefs
     ff_dim = layer.ff.w_out.shape[0]
-    k_chunk, r_chunk = chunk_sizes(b, t, r, max(d, hd), 2 * ff_dim, parts.element_size(), memory_budget_mb)
+    # the one chunk rule (as in post_ln_layer_parts; the gated FF holds two (.., F) temporaries per row)
+    k_chunk = rows_for_budget(b, t, max(d, hd), parts.element_size(), memory_budget_mb, temporaries=3)
+    r_chunk = min(r, rows_for_budget(b, t, 2 * ff_dim, parts.element_size(), memory_budget_mb, temporaries=3))
     probs = layer.probs[:, :, rows]  # (B, H, R, T)
     b_o = layer.out_bias if layer.out_bias is not None else torch.zeros(d, dtype=dtype, device=dev)
 
@@ -461,6 +460,95 @@ class PropagatedParts:
     layer_errors: Tensor
 
 
+class PartsPropagation:
+    r"""The forward algorithm streamed: the parts carried one layer at a time.
+
+    Feed :meth:`step` every layer in order, as the recorded forward pass produces it
+    (:func:`~captum_normattr.attr.base.streamed_forward`); only the current parts, a
+    (B, T, T, D) tensor, and the small per-layer results (part norms (B, T, T), bias norms,
+    errors) are kept, so that memory does not grow with depth beyond those.
+
+    Args:
+        num_layers: L.
+        valid: (B, T) bool, real tokens.
+        bias_mode: ``"separate"`` or ``"spread"``.
+        last_rows: (R,) long rows to produce in the last layer (default: all).
+        memory_budget_mb: bound on the temporary tensors of one layer step.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        valid: Tensor,
+        bias_mode: str = "separate",
+        last_rows: Optional[Tensor] = None,
+        memory_budget_mb: float = 256.0,
+    ) -> None:
+        check_bias_mode(bias_mode)
+        self.num_layers = num_layers
+        self.valid = valid
+        self.bias_mode = bias_mode
+        self.last_rows = last_rows
+        self.memory_budget_mb = memory_budget_mb
+        self.done = 0
+        self.parts: Optional[Tensor] = None
+        self.bias: Optional[Tensor] = None
+        self.rows: Optional[Tensor] = None
+        self.norms: Optional[Tensor] = None
+        self.bias_norms: Optional[Tensor] = None
+        self.errors: Optional[Tensor] = None
+
+    def step(
+        self,
+        layer: LayerTensors,
+        value_weight: Tensor,
+        value_bias: Optional[Tensor],
+        coefs: Optional[Dict[str, Tensor]] = None,
+    ) -> None:
+        r"""Carry the parts through the next layer.
+
+        Args:
+            layer: the layer's real tensors (layer ``self.done`` of the stack).
+            value_weight, value_bias: its W_V (D, H*Dh) and b_V (or None).
+            coefs: a pre-LN layer's :func:`ff_coefficients` (computed with the default
+                number of quadrature nodes if None); ignored for post-LN layers.
+        """
+        l, n = self.done, self.num_layers
+        if l >= n:
+            raise RuntimeError(f"all {n} layers have been propagated already")
+        if l == 0:
+            x = layer.hidden_in
+            b, t, _ = x.shape
+            self.parts, self.bias = initial_parts(x)
+            self.norms = x.new_zeros(b, n, t, t)
+            self.bias_norms = x.new_zeros(b, n, t)
+            self.errors = x.new_zeros(b, n)
+        b, t = self.parts.shape[:2]
+        dev = self.parts.device
+        step = LAYER_STEPS["pre_ln" if layer.pre_ln else "post_ln"]
+        rows = torch.arange(t, device=dev) if (l < n - 1 or self.last_rows is None) else self.last_rows.to(dev)
+        extra = {"coefs": coefs} if layer.pre_ln else {}
+        parts, bias = step(
+            self.parts, self.bias, layer, value_weight, value_bias, self.bias_mode, rows=rows,
+            memory_budget_mb=self.memory_budget_mb, **extra,
+        )
+        self.parts = self.bias = None  # release the input parts before the bookkeeping below
+        vf = self.valid.to(parts.dtype)
+        row_valid = vf[:, rows]
+        self.norms[:, l, rows] = parts.norm(dim=-1) * row_valid.unsqueeze(-1) * vf.unsqueeze(1)
+        self.bias_norms[:, l, rows] = bias.norm(dim=-1) * row_valid
+        err = (parts.sum(2) + bias - layer.layer_out[:, rows]).abs().amax(-1)
+        self.errors[:, l] = (err * row_valid).amax(-1)
+        self.parts, self.bias, self.rows = parts, bias, rows
+        self.done = l + 1
+
+    def result(self) -> PropagatedParts:
+        r"""The :class:`PropagatedParts` once every layer has been stepped through."""
+        if self.done != self.num_layers:
+            raise RuntimeError(f"{self.done} of {self.num_layers} layers were propagated")
+        return PropagatedParts(self.parts, self.bias, self.rows, self.norms, self.bias_norms, self.errors)
+
+
 def propagate_parts(
     layers: Sequence[LayerTensors],
     value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
@@ -470,7 +558,7 @@ def propagate_parts(
     memory_budget_mb: float = 256.0,
     ff_coefs: Optional[Sequence[Dict[str, Tensor]]] = None,
 ) -> PropagatedParts:
-    r"""Carry per-input-token parts through every layer.
+    r"""Carry per-input-token parts through every layer of a list (:class:`PartsPropagation` on each).
 
     Args:
         layers: the captured layers (their ``hidden_in`` of layer 0 is the embedding output).
@@ -485,30 +573,12 @@ def propagate_parts(
     Returns:
         :class:`PropagatedParts`.
     """
-    check_bias_mode(bias_mode)
     if len(layers) != len(value_params):
         raise ValueError("one (W_V, b_V) per layer is needed")
-    x = layers[0].hidden_in
-    b, t, _ = x.shape
-    parts, bias = initial_parts(x)
-    n = len(layers)
-    vf = valid.to(x.dtype)
-    norms = x.new_zeros(b, n, t, t)
-    bias_norms = x.new_zeros(b, n, t)
-    errors = x.new_zeros(b, n)
-    rows = torch.arange(t, device=x.device)
-    for l, layer in enumerate(layers):
-        step = LAYER_STEPS["pre_ln" if layer.pre_ln else "post_ln"]
-        rows = torch.arange(t, device=x.device) if (l < n - 1 or last_rows is None) else last_rows.to(x.device)
-        w_v, b_v = value_params[l]
-        extra = {"coefs": None if ff_coefs is None else ff_coefs[l]} if layer.pre_ln else {}
-        parts, bias = step(parts, bias, layer, w_v, b_v, bias_mode, rows=rows, memory_budget_mb=memory_budget_mb, **extra)
-        row_valid = vf[:, rows]
-        norms[:, l, rows] = parts.norm(dim=-1) * row_valid.unsqueeze(-1) * vf.unsqueeze(1)
-        bias_norms[:, l, rows] = bias.norm(dim=-1) * row_valid
-        err = (parts.sum(2) + bias - layer.layer_out[:, rows]).abs().amax(-1)
-        errors[:, l] = (err * row_valid).amax(-1)
-    return PropagatedParts(parts, bias, rows, norms, bias_norms, errors)
+    prop = PartsPropagation(len(layers), valid, bias_mode, last_rows, memory_budget_mb)
+    for l, (layer, (w_v, b_v)) in enumerate(zip(layers, value_params)):
+        prop.step(layer, w_v, b_v, None if ff_coefs is None else ff_coefs[l])
+    return prop.result()
 
 
 def head_scores(
@@ -569,25 +639,30 @@ def head_scores(
 # token k's DecompX score of class c is the contribution L_k e_k = <dF_c/dx_k, e_k>. One
 # forward pass of the frozen network and one vector-Jacobian product per explained class
 # give every token's score; the bias score is F(e) - sum_k scores = F(0) = c.
+#
+# Streamed (:class:`AdjointPass`): the forward phase keeps each layer's input (B, T, D) as a
+# checkpoint and advances the value F(e) by one frozen layer as the recorded forward pass
+# produces it; the backward phase walks the layers top-down, recomputes each layer's
+# tensors from its checkpoint and pushes the cotangents through that one frozen layer by
+# a local vector-Jacobian product. The frozen layer is affine, so its VJP does not depend
+# on the point it is taken at; no layer's attention probabilities outlive its own step.
 # --------------------------------------------------------------------------------------
 def _slopes(real_pre: Tensor, act: Callable) -> Tensor:
     r"""(g(p) - g(0)) / p at the real pre-activation (g'(0) where p ~ 0), via ig_closed_form."""
     return ig_closed_form(torch.ones_like(real_pre).unsqueeze(-2), real_pre, act).squeeze(-2)
 
 
-def frozen_slopes(layers: Sequence[LayerTensors], head: "object") -> Tuple[List[Tensor], Tensor]:
-    r"""The frozen activation slopes: per layer (B, T, F) for the FF, and (B, D2) for the head."""
-    out = []
-    for layer in layers:
-        f = layer.ff
-        pre = layer.ln1_out @ f.w_in
-        if f.b_in is not None:
-            pre = pre + f.b_in
-        out.append(_slopes(pre, f.act))
-    u = layers[-1].layer_out[:, head.position] @ head.w_dense
+def head_slope(real_input: Tensor, head: "object") -> Tensor:
+    r"""The frozen activation slope (B, D2) of a classification head at its real input.
+
+    Args:
+        real_input: (B, D) the last layer's real output at the head's token.
+        head: a :class:`~captum_normattr.models.heads.HeadParams`.
+    """
+    u = real_input @ head.w_dense
     if head.b_dense is not None:
         u = u + head.b_dense
-    return out, _slopes(u, head.act)
+    return _slopes(u, head.act)
 
 
 def frozen_post_ln_layer(
@@ -609,7 +684,7 @@ def frozen_post_ln_layer(
         layer: the layer's real tensors.
         value_weight, value_bias: W_V (D, H*Dh) and b_V.
         with_bias: add every bias (b_V, b_O, beta1, b1, g(0) W2 + b2, beta2).
-        ff_slope: (B, T, F) from :func:`frozen_slopes`.
+        ff_slope: (B, T, F), the ``"slope"`` of :func:`ff_coefficients`.
         rows: (R,) output rows to produce (default all).
 
     Returns:
@@ -645,37 +720,176 @@ def frozen_post_ln_layer(
     return norm(zt + ff, sel(layer.ln2_in), layer.ln2)
 
 
-def frozen_logits(
-    x: Tensor,
-    layers: Sequence[LayerTensors],
-    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
-    head: "object",
-    with_bias: bool,
-    slopes: Optional[Tuple[List[Tensor], Tensor]] = None,
-) -> Tensor:
-    r"""Logits (B, C) of the frozen network (linear in ``x`` without biases).
+def frozen_head(pooled: Tensor, head: "object", slope: Tensor, with_bias: bool) -> Tensor:
+    r"""Logits (B, C) of the classification head with its activation frozen (linear in ``pooled`` without biases).
 
     Args:
-        x: (B, T, D) input of the first layer.
-        layers, value_params: as in :func:`propagate_parts`.
+        pooled: (B, D) the (frozen) last-layer output at the head's token.
         head: a :class:`~captum_normattr.models.heads.HeadParams`.
-        with_bias: include the biases.
-        slopes: :func:`frozen_slopes` (computed if None).
+        slope: (B, D2) :func:`head_slope`.
+        with_bias: include the biases (b_d, g(0) W_c, b_c).
     """
-    ff_slopes, head_slope = slopes if slopes is not None else frozen_slopes(layers, head)
-    n = len(layers)
-    pos = torch.tensor([head.position], device=x.device)
-    for l, (layer, (w_v, b_v)) in enumerate(zip(layers, value_params)):
-        x = frozen_post_ln_layer(x, layer, w_v, b_v, with_bias, ff_slopes[l], rows=pos if l == n - 1 else None)
-    u = x[:, 0] @ head.w_dense
+    u = pooled @ head.w_dense
     if with_bias and head.b_dense is not None:
         u = u + head.b_dense
-    out = (u * head_slope) @ head.w_cls
+    out = (u * slope) @ head.w_cls
     if with_bias:
-        out = out + head.act(torch.zeros((), dtype=x.dtype, device=x.device)) * head.w_cls.sum(0)
+        out = out + head.act(torch.zeros((), dtype=pooled.dtype, device=pooled.device)) * head.w_cls.sum(0)
         if head.b_cls is not None:
             out = out + head.b_cls
     return out
+
+
+def frozen_layer(
+    x: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    with_bias: bool,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""One frozen layer of either kind: :func:`frozen_pre_ln_layer` or :func:`frozen_post_ln_layer`.
+
+    ``coefs`` are the layer's :func:`ff_coefficients` (a post-LN layer uses its ``"slope"``).
+    """
+    if layer.pre_ln:
+        return frozen_pre_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs, rows)
+    return frozen_post_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs["slope"], rows)
+
+
+#: A frozen layer with its biases, as a function of its input: (x (B, T, D), rows or None) -> (B, R, D).
+FrozenStep = Callable[[Tensor, Optional[Tensor]], Tensor]
+
+
+def frozen_step(
+    layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor], coefs: Dict[str, Tensor]
+) -> FrozenStep:
+    r"""The :data:`FrozenStep` of one layer (it holds the layer's tensors while it lives)."""
+
+    def step(x: Tensor, rows: Optional[Tensor] = None) -> Tensor:
+        return frozen_layer(x, layer, value_weight, value_bias, True, coefs, rows)
+
+    return step
+
+
+class AdjointPass:
+    r"""The adjoint algorithm streamed over the layers (``"separate"`` bias mode).
+
+    Forward phase: :meth:`forward` once per layer, in order, as the forward pass produces
+    it. It keeps the layer input (B, T, D) as the layer's checkpoint and advances
+    :attr:`value`, the frozen network with its biases applied to the embedding output e,
+    by one layer (the last layer produces ``last_rows`` only). The layer itself is not kept.
+
+    Backward phase: :meth:`backward` walks l = L-1, ..., 0. ``frozen_at(l, checkpoint_l)``
+    recomputes layer l's frozen map (the attribution reruns the real layer on its
+    checkpoint: :meth:`~captum_normattr.models.capture.Recorder.rerun_layer`), and the
+    cotangents are pushed through it by a local ``torch.autograd.grad`` on a leaf copy of
+    the checkpoint. The frozen layer is affine, so the VJP does not depend on the point; the
+    layer's tensors (its attention probabilities) are released before the next layer is
+    recomputed. Memory: L checkpoints (B, T, D) plus one layer's tensors and graph.
+
+    Args:
+        num_layers: L.
+        last_rows: (R,) long rows of the last layer that the explained output reads.
+    """
+
+    def __init__(self, num_layers: int, last_rows: Tensor) -> None:
+        self.num_layers = num_layers
+        self.last_rows = last_rows
+        self.checkpoints: List[Optional[Tensor]] = []
+        self.value: Optional[Tensor] = None
+
+    @property
+    def embeddings(self) -> Tensor:
+        r"""(B, T, D) e, the input of the first layer."""
+        return self.checkpoints[0]
+
+    def forward(self, layer_input: Tensor, step: FrozenStep) -> None:
+        r"""Checkpoint the next layer's input and apply its frozen map to :attr:`value`."""
+        l = len(self.checkpoints)
+        if l >= self.num_layers:
+            raise RuntimeError(f"all {self.num_layers} layers have been seen already")
+        x = layer_input.detach()
+        self.checkpoints.append(x)
+        self.value = step(x if l == 0 else self.value, self.last_rows if l == self.num_layers - 1 else None)
+
+    def backward(
+        self, frozen_at: Callable[[int, Tensor], FrozenStep], outputs: Callable[[Tensor], Sequence[Tensor]]
+    ) -> List[Tensor]:
+        r"""The gradients of the explained outputs with respect to e, one layer at a time.
+
+        Args:
+            frozen_at: ``(l, checkpoint_l) -> FrozenStep`` of layer l.
+            outputs: maps the frozen last-layer output at ``last_rows`` (B, R, D) to the
+                scalar outputs to differentiate (e.g. one class logit summed over the batch).
+
+        Returns:
+            One (B, T, D) gradient per output.
+        """
+        n = self.num_layers
+        if len(self.checkpoints) != n:
+            raise RuntimeError(f"the forward phase saw {len(self.checkpoints)} of {n} layers")
+        cots: List[Tensor] = []
+        for l in range(n - 1, -1, -1):
+            point = self.checkpoints[l]
+            step = frozen_at(l, point)  # outside enable_grad: a rerun of the real layer builds no graph
+            with torch.enable_grad():
+                x = point.detach().clone().requires_grad_(True)
+                if l == n - 1:
+                    roots = list(outputs(step(x, self.last_rows)))
+                    grads = [torch.autograd.grad(r, x, retain_graph=j < len(roots) - 1)[0] for j, r in enumerate(roots)]
+                    del roots
+                else:
+                    y = step(x, None)
+                    grads = [
+                        torch.autograd.grad(y, x, grad_outputs=c, retain_graph=j < len(cots) - 1)[0]
+                        for j, c in enumerate(cots)
+                    ]
+                    del y
+            del step, x  # the layer's tensors and graph go here
+            if l > 0:
+                self.checkpoints[l] = None
+            cots = [g.detach() for g in grads]
+            del grads
+        return cots
+
+
+def adjoint_head_scores(
+    adj: AdjointPass,
+    frozen_at: Callable[[int, Tensor], FrozenStep],
+    head: "object",
+    slope: Tensor,
+    target: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""Class scores of a streamed adjoint pass through a classification head (its backward phase).
+
+    Args:
+        adj: an :class:`AdjointPass` whose forward phase has seen every layer (``last_rows``
+            = the head's token).
+        frozen_at: as in :meth:`AdjointPass.backward`.
+        head: a :class:`~captum_normattr.models.heads.HeadParams`; slope: :func:`head_slope`.
+        target: (B,) long: compute only these classes (one product in all); None: all classes.
+
+    Returns:
+        as :func:`adjoint_class_scores`.
+    """
+    e = adj.embeddings
+    value = frozen_head(adj.value[:, 0], head, slope, True)  # F(e), (B, C)
+    if target is not None:
+        pick = lambda out: out.gather(1, target.view(-1, 1)).squeeze(1)
+        (g,) = adj.backward(frozen_at, lambda y: [pick(frozen_head(y[:, 0], head, slope, True)).sum()])
+        scores = (g * e).sum(-1)
+        return scores.detach(), (pick(value) - scores.sum(1)).detach()
+    c = value.shape[-1]
+
+    def roots(y: Tensor) -> List[Tensor]:
+        out = frozen_head(y[:, 0], head, slope, True)
+        return [out[:, j].sum() for j in range(c)]
+
+    grads = adj.backward(frozen_at, roots)
+    scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
+    return scores.detach(), (value - scores.sum(1)).detach()
 
 
 def adjoint_class_scores(
@@ -686,7 +900,8 @@ def adjoint_class_scores(
 ) -> Tuple[Tensor, Tensor]:
     r"""DecompX scores (``"separate"`` bias mode) by one vector-Jacobian product per class.
 
-    Equal to :func:`propagate_parts` followed by :func:`head_scores` (up to rounding).
+    Equal to :func:`propagate_parts` followed by :func:`head_scores` (up to rounding). This
+    runs :class:`AdjointPass` over a list of captured layers; the attribution streams it.
 
     Args:
         layers, value_params: as in :func:`propagate_parts`.
@@ -701,20 +916,13 @@ def adjoint_class_scores(
     """
     if any(layer.pre_ln for layer in layers):
         raise ValueError("pre-LN layers (decoders) have no classification head: use adjoint_logit_scores")
-    e = layers[0].hidden_in.detach()
-    slopes = frozen_slopes(layers, head)
-    with torch.enable_grad():
-        x = e.clone().requires_grad_(True)
-        out = frozen_logits(x, layers, value_params, head, True, slopes)
-        if target is not None:
-            picked = out.gather(1, target.view(-1, 1)).squeeze(1)
-            (g,) = torch.autograd.grad(picked.sum(), x)
-            scores = (g * e).sum(-1)
-            return scores.detach(), (picked - scores.sum(1)).detach()
-        c = out.shape[-1]
-        grads = [torch.autograd.grad(out[:, j].sum(), x, retain_graph=j < c - 1)[0] for j in range(c)]
-    scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
-    return scores.detach(), (out - scores.sum(1)).detach()
+    e = layers[0].hidden_in
+    adj = AdjointPass(len(layers), torch.tensor([head.position], device=e.device))
+    steps = [frozen_step(layer, w_v, b_v, ff_coefficients(layer)) for layer, (w_v, b_v) in zip(layers, value_params)]
+    for layer, step in zip(layers, steps):
+        adj.forward(layer.hidden_in, step)
+    slope = head_slope(layers[-1].layer_out[:, head.position], head)
+    return adjoint_head_scores(adj, lambda l, _x: steps[l], head, slope, target)
 
 
 # --------------------------------------------------------------------------------------
@@ -827,6 +1035,55 @@ def frozen_pre_ln_layer(
     return hcur + ff
 
 
+def frozen_next_token_logit(
+    last: Tensor, final_params: NormParams, final_input: Tensor, direction: Tensor, direction_bias: Optional[Tensor]
+) -> Tensor:
+    r"""<FinalNorm(last), u> + u_bias with the final norm at its real scale: (B,).
+
+    Args:
+        last: (B, D) the (frozen) last-layer output at the explained positions.
+        final_params: the final norm's parameters; final_input: (B, D) its real input there.
+        direction: (B, D) u; direction_bias: (B,) or None.
+    """
+    out = (norm_bias_part(last.unsqueeze(1), final_input.unsqueeze(1), final_params).squeeze(1) * direction).sum(-1)
+    if direction_bias is not None:
+        out = out + direction_bias
+    return out
+
+
+def adjoint_next_token_scores(
+    adj: AdjointPass,
+    frozen_at: Callable[[int, Tensor], FrozenStep],
+    final_params: NormParams,
+    final_input: Tensor,
+    direction: Tensor,
+    direction_bias: Optional[Tensor],
+    position: Tensor,
+) -> Tuple[Tensor, Tensor]:
+    r"""Decoder scores of a streamed adjoint pass (its backward phase).
+
+    Args:
+        adj: an :class:`AdjointPass` whose forward phase has seen every layer, with
+            ``last_rows = torch.unique(position)``.
+        frozen_at: as in :meth:`AdjointPass.backward`.
+        final_params, final_input, direction, direction_bias, position: as in
+            :func:`adjoint_logit_scores`.
+
+    Returns:
+        as :func:`adjoint_logit_scores`.
+    """
+    e = adj.embeddings
+    ar = torch.arange(e.shape[0], device=e.device)
+    row_index = torch.searchsorted(adj.last_rows, position)
+    f_in = final_input[ar, position]
+    value = frozen_next_token_logit(adj.value[ar, row_index], final_params, f_in, direction, direction_bias)
+    (g,) = adj.backward(
+        frozen_at, lambda y: [frozen_next_token_logit(y[ar, row_index], final_params, f_in, direction, direction_bias).sum()]
+    )
+    scores = (g * e).sum(-1)
+    return scores.detach(), (value - scores.sum(1)).detach()
+
+
 def adjoint_logit_scores(
     layers: Sequence[LayerTensors],
     value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
@@ -841,7 +1098,8 @@ def adjoint_logit_scores(
 
     The frozen decoder (every layer by :func:`frozen_pre_ln_layer`, the final norm at its
     real scale, the LM-head row u) is affine in the embedding output e: token k's score is
-    <dF/dx_k, e_k>. Equal to :func:`propagate_parts` followed by :func:`logit_scores`.
+    <dF/dx_k, e_k>. Equal to :func:`propagate_parts` followed by :func:`logit_scores`. This
+    runs :class:`AdjointPass` over a list of captured layers; the attribution streams it.
 
     Args:
         layers, value_params, ff_coefs: as in :func:`propagate_parts`.
@@ -852,21 +1110,10 @@ def adjoint_logit_scores(
     Returns:
         (scores (B, T), bias scores (B,)): the bias score is F(e) - sum of the scores.
     """
-    e = layers[0].hidden_in.detach()
-    b = e.shape[0]
-    ar = torch.arange(b, device=e.device)
-    rows = torch.unique(position)
-    row_index = torch.searchsorted(rows, position)
-    n = len(layers)
-    with torch.enable_grad():
-        x = e.clone().requires_grad_(True)
-        y = x
-        for l, (layer, (w_v, b_v)) in enumerate(zip(layers, value_params)):
-            y = frozen_pre_ln_layer(y, layer, w_v, b_v, True, ff_coefs[l], rows=rows if l == n - 1 else None)
-        last = y[ar, row_index]  # (B, D)
-        out = (norm_bias_part(last.unsqueeze(1), final_input[ar, position].unsqueeze(1), final_params).squeeze(1) * direction).sum(-1)
-        if direction_bias is not None:
-            out = out + direction_bias
-        (g,) = torch.autograd.grad(out.sum(), x)
-    scores = (g * e).sum(-1)
-    return scores.detach(), (out - scores.sum(1)).detach()
+    adj = AdjointPass(len(layers), torch.unique(position))
+    steps = [frozen_step(layer, w_v, b_v, c) for layer, (w_v, b_v), c in zip(layers, value_params, ff_coefs)]
+    for layer, step in zip(layers, steps):
+        adj.forward(layer.hidden_in, step)
+    return adjoint_next_token_scores(
+        adj, lambda l, _x: steps[l], final_params, final_input, direction, direction_bias, position
+    )

@@ -297,7 +297,7 @@ def component_scope_maps(
         del zt, ffp, res2, yt, parts
     m = valid.to(layer.hidden_in.dtype)
     m2 = m[:, :, None] * m[:, None, :]
-    maps = {n: v * m2 for n, v in maps.items()}
+    maps = {n: v.mul_(m2) for n, v in maps.items()}
     if contribution == "alti":
         maps = {n: row_normalize(v) for n, v in maps.items()}
     ff_ex, layer_ex = (ff_err * m).amax(-1), (layer_err * m).amax(-1)

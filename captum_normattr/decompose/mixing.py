@@ -50,7 +50,9 @@ def row_normalize(maps: Tensor) -> Tensor:
         Same shape, rows summing to 1 where they were non-zero.
     """
     sums = maps.sum(-1, keepdim=True)
-    return torch.where(sums > 0, maps / torch.where(sums > 0, sums, torch.ones_like(sums)), torch.zeros_like(maps))
+    positive = sums > 0
+    out = maps / torch.where(positive, sums, torch.ones_like(sums))
+    return out.masked_fill_(~positive, 0.0)
 
 
 def _eye_like(maps: Tensor, valid: Tensor) -> Tensor:

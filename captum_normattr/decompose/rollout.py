@@ -5,7 +5,7 @@ needed, :func:`rollout_rows` carries one row vector down the stored maps, O(L T^
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -88,3 +88,88 @@ def rollout_rows(layer_maps: Union[Tensor, Sequence[Tensor]], positions: Tensor,
     for m in reversed(maps[:-1]):
         row = torch.einsum("bj,bjk->bk", row, prep(m))
     return row
+
+
+class LayerMapStore:
+    r"""The per-layer (B, T, T) maps of one call, kept for the rollout.
+
+    Maps of causal layers are lower-triangular: unless the dense (B, L, T, T) tensor is
+    asked for, they are kept as ``blocks`` row blocks, block k holding its rows and only
+    the columns up to its last row, about (1/2 + 1/(2 blocks)) of the dense memory. The
+    explained rows are rolled out straight from the blocks (:meth:`rollout_rows`).
+
+    Args:
+        num_layers: L.
+        causal: the maps are lower-triangular.
+        dense: keep a dense (B, L, T, T) tensor (returned as ``layer_maps``).
+        blocks: row blocks of a causal map.
+
+    Examples::
+
+        >>> store = LayerMapStore(2, causal=True, dense=False)
+        >>> for l in range(2):
+        ...     store.put(l, torch.rand(1, 5, 5).tril())
+        >>> store.rollout_rows(torch.tensor([4])).shape
+        torch.Size([1, 5])
+    """
+
+    def __init__(self, num_layers: int, causal: bool, dense: bool, blocks: int = 16) -> None:
+        self.num_layers = num_layers
+        self.causal = causal
+        self.keep_dense = dense or not causal
+        self.num_blocks = blocks
+        self._dense: Optional[Tensor] = None
+        self._blocks: List[Optional[List[Tuple[int, int, Tensor]]]] = [None] * num_layers
+
+    def put(self, index: int, layer_map: Tensor) -> None:
+        r"""Keep layer ``index``'s (B, T, T) map."""
+        if self.keep_dense:
+            if self._dense is None:
+                b, t, _ = layer_map.shape
+                self._dense = layer_map.new_zeros(b, self.num_layers, t, t)
+            self._dense[:, index] = layer_map
+            return
+        t = layer_map.shape[-1]
+        size = max(1, -(-t // self.num_blocks))
+        self._blocks[index] = [
+            (a, min(t, a + size), layer_map[:, a : min(t, a + size), : min(t, a + size)].clone()) for a in range(0, t, size)
+        ]
+
+    def dense(self) -> Optional[Tensor]:
+        r"""The (B, L, T, T) maps, or None when they were kept in blocks."""
+        return self._dense
+
+    def layer(self, index: int) -> Tensor:
+        r"""Layer ``index``'s map as a dense (B, T, T) tensor."""
+        if self._dense is not None:
+            return self._dense[:, index]
+        blocks = self._blocks[index]
+        b_, t = blocks[0][2].shape[0], blocks[-1][1]
+        out = blocks[0][2].new_zeros(b_, t, t)
+        for a, e, block in blocks:
+            out[:, a:e, :e] = block
+        return out
+
+    def row_times_layer(self, row: Tensor, index: int, convention: str = "raw") -> Tensor:
+        r"""row @ M_index (M row-normalised first for ``"row_normalized"``): (B, T) -> (B, T)."""
+        if self._dense is not None:
+            m = self._dense[:, index]
+            m = row_normalize(m) if convention == "row_normalized" else m
+            return torch.einsum("bj,bjk->bk", row, m)
+        out = torch.zeros_like(row)
+        for a, e, block in self._blocks[index]:
+            m = row_normalize(block) if convention == "row_normalized" else block
+            out[:, :e] += torch.einsum("bj,bjk->bk", row[:, a:e], m)
+        return out
+
+    def rollout_rows(self, positions: Tensor, convention: str = "raw") -> Tensor:
+        r"""Rows ``positions`` of the rollout (see :func:`rollout_rows`), from the kept maps."""
+        check_convention(convention)
+        if self._dense is not None:
+            t, dtype = self._dense.shape[-1], self._dense.dtype
+        else:
+            t, dtype = self._blocks[-1][-1][1], self._blocks[-1][-1][2].dtype
+        row = torch.nn.functional.one_hot(positions, t).to(dtype)
+        for l in range(self.num_layers - 1, -1, -1):
+            row = self.row_times_layer(row, l, convention)
+        return row
