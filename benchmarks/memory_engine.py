@@ -30,22 +30,22 @@ growth over the loaded model, attribution object and inputs, polled every 2 ms
 knows and exits; the table says "timeout". ``--json`` saves every record (rewritten after each
 child, so an interrupted run keeps what it measured).
 
-Reproduce ("before" = the old code in the worktree /work/wt-ref, package as of commit 5e4d66c; run from
-/work/main). benchmarks/results/memory_engine_before.json holds the figures of these two runs (the first
-was in fact started with ``--sections depth length encoder --lengths 1024 2048 4096 --skip ff ff_alti``
-and stopped after the 2048-token figures, as 4096 tokens did not fit the time budget of a shared
-2-core machine; the "runs" list of the file keeps both command lines):
+Reproduce, from the repository root ("before" = a checkout of the package as of commit 5e4d66c, the
+version that recorded every layer before decomposing; benchmarks/results/memory_engine_before.json
+holds its figures; the length section was measured at 1024 and 2048 tokens only, as 4096 tokens did not
+fit the time budget of a shared 2-core machine):
 
-    PYTHONPATH=/work/wt-ref nice -n 10 .venv/bin/python benchmarks/memory_engine.py \
-        --package-root /work/wt-ref --sections depth length --lengths 1024 2048 \
+    git worktree add ../captum-normattr-before 5e4d66c
+    PYTHONPATH=../captum-normattr-before nice -n 10 python benchmarks/memory_engine.py \
+        --package-root ../captum-normattr-before --sections depth length --lengths 1024 2048 \
         --json benchmarks/results/memory_engine_before.json
-    PYTHONPATH=/work/wt-ref nice -n 10 .venv/bin/python benchmarks/memory_engine.py \
-        --package-root /work/wt-ref --sections encoder --skip ff ff_alti \
+    PYTHONPATH=../captum-normattr-before nice -n 10 python benchmarks/memory_engine.py \
+        --package-root ../captum-normattr-before --sections encoder --skip ff ff_alti \
         --json benchmarks/results/memory_engine_before.json --merge-json
 
 "after" (this checkout):
 
-    nice -n 10 .venv/bin/python benchmarks/memory_engine.py --json benchmarks/results/memory_engine_after.json
+    nice -n 10 python benchmarks/memory_engine.py --json benchmarks/results/memory_engine_after.json
 
 Options: ``--sections depth length encoder``, ``--lengths 1024 2048 4096 8192``, ``--layers 4 8``,
 ``--limit-gb 8``, ``--skip METHOD ...`` (any of forward globenc alti alti_logit decompx ff ff_alti),
@@ -86,6 +86,13 @@ EXIT_OVER, EXIT_TIMEOUT = 3, 4
 
 
 # ----------------------------------------------------------------------------------- package
+
+def _rel(path) -> str:
+    r"""A path relative to this repository (results files carry no absolute path of a machine)."""
+    if not path:
+        return path
+    return os.path.relpath(os.path.abspath(str(path)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 def use_package(root: str) -> str:
     r"""Put ``root`` first on ``sys.path``, import ``captum_normattr`` and check it came from there."""
     root = os.path.abspath(root)
@@ -177,7 +184,7 @@ def child(args, package_file: str) -> None:
     record = {"section": section, "method": name, "layers": args._layers if section != "encoder" else 12,
               "tokens": args._tokens, "batch": args._batch, "threads": torch.get_num_threads(),
               "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-              "package_file": package_file, "exceeded": False, "timed_out": False}
+              "package_file": _rel(package_file), "exceeded": False, "timed_out": False}
     base = [rss_mb()]
     start = [time.perf_counter()]
 
@@ -360,7 +367,7 @@ def main() -> None:
                                 text=True).stdout.strip() or None
     except OSError:
         pass
-    meta = {"package_root": args.package_root, "package_file": package_file, "package_commit": commit,
+    meta = {"package_root": _rel(args.package_root), "package_file": _rel(package_file), "package_commit": commit,
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "parent_torch_threads": torch.get_num_threads(), "child_torch_threads": 1, "niceness": os.nice(0),
             "cpus": os.cpu_count(), "limit_gb": args.limit_gb, "sections": args.sections, "argv": sys.argv[1:],
