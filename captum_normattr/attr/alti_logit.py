@@ -9,7 +9,13 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.alti import ALTI_MEMORY_BUDGET_MB
-from captum_normattr.attr.base import LayerDecompositionAttribution, check_memory_budget, format_output, streamed_forward
+from captum_normattr.attr.base import (
+    LayerDecompositionAttribution,
+    check_memory_budget,
+    format_output,
+    mark_non_finite,
+    streamed_forward,
+)
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
@@ -156,7 +162,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
                 kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
                 fparams, f_in, f_out, out.direction, out.bias, valid, pos,
             )
-        return ALTILogitResult(
+        return mark_non_finite(ALTILogitResult(
             method=self.get_name(),
             scores=terms["scores"],
             attention_mask=prepared.attention_mask,
@@ -172,7 +178,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             ff=terms["ff"],
             attention_bias=terms["attention_bias"],
             final_bias=terms["final_bias"],
-        )
+        ), prepared.finite)
     @log_usage()
     def attribute(
         self,
