@@ -88,7 +88,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         unembedding: optional (V, D) unembedding matrix (rows = tokens), used instead of the
             model's LM head (needed for a bare ``*Model``).
         explained_position: the position whose next-token logit is explained: ``"last"``
-            (default), an int or a (B,) tensor.
+            (default), an int (k >= 0 counts from the first real token, negative from the
+            last) or a (B,) integer tensor of padded positions.
         memory_budget_mb: memory for the explicit parts of the ALTI maps, per chunk of rows.
 
     Examples::

@@ -208,9 +208,12 @@ class LayerDecompositionAttribution(Attribution):
     Args:
         model: a supported Hugging Face model (``*Model``, ``*ForSequenceClassification`` or
             ``*ForCausalLM``).
-        explained_position: the explained row of the rollout: an int, ``"last"`` (the last
-            real token) or a (B,) tensor. None (default): 0 ([CLS]) for encoders, ``"last"``
-            for decoders.
+        explained_position: the explained row of the rollout: an int (k >= 0: the k-th
+            token counted from each example's first real token, so left padding does not
+            move it; k < 0: counted from the last real token), ``"last"`` (the last real
+            token) or a (B,) integer tensor of positions in the padded tensor. None
+            (default): 0 ([CLS]) for encoders, ``"last"`` for decoders. Checked by
+            :func:`captum_normattr.options.check_explained_position`.
         rollout: ``"raw"`` (default; the convention of the published figures) or
             ``"row_normalized"``.
     """

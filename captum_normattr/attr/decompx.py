@@ -147,7 +147,8 @@ class DecompXAttribution(Attribution):
         algorithm: ``"auto"`` (default), ``"adjoint"`` (``"separate"`` mode only) or
             ``"forward"``.
         explained_position: decoders only: ``"last"`` (default; the last real token), an
-            int (negative counts from the last real token) or a (B,) tensor.
+            int (k >= 0 counts from the first real token, negative from the last) or a (B,)
+            integer tensor of padded positions.
         unembedding: decoders only: a (V, D) unembedding matrix used instead of the LM head
             (needed for a bare ``GPT2Model`` / ``LlamaModel`` ...).
         nodes: decoders with a gated FF: Gauss-Legendre nodes of the gate integrals.
