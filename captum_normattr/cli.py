@@ -4,6 +4,8 @@ Examples (shell)::
 
     captum-normattr "the film was a delight"                       # packaged MiniLM, GlobEnc
     captum-normattr "the film was a delight" -m globenc alti --map N_RES
+    captum-normattr -m globenc,alti "the film was a delight"           # methods and texts in any order
+    captum-normattr explain -m alti -m ff "the film was a delight"     # 'explain' is the (only) subcommand
     captum-normattr --file texts.txt -m alti --format json -o out.json
     captum-normattr --file texts.txt --format html -o report.html --html-maps
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
@@ -16,6 +18,14 @@ A new method adds itself with :func:`register_method`::
 
     from captum_normattr.cli import register_method
     register_method("my-alti", lambda model, opts: MyAttribution(model), "my ALTI variant")
+
+Methods (``-m``/``--method``) are given as names, comma lists or both, and ``-m`` may be
+repeated. After ``-m``, the values that are not method names are texts (so
+``-m globenc alti "a text"`` explains "a text" with two methods), except that a word
+close to a method name is refused as a misspelt method. ``explain`` as the first
+argument is the subcommand and is dropped (``captum-normattr explain explain`` explains
+the word "explain"); elsewhere it is a text, with a note on stderr. Texts longer than the model's limit are truncated with a
+warning on stderr naming the text and the number of tokens cut.
 
 Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option),
 1 for an error raised while explaining, 130 on Ctrl-C.
@@ -69,6 +79,57 @@ def _positive_int(value: str) -> int:
     return v
 
 
+#: the one subcommand; accepted as the first argument and dropped
+SUBCOMMAND = "explain"
+
+
+def _is_method_list(value: str) -> bool:
+    r"""True when ``value`` is a method name or a comma list of method names (case-insensitive)."""
+    names = [m.strip().lower() for m in value.split(",") if m.strip()]
+    return bool(names) and all(n in METHODS for n in names)
+
+
+def _near_method(value: str) -> Optional[str]:
+    r"""A registered method ``value`` looks like a misspelling of (one word, close to a name), or None."""
+    import difflib
+
+    word = value.strip().lower()
+    if not word or any(c.isspace() for c in word):
+        return None
+    for part in word.split(","):
+        close = difflib.get_close_matches(part, list(METHODS), n=1, cutoff=0.75)
+        if part not in METHODS and close:
+            return close[0]
+    return None
+
+
+class _MethodsAction(argparse.Action):
+    r"""``-m``: method names (or comma lists), repeatable; trailing values that are not methods are texts.
+
+    The first value must be a method (else: an unknown-method error). Later values are
+    methods while they name methods; the first one that does not starts the texts, which
+    are kept in ``namespace.trailing_texts``. A one-word value close to a method name is
+    refused as a misspelling rather than explained as a text.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        methods = list(getattr(namespace, self.dest, None) or [])
+        texts = list(getattr(namespace, "trailing_texts", None) or [])
+        for i, value in enumerate(values):
+            if i == 0 or (not texts and _is_method_list(value)):
+                methods.append(value)
+                continue
+            near = _near_method(value) if not texts else None
+            if near is not None:
+                parser.error(
+                    f"argument {option_string}: unknown method {value!r} (did you mean {near!r}?); "
+                    f"available: {', '.join(METHODS)}"
+                )
+            texts.append(value)
+        setattr(namespace, self.dest, methods)
+        namespace.trailing_texts = texts
+
+
 def build_parser() -> argparse.ArgumentParser:
     r"""The argument parser of ``captum-normattr``.
 
@@ -83,17 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         f"  {PROG} \"the film was a delight\"\n"
         f"  {PROG} -m globenc alti --map N_RES \"the film was a delight\"\n"
+        f"  {PROG} explain -m globenc,alti \"the film was a delight\"\n"
         f"  {PROG} --file texts.txt --format html -o report.html\n"
         f"  {PROG} -m ff --scope RES2 --plots pics/ \"the film was a delight\"",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("texts", nargs="*", metavar="TEXT", help="text(s) to explain")
+    p.add_argument("texts", nargs="*", metavar="TEXT",
+                   help=f"text(s) to explain ({SUBCOMMAND!r} as the first argument is the subcommand)")
     p.add_argument("-f", "--file", metavar="PATH",
                    help="file with one text per line (blank lines skipped); '-' reads stdin")
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="Hugging Face Hub name or local model folder (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("-m", "--method", nargs="+", default=["globenc"], metavar="METHOD",
-                   help=f"one or more of: {', '.join(METHODS)} (default: globenc); see --list-methods")
+    p.add_argument("-m", "--method", nargs="+", action=_MethodsAction, default=None, metavar="METHOD",
+                   help=f"one or more of: {', '.join(METHODS)} (default: globenc), as names or comma lists; "
+                   "repeatable; texts may follow the methods; see --list-methods")
     for opt, used_by in method_options().values():
         opt.add_to(p, used_by)
     target_users = [k for k, spec in METHODS.items() if spec.uses_target]
@@ -431,12 +495,15 @@ def explain(
         pos_limit = getattr(model.config, "max_position_embeddings", None)
         if isinstance(pos_limit, int) and pos_limit > 0:
             max_len = min(max_len or pos_limit, pos_limit)
+    side = getattr(tokenizer, "truncation_side", "right")
     all_exps: List[Any] = []
     all_maps: List[Dict[str, Any]] = []
     n_batches = (len(texts) + options.batch_size - 1) // options.batch_size
     bar = _progress(n_batches, progress)
     try:
-        for _, chunk in _batches(texts, options.batch_size):
+        for start, chunk in _batches(texts, options.batch_size):
+            if max_len is not None:
+                _warn_truncation(tokenizer, chunk, start, max_len, side)
             enc = tokenizer(list(chunk), return_tensors="pt", padding=True,
                             truncation=max_len is not None, max_length=max_len)
             ids = enc["input_ids"].to(device)
@@ -479,6 +546,25 @@ def explain(
     finally:
         bar.close()
     return all_exps, all_maps
+
+
+def _warn_truncation(tokenizer: Any, chunk: Sequence[str], start: int, max_len: int, side: str) -> List[int]:
+    r"""Warn on stderr for every text of ``chunk`` longer than ``max_len`` tokens.
+
+    Returns:
+        the number of tokens cut from each text of ``chunk`` (0 where none).
+    """
+    lengths = [len(ids) for ids in tokenizer(list(chunk), truncation=False, verbose=False)["input_ids"]]
+    cut = [max(0, n - max_len) for n in lengths]
+    for i, (n, c) in enumerate(zip(lengths, cut)):
+        if c:
+            where = "first" if side == "left" else "last"
+            print(
+                f"{PROG}: warning: text {start + i + 1} has {n} tokens but the limit is {max_len}: "
+                f"its {where} {c} token(s) were cut (see --max-length)",
+                file=sys.stderr,
+            )
+    return cut
 
 
 def _component_maps(res: Any, b: int) -> Dict[str, Any]:
@@ -582,7 +668,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_methods:
         print(_list_methods())
         return 0
-    names = [m.lower() for arg in args.method for m in arg.split(",") if m.strip()]
+    names = [m.strip().lower() for arg in (args.method or ["globenc"]) for m in arg.split(",") if m.strip()]
     try:
         specs = [get_method(m) for m in dict.fromkeys(names)]
     except ValueError as err:
@@ -603,7 +689,11 @@ def _run(args: argparse.Namespace) -> int:
         import matplotlib
 
         matplotlib.use("Agg")
-    texts = read_texts(args.texts, args.file)
+    given = list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
+    if SUBCOMMAND in given:
+        print(f"{PROG}: note: explaining the word {SUBCOMMAND!r} as a text; the subcommand {SUBCOMMAND!r} is "
+              f"recognised only as the first argument ({PROG} {SUBCOMMAND} [options] TEXT ...)", file=sys.stderr)
+    texts = read_texts(given, args.file)
     device = _resolve_device(args.device)
     model, tok, model_name = load_model(args.model, device)
     if tok.pad_token is None:
@@ -656,8 +746,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == SUBCOMMAND:  # `captum-normattr explain ...`: the one subcommand
+        argv = argv[1:]
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_intermixed_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:

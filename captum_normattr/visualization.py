@@ -675,7 +675,9 @@ def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None) -> Ten
     Captum's ``visualize_text`` clips word attributions to [-1, 1], so raw
     norm-based scores (which can exceed 1, or be all tiny) must be normalised first.
     Works per row for a batch (B, T). Masked-out positions are set to 0 and ignored
-    for the maximum. All-zero rows stay zero.
+    for the maximum. All-zero rows stay zero. The maximum is taken over the finite
+    values only: NaN stays NaN (a score that could not be computed is never shown as a
+    number) and +-inf become +-1.
 
     Args:
         scores: (T,) or (B, T) scores.
@@ -687,6 +689,8 @@ def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None) -> Ten
     Examples:
         >>> normalize_scores([2.0, -4.0, 1.0]).tolist()
         [0.5, -1.0, 0.25]
+        >>> normalize_scores([float("nan"), 1.0, 2.0]).tolist()
+        [nan, 0.5, 1.0]
     """
     s = torch.as_tensor(_to_numpy(scores))
     squeeze = s.dim() == 1
@@ -695,7 +699,8 @@ def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None) -> Ten
     if mask is not None:
         m = torch.as_tensor(_to_numpy(mask)).reshape(s.shape) != 0
         s = torch.where(m, s, torch.zeros_like(s))
-    denom = s.abs().amax(dim=1, keepdim=True)
+    finite = torch.isfinite(s)
+    denom = torch.where(finite, s.abs(), torch.zeros_like(s)).amax(dim=1, keepdim=True)
     out = s / torch.where(denom > 0, denom, torch.ones_like(denom))
     out = out.clamp(-1.0, 1.0).float()
     return out[0] if squeeze else out

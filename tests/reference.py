@@ -99,3 +99,64 @@ def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor
     h = layer.ln2_in[:, rows]
     parts = apply_norm_to_parts(residual_parts(layer, rows), h, layer.ln2)
     return parts, norm_bias_part(_out_bias(layer), h, layer.ln2)
+
+
+# --- naive references written from the definitions (no package helper inside) ---
+
+def naive_row_normalize(m):
+    r"""Each row divided by its sum (rows summing to 0 stay 0)."""
+    s = m.sum(-1, keepdim=True)
+    return torch.where(s != 0, m / torch.where(s != 0, s, torch.ones_like(s)), torch.zeros_like(m))
+
+
+def naive_fixed_residual(m, valid, w=0.5):
+    r"""Abnar & Zuidema: (1 - w) * row-normalised map + w * I on real tokens."""
+    t = m.shape[-1]
+    eye = torch.eye(t, dtype=m.dtype) * valid[..., None].to(m.dtype)
+    return (1 - w) * naive_row_normalize(m) + w * eye
+
+
+def naive_norm_parts(parts, real, norm):
+    r"""Parts of a LayerNorm/RMSNorm output, linearised at the real input's scale: (B, T, T, D)."""
+    if norm.kind == "rmsnorm":
+        rms = torch.sqrt((real ** 2).mean(-1) + norm.eps)
+        out = parts / rms[:, :, None, None]
+    else:
+        s = torch.sqrt(real.var(-1, unbiased=False) + norm.eps)
+        out = (parts - parts.mean(-1, keepdim=True)) / s[:, :, None, None]
+    return out if norm.weight is None else norm.weight * out
+
+
+def naive_pre_ln_parts(layer):
+    r"""Pre-LN parts built head by head: N (attention), N_RES = h_{i<-j} (with the residual, no b_O)
+    and N_RESLN (LN2 output parts), each (B, T, T, D)."""
+    ref = naive_parts_attention(layer)
+    t = layer.hidden_in.shape[1]
+    res = ref + torch.eye(t, dtype=ref.dtype)[None, :, :, None] * layer.hidden_in[:, :, None, :]
+    return {"N": ref, "N_RES": res, "N_RESLN": naive_norm_parts(res, layer.ln2_in, layer.ln2)}
+
+
+def naive_parts_attention(layer):
+    r"""sum_h alpha^h_ij f^h(x_j): (B, T, T, D), head by head."""
+    b, h, t, dh = layer.values.shape
+    w = layer.out_weight.reshape(h, dh, -1)
+    attn = torch.zeros(b, t, t, w.shape[-1], dtype=layer.values.dtype)
+    for head in range(h):
+        attn += layer.probs[:, head, :, :, None] * (layer.values[:, head] @ w[head])[:, None, :, :]
+    return attn
+
+
+def naive_alti_from_parts(parts, y, valid):
+    r"""ALTI map from explicit parts (B, T, T, D) and the real output y (B, T, D), rows normalised."""
+    c = (y.abs().sum(-1)[:, :, None] - (y[:, :, None, :] - parts).abs().sum(-1)).clamp_min(0)
+    c = c * (valid[:, :, None] & valid[:, None, :])
+    return naive_row_normalize(c)
+
+
+def naive_rollout(maps, convention="raw"):
+    r"""Product of the layer maps (B, L, T, T), bottom layer first; rows normalised first for ``row_normalized``."""
+    prep = naive_row_normalize if convention == "row_normalized" else (lambda m: m)
+    joint = prep(maps[:, 0])
+    for l in range(1, maps.shape[1]):
+        joint = prep(maps[:, l]) @ joint
+    return joint

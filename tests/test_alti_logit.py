@@ -29,12 +29,13 @@ def test_sums_to_real_logit(family, tied):
     total = res.scores.sum(-1) + res.no_token_total
     assert (total - expect).abs().max() < 1e-8
     assert (res.logit - expect).abs().max() < 1e-10 and res.delta.abs().max() < 1e-10
-    # (target, foil) and another explained position
+    # (target, foil) and another explained position: the 4th real token (example 1 is left-padded by 2)
     al2 = ALTILogitAttribution(model, explained_position=3)
     res2 = al2.decompose(ids, (t, 11), mask)
-    expect2 = logits[[0, 1], [3, 3], t] - logits[[0, 1], [3, 3], 11]
+    assert res2.explained_position.tolist() == [3, 5]
+    expect2 = logits[[0, 1], [3, 5], t] - logits[[0, 1], [3, 5], 11]
     assert (res2.scores.sum(-1) + res2.no_token_total - expect2).abs().max() < 1e-8
-    assert (res2.scores[:, 4:] == 0).all()  # later tokens contribute nothing
+    assert (res2.scores[0, 4:] == 0).all()  # later tokens contribute nothing
     assert (res2.scores[1, :2] == 0).all()  # pads
     # rows of the rollout sum to 1: per layer, tokens receive exactly the layer's attention logit
     lt = res.layer_token_contributions.sum(-1)

@@ -94,3 +94,28 @@ def test_random_ids_reproducible_with_special_tokens():
     assert ((a[:, 1:-1] >= 1000) & (a[:, 1:-1] < 20000)).all()
     plain = _bench.random_ids(1, 5, low=100, high=30000, cls=None)
     assert torch.equal(plain, torch.randint(100, 30000, (1, 5), generator=torch.Generator().manual_seed(0)))
+
+
+def test_documented_results_rebuild_command_reproduces_results_md(tmp_path):
+    r"""The rebuild command written in RESULTS.md regenerates RESULTS.md itself, cost table included."""
+    import re
+    import shlex
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    commands = [c for c in re.findall(r"`(python benchmarks/faithfulness_sst2\.py [^`]*)`", text) if "--render-only" in c]
+    assert len(commands) == 1, commands
+    argv = shlex.split(commands[0])[2:]
+    copy = tmp_path / "RESULTS.md"
+    copy.write_text(text, encoding="utf-8")
+    import faithfulness_sst2  # noqa: E402 (benchmarks/ is on sys.path)
+
+    cwd = Path.cwd()
+    try:
+        import os
+
+        os.chdir(repo)  # the command is run from the repository root
+        faithfulness_sst2.main(argv + ["--results-md", str(copy)])
+    finally:
+        os.chdir(cwd)
+    assert copy.read_text(encoding="utf-8") == text

@@ -5,11 +5,11 @@ from captum.attr import NoiseTunnel
 
 from captum_normattr import GLOBENC_MAPS, ALTIAttribution, GlobEncAttribution, UnsupportedModelError, rollout
 from captum_normattr.decompose.encoder import post_ln_alti_map, post_ln_layer_maps, post_ln_ln1_parts_sum
-from captum_normattr.decompose.mixing import fixed_residual, row_normalize
+from captum_normattr.decompose.mixing import row_normalize
 from captum_normattr.models.adapters import get_adapter
 
 from conftest import FAMILIES, make_model, random_batch
-from reference import naive_alti, naive_parts, naive_ratio
+from reference import naive_alti, naive_fixed_residual, naive_parts, naive_ratio
 
 
 def capture(model, ids, mask):
@@ -42,12 +42,12 @@ def test_fast_maps_equal_naive(tiny_model):
             assert torch.allclose(ratios[name], r, atol=1e-10), name
         w = layer.probs.mean(1) * m2
         assert torch.allclose(maps["W"], w, atol=1e-12)
-        assert torch.allclose(maps["N_FIXEDRES"], 0.5 * row_normalize(maps["N"]) + 0.5 * torch.eye(7) * valid[..., None])
+        assert torch.allclose(maps["N_FIXEDRES"], naive_fixed_residual(ref["N"].norm(dim=-1) * m2, valid), atol=1e-12)
         eye = torch.eye(7, dtype=torch.bool)
         offw = row_normalize(w.masked_fill(eye, 0))
         r = ratios["N_ENC"][..., None]
         assert torch.allclose(maps["W_RES"], r * offw + (1 - r) * torch.eye(7) * valid[..., None], atol=1e-12)
-        assert torch.allclose(maps["W_FIXEDRES"], fixed_residual(w, valid))
+        assert torch.allclose(maps["W_FIXEDRES"], naive_fixed_residual(w, valid), atol=1e-12)
         for chunk in (None, 1, 3):
             assert torch.allclose(post_ln_alti_map(layer, valid, chunk), naive_alti(layer, valid), atol=1e-10)
 
@@ -152,10 +152,18 @@ def test_captum_contract():
     assert hasattr(GlobEncAttribution.attribute, "__wrapped__")
     # NoiseTunnel on word embeddings (a float input)
     emb = model.bert.embeddings.word_embeddings(ids).detach()
-    nt = NoiseTunnel(attr).attribute(emb, nt_samples=3, stdevs=1e-3, additional_forward_args=(mask,))
-    assert nt.shape == ids.shape and torch.isfinite(nt).all()
     clean = attr.attribute(emb, additional_forward_args=(mask,))
     assert torch.allclose(clean, out, rtol=1e-10)
+    # without noise every sample is the clean input: the mean (and mean square) of the samples is exact,
+    # so the expanded batch kept every example with its own mask
+    nt0 = NoiseTunnel(attr).attribute(emb, nt_samples=3, stdevs=0.0, additional_forward_args=(mask,))
+    torch.testing.assert_close(nt0, clean, rtol=0, atol=1e-12)
+    sq = NoiseTunnel(attr).attribute(emb, nt_type="smoothgrad_sq", nt_samples=3, stdevs=0.0, additional_forward_args=(mask,))
+    torch.testing.assert_close(sq, clean ** 2, rtol=0, atol=1e-12)
+    # with noise: the mean of the scores of the noised inputs, close to the clean scores, pads 0
+    nt = NoiseTunnel(attr).attribute(emb, nt_samples=3, stdevs=1e-3, additional_forward_args=(mask,))
+    assert nt.shape == ids.shape and (nt[mask == 0] == 0).all()
+    assert 0 < (nt - clean).abs().max() < 1e-2 * clean.abs().max()
 
 
 def test_rollout_conventions():

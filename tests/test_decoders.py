@@ -16,10 +16,9 @@ from captum_normattr.decompose.decoder import (
 from captum_normattr.decompose.feed_forward import ff_parts
 from reference import ln2_parts
 from captum_normattr.decompose.gated_feed_forward import gate_integrals, gated_ff_parts
-from captum_normattr.decompose.mixing import fixed_residual
 
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
-from reference import naive_parts
+from reference import naive_fixed_residual, naive_parts, naive_pre_ln_parts, naive_ratio
 
 LENGTHS = [6, 4]
 
@@ -55,11 +54,15 @@ def test_attention_block_parts_and_maps(family, left):
         u, u_b = ln2_parts(layer)
         assert ((u.sum(2) + u_b - layer.ln2_out)[v]).abs().max() < 1e-10  # the real LN2 output
         maps, ratios = pre_ln_layer_maps(layer, v)
-        expect = {"N": ref["N"], "N_RES": ref["N_RES"], "N_RESLN": u}
-        for name, parts in expect.items():
+        naive = naive_pre_ln_parts(layer)  # N_RESLN from the definition of the norm, not from ln2_parts
+        assert torch.allclose(naive["N_RES"], ref["N_RES"], atol=1e-12)
+        for name, parts in naive.items():
             assert torch.allclose(maps[name], parts.norm(dim=-1) * m2, atol=1e-10, rtol=0), name
+            # mixing ratio from the parts themselves (sum of the parts = h - b_O, never h)
+            assert torch.allclose(ratios[name], naive_ratio(parts) * v, atol=1e-10, rtol=0), name
         assert torch.allclose(maps["W"], layer.probs.mean(1) * m2, atol=1e-14)
-        assert torch.allclose(maps["N_FIXEDRES"], fixed_residual(maps["N"], v) * m2)
+        assert torch.allclose(maps["N_FIXEDRES"], naive_fixed_residual(ref["N"].norm(dim=-1) * m2, v) * m2, atol=1e-12)
+        assert torch.allclose(maps["W_FIXEDRES"], naive_fixed_residual(layer.probs.mean(1) * m2, v) * m2, atol=1e-12)
         for chunk in (None, 1, 4):
             assert torch.allclose(pre_ln_alti_map(layer, v, chunk), naive_alti(h, layer.ln2_in, v) * m2, atol=1e-12)
 
@@ -79,13 +82,13 @@ def test_ff_scopes_complete(family):
         for s in maps:
             assert torch.allclose(maps[s], full[s], atol=1e-13)
             assert torch.allclose(maps[s], dense[s] * m2, atol=1e-13)
-        h = residual_parts(layer)
-        u, _ = ln2_parts(layer)
-        assert torch.allclose(maps["ATB"], h.norm(dim=-1) * m2, atol=1e-12)
-        assert torch.allclose(maps["LN2"], u.norm(dim=-1) * m2, atol=1e-12)
+        naive = naive_pre_ln_parts(layer)
+        assert torch.allclose(maps["ATB"], naive["N_RES"].norm(dim=-1) * m2, atol=1e-12)
+        assert torch.allclose(maps["LN2"], naive["N_RESLN"].norm(dim=-1) * m2, atol=1e-12)
         assert (maps["FF"].triu(1) == 0).all() and (maps["RES2"].triu(1) == 0).all()
         # the head-mixed pre-activations equal explicit LN2 parts pushed through the generic FF functions
         u, u_b = ln2_parts(layer)
+        assert torch.allclose(u, naive["N_RESLN"], atol=1e-12)
         f = layer.ff
         if f.w_gate is not None:
             ref, ref_b = gated_ff_parts(u, u_b, f.w_gate, f.b_gate, f.w_in, f.b_in, f.act, f.w_out, f.b_out)
@@ -260,6 +263,11 @@ def test_defaults_and_contract():
     assert isinstance(tup, tuple) and torch.equal(tup[0], out)
     emb = model.transformer.wte(ids).detach()
     assert torch.allclose(g.attribute(emb, additional_forward_args=mask), out, rtol=1e-10)
+    alti = ALTIAttribution(model)
+    clean = alti.attribute(emb, additional_forward_args=(mask,))
     with torch.no_grad():
-        nt = NoiseTunnel(ALTIAttribution(model)).attribute(emb, nt_samples=2, stdevs=1e-3, additional_forward_args=(mask,))
-    assert nt.shape == ids.shape and torch.isfinite(nt).all()
+        nt0 = NoiseTunnel(alti).attribute(emb, nt_samples=2, stdevs=0.0, additional_forward_args=(mask,))
+        nt = NoiseTunnel(alti).attribute(emb, nt_samples=2, stdevs=1e-3, additional_forward_args=(mask,))
+    torch.testing.assert_close(nt0, clean, rtol=0, atol=1e-12)  # no noise: exactly the clean scores, per example
+    assert nt.shape == ids.shape and (nt[mask == 0] == 0).all()
+    assert 0 < (nt - clean).abs().max() < 1e-2 * clean.abs().max()

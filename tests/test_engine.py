@@ -21,6 +21,7 @@ from captum_normattr.models import capture
 from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
 from layer_capture import capture_layers
+from reference import naive_alti, naive_alti_from_parts, naive_pre_ln_parts, naive_rollout, post_ln_whole_layer_parts
 
 ENCODER_METHODS = {
     "globenc": lambda m: GlobEncAttribution(m),
@@ -88,6 +89,55 @@ def test_scores_are_the_rollout_of_independently_computed_maps(convention):
     assert torch.allclose(res.rollout, joint * (valid[:, :, None] & valid[:, None, :]), atol=1e-12, rtol=0)
     other = GlobEncAttribution(model, rollout="raw" if convention == "row_normalized" else "row_normalized")
     assert not torch.allclose(other.attribute(ids, additional_forward_args=(mask,)), scores, atol=1e-6)
+
+
+def _independent_maps(case, layers, valid):
+    r"""(B, L, T, T) layer maps from the naive references of tests/reference.py (no streaming class)."""
+    m2 = (valid[:, :, None] & valid[:, None, :]).double()
+    out = []
+    for layer in layers:
+        if case == "alti_bert":
+            out.append(naive_alti(layer, valid))
+        elif case == "ff_bert":
+            parts, _ = post_ln_whole_layer_parts(layer)
+            out.append(parts.norm(dim=-1) * m2)
+        elif case == "globenc_gpt2":
+            out.append(naive_pre_ln_parts(layer)["N_RESLN"].norm(dim=-1) * m2.tril())
+        elif case == "alti_gpt2":
+            out.append(naive_alti_from_parts(naive_pre_ln_parts(layer)["N_RES"], layer.ln2_in, valid) * m2.tril())
+    return torch.stack(out, 1)
+
+
+ROLLOUT_CASES = {
+    "alti_bert": (lambda: make_model("bert"), lambda m, c: ALTIAttribution(m, rollout=c)),
+    "ff_bert": (lambda: make_model("bert"), lambda m, c: FFIntegratedDecomposition(m, rollout=c)),
+    "globenc_gpt2": (lambda: make_decoder("gpt2"), lambda m, c: GlobEncAttribution(m, rollout=c)),
+    "alti_gpt2": (lambda: make_decoder("gpt2"), lambda m, c: ALTIAttribution(m, rollout=c)),
+}
+
+
+@pytest.mark.parametrize("convention", ["raw", "row_normalized"])
+@pytest.mark.parametrize("case", sorted(ROLLOUT_CASES))
+def test_every_class_rolls_out_independently_computed_maps(case, convention):
+    make, build = ROLLOUT_CASES[case]
+    model = make()
+    decoder = case.endswith("gpt2")
+    ids, mask = decoder_batch([7, 4], seed=3) if decoder else random_batch([7, 4], seed=3)
+    valid = mask.bool()
+    maps = _independent_maps(case, capture_layers(model, ids, mask), valid)
+    joint = naive_rollout(maps, convention)
+    attr = build(model, convention)
+    res = attr.decompose(ids, (mask,))
+    assert torch.allclose(res.layer_maps, maps, atol=1e-10, rtol=0)
+    pos = res.explained_position
+    assert pos.tolist() == ([6, 6] if decoder else [0, 0])
+    expect = joint[torch.arange(2), pos] * valid
+    assert torch.allclose(res.scores, expect, atol=1e-10, rtol=0)
+    assert torch.allclose(attr.attribute(ids, additional_forward_args=(mask,)), expect, atol=1e-10, rtol=0)
+    assert torch.allclose(res.rollout, joint * (valid[:, :, None] & valid[:, None, :]), atol=1e-10, rtol=0)
+    if not case.startswith("alti"):  # ALTI rows sum to 1: both conventions agree there
+        other = build(model, "raw" if convention == "row_normalized" else "row_normalized")
+        assert not torch.allclose(other.attribute(ids, additional_forward_args=(mask,)), expect, atol=1e-6)
 
 
 def test_long_input_switches_off_maps_and_rollout():

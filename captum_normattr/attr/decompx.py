@@ -9,7 +9,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import check_memory_budget, compute_dtype, format_output, streamed_forward
+from captum_normattr.attr.base import check_memory_budget, compute_dtype, format_output, mark_non_finite, streamed_forward
 from captum_normattr.attr.explained_output import ClassLogit, NextTokenLogit
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.decompx import (
@@ -30,6 +30,7 @@ from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from captum_normattr.models.capture import Recorder
+from captum_normattr.options import check_explained_position, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
@@ -146,7 +147,8 @@ class DecompXAttribution(Attribution):
         algorithm: ``"auto"`` (default), ``"adjoint"`` (``"separate"`` mode only) or
             ``"forward"``.
         explained_position: decoders only: ``"last"`` (default; the last real token), an
-            int (negative counts from the last real token) or a (B,) tensor.
+            int (k >= 0 counts from the first real token, negative from the last) or a (B,)
+            integer tensor of padded positions.
         unembedding: decoders only: a (V, D) unembedding matrix used instead of the LM head
             (needed for a bare ``GPT2Model`` / ``LlamaModel`` ...).
         nodes: decoders with a gated FF: Gauss-Legendre nodes of the gate integrals.
@@ -180,6 +182,9 @@ class DecompXAttribution(Attribution):
         nodes: int = DEFAULT_NODES,
     ) -> None:
         check_bias_mode(bias_mode)
+        nodes = check_positive_int("nodes", nodes)
+        memory_budget_mb = check_memory_budget(memory_budget_mb)
+        explained_position = check_explained_position(explained_position)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if algorithm == "adjoint" and bias_mode != "separate":
@@ -190,8 +195,6 @@ class DecompXAttribution(Attribution):
         if self.decoder:
             if self.adapter.final_norm is None:
                 raise ValueError(f"the {self.adapter.family} adapter names no final norm; DecompX needs it for decoders")
-            if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-                raise ValueError(f"nodes (Gauss-Legendre nodes) must be a positive int, got {nodes!r}")
             self.output = NextTokenLogit(model, self.adapter, unembedding)
         else:
             if explained_position is not None or unembedding is not None:
@@ -260,8 +263,8 @@ class DecompXAttribution(Attribution):
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         algorithm = self._algorithm(layer_parts)
         if self.decoder:
-            return self._compute_decoder(prepared, target, algorithm)
-        return self._compute_classifier(prepared, target, algorithm, target_only)
+            return mark_non_finite(self._compute_decoder(prepared, target, algorithm), prepared.finite)
+        return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
 
     # --- classifiers -----------------------------------------------------------------
     def _compute_classifier(self, prepared: PreparedInputs, target: Any, algorithm: str, target_only: bool) -> DecompXResult:

@@ -11,6 +11,7 @@ from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttri
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
 from captum_normattr.decompose.layer_kinds import FFOptions
 from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.options import check_fraction, check_optional_positive_int, check_positive_int
 
 
 class FFIntegratedDecomposition(LayerDecompositionAttribution):
@@ -80,8 +81,10 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         if contribution not in CONTRIBUTIONS:
             raise ValueError(f"unknown contribution {contribution!r}; choose from {CONTRIBUTIONS}")
         memory_budget_mb = check_memory_budget(memory_budget_mb)
-        if not 0.0 <= ignore_low_gamma < 1.0:
-            raise ValueError(f"ignore_low_gamma must be in [0, 1), got {ignore_low_gamma}")
+        steps = check_positive_int("steps", steps)
+        nodes = check_optional_positive_int("nodes", nodes)
+        chunk_rows = check_optional_positive_int("chunk_rows", chunk_rows)
+        ignore_low_gamma = check_fraction("ignore_low_gamma", ignore_low_gamma)
         if ignore_low_gamma and contribution != "norm":
             raise ValueError("ignore_low_gamma acts on the norms of LayerNorm-output parts: use contribution='norm'")
         super().__init__(model, explained_position, rollout)

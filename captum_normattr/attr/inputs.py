@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.models.adapters import ArchitectureAdapter, max_positions
+from captum_normattr.options import check_explained_position
 
 
 @dataclass
@@ -20,6 +21,9 @@ class PreparedInputs:
     token_type_ids: Optional[Tensor]
     is_tuple: bool
     causal: bool = False
+    #: (B,) bool: False for an example whose input or recorded forward tensors hold a
+    #: non-finite value at a real token (updated layer by layer by ``streamed_forward``)
+    finite: Optional[Tensor] = None
 
     @property
     def valid(self) -> Tensor:
@@ -154,12 +158,32 @@ def prepare_inputs(
         if empty:
             raise ValueError(f"example(s) {empty} have no tokens (attention_mask all 0)")
     if token_types is not None:
-        if tuple(token_types.shape) != (b, t):
-            raise ValueError(f"token_type_ids must have shape {(b, t)}; got {tuple(token_types.shape)}")
-        token_types = token_types.to(device=device, dtype=torch.long)
+        token_types = _check_token_types(token_types, model, adapter, (b, t), mask).to(device=device)
     if adapter.causal and _has_gaps(mask):
         raise ValueError("attention_mask of a decoder must be one contiguous block of 1s (left or right padding)")
-    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal)
+    finite = torch.ones(b, dtype=torch.bool, device=device)
+    if embeds is not None:
+        finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
+    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, finite)
+
+
+def _check_token_types(token_types: Tensor, model: nn.Module, adapter: ArchitectureAdapter, shape, mask: Tensor) -> Tensor:
+    r"""Token types as long, after checking shape, dtype and range against the model's token-type embedding."""
+    if tuple(token_types.shape) != tuple(shape):
+        raise ValueError(f"token_type_ids must have shape {tuple(shape)}; got {tuple(token_types.shape)}")
+    if token_types.is_floating_point() or token_types.is_complex() or token_types.dtype == torch.bool:
+        raise TypeError(f"token_type_ids must be an integer tensor; got dtype {token_types.dtype}")
+    config = model.config
+    n_types = getattr(config, "type_vocab_size", None)
+    if adapter.family == "GPT-2":  # GPT-2 embeds token types with its word embeddings
+        n_types = int(config.vocab_size)
+    lo, hi = int(token_types.min()), int(token_types.max())
+    if n_types is not None and (lo < 0 or hi >= int(n_types)):
+        raise ValueError(
+            f"token_type_ids must lie in [0, {int(n_types) - 1}] ({adapter.family}: {int(n_types)} token type(s)); "
+            f"got values in [{lo}, {hi}]"
+        )
+    return token_types.to(dtype=torch.long)
 
 
 def _has_gaps(mask: Tensor) -> bool:
@@ -171,31 +195,53 @@ def _has_gaps(mask: Tensor) -> bool:
 def explained_positions(explained_position: Union[int, str, Tensor], valid: Tensor) -> Tensor:
     r"""Resolve the explained row of every example.
 
+    An example is explained at the same token whatever the padding: a non-negative int k
+    is position first + k, counted from the example's first real token (so that a
+    left-padded row explains the token it would explain alone), a negative int -k is
+    position last + 1 - k, counted from its last real token (-1: the last real token);
+    ``"last"`` is the last real token. A (B,) tensor gives positions in the
+    padded tensor itself (what :attr:`AttributionResult.explained_position` returns), one
+    per example; it must have an integer dtype.
+
     Args:
-        explained_position: an int (negative counts from the last real token), ``"last"``
-            (the last real token of each example, for decoders) or a (B,) tensor.
+        explained_position: an int, ``"last"`` or a (B,) integer tensor (see above).
         valid: (B, T) bool.
 
     Returns:
-        (B,) long positions, each on a real token.
+        (B,) long positions in the padded tensor, each on a real token.
+
+    Raises:
+        ValueError / TypeError: for a position outside an example's real tokens, float or
+        bool positions, or a tensor of the wrong shape.
+
+    Examples:
+        >>> valid = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+        >>> explained_positions(0, valid).tolist(), explained_positions(-1, valid).tolist()
+        ([2, 0], [4, 4])
     """
+    explained_position = check_explained_position(explained_position)
     b, t = valid.shape
     last = t - 1 - torch.flip(valid.long(), dims=[-1]).argmax(-1)
+    first = valid.long().argmax(-1)
     if isinstance(explained_position, str):
-        if explained_position != "last":
-            raise ValueError(f"explained_position must be an int, 'last' or a (B,) tensor; got {explained_position!r}")
         pos = last
     elif isinstance(explained_position, Tensor):
         if tuple(explained_position.shape) != (b,):
             raise ValueError(f"explained_position tensor must have shape ({b},); got {tuple(explained_position.shape)}")
         pos = explained_position.to(valid.device, torch.long)
-    elif isinstance(explained_position, int):
-        if explained_position < 0:
-            pos = last + 1 + explained_position
-        else:
-            pos = torch.full((b,), explained_position, dtype=torch.long, device=valid.device)
+    elif explained_position is None:
+        raise TypeError("explained_position must be an int, 'last' or a (B,) integer tensor; got None")
     else:
-        raise TypeError(f"explained_position must be an int, 'last' or a tensor; got {type(explained_position).__name__}")
+        k = explained_position
+        pos = last + 1 + k if k < 0 else first + k
+        n_real = valid.sum(-1)
+        outside = ((pos < first) | (pos > last)).nonzero().flatten().tolist()
+        if outside:
+            counted = "from the last real token" if k < 0 else "from the first real token"
+            raise ValueError(
+                f"explained_position {k} (counted {counted}) lies outside example(s) {outside}, which have "
+                f"{[int(n_real[i]) for i in outside]} real token(s)"
+            )
     if bool(((pos < 0) | (pos >= t)).any()) or not bool(valid.gather(1, pos.clamp(0, t - 1).unsqueeze(1)).all()):
         raise ValueError(f"explained position(s) {pos.tolist()} do not all fall on real (non-pad) tokens")
     return pos

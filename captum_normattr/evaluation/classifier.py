@@ -7,10 +7,13 @@ LayerNorm, is where GlobEnc's gradient x input is taken), and which ids are spec
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import contextlib
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
+from captum_normattr.models.capture import _switch_off, _switch_on
 
 __all__ = ["SequenceClassifier", "logits_of"]
 
@@ -29,7 +32,10 @@ def logits_of(output) -> Tensor:
 class SequenceClassifier:
     r"""Wrap a sequence classifier (e.g. ``BertForSequenceClassification``) for evaluation.
 
-    The model is put in eval mode (dropout off) and never modified.
+    The model is never modified: every forward pass of this wrapper runs in eval mode
+    (dropout off), and afterwards every submodule gets back its own training flag
+    (reference-counted with the attribution classes, see
+    :func:`captum_normattr.models.capture.recording`).
 
     Args:
         model: an ``nn.Module`` whose ``forward(input_ids=..., attention_mask=...)`` and
@@ -62,7 +68,7 @@ class SequenceClassifier:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not hasattr(model, "get_input_embeddings") or not isinstance(model.get_input_embeddings(), nn.Module):
             raise TypeError("model must expose its word embeddings through get_input_embeddings()")
-        self.model = model.eval()
+        self.model = model
         config = getattr(model, "config", None)
         if special_token_ids is None:
             ids = set()
@@ -112,13 +118,24 @@ class SequenceClassifier:
         emb = getattr(base, "embeddings", None)
         return emb if isinstance(emb, nn.Module) else self.word_embeddings
 
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        r"""Run the block with the model in eval mode; restore every submodule's flag afterwards."""
+        _switch_on(self.model, ())
+        try:
+            yield
+        finally:
+            _switch_off(self.model, ())
+
     def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        r"""Logits (B, C) of token ids (B, T) with their attention mask."""
-        return logits_of(self.model(input_ids=input_ids, attention_mask=attention_mask))
+        r"""Logits (B, C) of token ids (B, T) with their attention mask (eval mode)."""
+        with self.eval_mode():
+            return logits_of(self.model(input_ids=input_ids, attention_mask=attention_mask))
 
     def logits_from_embeds(self, inputs_embeds: Tensor, attention_mask: Tensor) -> Tensor:
-        r"""Logits (B, C) from word embeddings (B, T, D) (position/type embeddings added by the model)."""
-        return logits_of(self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask))
+        r"""Logits (B, C) from word embeddings (B, T, D) (position/type embeddings added by the model; eval mode)."""
+        with self.eval_mode():
+            return logits_of(self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask))
 
     def embed(self, input_ids: Tensor) -> Tensor:
         r"""Word embeddings (B, T, D) of token ids."""
