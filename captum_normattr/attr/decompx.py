@@ -35,6 +35,15 @@ from captum_normattr.result import LogitDecompositionResult
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 
 
+def _ordinary_tensors(obj: Any) -> Any:
+    r"""``obj`` with every inference tensor (made under ``torch.inference_mode()``) cloned into an ordinary one."""
+    if isinstance(obj, Tensor):
+        return obj.clone() if obj.is_inference() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_ordinary_tensors(o) for o in obj)
+    return obj
+
+
 @dataclass
 class DecompXResult(LogitDecompositionResult):
     r"""Everything one DecompX call computed, for one batch.
@@ -257,11 +266,15 @@ class DecompXAttribution(Attribution):
         return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False)
 
     def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool) -> DecompXResult:
-        prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
-        algorithm = self._algorithm(layer_parts)
-        if self.decoder:
-            return self._compute_decoder(prepared, target, algorithm)
-        return self._compute_classifier(prepared, target, algorithm, target_only)
+        # The adjoint and the gate integrals differentiate the frozen layers, which autograd refuses
+        # on inference tensors: leave inference mode for the call (its results are ordinary tensors).
+        with torch.inference_mode(False):
+            inputs, additional_forward_args = _ordinary_tensors((inputs, additional_forward_args))
+            prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
+            algorithm = self._algorithm(layer_parts)
+            if self.decoder:
+                return self._compute_decoder(prepared, target, algorithm)
+            return self._compute_classifier(prepared, target, algorithm, target_only)
 
     # --- classifiers -----------------------------------------------------------------
     def _compute_classifier(self, prepared: PreparedInputs, target: Any, algorithm: str, target_only: bool) -> DecompXResult:

@@ -60,7 +60,7 @@ from torch import Tensor
 
 from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import ig_closed_form
-from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals
+from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals, local_autograd
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.decompose.records import LayerTensors, NormParams
 
@@ -834,7 +834,7 @@ class AdjointPass:
         for l in range(n - 1, -1, -1):
             point = self.checkpoints[l]
             step = frozen_at(l, point)  # outside enable_grad: a rerun of the real layer builds no graph
-            with torch.enable_grad():
+            with local_autograd():
                 x = point.detach().clone().requires_grad_(True)
                 if l == n - 1:
                     roots = list(outputs(step(x, self.last_rows)))
