@@ -148,3 +148,66 @@ def test_spread_per_key_is_the_previous_rule():
     torch.testing.assert_close(a.class_scores, b.class_scores, rtol=0, atol=1e-12)
     assert a.method == "DecompX (spread bias)" and b.method == "DecompX (spread bias per key)"
     assert b.bias_mode == "spread_per_key"
+
+
+def _norm_parts(parts: list, real_in: torch.Tensor, ln: torch.nn.LayerNorm) -> list:
+    return _ln_parts(parts, real_in, ln)
+
+
+def analogue_spread_gpt2(model, ids: torch.Tensor, target: int) -> torch.Tensor:
+    r"""(T,) scores of the next-token logit at the last token under the pre-LN analogue of the
+    official rule (docs/design.md, section 8): LN betas spread at every norm; layer 0 keeps b_V
+    in each token's value; (mixed b_V) W_O + b_O (layer 0: b_O) spread over the
+    attention-plus-residual parts; FF biases where they enter; one example, no padding."""
+    tr = model.transformer
+    t = ids.shape[0]
+    with torch.no_grad():
+        out = tr(input_ids=ids[None], output_hidden_states=True, output_attentions=True)
+        hidden = [h[0] for h in out.hidden_states[:-1]] + [None]  # inputs of every layer (last: before ln_f)
+        parts = [[hidden[0][i] if k == i else torch.zeros_like(hidden[0][i]) for k in range(t)] for i in range(t)]
+        d = hidden[0].shape[-1]
+        x = hidden[0]
+        for l, block in enumerate(tr.h):
+            probs = out.attentions[l][0]  # (H, T, T), the model's own eager probabilities
+            h = probs.shape[0]
+            dh = d // h
+            w_v, b_v = block.attn.c_attn.weight[:, 2 * d:], block.attn.c_attn.bias[2 * d:]
+            w_o, b_o = block.attn.c_proj.weight.view(h, dh, d), block.attn.c_proj.bias
+            u = [_norm_parts(parts[j], x[j], block.ln_1) for j in range(t)]
+            vals = [[(u[j][k] @ w_v + (b_v if (l == 0 and k == j) else 0.0)).view(h, dh) for k in range(t)]
+                    for j in range(t)]
+            real_v = (block.ln_1(x) @ w_v + b_v).view(t, h, dh)
+            h_real = x + torch.einsum("hij,jhe,hed->id", probs, real_v, w_o) + b_o
+            acc = b_o if l == 0 else b_v @ block.attn.c_proj.weight + b_o
+            mlp = block.mlp
+            pre_real = block.ln_2(h_real) @ mlp.c_fc.weight + mlp.c_fc.bias
+            new = []
+            for i in range(t):
+                row = [sum(torch.einsum("h,he,hed->d", probs[:, i, j], vals[j][k], w_o) for j in range(t)) + parts[i][k]
+                       for k in range(t)]
+                row = _spread(row, acc)
+                z = _norm_parts(row, h_real[i], block.ln_2)
+                pre = _spread([p @ mlp.c_fc.weight for p in z], mlp.c_fc.bias)
+                slope = _zo_slope(pre_real[i], mlp.act)
+                ff = _spread([(p * slope) @ mlp.c_proj.weight for p in pre], mlp.c_proj.bias)
+                new.append([rp + fp for rp, fp in zip(row, ff)])
+            parts = new
+            x = torch.stack([sum(r) for r in parts])  # the real layer output (the parts are complete)
+            if l + 1 < len(tr.h):
+                assert torch.allclose(x, hidden[l + 1], rtol=0, atol=1e-12)
+        final = _norm_parts(parts[t - 1], x[t - 1], tr.ln_f)
+        u_dir = model.lm_head.weight[target]
+        return torch.stack([p @ u_dir for p in final])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_spread_decoder_analogue_gpt2(seed):
+    from decoder_models import make_decoder
+
+    model = make_decoder("gpt2", attn="eager", seed=seed)
+    ids = torch.randint(3, 50, (1, 6), generator=torch.Generator().manual_seed(seed))
+    res = DecompXAttribution(model, bias_mode="spread").decompose(ids, target=4)
+    ref = analogue_spread_gpt2(model, ids[0], 4)
+    assert (res.logits[0, 0] - ref.sum()).abs() < TOL
+    diff = (res.scores[0] - ref).abs().max()
+    assert diff < TOL, f"max |ours - reference| = {diff:.3e}"
