@@ -6,7 +6,7 @@ from layer_capture import capture_layers
 
 from captum_normattr import DecompXAttribution, UnsupportedModelError
 from captum_normattr.attr.base import compute_dtype
-from captum_normattr.decompose.decompx import BIAS_MODES, propagate_parts, spread_weights
+from captum_normattr.decompose.decompx import BIAS_MODES, SPREAD_MODES, propagate_parts, spread_weights
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, linear_params
 from captum_normattr.models.heads import get_head_adapter, head_params
 
@@ -91,7 +91,7 @@ def test_completeness_every_layer_and_logits(model, bias_mode):
     torch.testing.assert_close(res.logits, logits, rtol=0, atol=1e-12)  # recorded (eager) vs sdpa forward
     torch.testing.assert_close(res.class_scores.sum(1) + res.bias_scores, logits, rtol=0, atol=TOL)
     assert res.delta.max() < TOL
-    if bias_mode == "spread":
+    if bias_mode in SPREAD_MODES:
         assert (res.bias_scores == 0).all() and (res.layer_bias_norms == 0).all()
     else:
         assert res.bias_scores.abs().min() > 0  # perturbed biases: a bias part really exists

@@ -5,7 +5,7 @@ import torch
 from conftest import make_model
 
 from captum_normattr import DecompXAttribution
-from captum_normattr.decompose.decompx import BIAS_MODES
+from captum_normattr.decompose.decompx import BIAS_MODES, SPREAD_MODES
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
 from layer_capture import capture_layers
@@ -132,7 +132,7 @@ def test_completeness_every_layer_and_logit(family, tied, bias_mode):
     torch.testing.assert_close(res.class_scores.sum(1) + res.bias_scores, expect, rtol=0, atol=TOL)
     assert res.delta.max() < TOL
     assert (res.scores[1, :2] == 0).all() and (res.layer_part_norms[1, :, :2] == 0).all()
-    if bias_mode == "spread":
+    if bias_mode in SPREAD_MODES:
         assert (res.bias_scores == 0).all()
     elif family in ("gpt2", "qwen2"):
         assert res.bias_scores.abs().min() > 1e-6  # perturbed biases: a bias part really exists

@@ -39,6 +39,10 @@ class ALTILogitResult(LogitDecompositionResult):
         ff: (B, L) logit of every feed-forward update at i (no token).
         attention_bias: (B, L) logit of every attention output bias b_O (no token).
         final_bias: (B,) final-norm beta and LM-head bias along the unembedding (no token).
+        unattributed: (B, L) logit of layer l's attention update that the ALTI rollout of the
+            layers below carries to no token, because a real row of an ALTI map below is all
+            zero (every part farther from the block output than the zero vector; large
+            attention biases cause it). 0 when every real row sums to 1 (no token).
         logit: (B,) the model's real logit (target, or target minus foil); also ``logits``.
         delta: (B,) ``logit`` minus (token scores + no-token terms): the completeness error.
         target: (B,) token ids; foil: (B,) or None.
@@ -56,6 +60,7 @@ class ALTILogitResult(LogitDecompositionResult):
     ff: Optional[Tensor] = None
     attention_bias: Optional[Tensor] = None
     final_bias: Optional[Tensor] = None
+    unattributed: Optional[Tensor] = None
 
     @property
     def logit(self) -> Tensor:
@@ -65,7 +70,8 @@ class ALTILogitResult(LogitDecompositionResult):
     @property
     def no_token_total(self) -> Tensor:
         r"""(B,) the sum of all terms that belong to no token."""
-        return self.embedding + self.ff.sum(-1) + self.attention_bias.sum(-1) + self.final_bias
+        total = self.embedding + self.ff.sum(-1) + self.attention_bias.sum(-1) + self.final_bias
+        return total if self.unattributed is None else total + self.unattributed.sum(-1)
 
 
 class ALTILogitAttribution(LayerDecompositionAttribution):
@@ -77,9 +83,10 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
     has its own logit. The attention update of layer l splits exactly over the source
     positions j; its logit is carried to the input tokens by the ALTI rollout of the layers
     below l (rows summing to 1). The pieces that belong to no token (embedding at i, every
-    feed-forward update, attention output biases, final-norm beta and LM-head bias) are kept
+    feed-forward update, attention output biases, final-norm beta and LM-head bias, and the
+    logit that the rollout routes through an all-zero ALTI row, ``unattributed``) are kept
     apart, so that token scores plus these terms equal the model's logit; the remaining
-    difference is the convergence delta.
+    difference is the convergence delta (docs/design.md, section 7, ALTI-Logit).
 
     Args:
         model: a GPT-2 / Llama / Mistral / Qwen2 model with its LM head
@@ -179,6 +186,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             ff=terms["ff"],
             attention_bias=terms["attention_bias"],
             final_bias=terms["final_bias"],
+            unattributed=terms["unattributed"],
         ), prepared.finite)
     @log_usage()
     def attribute(

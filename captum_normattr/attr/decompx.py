@@ -36,6 +36,15 @@ from captum_normattr.result import LogitDecompositionResult
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 
 
+def _ordinary_tensors(obj: Any) -> Any:
+    r"""``obj`` with every inference tensor (made under ``torch.inference_mode()``) cloned into an ordinary one."""
+    if isinstance(obj, Tensor):
+        return obj.clone() if obj.is_inference() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_ordinary_tensors(o) for o in obj)
+    return obj
+
+
 @dataclass
 class DecompXResult(LogitDecompositionResult):
     r"""Everything one DecompX call computed, for one batch.
@@ -45,12 +54,14 @@ class DecompXResult(LogitDecompositionResult):
     ``foil``'s), so C = 1: ``class_scores`` is (B, T, 1), ``bias_scores`` and ``logits`` (B, 1).
 
     Attributes:
-        method: readable name, e.g. ``"DecompX"`` or ``"DecompX (spread bias)"``.
+        method: readable name: ``"DecompX"``, ``"DecompX (spread bias)"`` or
+            ``"DecompX (spread bias per key)"``.
         scores: (B, T) signed score of every input token for the explained class
             (``target``); pads exactly 0 (decoders: tokens after the explained position too).
         target: (B,) long, the explained class (decoders: token id) of every example.
         class_scores: (B, T, C) signed score of every input token for every class.
-        bias_scores: (B, C) the bias part of every logit (0 in ``"spread"`` mode).
+        bias_scores: (B, C) the bias part of every logit (0 in the spread modes, up to
+            rounding).
             (Both are None only in the internal target-only path of ``attribute``.)
         logits: (B, C) the model's real logits.
         delta: (B,) |sum_t scores + bias score - logit| of the target class.
@@ -61,7 +72,7 @@ class DecompXResult(LogitDecompositionResult):
         layer_bias_norms: (B, L, T) norms of the bias parts of the layer outputs, or None.
         layer_errors: (B, L) largest |parts + bias - real layer output| over real tokens, or None.
         attention_mask: (B, T).
-        bias_mode: ``"separate"`` or ``"spread"``.
+        bias_mode: ``"separate"``, ``"spread"`` or ``"spread_per_key"``.
         algorithm: ``"forward"`` or ``"adjoint"``, the one that ran.
         extras: e.g. ``"all_class_delta"`` (B,); decoders: ``"quadrature_error"`` (B, L), the
             largest |b (a I1 + I2) - b g(a)| of each gated FF (the completeness error the
@@ -106,7 +117,7 @@ class DecompXAttribution(Attribution):
     parts). ``"adjoint"`` uses that, with the nonlinear quantities frozen, the network is
     linear in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
     vector-Jacobian product per class (cost a few forward passes). ``"auto"`` (default)
-    takes ``"adjoint"`` for ``"separate"`` and ``"forward"`` for ``"spread"`` (whose
+    takes ``"adjoint"`` for ``"separate"`` and ``"forward"`` for the spread modes (whose
     weights depend on the forward parts).
 
     Both stream: the layers are decomposed as the forward pass reaches them, so that no
@@ -138,8 +149,13 @@ class DecompXAttribution(Attribution):
     Args:
         model: the sequence classifier.
         bias_mode: ``"separate"`` (default; every bias in its own part, exact and
-            bias-free token scores) or ``"spread"`` (each bias distributed over tokens in
-            proportion to |<part, bias>| where it enters, as in the paper; also complete).
+            bias-free token scores), ``"spread"`` (each bias distributed over tokens in
+            proportion to |<part, bias>|, exactly as the official DecompX code does it:
+            attention biases W_O b_V + b_O after the residual, b_V inside each token's value
+            in layer 0; also complete) or ``"spread_per_key"`` (the same, except that b_V is
+            spread over the parts of each key token before the attention mixes them, and
+            b_O over the attention parts before the residual; this package's rule before
+            version 2). See docs/design.md, section 8 (DecompX) and docs/fidelity.md.
         memory_budget_mb: bound on the temporary tensors of one layer step (the parts themselves
             take about 4 B T^2 D floats more).
         full_last_layer: produce every row of the last layer (for inspection); by
@@ -260,11 +276,15 @@ class DecompXAttribution(Attribution):
         return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False)
 
     def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool) -> DecompXResult:
-        prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
-        algorithm = self._algorithm(layer_parts)
-        if self.decoder:
-            return mark_non_finite(self._compute_decoder(prepared, target, algorithm), prepared.finite)
-        return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
+        # The adjoint and the gate integrals differentiate the frozen layers, which autograd refuses
+        # on inference tensors: leave inference mode for the call (its results are ordinary tensors).
+        with torch.inference_mode(False):
+            inputs, additional_forward_args = _ordinary_tensors((inputs, additional_forward_args))
+            prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
+            algorithm = self._algorithm(layer_parts)
+            if self.decoder:
+                return mark_non_finite(self._compute_decoder(prepared, target, algorithm), prepared.finite)
+            return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
 
     # --- classifiers -----------------------------------------------------------------
     def _compute_classifier(self, prepared: PreparedInputs, target: Any, algorithm: str, target_only: bool) -> DecompXResult:
@@ -416,4 +436,4 @@ class DecompXAttribution(Attribution):
         return True
 
     def get_name(self) -> str:
-        return "DecompX" if self.bias_mode == "separate" else "DecompX (spread bias)"
+        return {"separate": "DecompX", "spread": "DecompX (spread bias)"}.get(self.bias_mode, "DecompX (spread bias per key)")

@@ -406,7 +406,12 @@ def alti_logit_terms(
     sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k], computed as
     vector-matrix products down the stored maps (O(L^2 T^2), no T x T x T product).
     The embedding at i, the FF updates, the attention output biases and the final norm's
-    beta (with the LM head bias) belong to no token and are returned separately.
+    beta (with the LM head bias) belong to no token and are returned separately, and so is
+    the logit that the rollout carries to no token: a real row of an ALTI map is all zero
+    when every part of that token lies farther from the block's real output than the zero
+    vector (the clamp max(0, .) removes them all; large attention biases do this), and the
+    logit routed through it, sum_j logit(attn_{l,i<-j}) (1 - sum_k R_{l-1}[j, k]), is
+    ``unattributed`` (docs/design.md, section 7, ALTI-Logit; docs/fidelity.md).
 
     Args:
         updates: (B, L, T, D) per layer, :func:`attention_update_at` (source position j).
@@ -426,8 +431,9 @@ def alti_logit_terms(
         dict with ``scores`` (B, T) token contributions; ``layer_token_contributions``
         (B, L, T) (the same per layer, summing to ``scores``); ``layer_logit_updates``
         (B, L, T) logit of attn_{l,i<-j} per source position j (before the rollout);
-        ``embedding`` (B,), ``ff`` (B, L), ``attention_bias`` (B, L), ``final_bias`` (B,):
-        the no-token terms; ``logit`` (B,) the model's real logit (from the real final
+        ``embedding`` (B,), ``ff`` (B, L), ``attention_bias`` (B, L), ``final_bias`` (B,),
+        ``unattributed`` (B, L) (logit of layer l routed through empty ALTI rows): the
+        no-token terms; ``logit`` (B,) the model's real logit (from the real final
         norm output); ``reconstruction`` (B,) tokens + no-token terms; ``delta`` (B,)
         logit - reconstruction.
     """
@@ -442,6 +448,16 @@ def alti_logit_terms(
             v = alti_maps.row_times_layer(v, m)
         contributions.append(v)
     contrib = torch.stack(contributions, 1) * vm.unsqueeze(1)
+    # Logit that reaches no input token: rows of R_{l-1} summing to less than 1 (an ALTI row is all
+    # zero when every part lies farther from the block output than the zero vector, which large
+    # biases cause). mass_l = R_{l-1} 1, by matrix-vector products up the maps.
+    mass = vm.clone()
+    lost = []
+    for l in range(n_layers):
+        if l > 0:
+            mass = torch.einsum("bjk,bk->bj", alti_maps.layer(l - 1), mass)
+        lost.append((logit_updates[:, l] * (vm - mass)).sum(-1))
+    unattributed = torch.stack(lost, 1)  # (B, L)
     final_bias = unembed_bias.to(w.dtype)
     if final_params.bias is not None:
         final_bias = final_bias + (unembed * final_params.bias).sum(-1)
@@ -450,7 +466,7 @@ def alti_logit_terms(
     bias_t = attention_biases @ w.T  # (L, B)
     bias_t = bias_t.T
     scores = contrib.sum(1)
-    recon = scores.sum(-1) + emb + ff_t.sum(-1) + bias_t.sum(-1) + final_bias
+    recon = scores.sum(-1) + emb + ff_t.sum(-1) + bias_t.sum(-1) + final_bias + unattributed.sum(-1)
     logit = (final_out * unembed).sum(-1) + unembed_bias.to(w.dtype)
     return {
         "scores": scores,
@@ -460,6 +476,7 @@ def alti_logit_terms(
         "ff": ff_t,
         "attention_bias": bias_t,
         "final_bias": final_bias,
+        "unattributed": unattributed,
         "logit": logit,
         "reconstruction": recon,
         "delta": logit - recon,

@@ -19,10 +19,17 @@ classification head on token 0: the same closed form through its elementwise act
 Bias handling (``bias_mode``):
 - ``"separate"`` (default): every bias travels in its own part; exact, and the token
   scores do not depend on any bias.
-- ``"spread"``: as in the DecompX paper, every bias is distributed over the source tokens
-  at the point where it enters, in proportion to |<part_k, bias>|; the bias part stays 0.
-  (If every dot product is 0 the bias goes to the receiving token itself.)
-Both modes are complete: parts (+ bias part) sum to the real tensors.
+- ``"spread"``: as in the official DecompX code, every bias is distributed over the source
+  tokens in proportion to |<part_k, bias>|; the bias part stays 0. The attention biases:
+  in layer 0 b_V stays inside each token's own value vector (the attention mixes it with
+  the token), and b_O, and from layer 1 on W_O b_V + b_O, are spread over the
+  attention-plus-residual parts AFTER the residual is added. LN betas, FF biases and the
+  head's biases are spread where they enter.
+- ``"spread_per_key"``: as ``"spread"``, except that b_V is spread over the parts of each
+  key token j by |<x_{j<-k} W_V, b_V>| before the attention mixes them, and b_O over the
+  attention parts before the residual (the package's rule before version 2).
+  (In both, if every dot product is 0 the bias goes to the receiving token itself.)
+All modes are complete: parts (+ bias part) sum to the real tensors.
 
 Two algorithms. The forward one (:class:`PartsPropagation`, :func:`head_scores`) carries all
 T parts, a (B, T, T, D) tensor, through every layer (cost about T forward passes; it
@@ -60,11 +67,13 @@ from torch import Tensor
 
 from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import ig_closed_form
-from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals
+from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals, local_autograd
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.decompose.records import LayerTensors, NormParams
 
-BIAS_MODES: Tuple[str, ...] = ("separate", "spread")
+BIAS_MODES: Tuple[str, ...] = ("separate", "spread", "spread_per_key")
+#: The bias modes that spread every bias over the token parts (the forward algorithm only).
+SPREAD_MODES: Tuple[str, ...] = ("spread", "spread_per_key")
 
 
 def check_bias_mode(bias_mode: str) -> None:
@@ -96,7 +105,7 @@ def spread_weights(dots: Tensor, fallback: Tensor) -> Tensor:
 
 
 def absorb_bias(parts: Tensor, bias: Tensor, fallback: Tensor) -> Tuple[Tensor, Tensor]:
-    r"""Spread a bias part over the parts in proportion to |<part, bias>| (``"spread"`` mode).
+    r"""Spread a bias part over the parts in proportion to |<part, bias>| (the spread modes).
 
     Args:
         parts: (B, R, K, D).
@@ -124,6 +133,32 @@ def initial_parts(embeddings: Tensor) -> Tuple[Tensor, Tensor]:
     return embeddings.unsqueeze(2) * eye[None, :, :, None], torch.zeros_like(embeddings)
 
 
+def _value_bias_weights(
+    parts: Tensor, v_bias: Tensor, value_weight: Tensor, bias_mode: str, layer_index: int
+) -> Optional[Tensor]:
+    r"""How a spread mode shares the value bias part v_bias_j (B, T, HDh) among the parts of key token j.
+
+    Returns (B, T, K) weights that the attention then mixes together with the parts, or None
+    when the value bias is not shared among the key token's parts (``"separate"``, and
+    ``"spread"`` after layer 0, where it joins b_O after the residual):
+
+    - ``"spread_per_key"``: |<x_{j<-k} W_V, v_bias_j>|, normalised over k
+      (:func:`spread_weights`; all 0: token j itself);
+    - ``"spread"`` in layer 0 (the official code: b_V stays in each token's own value
+      vector): all to k = j. The layer-0 parts of x_j are token j's alone, so this is
+      also what ``"spread_per_key"`` gives there.
+    """
+    b, t = parts.shape[:2]
+    own = torch.arange(t, device=parts.device)
+    if bias_mode == "spread_per_key":  # <x_{j<-k} W_V, vb_j> = <x_{j<-k}, vb_j W_V^T>
+        return spread_weights(torch.einsum("btkd,btd->btk", parts, v_bias @ value_weight.T), own)
+    if bias_mode == "spread" and layer_index == 0:
+        w = parts.new_zeros(b, t, parts.shape[2])
+        w[:, own, own] = 1.0
+        return w
+    return None
+
+
 def post_ln_layer_parts(
     parts: Tensor,
     bias: Tensor,
@@ -142,7 +177,7 @@ def post_ln_layer_parts(
         layer: the layer's real tensors (probabilities, norm inputs, FF parameters).
         value_weight: (D, H * Dh) W_V as a right-multiplied matrix (heads concatenated).
         value_bias: (H * Dh,) b_V or None.
-        bias_mode: ``"separate"`` or ``"spread"``.
+        bias_mode: one of :data:`BIAS_MODES`.
         rows: (R,) long, the output rows to produce (default: all T). Rows never mix
             after the attention, so the last layer can stop at the explained row.
         memory_budget_mb: bound on the temporary tensors (chunking over K, then over rows).
@@ -152,7 +187,8 @@ def post_ln_layer_parts(
         the real layer output at ``rows``.
     """
     check_bias_mode(bias_mode)
-    spread = bias_mode == "spread"
+    spread = bias_mode in SPREAD_MODES
+    per_key = bias_mode == "spread_per_key"
     b, t, k, d = parts.shape
     dev, dtype = parts.device, parts.dtype
     rows = torch.arange(t, device=dev) if rows is None else rows.to(dev)
@@ -172,29 +208,30 @@ def post_ln_layer_parts(
 
     # --- attention: values, mixed over keys per head, then W_O ---------------------
     v_bias = bias @ value_weight + b_v  # (B, T, HDh)
-    v_weights = None
-    if spread:  # <x_{j<-k} W_V, vb_j> = <x_{j<-k}, vb_j W_V^T>
-        v_weights = spread_weights(torch.einsum("btkd,btd->btk", parts, v_bias @ value_weight.T), torch.arange(t, device=dev))
+    v_weights = _value_bias_weights(parts, v_bias, value_weight, bias_mode, layer.index)
     a = parts.new_empty(b, r, k, d)
     for start in range(0, k, k_chunk):
         kc = slice(start, min(k, start + k_chunk))
         v = parts[:, :, kc] @ value_weight  # (B, T, kc, HDh)
-        if spread:
+        if v_weights is not None:
             v = v + v_weights[:, :, kc, None] * v_bias[:, :, None, :]
         v = v.view(b, t, v.shape[2], h, hd // h)
         mixed = torch.einsum("bhij,bjkhe->bikhe", probs, v).reshape(b, r, v.shape[2], hd)
         a[:, :, kc] = mixed @ w_o
         del v, mixed
-    if spread:
+    if per_key:
         a_bias = torch.zeros(b, r, d, dtype=dtype, device=dev)
         a, _ = absorb_bias(a, b_o.expand(b, r, d), rows)
-    else:
-        mixed_b = torch.einsum("bhij,bjhe->bihe", probs, v_bias.view(b, t, h, hd // h)).reshape(b, r, hd)
+    else:  # "separate", and "spread" (which spreads it after the residual, below)
+        v_mix = v_bias if v_weights is None else torch.zeros_like(v_bias)
+        mixed_b = torch.einsum("bhij,bjhe->bihe", probs, v_mix.view(b, t, h, hd // h)).reshape(b, r, hd)
         a_bias = mixed_b @ w_o + b_o
 
     # --- residual and LN1 ----------------------------------------------------------
     a += parts[:, rows]
     a_bias = a_bias + bias[:, rows]
+    if bias_mode == "spread":  # the official rule: W_O b_V + b_O over the attention-plus-residual parts
+        a, a_bias = absorb_bias(a, a_bias, rows)
     ln1_in = layer.ln1_in[:, rows]
     zt = apply_norm_to_parts(a, ln1_in, layer.ln1)
     del a
@@ -365,7 +402,7 @@ def pre_ln_layer_parts(
         (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
     """
     check_bias_mode(bias_mode)
-    spread = bias_mode == "spread"
+    spread = bias_mode in SPREAD_MODES
     b, t, k, d = parts.shape
     dev, dtype = parts.device, parts.dtype
     all_rows = torch.arange(t, device=dev)
@@ -390,29 +427,32 @@ def pre_ln_layer_parts(
     if spread:
         u, u_b = absorb_bias(u, u_b, all_rows)
     v_b = u_b @ value_weight + (value_bias if value_bias is not None else 0.0)  # (B, T, H_kv Dh)
-    v_weights = None
-    if spread:
-        v_weights = spread_weights(torch.einsum("btkd,btd->btk", u, v_b @ value_weight.T), all_rows)
+    if not torch.is_tensor(v_b):
+        v_b = u.new_zeros(b, t, value_weight.shape[1])
+    v_weights = _value_bias_weights(u, v_b, value_weight, bias_mode, layer.index)
     a = parts.new_empty(b, r, k, d)
     for start in range(0, k, k_chunk):
         kc = slice(start, min(k, start + k_chunk))
         v = u[:, :, kc] @ value_weight
-        if spread:
+        if v_weights is not None:
             v = v + v_weights[:, :, kc, None] * v_b[:, :, None, :]
         v = _value_heads(v, kv_heads, groups)  # (B, T, kc, H, Dh)
         mixed = torch.einsum("bhij,bjkhe->bikhe", probs, v).reshape(b, r, v.shape[2], hd)
         a[:, :, kc] = mixed @ layer.out_weight
         del v, mixed
     del u
-    if spread:
+    if bias_mode == "spread_per_key":
         a, a_b = absorb_bias(a, b_o.expand(b, r, d), rows)
-    else:
-        mixed_b = torch.einsum("bhij,bjhe->bihe", probs, _value_heads(v_b, kv_heads, groups)).reshape(b, r, hd)
+    else:  # "separate", and "spread" (which spreads it after the residual, below)
+        v_mix = v_b if v_weights is None else torch.zeros_like(v_b)
+        mixed_b = torch.einsum("bhij,bjhe->bihe", probs, _value_heads(v_mix, kv_heads, groups)).reshape(b, r, hd)
         a_b = mixed_b @ layer.out_weight + b_o
 
     # --- residual (no norm), LN2, FF, residual ----------------------------------------
     a += parts[:, rows]
     a_b = a_b + bias[:, rows]
+    if bias_mode == "spread":  # as the official post-LN rule: W_O b_V + b_O over the attention-plus-residual parts
+        a, a_b = absorb_bias(a, a_b, rows)
     ln2_in = layer.ln2_in[:, rows]
     c_rows = {key: val[:, rows] for key, val in coefs.items() if key != "quadrature_error"}
     out_b = torch.empty_like(a_b)
@@ -471,7 +511,7 @@ class PartsPropagation:
     Args:
         num_layers: L.
         valid: (B, T) bool, real tokens.
-        bias_mode: ``"separate"`` or ``"spread"``.
+        bias_mode: one of :data:`BIAS_MODES`.
         last_rows: (R,) long rows to produce in the last layer (default: all).
         memory_budget_mb: bound on the temporary tensors of one layer step.
     """
@@ -564,7 +604,7 @@ def propagate_parts(
         layers: the captured layers (their ``hidden_in`` of layer 0 is the embedding output).
         value_params: per layer (W_V (D, H*Dh), b_V (H*Dh,) or None).
         valid: (B, T) bool, real tokens.
-        bias_mode: ``"separate"`` or ``"spread"``.
+        bias_mode: one of :data:`BIAS_MODES`.
         last_rows: (R,) long rows to produce in the last layer (default: all).
         memory_budget_mb: bound on the temporary tensors of one layer step.
         ff_coefs: per pre-LN layer its :func:`ff_coefficients` (computed with the default
@@ -602,14 +642,14 @@ def head_scores(
         w_dense, b_dense: (D, D2), (D2,) or None.
         act: the elementwise activation.
         w_cls, b_cls: (D2, C), (C,) or None.
-        bias_mode: ``"separate"`` or ``"spread"``.
+        bias_mode: one of :data:`BIAS_MODES`.
         fallback: the source token that takes a bias whose dot products are all 0.
 
     Returns:
         (scores (B, K, C), bias scores (B, C)) with scores.sum(1) + bias = the logits.
     """
     check_bias_mode(bias_mode)
-    spread = bias_mode == "spread"
+    spread = bias_mode in SPREAD_MODES
     fb = torch.tensor([fallback], device=parts.device)
     u = parts @ w_dense
     u_b = bias @ w_dense
@@ -834,7 +874,7 @@ class AdjointPass:
         for l in range(n - 1, -1, -1):
             point = self.checkpoints[l]
             step = frozen_at(l, point)  # outside enable_grad: a rerun of the real layer builds no graph
-            with torch.enable_grad():
+            with local_autograd():
                 x = point.detach().clone().requires_grad_(True)
                 if l == n - 1:
                     roots = list(outputs(step(x, self.last_rows)))
@@ -949,7 +989,7 @@ def logit_scores(
         final_input: (B, D) the real input of the final norm at i (fixes its scale).
         direction: (B, D) the unembedding direction u.
         direction_bias: (B,) the LM-head bias along u, or None.
-        bias_mode: ``"separate"`` or ``"spread"``.
+        bias_mode: one of :data:`BIAS_MODES`.
         fallback: (B,) long, the token that takes a bias whose dot products are all 0
             (default: the last source token).
 
@@ -958,7 +998,7 @@ def logit_scores(
         parts that sum to the real final-norm input).
     """
     check_bias_mode(bias_mode)
-    spread = bias_mode == "spread"
+    spread = bias_mode in SPREAD_MODES
     b, k, _ = parts.shape
     fb = (torch.full((b,), k - 1, device=parts.device) if fallback is None else fallback.to(parts.device)).view(b, 1)
     y = apply_norm_to_parts(parts.unsqueeze(1), final_input.unsqueeze(1), final_params)  # (B, 1, K, D)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from captum_normattr.decompose.alti import l1_contributions
 from captum_normattr.decompose.chunking import rows_for_budget
+from captum_normattr.decompose.gated_feed_forward import local_autograd
 from captum_normattr.decompose.attention import attention_parts_rows, project_values
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import row_normalize
@@ -64,7 +65,7 @@ def ig_coefficients(pre_total: Tensor, act: Callable, method: str = "closed_form
         grad_sum = torch.zeros_like(pre_total)
         for k in range(steps):
             t = (k + 0.5) / steps
-            with torch.enable_grad():
+            with local_autograd():
                 x = (t * pre_total).detach().requires_grad_(True)
                 (g,) = torch.autograd.grad(act(x).sum(), x)
             grad_sum = grad_sum + g

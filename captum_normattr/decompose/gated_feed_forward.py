@@ -17,7 +17,8 @@ IG_bias W_down + b_down.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +26,18 @@ from torch import Tensor
 
 #: Default number of Gauss-Legendre nodes: |a I1 + I2 - g(a)| < 1e-12 for SiLU gate values |a| <= 60 in float64.
 DEFAULT_NODES = 48
+
+
+@contextmanager
+def local_autograd() -> Iterator[None]:
+    r"""Gradients on, also under ``torch.inference_mode()``, for the package's local autograd steps.
+
+    Inside the block, tensors made from inference tensors are ordinary tensors, so a leaf
+    built there (``(t * a).detach().requires_grad_(True)``) can be differentiated; the
+    gradients that come out are ordinary tensors too.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 def gauss_legendre_unit(nodes: int, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor]:
@@ -59,7 +72,7 @@ def gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tupl
     i1 = torch.zeros_like(a)
     i2 = torch.zeros_like(a)
     for t, w in zip(ts, ws):
-        with torch.enable_grad():
+        with local_autograd():
             x = (t * a).detach().requires_grad_(True)
             y = act(x)
             (grad,) = torch.autograd.grad(y.sum(), x)

@@ -158,8 +158,8 @@ def specs_for(family: str, decoder: bool, unembedding: torch.Tensor):
                         {"target": 7, "return_convergence_delta": True}))
         out.append(spec("ALTILogitAttribution", {"unembedding": unembedding, "memory_budget_mb": 0.01},
                         {"target": 3}, {"target": 3, "return_convergence_delta": True}))
-    # DecompX: both bias modes x every algorithm (adjoint + spread raises by design), explicit targets
-    for bias_mode in ("separate", "spread"):
+    # DecompX: every bias mode x every algorithm (adjoint + spread raises by design), explicit targets
+    for bias_mode in ("separate", "spread", "spread_per_key"):
         for algorithm in ("auto", "adjoint", "forward"):
             out.append(spec("DecompXAttribution", {"bias_mode": bias_mode, "algorithm": algorithm},
                             {"target": tgt}, {"target": tgt, "return_convergence_delta": True}))
@@ -172,13 +172,15 @@ def specs_for(family: str, decoder: bool, unembedding: torch.Tensor):
         for algorithm in ("adjoint", "forward"):
             out.append(spec("DecompXAttribution", {"algorithm": algorithm}, {"target": (7, 11)},
                             {"target": (7, 11), "return_convergence_delta": True}))
-        out.append(spec("DecompXAttribution", {"bias_mode": "spread", "explained_position": -2, "nodes": 8},
-                        {"target": 7}, {"target": 7, "return_convergence_delta": True}))
+        for bias_mode in ("spread", "spread_per_key"):
+            out.append(spec("DecompXAttribution", {"bias_mode": bias_mode, "explained_position": -2, "nodes": 8},
+                            {"target": 7}, {"target": 7, "return_convergence_delta": True}))
         out.append(spec("DecompXAttribution", {"unembedding": unembedding}, {"target": 3},
                         {"target": 3, "return_convergence_delta": True}))
     else:
-        out.append(spec("DecompXAttribution", {"bias_mode": "spread"}, {"target": 1},
-                        {"target": 1, "return_convergence_delta": True}, tuple_inputs=True))
+        for bias_mode in ("spread", "spread_per_key"):
+            out.append(spec("DecompXAttribution", {"bias_mode": bias_mode}, {"target": 1},
+                            {"target": 1, "return_convergence_delta": True}, tuple_inputs=True))
     return out
 
 
