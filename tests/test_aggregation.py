@@ -131,6 +131,7 @@ def test_map_aggregation_preserves_row_sums(tok):
         torch.testing.assert_close(wm.sum(-1), torch.ones(3, len(words), dtype=torch.float64))
     # the convention matters: summing target rows breaks it (the 5-piece word's row sums to 5)
     spans = word_spans(enc, 0, keep_special=True)
+    torch.testing.assert_close(aggregate_map(m[0], spans).sum(-1), torch.ones(3, len(spans), dtype=torch.float64))
     summed = aggregate_map(m[0], spans, rows="sum")
     assert summed.sum(-1)[:, 1].allclose(torch.full((3,), 5.0, dtype=torch.float64))
     # source columns are summed: a word's column = sum of its pieces' columns, rows averaged
