@@ -228,3 +228,55 @@ def test_chat_role_spans():
     [(lab_c, v_c)] = aggregate_to_spans(s, enc, [content])
     assert lab_c == ["system", "user"]
     assert [toks[i] for i in char_spans_to_token_spans(enc, 0, content)[0].tokens] == ["you", "are", "kind", "."]
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _cli_json(capsys, *args):
+    import json
+
+    from captum_normattr.cli import main
+
+    assert main(["-q", "--format", "json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_aggregate_words_and_sentences(tok, capsys):
+    text = "An unbelievably good film. Dull ending."
+    tokens = _cli_json(capsys, text, "-m", "globenc", "alti")["results"][0]
+    words = _cli_json(capsys, text, "-m", "globenc", "alti", "--aggregate", "word")["results"][0]
+    assert words["tokens"] == ["An", "unbelievably", "good", "film", ".", "Dull", "ending", "."]
+    assert tokens["tokens"][2:7] == ["un", "##bel", "##ie", "##va", "##bly"]
+    for name, raw in tokens["attributions"].items():
+        agg = words["attributions"][name]
+        assert agg[1] == pytest.approx(sum(raw[2:7]), rel=1e-12)  # raw numbers, summed over the pieces
+        assert words["row_totals"][name] == pytest.approx(sum(raw), rel=1e-12)
+    sent = _cli_json(capsys, text, "--aggregate", "sentence")
+    assert sent["meta"]["aggregate"] == "sentence"
+    assert sent["results"][0]["tokens"] == ["An unbelievably good film.", "Dull ending."]
+
+
+def test_cli_table_shows_unnormalised_rollouts_as_shares(tok, capsys):
+    from captum_normattr.cli import main
+
+    assert main(["-q", "the film was a delight", "-m", "globenc"]) == 0
+    table = capsys.readouterr().out
+    assert "GlobEnc (N_ENC) (share)" in table and "(share) = score / sum" in table
+    values = [float(line.split()[2]) for line in table.splitlines() if line[:3].strip().lstrip("*").isdigit()]
+    assert len(values) == 7 and sum(values) == pytest.approx(1.0, abs=1e-3)  # shares, not ~1e5
+    assert main(["-q", "the film was a delight", "-m", "globenc", "--raw"]) == 0
+    raw = capsys.readouterr().out
+    assert "(share)" not in raw
+
+
+def test_cli_aggregated_plots(tok, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from captum_normattr.cli import main
+
+    assert main(["-q", "An unbelievably good film.", "-m", "alti", "--aggregate", "word",
+                 "--plots", str(tmp_path), "-o", str(tmp_path / "r.html"), "--html-maps"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "text001_alti_layers.png", "text001_alti_rollout.png", "text001_alti_scores.png"]
+    page = (tmp_path / "r.html").read_text()
+    assert ">unbelievably<" in page and "##bel" not in page
