@@ -30,17 +30,18 @@ growth over the loaded model, attribution object and inputs, polled every 2 ms
 knows and exits; the table says "timeout". ``--json`` saves every record (rewritten after each
 child, so an interrupted run keeps what it measured).
 
-Reproduce ("before" = the old code in the worktree /work/wt-ref, package as of commit 5e4d66c; run from
-/work/main). benchmarks/results/memory_engine_before.json holds the figures of these two runs (the first
+Reproduce ("before" = the package as of commit 5e4d66c, checked out next to this one with
+``git worktree add ../wt-ref 5e4d66c``; run from the repository root).
+benchmarks/results/memory_engine_before.json holds the figures of these two runs (the first
 was in fact started with ``--sections depth length encoder --lengths 1024 2048 4096 --skip ff ff_alti``
 and stopped after the 2048-token figures, as 4096 tokens did not fit the time budget of a shared
 2-core machine; the "runs" list of the file keeps both command lines):
 
-    PYTHONPATH=/work/wt-ref nice -n 10 .venv/bin/python benchmarks/memory_engine.py \
-        --package-root /work/wt-ref --sections depth length --lengths 1024 2048 \
+    PYTHONPATH=../wt-ref nice -n 10 .venv/bin/python benchmarks/memory_engine.py \
+        --package-root ../wt-ref --sections depth length --lengths 1024 2048 \
         --json benchmarks/results/memory_engine_before.json
-    PYTHONPATH=/work/wt-ref nice -n 10 .venv/bin/python benchmarks/memory_engine.py \
-        --package-root /work/wt-ref --sections encoder --skip ff ff_alti \
+    PYTHONPATH=../wt-ref nice -n 10 .venv/bin/python benchmarks/memory_engine.py \
+        --package-root ../wt-ref --sections encoder --skip ff ff_alti \
         --json benchmarks/results/memory_engine_before.json --merge-json
 
 "after" (this checkout):
