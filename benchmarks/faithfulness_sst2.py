@@ -11,7 +11,7 @@ markers: the hand-written discussion around them is kept).
 
 Example (the whole run; RESULTS.md lists the exact commands used, split in parts)::
 
-    nice -n 10 python benchmarks/faithfulness_sst2.py --dev /work/shared/data/sst2/dev.tsv \
+    nice -n 10 python benchmarks/faithfulness_sst2.py --dev ../shared/data/sst2/dev.tsv \
         --checkpoint benchmarks/checkpoints/minilm-sst2
 
 Parts: ``--part baselines`` / ``--part ours`` run subsets and ``--merge`` puts other
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the checkout
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
@@ -243,7 +244,9 @@ def render(res: HarnessResult, cost: HarnessResult, ig_name: str, json_paths, re
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dev", required=True, help="SST-2 dev.tsv (sentence<TAB>label, header)")
+    p.add_argument("--data", default=str(DEFAULT_DATA),
+                   help="data folder holding sst2/dev.tsv (default: ../shared/data next to the repository)")
+    p.add_argument("--dev", default=None, help="SST-2 dev.tsv (sentence<TAB>label, header; default: DATA/sst2/dev.tsv)")
     p.add_argument("--checkpoint", default=str(HERE / "checkpoints" / "minilm-sst2"))
     p.add_argument("--limit", type=int, default=0, help="first N sentences only (0 = all)")
     p.add_argument("--part", choices=("all", "ours", "baselines"), default="all", help="which methods to run")
@@ -266,6 +269,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.dev is None:
+        args.dev = os.path.join(args.data, "sst2", "dev.tsv")
 
     ig_name = f"IG word emb. (sum, {args.ig_steps} steps)"
     if args.render_only:
@@ -323,7 +328,7 @@ def main(argv=None):
                                   seed=args.seed)
     res = harness.run_sentences(sentences, labels, tok, max_length=args.max_length)
     wall = time.time() - t0
-    argv_rel = [a if not os.path.isabs(a) or not a.startswith(str(HERE.parent)) else os.path.relpath(a) for a in sys.argv[1:]]
+    argv_rel = [os.path.relpath(a, HERE.parent) if os.path.isabs(a) else a for a in sys.argv[1:]]  # no machine paths
     res.info.update({
         "checkpoint": str(ckpt), "dev": args.dev, "wall_seconds": wall, "notes": notes,
         "command": shlex.join(["python", os.path.relpath(sys.argv[0])] + argv_rel),

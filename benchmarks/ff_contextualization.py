@@ -1,7 +1,7 @@
 r"""Contextualization change of the FF sub-block per layer on SST-2 sentences (Kobayashi et al. 2023).
 
 Usage:
-    python benchmarks/ff_contextualization.py /work/shared/data/sst2/dev.tsv [--limit N] [--batch 16]
+    python benchmarks/ff_contextualization.py [../shared/data/sst2/dev.tsv] [--data DIR] [--limit N] [--batch 16]
         [--gamma 0.01] [--out section.md]
 
 On the packaged MiniLM (all-MiniLM-L6-v2, 6 post-LN layers), for every sentence of the TSV
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure the checkout this script lives in
 
 STEPS = ("+FF", "+RES2", "+LN2", "ATB->LN2")
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the checkout
 
 
 def read_sentences(path: str, limit: int = 0):
@@ -59,13 +60,17 @@ def pair_kind(tok_i: str, tok_j: str, i: int, j: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", help="TSV with a 'sentence' column (SST-2 dev.tsv)")
+    p.add_argument("tsv", nargs="?", default=None,
+                   help="TSV with a 'sentence' column (default: DATA/sst2/dev.tsv)")
+    p.add_argument("--data", default=str(DEFAULT_DATA),
+                   help="data folder holding sst2/dev.tsv (default: ../shared/data next to the repository)")
     p.add_argument("--limit", type=int, default=0, help="first N sentences only (0: all)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--gamma", type=float, default=0.01, help="share of lowest-gamma LN dimensions ignored")
     p.add_argument("--top", type=int, default=3, help="amplified pairs per sentence and layer in the summary")
     p.add_argument("--out", default=None, help="also write the markdown section to this file")
     args = p.parse_args()
+    args.data = args.tsv or str(Path(args.data) / "sst2" / "dev.tsv")
 
     from captum_normattr import FFIntegratedDecomposition, load_default_model
     from captum_normattr.decompose.ff_analysis import (

@@ -10,7 +10,7 @@ validation set and saves a Hugging Face checkpoint directory (model + tokenizer 
 Example (about 15-25 minutes on 2 shared CPU cores)::
 
     nice -n 10 python benchmarks/finetune_sst2.py \
-        --train /work/shared/data/sst2/train.tsv --dev /work/shared/data/sst2/dev.tsv \
+        --train ../shared/data/sst2/train.tsv --dev ../shared/data/sst2/dev.tsv \
         --out benchmarks/checkpoints/minilm-sst2 2>&1 | tee benchmarks/out/finetune.log
 
 Data files are tab-separated with a header line ``sentence\tlabel``.
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "checkpoints" / "minilm-sst2"
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the checkout
 
 
 def read_tsv(path: str | os.PathLike) -> tuple[list[str], list[int]]:
@@ -44,7 +45,7 @@ def read_tsv(path: str | os.PathLike) -> tuple[list[str], list[int]]:
         ``(sentences, labels)``.
 
     Examples:
-        >>> s, y = read_tsv("/work/shared/data/sst2/dev.tsv")  # doctest: +SKIP
+        >>> s, y = read_tsv("../shared/data/sst2/dev.tsv")  # doctest: +SKIP
         >>> len(s), set(y)  # doctest: +SKIP
         (872, {0, 1})
     """
@@ -99,8 +100,10 @@ def evaluate(model, tokenizer, sentences, labels, batch_size: int = 64, max_leng
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", required=True, help="SST-2 train.tsv (sentence<TAB>label, header)")
-    p.add_argument("--dev", required=True, help="SST-2 dev.tsv, for the validation accuracy")
+    p.add_argument("--data", default=str(DEFAULT_DATA),
+                   help="data folder holding sst2/train.tsv and sst2/dev.tsv (default: ../shared/data next to the repository)")
+    p.add_argument("--train", default=None, help="SST-2 train.tsv (sentence<TAB>label, header; default: DATA/sst2/train.tsv)")
+    p.add_argument("--dev", default=None, help="SST-2 dev.tsv, for the validation accuracy (default: DATA/sst2/dev.tsv)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="checkpoint directory to write")
     p.add_argument("--model", default=None, help="base model dir (default: the packaged all-MiniLM-L6-v2)")
     p.add_argument("--train-size", type=int, default=30000, help="random subset of train (0 = all)")
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.train = args.train or str(Path(args.data) / "sst2" / "train.tsv")
+    args.dev = args.dev or str(Path(args.data) / "sst2" / "dev.tsv")
 
     from transformers import AutoTokenizer, BertForSequenceClassification
     from transformers.utils import logging as hf_logging

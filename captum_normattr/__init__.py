@@ -4,6 +4,7 @@ GlobEnc, the norm-based maps of Kobayashi et al., ALTI and the FF decomposition,
 RoBERTa, ELECTRA and DistilBERT encoders and GPT-2, Llama, Mistral and Qwen2 decoders from
 Hugging Face ``transformers``; ALTI-Logit for next-token logits of the decoders.
 """
+from captum_normattr.aggregation import aggregate_map, aggregate_map_to_words, aggregate_to_sentences, aggregate_to_spans, aggregate_to_words
 from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
@@ -37,4 +38,9 @@ __all__ = [
     "supported_families",
     "default_model_path",
     "load_default_model",
+    "aggregate_to_words",
+    "aggregate_to_sentences",
+    "aggregate_to_spans",
+    "aggregate_map",
+    "aggregate_map_to_words",
 ]

@@ -9,6 +9,7 @@ Examples (shell)::
     captum-normattr --file texts.txt -m alti --format json -o out.json
     captum-normattr --file texts.txt --format html -o report.html --html-maps
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
+    captum-normattr "An unbelievably good film. Dull ending." --aggregate sentence
     captum-normattr --list-methods
 
 Methods come from the registry, :data:`captum_normattr.registry.METHODS` (re-exported
@@ -176,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save pictures per text and method (layer grid, rollout map, attribution bars) to DIR")
     p.add_argument("--plot-format", choices=("png", "svg", "pdf"), default="png",
                    help="file format of --plots (default: png)")
+    p.add_argument("--aggregate", choices=("word", "sentence"), default=None,
+                   help="show words or sentences instead of tokens: the sum of their token scores "
+                   "(special tokens dropped; needs a fast tokenizer), in the table, JSON, HTML and --plots")
+    p.add_argument("--raw", action="store_true",
+                   help="table: raw scores for every method (default: unsigned methods, whose raw rollout rows "
+                   "can sum to e.g. 1e5, as shares of their row)")
     p.add_argument("--ascii", action="store_true", help="table: ASCII bars instead of Unicode blocks")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--list-methods", action="store_true", help="list the available methods and exit")
@@ -525,6 +532,8 @@ def explain(
                 chunk, tokens, results,
                 attention_mask=mask.cpu(), explained_position=pos.cpu(), predictions=preds,
             )
+            level = getattr(options, "aggregate", None)
+            spans = _aggregation_spans(enc, mask, chunk, level) if level else None
             for i, ex in enumerate(exps):
                 maps: Dict[str, Any] = {}
                 for label, res in results.items():
@@ -539,8 +548,10 @@ def explain(
                             and res.rollout is not None:
                         m = example_from_result(res, i, tokens[i])
                         m["components"] = _component_maps(res, i)
-                        maps[label] = m
+                        maps[label] = m if spans is None else _aggregate_maps(m, spans[i])
                 all_maps.append(maps)
+            if spans is not None:
+                exps = [ex.aggregated(sp, unit=level) for ex, sp in zip(exps, spans)]
             all_exps.extend(exps)
             bar.update(1)
     finally:
@@ -565,6 +576,39 @@ def _warn_truncation(tokenizer: Any, chunk: Sequence[str], start: int, max_len: 
                 file=sys.stderr,
             )
     return cut
+
+
+def _aggregation_spans(enc: Any, mask: Any, texts: Sequence[str], level: str) -> List[List[Any]]:
+    r"""Per text, the word or sentence spans of ``--aggregate``, indexing the unpadded tokens."""
+    from captum_normattr.aggregation import Span, spans_for
+
+    if not getattr(enc, "encodings", None):
+        raise CLIError("--aggregate needs a fast tokenizer (word ids and character offsets); this model's is not")
+    out = []
+    for i in range(mask.shape[0]):
+        keep = mask[i].bool().nonzero().squeeze(-1).tolist()
+        where = {p: k for k, p in enumerate(keep)}
+        spans = spans_for(level, enc, i, texts=list(texts))
+        out.append([Span(sp.label, tuple(where[p] for p in sp.tokens)) for sp in spans])
+    return out
+
+
+def _aggregate_maps(m: Dict[str, Any], spans: Sequence[Any]) -> Dict[str, Any]:
+    r"""An ``example_from_result`` dict over words/sentences: maps sum source columns and average
+    target rows (:func:`captum_normattr.aggregation.aggregate_map`), scores are summed."""
+    from captum_normattr.aggregation import aggregate_map, aggregate_scores
+
+    out = dict(m)
+    out["tokens"] = [sp.label for sp in spans]
+    for key in ("layer_maps", "rollout"):
+        if m.get(key) is not None:
+            out[key] = aggregate_map(m[key], spans)
+    out["scores"] = aggregate_scores(m["scores"], spans)
+    out["components"] = {k: aggregate_map(v, spans) for k, v in (m.get("components") or {}).items()}
+    pos = m.get("explained_position")
+    out["explained_position"] = None if pos is None else next(
+        (k for k, sp in enumerate(spans) if pos in sp.tokens), None)
+    return out
 
 
 def _component_maps(res: Any, b: int) -> Dict[str, Any]:
@@ -708,7 +752,9 @@ def _run(args: argparse.Namespace) -> int:
     meta: Dict[str, Any] = {"model": model_name, "methods": [s.key for s in specs]}
     for opt, _ in method_options(specs).values():  # the options of the methods that ran
         meta[opt.meta_key or opt.dest] = getattr(args, opt.dest)
-    meta.update(explained_position=args.position, target=args.target, device=str(device), texts=len(texts))
+    meta.update(explained_position=args.position, target=args.target, device=str(device), texts=len(texts),
+                aggregate=args.aggregate,
+                scores="raw attributions as computed (not shares); row_totals: their sum over the tokens of the text")
     meta = {k: v for k, v in meta.items() if v is not None}
     if args.plots:
         written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format)
@@ -723,7 +769,7 @@ def _run(args: argparse.Namespace) -> int:
             _embed_maps(exps, maps)
         text = report.render_html(exps, meta, title=f"{PROG}: {model_name}")
     else:
-        text = report.render_table(exps, ascii_only=args.ascii or not _can_print_blocks())
+        text = report.render_table(exps, ascii_only=args.ascii or not _can_print_blocks(), shares=not args.raw)
     _write(text, args.output)
     if args.output and not args.quiet:
         print(f"{PROG}: wrote {args.output}", file=sys.stderr)

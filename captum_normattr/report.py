@@ -51,6 +51,10 @@ class TextExplanation:
         figures: name -> an image for the HTML report: a ``data:`` URI or an inline
             ``<svg>`` string. Figures named after a method (``"ALTI"`` or
             ``"ALTI ..."``) are shown under that method. Not written to JSON.
+        signed: method name -> whether its scores carry a sign (default False).
+        row_totals: method name -> the sum of its token scores over the text (default:
+            the sum of ``scores``; an aggregated explanation keeps the totals of its
+            tokens). The table shows unsigned scores as shares of it.
     """
 
     text: str
@@ -60,6 +64,8 @@ class TextExplanation:
     prediction: Optional[str] = None
     extras: Dict[str, Any] = field(default_factory=dict)
     figures: Dict[str, str] = field(default_factory=dict)
+    signed: Dict[str, bool] = field(default_factory=dict)
+    row_totals: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, vals in self.scores.items():
@@ -67,13 +73,49 @@ class TextExplanation:
                 raise ValueError(
                     f"method {name!r}: {len(vals)} scores for {len(self.tokens)} tokens"
                 )
+            if name not in self.row_totals:
+                self.row_totals[name] = float(sum(float(v) for v in vals if math.isfinite(float(v))))
+
+    def aggregated(self, spans: Sequence[Any], reduce: str = "sum", unit: str = "word") -> "TextExplanation":
+        r"""The same explanation over spans of tokens (words, sentences ...).
+
+        Args:
+            spans: :class:`~captum_normattr.aggregation.Span`\ s whose ``tokens`` index
+                ``self.tokens`` (pads removed).
+            reduce: ``"sum"``, ``"mean"`` or ``"max"`` (see :mod:`captum_normattr.aggregation`).
+            unit: what a span is, for the ``extras`` note (``"word"``, ``"sentence"``).
+
+        Returns:
+            A new :class:`TextExplanation` whose ``tokens`` are the span labels; the
+            explained position is the span that holds the explained token (None when
+            that token was dropped); ``row_totals`` and ``signed`` are kept.
+        """
+        from captum_normattr.aggregation import aggregate_scores
+
+        scores = {
+            name: aggregate_scores(torch.tensor(vals, dtype=torch.float64), spans, reduce).tolist()
+            for name, vals in self.scores.items()
+        }
+        pos = None
+        if self.explained_position is not None:
+            pos = next((k for k, sp in enumerate(spans) if self.explained_position in sp.tokens), None)
+        extras = dict(self.extras)
+        extras["aggregated"] = f"{unit}s ({reduce} of their token scores)"
+        if pos is None and self.explained_position is not None:
+            extras["explained token"] = self.tokens[self.explained_position]
+        return TextExplanation(
+            text=self.text, tokens=[sp.label for sp in spans], scores=scores, explained_position=pos,
+            prediction=self.prediction, extras=extras, figures=dict(self.figures), signed=dict(self.signed),
+            row_totals=dict(self.row_totals),
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         r"""JSON-ready dict (figures left out; NaN/inf become None).
 
         Returns:
             dict with ``text``, ``tokens``, ``explained_position``, ``prediction``,
-            ``attributions`` (method -> list of float) and ``extras``.
+            ``attributions`` (method -> list of float, the raw scores), ``row_totals``
+            (method -> the sum of its token scores) and ``extras``.
         """
         return {
             "text": self.text,
@@ -81,6 +123,7 @@ class TextExplanation:
             "explained_position": self.explained_position,
             "prediction": self.prediction,
             "attributions": {k: [_finite(v) for v in vals] for k, vals in self.scores.items()},
+            "row_totals": {k: _finite(v) for k, v in self.row_totals.items()},
             "extras": _jsonable(self.extras),
         }
 
@@ -176,6 +219,7 @@ def explanations_from_results(
             scores={k: r.example(i)["scores"].detach().to("cpu", torch.float64).tolist() for k, r in batch.items()},
             explained_position=p,
             prediction=None if predictions is None else predictions[i],
+            signed={k: bool(r.signed) for k, r in batch.items() if isinstance(results[k], AttributionResult)},
         ))
     return out
 
@@ -215,12 +259,16 @@ def render_table(
     bar_width: int = 12,
     ascii_only: bool = False,
     max_token_width: int = 18,
+    shares: bool = False,
 ) -> str:
     r"""A readable plain-text table per text: one row per token, a column per method.
 
     Each method column shows the score and a bar scaled by that method's largest
     absolute score in the text (negative scores: a light-shaded bar, or ``-`` in
-    ASCII). The explained row is marked with ``*``.
+    ASCII). The explained row is marked with ``*``. With ``shares=True`` the scores of
+    unsigned methods are shown as shares of their row (score / ``row_totals``; a raw
+    GlobEnc rollout row sums to numbers like 1e5), and their column header says
+    ``(share)``; signed methods keep their raw numbers.
 
     Args:
         explanations: the texts to show.
@@ -228,6 +276,7 @@ def render_table(
         ascii_only: use ``#``/``-`` bars instead of Unicode blocks (for terminals that
             cannot print them).
         max_token_width: longer tokens are shortened.
+        shares: show unsigned scores as shares of their row.
 
     Returns:
         The table as one string (lines separated by ``\n``, no trailing newline).
@@ -251,18 +300,28 @@ def render_table(
         tw = max([5] + [len(t) for t in toks])
         iw = max(1, len(str(len(toks) - 1)))
         names = list(ex.scores)
-        col_w = [max(len(nm), 10 + (bar_width + 1 if bar_width else 0)) for nm in names]
+        scale = {nm: 1.0 for nm in names}
+        if shares:
+            for nm in names:
+                total = ex.row_totals.get(nm, 0.0)
+                if not ex.signed.get(nm, False) and math.isfinite(total) and total > 0:
+                    scale[nm] = 1.0 / total
+        heads = [nm + (" (share)" if scale[nm] != 1.0 else "") for nm in names]
+        if any(scale[nm] != 1.0 for nm in names):
+            lines.append("    (share) = score / sum of the method's scores over all tokens of the text "
+                         "(raw numbers: --format json)")
+        col_w = [max(len(hd), 10 + (bar_width + 1 if bar_width else 0)) for hd in heads]
         header = f"  {'#'.rjust(iw)}  {'token'.ljust(tw)}" + "".join(
-            f"  {nm.ljust(w)}" for nm, w in zip(names, col_w)
+            f"  {hd.ljust(w)}" for hd, w in zip(heads, col_w)
         )
         lines.append(header.rstrip())
         lines.append("  " + "-" * (len(header) - 2))
-        vmax = {nm: max([abs(v) for v in ex.scores[nm] if math.isfinite(v)] + [0.0]) for nm in names}
+        vmax = {nm: max([abs(v) * scale[nm] for v in ex.scores[nm] if math.isfinite(v)] + [0.0]) for nm in names}
         for i, tok in enumerate(toks):
             mark = "*" if i == ex.explained_position else " "
             row = f" {mark}{str(i).rjust(iw)}  {tok.ljust(tw)}"
             for nm, w in zip(names, col_w):
-                v = float(ex.scores[nm][i])
+                v = float(ex.scores[nm][i]) * scale[nm]
                 cell = _fmt(v).rjust(10)
                 if bar_width:
                     cell += " " + _bar(v, vmax[nm], bar_width, ascii_only)

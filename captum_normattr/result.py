@@ -9,7 +9,7 @@ Visualisation, the HTML/JSON report and the command line read results through th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -90,6 +90,42 @@ class AttributionResult:
         pos = self.explained_position
         out["explained_position"] = None if pos is None else int((idx < int(pos[index])).sum())
         return out
+
+    def aggregate(
+        self,
+        encoding: Any,
+        level: Any = "word",
+        reduce: str = "sum",
+        *,
+        keep_special: bool = False,
+        texts: Optional[Any] = None,
+    ) -> List[Tuple[List[str], Tensor]]:
+        r"""The scores aggregated to words, sentences or character spans, per example.
+
+        Args:
+            encoding: the fast tokenizer's ``BatchEncoding`` of the inputs.
+            level: ``"word"``, ``"sentence"`` (needs ``texts``) or, per example, a list
+                of ``(start, end, label)`` character ranges (e.g. the role spans of
+                :func:`~captum_normattr.aggregation.chat_role_char_spans`).
+            reduce: ``"sum"`` (default, signs kept), ``"mean"`` or ``"max"``.
+            keep_special: keep special tokens as spans of their own.
+            texts: the tokenized texts (exact word labels; needed for sentences).
+
+        Returns:
+            per example ``(labels, (S,) scores)``; see :mod:`captum_normattr.aggregation`.
+        """
+        from captum_normattr.aggregation import aggregate_scores, spans_for
+
+        out = []
+        for i in range(self.scores.shape[0]):
+            spans = spans_for(level, encoding, i, keep_special=keep_special, texts=texts)
+            out.append(([sp.label for sp in spans], aggregate_scores(self.scores[i], spans, reduce)))
+        return out
+
+    def words(self, encoding: Any, reduce: str = "sum", *, keep_special: bool = False,
+              texts: Optional[Any] = None) -> List[Tuple[List[str], Tensor]]:
+        r"""The scores summed (``reduce``) over the pieces of every word: ``aggregate(encoding, "word", ...)``."""
+        return self.aggregate(encoding, "word", reduce, keep_special=keep_special, texts=texts)
 
 
 @dataclass
