@@ -8,6 +8,8 @@ Examples (shell)::
     captum-normattr explain -m alti -m ff "the film was a delight"     # 'explain' is the (only) subcommand
     captum-normattr --file texts.txt -m alti --format json -o out.json
     captum-normattr --file texts.txt --format html -o report.html --html-maps
+    captum-normattr --file texts.jsonl --column text -m alti --format jsonl -o out.jsonl   # resumable
+    accelerate launch --num_processes 4 -m captum_normattr --file texts.txt -m alti -o out.jsonl
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
     captum-normattr "An unbelievably good film. Dull ending." --aggregate sentence
     captum-normattr --list-methods
@@ -168,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=_positive_int, default=None,
                    help="truncate texts to this many tokens (default: the model's limit)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    p.add_argument("--format", choices=("table", "json", "html"), default=None,
-                   help="output format (default: from the --output suffix, else table)")
+    p.add_argument("--format", choices=("table", "json", "html", "jsonl"), default=None,
+                   help="output format (default: from the --output suffix, else table); jsonl: one record per "
+                   "text, resumable, runs under accelerate launch (docs/scale.md)")
     p.add_argument("-o", "--output", metavar="PATH", help="write the output to PATH instead of stdout")
     p.add_argument("--html-maps", action="store_true",
                    help="HTML: embed the layer-map grid and rollout heat map of every text and method")
@@ -186,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ascii", action="store_true", help="table: ASCII bars instead of Unicode blocks")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--list-methods", action="store_true", help="list the available methods and exit")
+    from captum_normattr.runs import add_arguments
+
+    add_arguments(p)  # --column, --id-column, --split, --overwrite
     return p
 
 
@@ -720,7 +726,11 @@ def _run(args: argparse.Namespace) -> int:
     fmt = args.format
     if fmt is None:
         suffix = Path(args.output).suffix.lower() if args.output else ""
-        fmt = {".json": "json", ".html": "html", ".htm": "html"}.get(suffix, "table")
+        fmt = {".json": "json", ".html": "html", ".htm": "html", ".jsonl": "jsonl"}.get(suffix, "table")
+    if fmt == "jsonl":  # dataset runs: captum_normattr/runs.py
+        from captum_normattr.runs import run_cli
+
+        return run_cli(args, specs)
     if args.html_maps and fmt != "html":
         raise CLIError("--html-maps needs --format html (or an --output ending in .html)")
     if (args.html_maps or args.plots):

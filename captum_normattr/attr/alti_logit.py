@@ -22,6 +22,7 @@ from captum_normattr.decompose.decoder import alti_logit_terms, attention_update
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
 from captum_normattr.models.adapters import layer_modules
+from captum_normattr.models.weights import tensors_to
 from captum_normattr.result import LogitDecompositionResult
 
 
@@ -147,6 +148,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         kept: Dict[str, Any] = {"errors": [], "biases": []}
 
         def on_layer(layer: LayerTensors) -> None:
+            layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
             l = layer.index
             if "maps" not in kept:
                 b, t, d = layer.hidden_in.shape
@@ -162,7 +164,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             kept["errors"].append(self.kind.completeness_error(layer, valid))
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer) as (rec, _):
-            fparams, f_in, f_out = rec.final_norm_tensors()
+            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
         with torch.no_grad():
             f_in, f_out = f_in[bidx, pos], f_out[bidx, pos]
             out = self.output.resolve(target, f_out)

@@ -23,6 +23,7 @@ from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
 from captum_normattr.models.capture import Recorder, recording
+from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401 (re-exported)
 from captum_normattr.result import AttributionResult, DecompositionResult
 
@@ -273,7 +274,9 @@ class LayerDecompositionAttribution(Attribution):
         collector = _MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, return_layer_maps or return_rollout)
 
         def on_layer(layer: LayerTensors) -> None:
-            collector.add(layer.index, self.layer_contribution(layer, valid, return_layer_maps))
+            dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
+            c = self.layer_contribution(layer, valid.to(dev), return_layer_maps)
+            collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer):
             pass

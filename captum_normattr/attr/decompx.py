@@ -30,6 +30,7 @@ from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from captum_normattr.models.capture import Recorder
+from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
 
@@ -232,20 +233,21 @@ class DecompXAttribution(Attribution):
         self.algorithm = algorithm
         self._modules_list = layer_modules(model, self.adapter)
 
-    def _value_param(self, index: int, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
-        r"""(W_V, b_V) of layer ``index`` in ``dtype``."""
-        w, b = value_projection(self._modules_list[index], self.adapter)
-        return w.detach().to(dtype), None if b is None else b.detach().to(dtype)
+    def _value_param(self, layer: LayerTensors) -> Tuple[Tensor, Optional[Tensor]]:
+        r"""(W_V, b_V) of ``layer`` in its dtype, on its device (read from an accelerate hook if offloaded)."""
+        w, b = value_projection(self._modules_list[layer.index], self.adapter)
+        dev, dtype = layer.hidden_in.device, layer.hidden_in.dtype
+        return w.detach().to(dev, dtype), None if b is None else b.detach().to(dev, dtype)
 
     def _coefficients(self, layer: LayerTensors) -> Dict[str, Tensor]:
         return ff_coefficients(layer, self.nodes)
 
     def _frozen(self, layer: LayerTensors) -> FrozenStep:
-        return frozen_step(layer, *self._value_param(layer.index, layer.hidden_in.dtype), self._coefficients(layer))
+        return frozen_step(layer, *self._value_param(layer), self._coefficients(layer))
 
     def _rerun(self, rec: Recorder) -> Callable[[int, Tensor], FrozenStep]:
         r"""``(l, checkpoint) -> FrozenStep``: layer l recomputed from its input, for the adjoint's walk."""
-        return lambda l, x: self._frozen(rec.rerun_layer(l, x))
+        return lambda l, x: self._frozen(tensors_to(rec.rerun_layer(l, x), x.device))  # x: on the inputs' device
 
     def _algorithm(self, layer_parts: bool) -> str:
         forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate"
@@ -302,8 +304,9 @@ class DecompXAttribution(Attribution):
             adj = AdjointPass(n, head_rows)
 
         def on_layer(layer: LayerTensors) -> None:
+            layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
             if prop is not None:
-                prop.step(layer, *self._value_param(layer.index, dtype))
+                prop.step(layer, *self._value_param(layer))
             else:
                 adj.forward(layer.hidden_in, self._frozen(layer))
             if layer.index == n - 1:
@@ -313,9 +316,9 @@ class DecompXAttribution(Attribution):
             rec,
             out,
         ):
-            logits = (out.logits if hasattr(out, "logits") else out[0]).detach().to(dtype)
+            logits = (out.logits if hasattr(out, "logits") else out[0]).detach().to(valid.device, dtype)
             tgt = self.output.resolve(target, logits)
-            hp = self.output.params(dtype)
+            hp = self.output.params(dtype, kept["pooled"].device)
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 slope = head_slope(kept["pooled"], hp)
@@ -369,17 +372,18 @@ class DecompXAttribution(Attribution):
             adj = AdjointPass(n, torch.unique(pos))
 
         def on_layer(layer: LayerTensors) -> None:
+            layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
             coefs = self._coefficients(layer)
             q = coefs.get("quadrature_error")
             quad.append(((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])) * vf).amax(-1))
-            w_v, b_v = self._value_param(layer.index, dtype)
+            w_v, b_v = self._value_param(layer)
             if prop is not None:
                 prop.step(layer, w_v, b_v, coefs)
             else:
                 adj.forward(layer.hidden_in, frozen_step(layer, w_v, b_v, coefs))
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
-            fparams, f_in, f_out = rec.final_norm_tensors()
+            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
             out = self.output.resolve(target, f_out[ar, pos])
             u, ub = out.direction, out.bias
             logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)

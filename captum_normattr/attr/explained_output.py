@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from captum_normattr.models.adapters import ArchitectureAdapter, get_path
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
+from captum_normattr.models.weights import weight_and_bias
 
 
 def as_token_ids(x: Any, b: int, name: str, device) -> Tensor:
@@ -71,7 +72,8 @@ class NextTokenLogit:
         if unembedding is not None:
             if not isinstance(unembedding, Tensor) or unembedding.dim() != 2 or unembedding.shape[1] != d:
                 raise ValueError(f"unembedding must be a (vocab, {d}) tensor")
-            self.weight, self.weight_bias = unembedding, None
+            self._weights = (unembedding, None)
+            self._head = None
             return
         head = None
         if adapter.lm_head is not None:
@@ -84,18 +86,34 @@ class NextTokenLogit:
                 f"{type(model).__name__} has no LM head: pass a model with one (GPT2LMHeadModel, "
                 f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) or an explicit unembedding=(vocab, {d}) matrix"
             )
-        self.weight, self.weight_bias = head.weight, getattr(head, "bias", None)  # nn.Linear: (V, D)
+        self._head, self._weights = head, None
+
+    @property
+    def weight(self) -> Tensor:
+        r"""(V, D) the unembedding (nn.Linear weight), read where it lives (also from an accelerate hook)."""
+        return self._head_weights()[0]
+
+    @property
+    def weight_bias(self) -> Optional[Tensor]:
+        r"""(V,) the LM head's bias, or None."""
+        return self._head_weights()[1]
+
+    def _head_weights(self):
+        if self._head is None:
+            return self._weights
+        return weight_and_bias(self._head, "lm_head")  # read at use: an offloaded head is on meta until then
 
     @property
     def vocab_size(self) -> int:
-        return int(self.weight.shape[0])
+        return int((self._head.weight if self._head is not None else self._weights[0]).shape[0])  # meta has shapes
 
     def logits(self, final_out: Tensor) -> Tensor:
         r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D)."""
-        w = self.weight.detach().to(device=final_out.device, dtype=final_out.dtype)
+        weight, bias = self._head_weights()
+        w = weight.detach().to(device=final_out.device, dtype=final_out.dtype)
         out = final_out @ w.T
-        if self.weight_bias is not None:
-            out = out + self.weight_bias.detach().to(device=final_out.device, dtype=final_out.dtype)
+        if bias is not None:
+            out = out + bias.detach().to(device=final_out.device, dtype=final_out.dtype)
         return out
 
     def resolve(self, target: Any, final_out: Tensor) -> LogitDirection:
@@ -125,10 +143,11 @@ class NextTokenLogit:
         for ids, name in ((t_ids, "target"), (f_ids, "foil")):
             if ids is not None and bool(((ids < 0) | (ids >= self.vocab_size)).any()):
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size - 1}]; got {ids.tolist()}")
-        w = self.weight.detach().to(device=device, dtype=dtype)
+        weight, bias = self._head_weights()
+        w = weight.detach().to(device=device, dtype=dtype)
         u = w[t_ids]
         ub = torch.zeros(b, dtype=dtype, device=device)
-        wb = None if self.weight_bias is None else self.weight_bias.detach().to(device=device, dtype=dtype)
+        wb = None if bias is None else bias.detach().to(device=device, dtype=dtype)
         if wb is not None:
             ub = wb[t_ids]
         if f_ids is not None:
@@ -158,9 +177,9 @@ class ClassLogit:
         r"""The token whose last-layer output the head reads."""
         return self.head.position
 
-    def params(self, dtype: torch.dtype) -> HeadParams:
-        r"""The head's parameters as right-multiplied matrices in ``dtype``."""
-        return head_params(self.model, self.head, dtype)
+    def params(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> HeadParams:
+        r"""The head's parameters as right-multiplied matrices in ``dtype`` (on ``device`` if given)."""
+        return head_params(self.model, self.head, dtype, device)
 
     def resolve(self, target: Any, logits: Tensor) -> Tensor:
         r"""The explained class of every example.

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.models.adapters import ArchitectureAdapter, max_positions
+from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
 
@@ -109,7 +110,7 @@ def prepare_inputs(
         inputs = inputs[0]
     if not isinstance(inputs, Tensor):
         raise TypeError(f"inputs must be a torch.Tensor of token ids (B, T); got {type(inputs).__name__}")
-    device = next(model.parameters()).device
+    device = input_device(model, inputs)  # a model dispatched by accelerate: the inputs' device
     config = model.config
     if inputs.is_floating_point():
         if inputs.dim() != 3:

@@ -11,6 +11,8 @@ from typing import Dict, Optional, Tuple
 
 from torch import Tensor, nn
 
+from captum_normattr.models.weights import weight_and_bias
+
 
 @dataclass(frozen=True)
 class ArchitectureAdapter:
@@ -199,11 +201,16 @@ def linear_params(module: nn.Module, transposed: bool = False) -> Tuple[Tensor, 
         transposed: True for ``Conv1D``.
 
     Returns:
-        (W (in, out), b (out,) or None) so that module(x) = x @ W + b.
+        (W (in, out), b (out,) or None) so that module(x) = x @ W + b. The tensors are read
+        wherever they live (:func:`~captum_normattr.models.weights.weight_and_bias`: also
+        from the hook of a module offloaded by accelerate) and left on that device.
+
+    Raises:
+        WeightsNotReachableError: a weight on ``meta`` that no accelerate hook holds.
     """
-    w = module.weight
+    w, b = weight_and_bias(module)
     w = w if transposed else w.T
-    return w, getattr(module, "bias", None)
+    return w, b
 
 
 def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Tensor, Optional[Tensor]]:

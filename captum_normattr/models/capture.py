@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, layer_modules, linear_params
+from captum_normattr.models.weights import module_tensor
 
 ATTENTION_NAME = "captum_normattr_capture"
 #: Bytes of one chunk of attention scores in the recording attention.
@@ -138,8 +139,14 @@ def _configs(model: nn.Module):
     return list(seen.values())
 
 
-def norm_params(module: nn.Module, kind: str, dtype: Optional[torch.dtype] = None) -> NormParams:
-    r"""The parameters of a LayerNorm/RMSNorm module, cast to ``dtype`` (kept as they are if None)."""
+def norm_params(
+    module: nn.Module, kind: str, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+) -> NormParams:
+    r"""The parameters of a LayerNorm/RMSNorm module, cast to ``dtype`` and moved to ``device`` (kept if None).
+
+    The parameters are read wherever they live (:func:`~captum_normattr.models.weights.module_tensor`),
+    also from the hook of a module offloaded by accelerate.
+    """
     eps = getattr(module, "eps", None)
     if eps is None:
         eps = getattr(module, "variance_epsilon", None)
@@ -147,10 +154,15 @@ def norm_params(module: nn.Module, kind: str, dtype: Optional[torch.dtype] = Non
         eps = torch.finfo(module.weight.dtype if module.weight is not None else torch.float32).eps  # torch's default
     if eps is None:
         raise ValueError(f"cannot find the epsilon of norm module {type(module).__name__}")
-    cast = (lambda t: t) if dtype is None else (lambda t: None if t is None else t.detach().to(dtype))
+
+    def cast(t):
+        if t is None or (dtype is None and device is None):
+            return t
+        return t.detach().to(device=device, dtype=dtype)
+
     return NormParams(
-        weight=cast(getattr(module, "weight", None)),
-        bias=cast(getattr(module, "bias", None)) if kind == "layernorm" else None,
+        weight=cast(module_tensor(module, "weight")),
+        bias=cast(module_tensor(module, "bias")) if kind == "layernorm" else None,
         eps=float(eps),
         kind=kind,
     )
@@ -277,10 +289,16 @@ class Recorder:
 
     # --- what the recorded tensors become ---------------------------------------
     def layer_tensors(self, idx: int, rec: Dict[str, Tensor]) -> LayerTensors:
-        r"""One layer's :class:`LayerTensors` in the compute dtype, from its recorded tensors."""
+        r"""One layer's :class:`LayerTensors` in the compute dtype, from its recorded tensors.
+
+        Every tensor, weights included, is put on the device the layer's attention ran on
+        (its execution device under accelerate; weights of offloaded modules are read from
+        their hook, :mod:`captum_normattr.models.weights`).
+        """
         a, dtype = self.adapter, self.dtype
         layer = self.layers[idx]
-        cast = lambda t: None if t is None else t.detach().to(dtype)
+        device = rec["probs"].device
+        cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
         w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
         w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
         w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
@@ -294,10 +312,10 @@ class Recorder:
             values=cast(rec["values"]),
             out_weight=cast(w_o),
             out_bias=cast(b_o),
-            ln1=norm_params(get_path(layer, a.ln1), a.norm_kind, dtype),
+            ln1=norm_params(get_path(layer, a.ln1), a.norm_kind, dtype, device),
             ln1_in=cast(rec["ln1_in"]),
             ln1_out=cast(rec["ln1_out"]),
-            ln2=norm_params(get_path(layer, a.ln2), a.norm_kind, dtype),
+            ln2=norm_params(get_path(layer, a.ln2), a.norm_kind, dtype, device),
             ln2_in=cast(rec["ln2_in"]),
             ln2_out=cast(rec["ln2_out"]),
             ff_out=cast(rec["ff_out"]),
@@ -316,8 +334,9 @@ class Recorder:
         """
         if self.adapter.final_norm is None or "in" not in self.final:
             raise RuntimeError(f"the forward pass recorded no final norm for the {self.adapter.family} adapter")
-        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind, self.dtype)
-        return p, self.final["in"].to(self.dtype), self.final["out"].to(self.dtype)
+        device = self.final["out"].device
+        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind, self.dtype, device)
+        return p, self.final["in"].to(device=device, dtype=self.dtype), self.final["out"].to(self.dtype)
 
     def rerun_layer(self, idx: int, hidden_in: Tensor) -> LayerTensors:
         r"""Run layer ``idx`` again on ``hidden_in`` (its checkpointed input) and return its tensors.

@@ -121,18 +121,22 @@ def get_head_adapter(model: nn.Module) -> HeadAdapter:
     )
 
 
-def head_params(model: nn.Module, head: HeadAdapter, dtype: torch.dtype) -> HeadParams:
+def head_params(
+    model: nn.Module, head: HeadAdapter, dtype: torch.dtype, device: Optional[torch.device] = None
+) -> HeadParams:
     r"""Read a head's parameters as right-multiplied matrices in ``dtype``.
 
     Args:
         model: the sequence classifier.
         head: its :class:`HeadAdapter`.
         dtype: compute dtype.
+        device: where to put them (None: where they are; the CPU copy for a head offloaded
+            by accelerate, whose weights are read from its hook).
 
     Returns:
         :class:`HeadParams`.
     """
-    cast = lambda t: None if t is None else t.detach().to(dtype)
+    cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
     w_d, b_d = linear_params(get_path(model, head.dense))
     w_c, b_c = linear_params(get_path(model, head.classifier))
     act = get_path(model, head.activation) if head.activation else head.activation_fn

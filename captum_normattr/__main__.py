@@ -1,0 +1,10 @@
+r"""``python -m captum_normattr``: the command line, identical to ``captum-normattr`` (see :mod:`captum_normattr.cli`).
+
+Also what ``accelerate launch -m captum_normattr ...`` runs (see ``docs/scale.md``).
+"""
+import sys
+
+from captum_normattr.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
