@@ -263,3 +263,31 @@ def test_clear_errors():
     # GlobEnc's plain readings still work on the bare ViTModel
     bare = _perturb(ViTModel(ViTConfig(**{k: v for k, v in SMALL.items() if k != "num_labels"})).double().eval())
     assert GlobEncAttribution(bare).attribute(x).shape == x.shape
+
+
+def test_pictures_and_cli(tmp_path, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+    from PIL import Image
+    from transformers import ViTImageProcessor
+
+    from captum_normattr.cli import main
+    from captum_normattr.vision import layer_patch_rows, patch_heatmap
+
+    model = make_vision("vit").float()
+    res = GlobEncAttribution(model).decompose(images().float())
+    assert patch_heatmap(images()[0], res.extras["patch_grid"][0], title="GlobEnc") is not None
+    assert layer_patch_rows(res.layer_maps[0], 0, (4, 4), 1) is not None
+    model.save_pretrained(tmp_path / "m")
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(tmp_path / "m")
+    png = tmp_path / "digit.png"
+    Image.fromarray((np.random.default_rng(0).random((20, 20, 3)) * 255).astype("uint8")).save(png)
+    code = main(["--image", str(png), "--model", str(tmp_path / "m"), "-m", "globenc", "decompx", "--plots", str(tmp_path / "p")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "top patches" in out and "[CLS]" in out
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "digit_decompx_heatmap.png", "digit_globenc_heatmap.png", "digit_globenc_layers.png"
+    ]
