@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("texts", nargs="*", metavar="TEXT",
                    help=f"text(s) to explain ({SUBCOMMAND!r} as the first argument is the subcommand)")
+    p.add_argument("--image", nargs="+", metavar="PATH", default=None,
+                   help="explain image(s) with a Vision Transformer (--model: a local folder with its image processor)")
     p.add_argument("-f", "--file", metavar="PATH",
                    help="file with one text per line (blank lines skipped); '-' reads stdin")
     p.add_argument("--model", metavar="NAME_OR_PATH",
@@ -723,6 +725,10 @@ def _run(args: argparse.Namespace) -> int:
         specs = [get_method(m) for m in dict.fromkeys(names)]
     except ValueError as err:
         raise CLIError(str(err)) from None
+    if args.image:  # Vision Transformers: see captum_normattr/vision.py
+        from captum_normattr.vision import run_image_cli
+
+        return run_image_cli(args, specs)
     fmt = args.format
     if fmt is None:
         suffix = Path(args.output).suffix.lower() if args.output else ""

@@ -17,6 +17,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
+from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.layer_kinds import LayerKind, layer_kind
 from captum_normattr.decompose.records import LayerTensors
@@ -24,7 +25,7 @@ from captum_normattr.decompose.rollout import LayerMapStore, check_convention, r
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
 from captum_normattr.models.capture import Recorder, recording
 from captum_normattr.models.weights import tensors_to
-from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401 (re-exported)
+from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401  (re-exported)
 from captum_normattr.result import AttributionResult, DecompositionResult
 
 R = TypeVar("R", bound=AttributionResult)
@@ -286,6 +287,7 @@ class LayerDecompositionAttribution(Attribution):
             scores = scores * valid.to(scores.dtype)
             joint = rollout(maps, self.rollout_convention) if return_rollout else None
             extras = self.finish_extras(collector.stacked_errors())
+            extras.update(image_extras(prepared, scores))
             for name, m in collector.extra_maps.items():
                 extras[name] = m
         result = DecompositionResult(
@@ -320,7 +322,7 @@ class LayerDecompositionAttribution(Attribution):
             (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0.
         """
         res = self.decompose(inputs, additional_forward_args, return_layer_maps=False, return_rollout=False)
-        return format_output(inputs, res.scores)
+        return format_output(inputs, pixel_attributions(inputs, res))
 
     def has_convergence_delta(self) -> bool:
         return False

@@ -10,10 +10,10 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import check_memory_budget, compute_dtype, format_output, mark_non_finite, streamed_forward
-from captum_normattr.attr.explained_output import ClassLogit, NextTokenLogit
+from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit
+from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.decompx import (
-    BIAS_MODES,
     AdjointPass,
     FrozenStep,
     PartsPropagation,
@@ -27,6 +27,7 @@ from captum_normattr.decompose.decompx import (
     logit_scores,
 )
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
+from captum_normattr.decompose.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from captum_normattr.models.capture import Recorder
@@ -207,7 +208,8 @@ class DecompXAttribution(Attribution):
         if algorithm == "adjoint" and bias_mode != "separate":
             raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
         self.adapter = get_adapter(model)
-        self.decoder = bool(self.adapter.pre_ln)
+        self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
+        self.decoder = bool(self.adapter.pre_ln) and not self.vision
         self.output: Union[ClassLogit, NextTokenLogit]
         if self.decoder:
             if self.adapter.final_norm is None:
@@ -219,7 +221,7 @@ class DecompXAttribution(Attribution):
                     "explained_position and unembedding apply to decoders only; an encoder classifier's head fixes the "
                     "position it reads"
                 )
-            self.output = ClassLogit(model)
+            self.output = ImageClassLogit(model) if self.vision else ClassLogit(model)
         self.head = None if self.decoder else self.output.head
         self.explained_position = "last" if explained_position is None else explained_position
         self.nodes = nodes
@@ -284,6 +286,8 @@ class DecompXAttribution(Attribution):
             inputs, additional_forward_args = _ordinary_tensors((inputs, additional_forward_args))
             prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
             algorithm = self._algorithm(layer_parts)
+            if self.vision:
+                return mark_non_finite(self._compute_image_classifier(prepared, target, algorithm, target_only), prepared.finite)
             if self.decoder:
                 return mark_non_finite(self._compute_decoder(prepared, target, algorithm), prepared.finite)
             return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
@@ -346,6 +350,75 @@ class DecompXAttribution(Attribution):
         return DecompXResult(
             method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
             extras={"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)},
+            target=tgt, logits=logits, class_scores=cls_scores, bias_scores=bias_scores,
+            layer_part_norms=None if res is None else res.layer_part_norms,
+            layer_bias_norms=None if res is None else res.layer_bias_norms,
+            layer_errors=None if res is None else res.layer_errors,
+            bias_mode=self.bias_mode, algorithm=algorithm,
+        )
+
+    # --- Vision Transformer classifiers ------------------------------------------------
+    def _compute_image_classifier(self, prepared, target: Any, algorithm: str, target_only: bool) -> DecompXResult:
+        r"""Pre-LN bidirectional layers, then the final norm and the linear head on its rows (docs/design.md, section 8)."""
+        valid = prepared.valid
+        dtype = compute_dtype(self.model)
+        n = len(self._modules_list)
+        t = valid.shape[1]
+        head = self.output.linear_head(t, prepared.num_prefix, dtype)
+        rows = head.rows
+        quad = []
+        prop: Optional[PartsPropagation] = None
+        adj: Optional[AdjointPass] = None
+        if algorithm == "forward":
+            prop = PartsPropagation(n, valid, self.bias_mode, None if self.full_last_layer else rows, self.memory_budget_mb)
+        else:
+            adj = AdjointPass(n, rows)
+
+        def on_layer(layer: LayerTensors) -> None:
+            coefs = self._coefficients(layer)
+            q = coefs.get("quadrature_error")
+            quad.append((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])).amax(-1))
+            w_v, b_v = self._value_param(layer.index, dtype)
+            if prop is not None:
+                prop.step(layer, w_v, b_v, coefs)
+            else:
+                adj.forward(layer.hidden_in, frozen_step(layer, w_v, b_v, coefs))
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None) as (
+            rec,
+            out,
+        ):
+            logits = out.logits.detach().to(dtype)
+            tgt = self.output.resolve(target, logits)
+            fparams, f_in, _ = rec.final_norm_tensors()
+            f_rows = f_in[:, rows]
+            ar = torch.arange(logits.shape[0], device=logits.device)
+            if adj is not None:
+                cls_scores, bias_scores = adjoint_linear_head_scores(
+                    adj, self._rerun(rec), fparams, f_rows, head.weight, head.bias, tgt if target_only else None
+                )
+                if target_only:
+                    delta = (cls_scores.sum(-1) + bias_scores - logits[ar, tgt]).abs()
+                    return DecompXResult(
+                        method=self.get_name(), scores=cls_scores, attention_mask=prepared.attention_mask, delta=delta,
+                        extras=image_extras(prepared, cls_scores), target=tgt, logits=logits, bias_mode=self.bias_mode,
+                        algorithm=algorithm,
+                    )
+        with torch.no_grad():
+            res = None
+            if prop is not None:
+                res = prop.result()
+                idx = torch.searchsorted(res.rows, rows)
+                cls_scores, bias_scores = linear_head_scores(
+                    res.parts[:, idx], res.bias[:, idx], fparams, f_rows, rows, head.weight, head.bias, self.bias_mode
+                )
+            scores = cls_scores[ar, :, tgt]
+            delta = (scores.sum(-1) + bias_scores[ar, tgt] - logits[ar, tgt]).abs()
+            extras = {"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)}
+            extras["quadrature_error"] = torch.stack(quad, 1)
+            extras.update(image_extras(prepared, scores))
+        return DecompXResult(
+            method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta, extras=extras,
             target=tgt, logits=logits, class_scores=cls_scores, bias_scores=bias_scores,
             layer_part_norms=None if res is None else res.layer_part_norms,
             layer_bias_norms=None if res is None else res.layer_bias_norms,
@@ -434,7 +507,7 @@ class DecompXAttribution(Attribution):
             ``return_convergence_delta``, (scores, delta).
         """
         res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True)
-        return format_output(inputs, res.scores, res.delta, return_convergence_delta)
+        return format_output(inputs, pixel_attributions(inputs, res), res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:
         return True

@@ -9,6 +9,9 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 - :class:`ClassLogit`: a class logit of a sequence classifier through its classification
   head, ``act(h_p W_d + b_d) W_c + b_c`` on the last layer's output at the head's token p.
   ``target``: a class index, per-example indices, or None for the predicted class.
+- :class:`ImageClassLogit`: a class logit of a Vision Transformer classifier, linear in the
+  final-norm output of the rows its head reads ([CLS]; [CLS] and distillation token;
+  [CLS] and the mean of the patches).
 """
 from __future__ import annotations
 
@@ -225,6 +228,40 @@ class ClassLogit:
         return t
 
 
+class ImageClassLogit(ClassLogit):
+    r"""The class logits of a Vision Transformer classifier: a linear head on final-norm outputs.
+
+    ViT/DeiT: the [CLS] row; the distilled DeiT: the mean of its [CLS] and distillation
+    heads (both rows are explained together); DINOv2: [CLS] concatenated with the mean of
+    the patch rows (:data:`~captum_normattr.models.heads.VISION_HEADS`). The head, not an
+    explained position, defines what is explained.
+
+    Args:
+        model: a supported vision classifier.
+
+    Raises:
+        UnsupportedModelError: for a model without a supported head.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from captum_normattr.models.heads import VISION_HEADS, vision_head
+
+        self.model = model
+        self.head = None
+        self._build = vision_head
+        name = type(model).__name__
+        if name not in VISION_HEADS:
+            vision_head(model, 1, 1, torch.float32)  # raises the error naming the supported heads
+
+    @property
+    def position(self) -> int:
+        return 0
+
+    def linear_head(self, num_tokens: int, num_prefix: int, dtype: torch.dtype):
+        r"""The :class:`~captum_normattr.models.heads.LinearTokenHead` for inputs of ``num_tokens`` tokens."""
+        return self._build(self.model, num_tokens, num_prefix, dtype)
+
+
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
     r"""Raise a ValueError unless the model is a pre-LN decoder with a final norm."""
     if not adapter.pre_ln or adapter.final_norm is None:
@@ -234,5 +271,5 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
         )
 
 
-__all__ = ["ClassLogit", "NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
+__all__ = ["ClassLogit", "ImageClassLogit", "NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
 

@@ -8,6 +8,7 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget, format_output
+from captum_normattr.attr.images import pixel_attributions
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
 from captum_normattr.decompose.layer_kinds import FFOptions
 from captum_normattr.decompose.records import LayerTensors
@@ -137,7 +138,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             ``return_convergence_delta``, (scores, delta).
         """
         res = self.decompose(inputs, additional_forward_args, return_layer_maps=False, return_rollout=False)
-        return format_output(inputs, res.scores, res.delta, return_convergence_delta)
+        return format_output(inputs, pixel_attributions(inputs, res), res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:
         return True

@@ -103,6 +103,10 @@ def prepare_inputs(
     Raises:
         ValueError / TypeError with a message saying what to change.
     """
+    if adapter.modality == "image":  # Vision Transformers: pixel values (B, C, H, W)
+        from captum_normattr.attr.images import prepare_pixel_values
+
+        return prepare_pixel_values(model, adapter, inputs, additional_forward_args)
     is_tuple = isinstance(inputs, tuple)
     if is_tuple:
         if len(inputs) != 1:

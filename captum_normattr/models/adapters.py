@@ -44,6 +44,13 @@ class ArchitectureAdapter:
         attn_value_slice: (index, count) where ``attn_value`` is a fused projection (GPT-2's
             ``c_attn`` computes [q, k, v]): the value projection is output slice ``index`` of
             ``count`` equal slices (see :func:`value_projection`); None for a plain projection.
+        attn_scale: path of a per-channel layer scale after the attention (DINOv2's
+            ``layer_scale1``), from a layer, or None. It is folded into W_O and b_O when the
+            weights are read (:func:`layer_scale`), so the decompositions see it exactly.
+        ff_scale: the same after the FF (``layer_scale2``): folded into W_out and b_out, and
+            the recorded FF output is the scale module's output.
+        modality: ``"text"`` (token ids) or ``"image"`` (pixel values; see
+            :mod:`captum_normattr.attr.images`).
     """
 
     family: str
@@ -66,6 +73,9 @@ class ArchitectureAdapter:
     causal: bool = False
     lm_head: Optional[str] = None
     attn_value_slice: Optional[Tuple[int, int]] = None
+    attn_scale: Optional[str] = None
+    ff_scale: Optional[str] = None
+    modality: str = "text"
 
 
 _BERT_LIKE = dict(
@@ -143,6 +153,50 @@ ADAPTERS["mistral"] = ArchitectureAdapter(family="Mistral", model_types=("mistra
 ADAPTERS["qwen2"] = ArchitectureAdapter(family="Qwen2", model_types=("qwen2",), **_LLAMA_LIKE)
 
 
+#: Vision Transformers: pre-LN, bidirectional, biases everywhere, a final LayerNorm.
+_VIT_LIKE = dict(
+    layers="layers",
+    attention="attention",
+    attn_value="attention.v_proj",
+    attn_out="attention.o_proj",
+    ln1="layernorm_before",
+    ff_in="mlp.fc1",
+    ff_act="mlp.activation_fn",
+    ff_out="mlp.fc2",
+    ln2="layernorm_after",
+    pre_ln=True,
+    final_norm="layernorm",
+    modality="image",
+)
+ADAPTERS["vit"] = ArchitectureAdapter(family="ViT", model_types=("vit",), **_VIT_LIKE)
+ADAPTERS["deit"] = ArchitectureAdapter(family="DeiT", model_types=("deit",), **_VIT_LIKE)
+_DINOV2_LIKE = dict(_VIT_LIKE, layers="encoder.layer", ln1="norm1", ln2="norm2", attn_scale="layer_scale1", ff_scale="layer_scale2")
+ADAPTERS["dinov2"] = ArchitectureAdapter(family="DINOv2", model_types=("dinov2",), **_DINOV2_LIKE)
+ADAPTERS["dinov2_with_registers"] = ArchitectureAdapter(
+    family="DINOv2 with registers", model_types=("dinov2_with_registers",), **_DINOV2_LIKE
+)
+#: DINOv2 with ``use_swiglu_ffn=True`` (the giant models): a gated SiLU FF.
+_SWIGLU_FF = dict(ff_in="mlp.up_proj", ff_gate="mlp.gate_proj", ff_act="mlp.act_fn", ff_out="mlp.down_proj")
+_CONFIG_VARIANTS = {
+    ("dinov2", "use_swiglu_ffn"): ArchitectureAdapter(family="DINOv2", model_types=("dinov2",), **dict(_DINOV2_LIKE, **_SWIGLU_FF)),
+    ("dinov2_with_registers", "use_swiglu_ffn"): ArchitectureAdapter(
+        family="DINOv2 with registers", model_types=("dinov2_with_registers",), **dict(_DINOV2_LIKE, **_SWIGLU_FF)
+    ),
+}
+
+
+def layer_scale(layer: nn.Module, path: Optional[str]) -> Optional[Tensor]:
+    r"""The per-channel scale (D,) of a layer-scale module (DINOv2's ``lambda1``), or None without one."""
+    if path is None:
+        return None
+    module = get_path(layer, path)
+    for name in ("lambda1", "gamma", "scale", "weight"):
+        value = getattr(module, name, None)
+        if isinstance(value, Tensor):
+            return value
+    raise ValueError(f"cannot find the scale parameter of layer-scale module {type(module).__name__} ({path})")
+
+
 def supported_families() -> str:
     r"""Readable list of the supported families and their model types."""
     return ", ".join(f"{a.family} ({'/'.join(a.model_types)})" for a in ADAPTERS.values())
@@ -168,10 +222,17 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     model_type = getattr(config, "model_type", None)
     for adapter in ADAPTERS.values():
         if model_type in adapter.model_types:
+            for (variant_type, flag), variant in _CONFIG_VARIANTS.items():
+                if variant_type == model_type and getattr(config, flag, False):
+                    return variant
             return adapter
+    vision = ""
+    if getattr(config, "patch_size", None) is not None or getattr(config, "image_size", None) is not None:
+        names = ", ".join(a.family for a in ADAPTERS.values() if a.modality == "image")
+        vision = f" Supported vision families: {names} (pre-LN, absolute positions; Swin, BEiT and other models with relative position biases or windowed attention are not supported)."
     raise UnsupportedModelError(
         f"captum_normattr does not support model type {model_type!r} ({type(model).__name__}). "
-        f"Supported families: {supported_families()}."
+        f"Supported families: {supported_families()}.{vision}"
     )
 
 

@@ -27,7 +27,14 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
-from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, layer_modules, linear_params
+from captum_normattr.models.adapters import (
+    ArchitectureAdapter,
+    base_model,
+    get_path,
+    layer_modules,
+    layer_scale,
+    linear_params,
+)
 from captum_normattr.models.weights import module_tensor
 
 ATTENTION_NAME = "captum_normattr_capture"
@@ -168,6 +175,14 @@ def norm_params(
     )
 
 
+def _scaled(w: Tensor, b: Optional[Tensor], scale: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    r"""(W diag(scale), b * scale): a right-multiplied projection followed by a per-channel scale."""
+    if scale is None:
+        return w, b
+    scale = scale.detach()
+    return w.detach() * scale.to(w.dtype), None if b is None else b.detach() * scale.to(b.dtype)
+
+
 def _first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
@@ -261,7 +276,8 @@ class Recorder:
             handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
             handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
-            handles.append(get_path(layer, a.ff_out).register_forward_hook(store(i, "ff", "out")))
+            ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
+            handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
             handles.append(layer.register_forward_hook(post_hook))
         if a.final_norm is not None:
 
@@ -302,6 +318,9 @@ class Recorder:
         w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
         w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
         w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
+        if a.attn_scale is not None or a.ff_scale is not None:  # DINOv2 layer scale, folded (a per-channel scale is linear)
+            w_o, b_o = _scaled(w_o, b_o, layer_scale(layer, a.attn_scale))
+            w_out, b_out = _scaled(w_out, b_out, layer_scale(layer, a.ff_scale))
         w_g = b_g = None
         if a.ff_gate is not None:
             w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)

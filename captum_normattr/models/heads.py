@@ -141,3 +141,93 @@ def head_params(
     w_c, b_c = linear_params(get_path(model, head.classifier))
     act = get_path(model, head.activation) if head.activation else head.activation_fn
     return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position)
+
+
+# --------------------------------------------------------------------------------------
+# Vision Transformer classifiers: linear heads on the final-norm output of some tokens
+# --------------------------------------------------------------------------------------
+@dataclass
+class LinearTokenHead:
+    r"""A classifier that is linear in the final-norm output y of a set of tokens (rows).
+
+    logits = sum_r y_{rows[r]} @ weight[r] + bias, so that every class logit is a sum of
+    per-row dot products (docs/design.md, section 8, "Vision Transformer heads").
+
+    Attributes:
+        rows: (R,) long, sorted: the tokens the head reads.
+        weight: (R, D, C) right-multiplied weight of every row.
+        bias: (C,) or None.
+        description: what the head computes, in words.
+    """
+
+    rows: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    description: str
+
+
+#: The vision classifiers and how their head reads the tokens.
+VISION_HEADS: Dict[str, str] = {
+    "ViTForImageClassification": "logits = W y_[CLS] + b",
+    "DeiTForImageClassification": "logits = W y_[CLS] + b",
+    "DeiTForImageClassificationWithTeacher": (
+        "logits = (W_cls y_[CLS] + b_cls + W_dist y_[DIST] + b_dist) / 2 (the mean of the two heads)"
+    ),
+    "Dinov2ForImageClassification": "logits = W [y_[CLS]; mean of the patch outputs] + b",
+    "Dinov2WithRegistersForImageClassification": (
+        "logits = W [y_[CLS]; mean of the patch outputs (registers excluded)] + b"
+    ),
+}
+
+
+def vision_head(model: nn.Module, num_tokens: int, num_prefix: int, dtype: torch.dtype) -> LinearTokenHead:
+    r"""The linear head of a supported vision classifier, as rows and per-row weights.
+
+    Args:
+        model: ``ViTForImageClassification``, ``DeiTForImageClassification``,
+            ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification`` or
+            ``Dinov2WithRegistersForImageClassification``.
+        num_tokens: T, the tokens of this input ([CLS], distillation/register tokens, patches).
+        num_prefix: the tokens before the first patch.
+        dtype: compute dtype.
+
+    Returns:
+        :class:`LinearTokenHead` on the model's device.
+
+    Raises:
+        UnsupportedModelError: for other models (a bare ``ViTModel`` has no classes) or a
+            head without classes (``num_labels=0``).
+    """
+    name = type(model).__name__
+    if name not in VISION_HEADS:
+        raise UnsupportedModelError(
+            f"{name} has no supported image-classification head. Supported: {', '.join(VISION_HEADS)} "
+            "(a bare ViTModel/DeiTModel/Dinov2Model has no classes to explain)."
+        )
+    cast = lambda t: None if t is None else t.detach().to(dtype)
+
+    def linear(path: str):
+        module = get_path(model, path)
+        if not isinstance(module, nn.Linear):
+            raise UnsupportedModelError(f"{name}.{path} is {type(module).__name__}, not a linear classifier (num_labels=0?)")
+        w, b = linear_params(module)
+        return cast(w), cast(b)
+
+    device = next(model.parameters()).device
+    if name == "DeiTForImageClassificationWithTeacher":
+        (w_c, b_c), (w_d, b_d) = linear("cls_classifier"), linear("distillation_classifier")
+        weight = torch.stack([w_c, w_d]) / 2
+        bias = None if b_c is None and b_d is None else (
+            (b_c if b_c is not None else 0) + (b_d if b_d is not None else 0)
+        ) / 2
+        rows = torch.tensor([0, 1], device=device)
+    elif name.startswith("Dinov2"):
+        w, bias = linear("classifier")
+        d = w.shape[0] // 2
+        n_patches = num_tokens - num_prefix
+        rows = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(num_prefix, num_tokens)]).to(device)
+        weight = torch.cat([w[:d].unsqueeze(0), (w[d:] / n_patches).unsqueeze(0).expand(n_patches, -1, -1)])
+    else:
+        w, bias = linear("classifier")
+        rows, weight = torch.tensor([0], device=device), w.unsqueeze(0)
+    return LinearTokenHead(rows, weight, bias, VISION_HEADS[name])

@@ -1,0 +1,221 @@
+r"""Faithfulness of the decompositions on a small Vision Transformer, fully offline.
+
+Usage (scikit-learn is a benchmark-only dependency, not in setup.cfg):
+    pip install scikit-learn
+    python benchmarks/vit_faithfulness.py [--epochs 20] [--test 300] [--out benchmarks/results/vit_faithfulness.json]
+
+Data: scikit-learn's 8x8 handwritten digits (1797 images, shipped inside the package, no
+download), upscaled 4x (nearest) to 32x32, one channel, pixel values scaled to [-1, 1].
+Model: ``ViTForImageClassification`` trained here (patch 4, so each patch is one original
+pixel; 64 patches + [CLS]; 4 layers, 4 heads, width 64, FF 128; float32, a few minutes on
+2 CPU cores), seed 0, first 1497 images train, last 300 test.
+
+Methods (patch scores; [CLS] excluded): GlobEnc (pre-LN default map N_RESLN), ALTI,
+GlobEnc+FF (whole layer, RES2; ALTI+FF is a post-LN analysis and is refused for pre-LN
+models), DecompX (signed, predicted class), attention rollout (Abnar and Zuidema:
+0.5 mean-head attention + 0.5 I, rolled out; GlobEnc's ``W_FIXEDRES`` map), Captum's
+Saliency (|gradient| summed over the patch's pixels), InputXGradient and
+IntegratedGradients (32 steps, baseline the all-background image -1; signed, summed
+over the patch's pixels), and a random ranking.
+
+Protocol: patches ranked by score (most relevant first, MoRF, and least relevant first,
+LeRF; ties by position). Deletion: patches replaced by the background value -1, k = 0, 4,
+..., 64 patches; insertion: from the all-background image, patches put back in the same
+order. The curve is the probability of the class predicted on the clean image. Reported:
+the area under each curve (mean over the 17 points) and AOPC = mean over k of
+(p(clean) - p(k deleted)). Better: deletion MoRF low, AOPC MoRF high, insertion MoRF high;
+deletion LeRF high, insertion LeRF low. Cost: wall time of one call on the test set
+divided by one forward pass of the classifier on the same batch (median of 3).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from captum.attr import InputXGradient, IntegratedGradients, Saliency  # noqa: E402
+from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
+
+from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution  # noqa: E402
+
+PATCH, SIDE, BACKGROUND = 4, 32, -1.0
+
+
+def load_digits_tensors():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32) / 16.0  # (N, 8, 8) in [0, 1]
+    x = x.repeat_interleave(4, 1).repeat_interleave(4, 2).unsqueeze(1) * 2 - 1  # (N, 1, 32, 32) in [-1, 1]
+    return x, torch.tensor(d.target, dtype=torch.long)
+
+
+def build_model() -> ViTForImageClassification:
+    cfg = ViTConfig(
+        image_size=SIDE, patch_size=PATCH, num_channels=1, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return ViTForImageClassification(cfg)
+
+
+def train(model, x, y, epochs: int, seed: int = 0) -> float:
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    steps = epochs * ((len(x) + 63) // 64)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps)
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), 64):
+            idx = perm[i : i + 64]
+            xb = x[idx]
+            shift = torch.randint(-2, 3, (2,), generator=g).tolist()  # small translations
+            xb = torch.roll(xb, shifts=shift, dims=(2, 3))
+            loss = torch.nn.functional.cross_entropy(model(pixel_values=xb).logits, y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    model.eval()
+    return loss.item()
+
+
+def patch_sum(attr: torch.Tensor) -> torch.Tensor:
+    r"""(B, C, H, W) pixel attributions -> (B, N) patch sums (row-major)."""
+    b = attr.shape[0]
+    a = attr.sum(1).reshape(b, SIDE // PATCH, PATCH, SIDE // PATCH, PATCH).sum((2, 4))
+    return a.reshape(b, -1)
+
+
+def methods(model):
+    fwd = lambda px: model(pixel_values=px).logits
+    sal, ixg, ig = Saliency(fwd), InputXGradient(fwd), IntegratedGradients(fwd)
+    ge, al = GlobEncAttribution(model), ALTIAttribution(model)
+    ff, dx = FFIntegratedDecomposition(model), DecompXAttribution(model)
+    roll = GlobEncAttribution(model, map_name="W_FIXEDRES")
+
+    def tokens(a):
+        return lambda x, t: a.decompose(x, return_layer_maps=False, return_rollout=False).scores[:, 1:]
+
+    gen = torch.Generator().manual_seed(123)
+    return {
+        "GlobEnc": tokens(ge),
+        "ALTI": tokens(al),
+        "GlobEnc+FF": tokens(ff),
+        "DecompX": lambda x, t: dx.decompose(x, target=t).scores[:, 1:],
+        "Attention rollout": tokens(roll),
+        "Saliency": lambda x, t: patch_sum(sal.attribute(x, target=t, abs=True)),
+        "InputXGradient": lambda x, t: patch_sum(ixg.attribute(x, target=t)),
+        "IntegratedGradients": lambda x, t: patch_sum(
+            ig.attribute(x, baselines=BACKGROUND, target=t, n_steps=32, internal_batch_size=len(x) * 8)
+        ),
+        "Random": lambda x, t: torch.rand(x.shape[0], (SIDE // PATCH) ** 2, generator=gen),
+    }
+
+
+def patch_mask(order: torch.Tensor, k: int) -> torch.Tensor:
+    r"""(B, 1, H, W) True on the first k patches of each ``order`` (B, N)."""
+    b, n = order.shape
+    m = torch.zeros(b, n, dtype=torch.bool)
+    if k:
+        m.scatter_(1, order[:, :k], True)
+    g = SIDE // PATCH
+    return m.view(b, g, g).repeat_interleave(PATCH, 1).repeat_interleave(PATCH, 2).unsqueeze(1)
+
+
+@torch.no_grad()
+def curves(model, x, target, scores, ks):
+    ar = torch.arange(len(x))
+    prob = lambda px: torch.softmax(model(pixel_values=px).logits, -1)[ar, target]
+    out = {}
+    n = scores.shape[1]
+    pos = torch.arange(n, dtype=scores.dtype) * 1e-9  # ties broken by position
+    for order_name, sign in (("MoRF", 1.0), ("LeRF", -1.0)):
+        order = torch.argsort(-(sign * scores.double()) + pos.double(), dim=1)
+        dele, ins = [], []
+        for k in ks:
+            m = patch_mask(order, k)
+            dele.append(prob(torch.where(m, torch.full_like(x, BACKGROUND), x)).mean().item())
+            ins.append(prob(torch.where(m, x, torch.full_like(x, BACKGROUND))).mean().item())
+        p0 = dele[0]
+        out[order_name] = {
+            "deletion_curve": dele, "insertion_curve": ins,
+            "deletion_auc": sum(dele) / len(dele), "insertion_auc": sum(ins) / len(ins),
+            "aopc": sum(p0 - d for d in dele[1:]) / (len(dele) - 1),
+        }
+    return out
+
+
+def timed(f, repeats=3):
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--test", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=1)  # 1 thread is fastest on a contended machine
+    ap.add_argument("--out", default=str(HERE / "results" / "vit_faithfulness.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x, y = load_digits_tensors()
+    xtr, ytr, xte, yte = x[: -args.test], y[: -args.test], x[-args.test :], y[-args.test :]
+    model = build_model()
+    t0 = time.perf_counter()
+    loss = train(model, xtr, ytr, args.epochs)
+    train_s = time.perf_counter() - t0
+    with torch.no_grad():
+        pred = model(pixel_values=xte).logits.argmax(-1)
+    acc = float((pred == yte).float().mean())
+    print(f"trained in {train_s:.0f} s, last loss {loss:.3f}, test accuracy {acc:.3f}", flush=True)
+    ks = list(range(0, 65, 4))
+    results = {"accuracy": acc, "train_seconds": train_s, "epochs": args.epochs, "test_images": len(xte), "ks": ks, "methods": {}}
+    forward_s = timed(lambda: model(pixel_values=xte))
+    for name, f in methods(model).items():
+        scores = f(xte, pred).detach()
+        cost = timed(lambda: f(xte, pred), repeats=1 if name == "IntegratedGradients" else 3) / forward_s
+        res = curves(model, xte, pred, scores, ks)
+        res["cost_forward_passes"] = cost
+        results["methods"][name] = res
+        print(
+            f"{name:20s} del-MoRF {res['MoRF']['deletion_auc']:.3f} AOPC-MoRF {res['MoRF']['aopc']:.3f} "
+            f"ins-MoRF {res['MoRF']['insertion_auc']:.3f} del-LeRF {res['LeRF']['deletion_auc']:.3f} "
+            f"ins-LeRF {res['LeRF']['insertion_auc']:.3f} cost {cost:.1f}",
+            flush=True,
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+def table(results) -> str:
+    rows = [
+        "| method | deletion MoRF AUC (lower better) | AOPC MoRF (higher better) | insertion MoRF AUC (higher better) | "
+        "deletion LeRF AUC (higher better) | AOPC LeRF (lower better) | insertion LeRF AUC (lower better) | cost (forward passes) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["methods"].items():
+        m, l = r["MoRF"], r["LeRF"]
+        rows.append(
+            f"| {name} | {m['deletion_auc']:.3f} | {m['aopc']:.3f} | {m['insertion_auc']:.3f} | {l['deletion_auc']:.3f} | "
+            f"{l['aopc']:.3f} | {l['insertion_auc']:.3f} | {r['cost_forward_passes']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+r"""Pictures and the command line for Vision Transformers (ViT, DeiT, DINOv2).
+
+- :func:`patch_heatmap`: the patch scores of one image as a heat map blended over the image.
+- :func:`layer_patch_rows`: the per-layer maps of one token's row (which patches it takes
+  from, layer by layer) as patch grids.
+- :func:`run_image_cli`: ``captum-normattr --image PATH ... --model DIR``: the model and its
+  image processor from a local folder, a table of the most relevant patches per method,
+  and with ``--plots DIR`` both pictures per image and method.
+
+Matplotlib is needed for the pictures (``pip install matplotlib``).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+def image_for_display(pixel_values: Tensor) -> Tensor:
+    r"""(C, H, W) pixel values (any normalisation) -> (H, W, C) in [0, 1], min-max scaled per image."""
+    x = pixel_values.detach().float().cpu()
+    x = (x - x.min()) / (x.max() - x.min()).clamp_min(1e-12)
+    x = x.permute(1, 2, 0)
+    return x.expand(-1, -1, 3) if x.shape[-1] == 1 else x
+
+
+def patch_heatmap(
+    pixel_values: Tensor,
+    patch_grid: Tensor,
+    ax: Any = None,
+    alpha: float = 0.5,
+    cmap: Optional[str] = None,
+    title: Optional[str] = None,
+):
+    r"""The patch scores of one image as a heat map blended over the image.
+
+    Args:
+        pixel_values: (C, H, W) the image as the model saw it.
+        patch_grid: (H/p, W/p) patch scores (``result.extras["patch_grid"][b]``).
+        ax: a matplotlib axis (a new figure if None).
+        alpha: opacity of the heat map.
+        cmap: colormap; default ``"bwr"`` (centred at 0) for signed scores, ``"viridis"`` otherwise.
+        title: axis title.
+
+    Returns:
+        The matplotlib figure.
+
+    Examples::
+
+        >>> res = DecompXAttribution(model).decompose(pixel_values)
+        >>> fig = patch_heatmap(pixel_values[0], res.extras["patch_grid"][0], title="DecompX")
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(4, 4))
+    fig = ax.figure
+    img = image_for_display(pixel_values)
+    g = patch_grid.detach().float().cpu()
+    h, w = img.shape[:2]
+    signed = bool((g < 0).any())
+    lim = float(g.abs().max()) or 1.0
+    ax.imshow(img.numpy())
+    im = ax.imshow(
+        g.numpy(), cmap=cmap or ("bwr" if signed else "viridis"), alpha=alpha, extent=(0, w, h, 0),
+        interpolation="nearest", vmin=-lim if signed else float(g.min()), vmax=lim,
+    )
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def layer_patch_rows(
+    layer_maps: Tensor, row: int, grid: Tuple[int, int], num_prefix: int, cmap: str = "viridis", title: Optional[str] = None
+):
+    r"""The per-layer maps of one token's row as patch grids, one panel per layer.
+
+    Args:
+        layer_maps: (L, T, T) one example's layer maps (``result.layer_maps[b]``).
+        row: the receiving token (0 = [CLS]; patch (r, c) is ``num_prefix + r * W/p + c``).
+        grid: (H/p, W/p).
+        num_prefix: tokens before the first patch (``result.extras["num_prefix_tokens"]``).
+        cmap: colormap.
+        title: figure title.
+
+    Returns:
+        The matplotlib figure; the panel titles give the share of the row that goes to the
+        prefix tokens ([CLS], distillation, registers), which the grids do not show.
+    """
+    import matplotlib.pyplot as plt
+
+    maps = layer_maps.detach().float().cpu()
+    n = maps.shape[0]
+    cols = min(n, 6)
+    rows_ = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows_, cols, figsize=(2.2 * cols, 2.3 * rows_), squeeze=False)
+    for l in range(rows_ * cols):
+        ax = axes[l // cols][l % cols]
+        ax.set_axis_off()
+        if l >= n:
+            continue
+        r = maps[l, row]
+        ax.imshow(r[num_prefix:].reshape(grid).numpy(), cmap=cmap, interpolation="nearest")
+        ax.set_title(f"layer {l + 1} (prefix {float(r[:num_prefix].sum()):.2f})", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
+    r"""``captum-normattr --image PATH [PATH ...] --model DIR -m METHOD ...``.
+
+    Loads ``AutoModelForImageClassification`` and ``AutoImageProcessor`` from ``--model``
+    (a local folder; nothing is downloaded), explains every image with every method (target:
+    ``--target`` or the predicted class), prints the [CLS]-and-prefix scores and the five
+    most relevant patches, and with ``--plots DIR`` writes ``<image>_<method>_heatmap`` and
+    ``<image>_<method>_layers`` pictures (the per-layer rows of [CLS]).
+
+    Returns:
+        The exit code (0).
+    """
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    from captum_normattr.attr.images import token_names
+    from captum_normattr.models.adapters import get_adapter
+
+    if not args.model:
+        raise ValueError("--image needs --model DIR: a local folder with the model and its image processor")
+    model = AutoModelForImageClassification.from_pretrained(args.model, local_files_only=True).eval()
+    processor = AutoImageProcessor.from_pretrained(args.model, local_files_only=True)
+    adapter = get_adapter(model)
+    plots = Path(args.plots).expanduser() if getattr(args, "plots", None) else None
+    if plots is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plots.mkdir(parents=True, exist_ok=True)
+    labels = getattr(model.config, "id2label", {}) or {}
+    out = sys.stdout
+    for path in args.image:
+        image = Image.open(path).convert("RGB" if getattr(model.config, "num_channels", 3) == 3 else "L")
+        x = processor(images=image, return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            pred = int(model(pixel_values=x).logits.argmax(-1))
+        target = args.target if args.target is not None else pred
+        print(f"{path}: predicted {pred} ({labels.get(pred, pred)}), explained class {target}", file=out)
+        for spec in specs:
+            attr = spec.build(model, args)
+            res = attr.decompose(x, target=target) if spec.uses_target else attr.decompose(x)
+            grid = res.extras["patch_grid"][0]
+            prefix = int(res.extras["num_prefix_tokens"])
+            names = token_names(model, adapter, tuple(grid.shape))
+            s = res.scores[0]
+            top = torch.argsort(s[prefix:], descending=True)[:5] + prefix
+            pre = ", ".join(f"{names[i]} {float(s[i]):+.4f}" for i in range(prefix))
+            best = ", ".join(f"{names[i]} {float(s[i]):+.4f}" for i in top.tolist())
+            print(f"  {attr.get_name():12s} {pre}; top patches: {best}", file=out)
+            if plots is not None:
+                import matplotlib.pyplot as plt
+
+                stem = f"{Path(path).stem}_{spec.key}"
+                fig = patch_heatmap(x[0], grid, title=attr.get_name())
+                fig.savefig(plots / f"{stem}_heatmap.{args.plot_format}")
+                plt.close(fig)
+                maps = getattr(res, "layer_maps", None)
+                if maps is not None:
+                    fig = layer_patch_rows(maps[0], 0, tuple(grid.shape), prefix, title=f"{attr.get_name()}: [CLS] row")
+                    fig.savefig(plots / f"{stem}_layers.{args.plot_format}")
+                    plt.close(fig)
+    return 0
+
+
+__all__ = ["image_for_display", "layer_patch_rows", "patch_heatmap", "run_image_cli"]
