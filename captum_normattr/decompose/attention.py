@@ -127,9 +127,16 @@ def part_norms_gram(
     """
     b, h, t = values.shape[:3]
     w = head_weight if lin_map is None else head_weight @ lin_map
-    # f^h(x_j) A, source-token-major (B, T, H, D), and its per-token Gram matrices (B, T, H, H)
-    projected = torch.einsum("bhtk,hkd->bthd", values, w)
-    gram = torch.matmul(projected, projected.transpose(-1, -2))
+    # Per-token Gram matrices (B, T, H, H) of the vectors f^h(x_j) A, from cache-sized blocks of
+    # tokens: the (tokens, H, D) projections are H times larger than the hidden states.
+    d = w.shape[-1]
+    gram = values.new_empty(b, t, h, h)
+    flat_v, flat_g = values.transpose(1, 2).reshape(b * t, h, -1), gram.view(b * t, h, h)
+    step = max(MIN_TILE_ROWS, CACHE_TILE_BYTES // max(1, h * d * values.element_size()))
+    for s0 in range(0, b * t, step):
+        s1 = min(b * t, s0 + step)
+        projected = torch.einsum("nhk,hkd->nhd", flat_v[s0:s1], w)  # f^h(x_j) A
+        torch.matmul(projected, projected.transpose(-1, -2), out=flat_g[s0:s1])
     del projected
     sq = probs.new_zeros(b, t, t) if causal else probs.new_empty(b, t, t)
     # Blocks of source tokens j, laid out (B, C, R, H) once per block so that both products
