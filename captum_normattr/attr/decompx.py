@@ -378,7 +378,7 @@ class DecompXAttribution(Attribution):
             coefs = self._coefficients(layer)
             q = coefs.get("quadrature_error")
             quad.append((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])).amax(-1))
-            w_v, b_v = self._value_param(layer.index, dtype)
+            w_v, b_v = self._value_param(layer)
             if prop is not None:
                 prop.step(layer, w_v, b_v, coefs)
             else:

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.chunking import GRAM_CHUNK_MB, rows_for_budget
+from captum_normattr.decompose.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, MIN_TILE_ROWS, rows_for_budget
 from captum_normattr.decompose.mixing import mixing_ratio
 
 
@@ -44,7 +44,42 @@ def diagonal_attention_parts(probs: Tensor, values: Tensor, head_weight: Tensor)
         (B, T, D): sum_h alpha^h_ii f^h(x_i).
     """
     diag = torch.diagonal(probs, dim1=-2, dim2=-1)  # (B, H, T)
-    return torch.einsum("bht,bhtk,hkd->btd", diag, values, head_weight)
+    return heads_through_out(values * diag.unsqueeze(-1), head_weight)
+
+
+def heads_through_out(per_head: Tensor, head_weight: Tensor) -> Tensor:
+    r"""sum_h per_head[:, h] W_O^h as one (B T, H Dh) @ (H Dh, D) product.
+
+    Args:
+        per_head: (B, H, T, Dh).
+        head_weight: (H, Dh, D).
+
+    Returns:
+        (B, T, D).
+    """
+    b, h, t, dh = per_head.shape
+    return per_head.transpose(1, 2).reshape(b, t, h * dh) @ head_weight.reshape(h * dh, -1)
+
+
+def attention_context(probs: Tensor, values: Tensor, causal: bool = False) -> Tensor:
+    r"""sum_j alpha^h_ij v^h_j per head, (B, H, T, Dh); causal: row blocks skip the sources j > i.
+
+    Args:
+        probs: (B, H, T, T); values: (B, H, T, Dh).
+        causal: the probabilities are lower-triangular (entries j > i exactly 0).
+
+    Returns:
+        (B, H, T, Dh).
+    """
+    t = probs.shape[-1]
+    if not causal or t <= 2 * MIN_TILE_ROWS:
+        return torch.matmul(probs, values)
+    out = values.new_empty(values.shape)
+    step = max(MIN_TILE_ROWS, -(-t // 8))
+    for r0 in range(0, t, step):
+        r1 = min(t, r0 + step)
+        torch.matmul(probs[:, :, r0:r1, :r1], values[:, :, :r1], out=out[:, :, r0:r1])
+    return out
 
 
 def attention_parts_rows(probs: Tensor, projected: Tensor, rows: slice) -> Tensor:
@@ -68,6 +103,7 @@ def part_norms_gram(
     diagonal_parts: Tensor,
     lin_map: Optional[Tensor] = None,
     row_scale: Optional[Tensor] = None,
+    causal: bool = False,
 ) -> Tensor:
     r"""L2 norms of the parts (sum_h alpha^h_ij f^h(x_j) + [i=j] delta_i) A / s_i.
 
@@ -83,22 +119,37 @@ def part_norms_gram(
         diagonal_parts: (B, T, D) the full part of token i in itself, before A.
         lin_map: optional (D, D) map A (centering and gamma scalings of the norms).
         row_scale: optional (B, T) divisor s_i per receiving token.
+        causal: the probabilities are lower-triangular: the blocks skip the rows i < j
+            (their entries are 0).
 
     Returns:
         (B, T, T) norms, entry [b, i, j].
     """
     b, h, t = values.shape[:3]
-    projected = project_values(values, head_weight, lin_map)  # (B, H, T, D): f^h(x_j) A
-    gram = torch.einsum("bhtd,bgtd->bthg", projected, projected)  # (B, T, H, H) per source token j
+    w = head_weight if lin_map is None else head_weight @ lin_map
+    # Per-token Gram matrices (B, T, H, H) of the vectors f^h(x_j) A, from cache-sized blocks of
+    # tokens: the (tokens, H, D) projections are H times larger than the hidden states.
+    d = w.shape[-1]
+    gram = values.new_empty(b, t, h, h)
+    flat_v, flat_g = values.transpose(1, 2).reshape(b * t, h, -1), gram.view(b * t, h, h)
+    step = max(MIN_TILE_ROWS, CACHE_TILE_BYTES // max(1, h * d * values.element_size()))
+    for s0 in range(0, b * t, step):
+        s1 = min(b * t, s0 + step)
+        projected = torch.einsum("nhk,hkd->nhd", flat_v[s0:s1], w)  # f^h(x_j) A
+        torch.matmul(projected, projected.transpose(-1, -2), out=flat_g[s0:s1])
     del projected
-    sq = probs.new_empty(b, t, t)
-    # one (B, R, T, H) temporary per chunk of query rows
-    chunk = rows_for_budget(b, t, h, probs.element_size(), GRAM_CHUNK_MB, temporaries=1)
-    for start in range(0, t, chunk):
-        rows = slice(start, min(t, start + chunk))
-        tmp = torch.einsum("bhij,bjhg->bijg", probs[:, :, rows], gram)
-        sq[:, rows] = torch.einsum("bijg,bgij->bij", tmp, probs[:, :, rows])
-        del tmp
+    sq = probs.new_zeros(b, t, t) if causal else probs.new_empty(b, t, t)
+    # Blocks of source tokens j, laid out (B, C, R, H) once per block so that both products
+    # read contiguous memory; causal: rows i < c0 have no part from j >= c0 (skipped).
+    cols = rows_for_budget(b, t, h, probs.element_size(), GRAM_CHUNK_MB, temporaries=2)
+    cols = min(t, max(MIN_TILE_ROWS, min(cols, CACHE_TILE_BYTES // max(1, b * t * h * probs.element_size()))))
+    for c0 in range(0, t, cols):
+        c1 = min(t, c0 + cols)
+        r0 = c0 if causal else 0
+        mix = probs[:, :, r0:, c0:c1].permute(0, 3, 2, 1).contiguous()  # (B, C, R, H)
+        quad = torch.matmul(mix, gram[:, c0:c1]).mul_(mix).sum(-1)  # (B, C, R): alpha^T G alpha
+        sq[:, r0:, c0:c1] = quad.transpose(1, 2)
+        del mix, quad
     diag = diagonal_parts if lin_map is None else diagonal_parts @ lin_map
     diag_sq = diag.pow(2).sum(-1)
     idx = torch.arange(t, device=probs.device)
@@ -118,6 +169,7 @@ def norm_maps_and_ratios(
     spec: Callable[[str], Tuple[Optional[Tensor], Optional[Tensor], bool]],
     mask2d: Tensor,
     valid: Tensor,
+    causal: bool = False,
 ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
     r"""Norm maps (Gram algorithm) and Kobayashi mixing ratios for several map definitions.
 
@@ -134,6 +186,7 @@ def norm_maps_and_ratios(
         spec: name -> (A (D, D) or None, row scale (B, T) or None, with_residual).
         mask2d: (B, T, T) mask applied to every map.
         valid: (B, T) bool.
+        causal: lower-triangular probabilities (see :func:`part_norms_gram`).
 
     Returns:
         (maps name -> (B, T, T), ratios name -> (B, T)).
@@ -145,7 +198,7 @@ def norm_maps_and_ratios(
         lin, scale, with_res = spec(name)
         own = attn_diag + residual if with_res else attn_diag
         total = total_with_residual if with_res else total_with_residual - residual
-        maps[name] = part_norms_gram(probs, values, head_weight, own, lin, scale).mul_(mask2d)
+        maps[name] = part_norms_gram(probs, values, head_weight, own, lin, scale, causal).mul_(mask2d)
         own_m, total_m = (own, total) if lin is None else (own @ lin, total @ lin)
         ratios[name] = mixing_ratio(total_m, own_m) * valid.to(total.dtype)
     return maps, ratios

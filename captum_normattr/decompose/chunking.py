@@ -5,8 +5,19 @@ of R rows holds ``temporaries`` tensors of shape (B, R, T, width); the rule pick
 largest R that keeps them within ``budget_mb``. With causal attention, row i has parts
 from j <= i only, so smaller chunks skip more of the all-zero upper triangle: the chunk
 is capped at max(16, T / 8) rows.
+
+The budget bounds memory; speed asks for less. A chunk whose temporaries fall out of the
+CPU caches is written to and read back from main memory once per elementwise pass, and a
+fresh large temporary per chunk costs page faults. :func:`tile_for_cache` therefore
+picks (examples, rows, columns) tiles of about :data:`CACHE_TILE_BYTES` for the kernels that
+make several passes over their parts (ALTI), inside the memory budget.
 """
 from __future__ import annotations
+
+#: Bytes of one tile of explicit parts in the cache-blocked kernels (about an L2/L3 share per core).
+CACHE_TILE_BYTES = 4 * 2**20
+#: Fewest rows (and columns) of a cache tile: smaller matrix products run below the BLAS's speed.
+MIN_TILE_ROWS = 16
 
 #: Budget of the row-chunked Gram products of the norm maps (one (B, R, T, H) temporary).
 GRAM_CHUNK_MB = 64.0
@@ -40,6 +51,40 @@ def rows_for_budget(
     if causal:
         rows = min(rows, max(16, -(-tokens // 8)))
     return rows
+
+
+def tile_for_cache(
+    batch: int, tokens: int, width: int, itemsize: int, max_rows: int | None = None, tile_bytes: int = CACHE_TILE_BYTES
+) -> tuple:
+    r"""(examples, rows, columns) of a tile of parts (b, R, C, width) of about ``tile_bytes``.
+
+    Rows first (at least :data:`MIN_TILE_ROWS`, at most ``max_rows``, the memory-budget
+    chunk), then source columns, then examples fill the tile.
+
+    Args:
+        batch, tokens: B and T.
+        width: the last dimension of the parts (D).
+        itemsize: bytes per element.
+        max_rows: cap on the rows (e.g. :func:`rows_for_budget`); None: no cap.
+        tile_bytes: the tile size in bytes.
+
+    Returns:
+        (examples, rows, columns), each at least 1.
+
+    Examples::
+
+        >>> tile_for_cache(32, 128, 384, 4)
+        (1, 21, 128)
+        >>> tile_for_cache(1, 1024, 768, 4)
+        (1, 16, 85)
+    """
+    pairs = max(1, tile_bytes // max(1, width * itemsize))  # (i, j) pairs per tile
+    rows = min(tokens, max(MIN_TILE_ROWS, pairs // tokens))
+    if max_rows is not None:
+        rows = max(1, min(rows, int(max_rows)))
+    cols = min(tokens, max(MIN_TILE_ROWS, pairs // rows))
+    examples = max(1, min(batch, pairs // (rows * cols)))
+    return examples, rows, cols
 
 
 def row_chunks(tokens: int, chunk: int):

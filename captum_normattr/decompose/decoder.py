@@ -33,7 +33,13 @@ from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map
 from captum_normattr.decompose.chunking import rows_for_budget
-from captum_normattr.decompose.attention import attention_parts_rows, norm_maps_and_ratios, project_values
+from captum_normattr.decompose.attention import (
+    attention_context,
+    attention_parts_rows,
+    heads_through_out,
+    norm_maps_and_ratios,
+    project_values,
+)
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import LayerTensors
@@ -65,8 +71,7 @@ def _out_bias(layer: LayerTensors) -> Tensor:
 
 def attention_update_sum(layer: LayerTensors) -> Tensor:
     r"""sum_j sum_h alpha^h_ij f^h(LN1(x_j)) from probabilities and values (no bias), (B, T, D)."""
-    mixed = torch.einsum("bhij,bhjk->bhik", layer.probs, layer.values)
-    return torch.einsum("bhik,hkd->bid", mixed, layer.head_out_weight())
+    return heads_through_out(attention_context(layer.probs, layer.values, layer.causal), layer.head_out_weight())
 
 
 def residual_parts_sum(layer: LayerTensors) -> Tensor:
@@ -122,6 +127,7 @@ def pre_ln_layer_maps(
     maps, ratios = norm_maps_and_ratios(
         layer.probs, layer.values, head_w, layer.hidden_in, total_with_res,
         [n for n in PRE_LN_NORM_MAPS if n in needed], lambda name: pre_ln_norm_map_spec(layer, name), mask2d, valid,
+        causal,
     )
     if "W" in names or "W_FIXEDRES" in names:
         maps["W"] = layer.probs.mean(1) * mask2d

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map
-from captum_normattr.decompose.attention import norm_maps_and_ratios, project_values
+from captum_normattr.decompose.attention import attention_context, heads_through_out, norm_maps_and_ratios, project_values
 from captum_normattr.decompose.layer_norm import norm_linear_map, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask, ratio_residual
 from captum_normattr.decompose.records import LayerTensors
@@ -132,9 +132,7 @@ def post_ln_ln1_parts_sum(layer: LayerTensors) -> Tensor:
     """
     from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
 
-    head_w = layer.head_out_weight()
-    mixed = torch.einsum("bhij,bhjk->bhik", layer.probs, layer.values)  # (B, H, T, Dh)
-    attn = torch.einsum("bhik,hkd->bid", mixed, head_w)
+    attn = heads_through_out(attention_context(layer.probs, layer.values), layer.head_out_weight())
     parts_sum = apply_norm_to_parts(attn + layer.hidden_in, layer.ln1_in, layer.ln1)
     return parts_sum + norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
 

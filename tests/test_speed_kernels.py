@@ -1,0 +1,67 @@
+r"""The cache-blocked kernels (docs/performance.md) agree with the plain formulas at any tile size."""
+import pytest
+import torch
+
+from captum_normattr.decompose.alti import alti_map
+from captum_normattr.decompose.attention import attention_context, part_norms_gram
+from captum_normattr.decompose.chunking import tile_for_cache
+from captum_normattr.decompose.mixing import row_normalize
+
+
+def _probs(b, h, t, causal, gen):
+    scores = torch.randn(b, h, t, t, dtype=torch.float64, generator=gen)
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1)
+
+
+def _naive_alti(probs, projected, residual, output, valid, scale, causal):
+    parts = torch.einsum("bhij,bhjd->bijd", probs, projected)
+    idx = torch.arange(probs.shape[-1])
+    parts[:, idx, idx] += residual
+    parts = parts / scale[:, :, None, None]
+    c = (output.abs().sum(-1)[..., None] - (output.unsqueeze(2) - parts).abs().sum(-1)).clamp_min(0)
+    c = c * (valid.unsqueeze(-1) & valid.unsqueeze(-2))
+    return row_normalize(c.tril() if causal else c)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tile_bytes", [1, 3000, 2**30])
+def test_alti_tiles_match_explicit_parts(causal, tile_bytes):
+    gen = torch.Generator().manual_seed(0)
+    b, h, t, d = 3, 2, 37, 5  # 37 rows: tiles of 16 rows leave a ragged last tile
+    probs = _probs(b, h, t, causal, gen)
+    projected = torch.randn(b, h, t, d, dtype=torch.float64, generator=gen)
+    residual = torch.randn(b, t, d, dtype=torch.float64, generator=gen)
+    output = 3 * torch.randn(b, t, d, dtype=torch.float64, generator=gen)
+    scale = torch.rand(b, t, dtype=torch.float64, generator=gen) + 0.5
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, -4:] = False
+    got = alti_map(probs, projected, residual, output, valid, scale, None, causal, tile_bytes=tile_bytes)
+    want = _naive_alti(probs, projected, residual, output, valid, scale, causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gram_norms_and_context_match_explicit_parts(causal):
+    gen = torch.Generator().manual_seed(1)
+    b, h, t, dh, d = 2, 3, 70, 4, 6
+    probs = _probs(b, h, t, causal, gen)
+    values = torch.randn(b, h, t, dh, dtype=torch.float64, generator=gen)
+    w = torch.randn(h, dh, d, dtype=torch.float64, generator=gen)
+    lin = torch.randn(d, d, dtype=torch.float64, generator=gen)
+    diag = torch.randn(b, t, d, dtype=torch.float64, generator=gen)
+    projected = torch.einsum("bhtk,hkd->bhtd", values, w)
+    parts = torch.einsum("bhij,bhjd->bijd", probs, projected)
+    idx = torch.arange(t)
+    parts[:, idx, idx] = diag
+    want = (parts @ lin).norm(dim=-1)
+    got = part_norms_gram(probs, values, w, diag, lin, None, causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(attention_context(probs, values, causal), probs @ values, rtol=0, atol=1e-12)
+
+
+def test_tile_for_cache_respects_the_row_cap():
+    assert tile_for_cache(32, 128, 384, 4) == (1, 21, 128)
+    assert tile_for_cache(1, 1024, 768, 4)[1] == 16
+    assert tile_for_cache(1, 1024, 768, 4, max_rows=4)[1] == 4
