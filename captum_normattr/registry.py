@@ -131,7 +131,7 @@ ROLLOUT_OPTION = OptionSpec(
 )
 POSITION_OPTION = OptionSpec(
     "position", "explained_position", ("-p", "--position"), None, None,
-    "explained position: an integer (negative counts from the last real token) or 'last' "
+    "explained position: an integer (k >= 0 counts from the first real token, negative from the last) or 'last' "
     "(default: 0, the [CLS] token, for encoders; 'last' for decoders)",
     type=parse_position, metavar="POS", meta_key="explained_position",
 )
