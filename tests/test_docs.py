@@ -34,7 +34,7 @@ def test_readme_keeps_the_setup_commands_of_ci():
     install = next(line for line in ci if "captum_normattr.quickstart" in line)
     assert install in readme  # README command 1 is what CI runs (CI adds only -q)
     assert "python -m pytest -q" in readme
-    assert "<!-- memory table: filled by the lead -->" in readme and "<!-- speed table: filled by the lead -->" in readme
+    assert "## Memory (streaming engine)" in readme and "## Speed" in readme
 
 
 def test_no_machine_paths_in_readme_docs_and_benchmarks():
