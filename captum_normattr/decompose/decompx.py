@@ -41,8 +41,7 @@ layer as the recorded forward pass produces the layers, so that no more than one
 attention probabilities exist at a time: the forward one keeps the current parts and small
 per-layer results; the adjoint one keeps each layer's input (B, T, D) and, walking the
 layers top-down, reruns each layer on it for its local vector-Jacobian product.
-:func:`propagate_parts`, :func:`adjoint_class_scores` and :func:`adjoint_logit_scores` run
-them over a list of captured layers.
+:func:`propagate_parts` runs the forward one over a list of captured layers.
 
 Layer kinds are one function each (:data:`LAYER_STEPS`).
 
@@ -55,7 +54,7 @@ pre-LN layer (GPT-2, Llama, Mistral, Qwen2; :func:`pre_ln_layer_parts`):
   gradients along t (a, b): part k gets a_k b I1(a) + b_k I2(a) (Gauss-Legendre,
   :func:`ff_coefficients`; the completeness error is the quadrature error, reported).
 then the final norm (real scale) and the LM-head row of the target token
-(:func:`logit_scores`; adjoint: :func:`adjoint_logit_scores` with :func:`frozen_pre_ln_layer`).
+(:func:`logit_scores`; adjoint: :func:`adjoint_next_token_scores` with :func:`frozen_pre_ln_layer`).
 """
 from __future__ import annotations
 
@@ -912,7 +911,8 @@ def adjoint_head_scores(
         target: (B,) long: compute only these classes (one product in all); None: all classes.
 
     Returns:
-        as :func:`adjoint_class_scores`.
+        Without ``target``: (scores (B, T, C), bias scores (B, C)); with it: (scores (B, T),
+        bias scores (B,)). The bias score is F(e) - sum of the scores.
     """
     e = adj.embeddings
     value = frozen_head(adj.value[:, 0], head, slope, True)  # F(e), (B, C)
@@ -930,39 +930,6 @@ def adjoint_head_scores(
     grads = adj.backward(frozen_at, roots)
     scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
     return scores.detach(), (value - scores.sum(1)).detach()
-
-
-def adjoint_class_scores(
-    layers: Sequence[LayerTensors],
-    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
-    head: "object",
-    target: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
-    r"""DecompX scores (``"separate"`` bias mode) by one vector-Jacobian product per class.
-
-    Equal to :func:`propagate_parts` followed by :func:`head_scores` (up to rounding). This
-    runs :class:`AdjointPass` over a list of captured layers; the attribution streams it.
-
-    Args:
-        layers, value_params: as in :func:`propagate_parts`.
-        head: a :class:`~captum_normattr.models.heads.HeadParams`.
-        target: (B,) long: compute only these classes (one product in all); None: all classes.
-
-    Returns:
-        Without ``target``: (scores (B, T, C), bias scores (B, C)); with it:
-        (scores (B, T), bias scores (B,)). The bias score is F(e) - sum of the scores with
-        F the frozen affine network, so scores + bias reproduce F(e), whose distance to
-        the real logit is the completeness error.
-    """
-    if any(layer.pre_ln for layer in layers):
-        raise ValueError("pre-LN layers (decoders) have no classification head: use adjoint_logit_scores")
-    e = layers[0].hidden_in
-    adj = AdjointPass(len(layers), torch.tensor([head.position], device=e.device))
-    steps = [frozen_step(layer, w_v, b_v, ff_coefficients(layer)) for layer, (w_v, b_v) in zip(layers, value_params)]
-    for layer, step in zip(layers, steps):
-        adj.forward(layer.hidden_in, step)
-    slope = head_slope(layers[-1].layer_out[:, head.position], head)
-    return adjoint_head_scores(adj, lambda l, _x: steps[l], head, slope, target)
 
 
 # --------------------------------------------------------------------------------------
@@ -1106,11 +1073,11 @@ def adjoint_next_token_scores(
         adj: an :class:`AdjointPass` whose forward phase has seen every layer, with
             ``last_rows = torch.unique(position)``.
         frozen_at: as in :meth:`AdjointPass.backward`.
-        final_params, final_input, direction, direction_bias, position: as in
-            :func:`adjoint_logit_scores`.
+        final_params: the final norm's parameters; final_input: (B, T, D) its real input.
+        direction: (B, D) u; direction_bias: (B,) or None; position: (B,) explained positions.
 
     Returns:
-        as :func:`adjoint_logit_scores`.
+        (scores (B, T), bias scores (B,)): the bias score is F(e) - sum of the scores.
     """
     e = adj.embeddings
     ar = torch.arange(e.shape[0], device=e.device)
@@ -1123,37 +1090,3 @@ def adjoint_next_token_scores(
     scores = (g * e).sum(-1)
     return scores.detach(), (value - scores.sum(1)).detach()
 
-
-def adjoint_logit_scores(
-    layers: Sequence[LayerTensors],
-    value_params: Sequence[Tuple[Tensor, Optional[Tensor]]],
-    ff_coefs: Sequence[Dict[str, Tensor]],
-    final_params: NormParams,
-    final_input: Tensor,
-    direction: Tensor,
-    direction_bias: Optional[Tensor],
-    position: Tensor,
-) -> Tuple[Tensor, Tensor]:
-    r"""Decoder DecompX scores (``"separate"`` bias mode) by one vector-Jacobian product.
-
-    The frozen decoder (every layer by :func:`frozen_pre_ln_layer`, the final norm at its
-    real scale, the LM-head row u) is affine in the embedding output e: token k's score is
-    <dF/dx_k, e_k>. Equal to :func:`propagate_parts` followed by :func:`logit_scores`. This
-    runs :class:`AdjointPass` over a list of captured layers; the attribution streams it.
-
-    Args:
-        layers, value_params, ff_coefs: as in :func:`propagate_parts`.
-        final_params: the final norm's parameters; final_input: (B, T, D) its real input.
-        direction: (B, D) u; direction_bias: (B,) or None.
-        position: (B,) long explained positions.
-
-    Returns:
-        (scores (B, T), bias scores (B,)): the bias score is F(e) - sum of the scores.
-    """
-    adj = AdjointPass(len(layers), torch.unique(position))
-    steps = [frozen_step(layer, w_v, b_v, c) for layer, (w_v, b_v), c in zip(layers, value_params, ff_coefs)]
-    for layer, step in zip(layers, steps):
-        adj.forward(layer.hidden_in, step)
-    return adjoint_next_token_scores(
-        adj, lambda l, _x: steps[l], final_params, final_input, direction, direction_bias, position
-    )
