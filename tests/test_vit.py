@@ -291,3 +291,27 @@ def test_pictures_and_cli(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
         "digit_decompx_heatmap.png", "digit_globenc_heatmap.png", "digit_globenc_layers.png"
     ]
+
+
+@pytest.mark.parametrize("mode", ["cpu_offload", "disk_offload"])
+def test_dinov2_under_accelerate_equals_the_plain_model(mode, tmp_path):
+    r"""DINOv2's layer scales are read through the accelerate-safe weight reader like every other weight."""
+    import copy
+
+    from accelerate import cpu_offload, disk_offload
+
+    model = make_vision("dinov2_reg")
+    x = images()
+    m = copy.deepcopy(model)
+    m = cpu_offload(m) if mode == "cpu_offload" else disk_offload(m, str(tmp_path / "offload"))
+    lambda1 = m.base_model.encoder.layer[0].layer_scale1.lambda1
+    if mode == "disk_offload":
+        assert lambda1.device.type == "meta"  # the scale really is off the module
+    for build in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition, DecompXAttribution):
+        plain, dispatched = build(model).decompose(x), build(m).decompose(x)
+        assert (plain.scores - dispatched.scores).abs().max() <= 1e-12, build.__name__
+        if getattr(plain, "layer_maps", None) is not None:
+            assert (plain.layer_maps - dispatched.layer_maps).abs().max() <= 1e-12, build.__name__
+        if plain.delta is not None:
+            assert dispatched.delta.max() <= 1e-10, build.__name__
+    torch.testing.assert_close(m(pixel_values=x).logits, model(pixel_values=x).logits, rtol=0, atol=1e-12)

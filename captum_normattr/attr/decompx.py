@@ -364,7 +364,7 @@ class DecompXAttribution(Attribution):
         dtype = compute_dtype(self.model)
         n = len(self._modules_list)
         t = valid.shape[1]
-        head = self.output.linear_head(t, prepared.num_prefix, dtype)
+        head = self.output.linear_head(t, prepared.num_prefix, dtype, valid.device)
         rows = head.rows
         quad = []
         prop: Optional[PartsPropagation] = None

@@ -257,9 +257,9 @@ class ImageClassLogit(ClassLogit):
     def position(self) -> int:
         return 0
 
-    def linear_head(self, num_tokens: int, num_prefix: int, dtype: torch.dtype):
-        r"""The :class:`~captum_normattr.models.heads.LinearTokenHead` for inputs of ``num_tokens`` tokens."""
-        return self._build(self.model, num_tokens, num_prefix, dtype)
+    def linear_head(self, num_tokens: int, num_prefix: int, dtype: torch.dtype, device: Optional[torch.device] = None):
+        r"""The :class:`~captum_normattr.models.heads.LinearTokenHead` for inputs of ``num_tokens`` tokens (on ``device``)."""
+        return self._build(self.model, num_tokens, num_prefix, dtype, device)
 
 
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:

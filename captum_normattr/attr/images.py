@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from captum_normattr.attr.inputs import PreparedInputs
 from captum_normattr.models.adapters import ArchitectureAdapter
+from captum_normattr.models.weights import input_device
 
 
 def patch_size(model: nn.Module) -> int:
@@ -88,7 +89,8 @@ def prepare_pixel_values(
         additional_forward_args: must be None (images have no padding).
 
     Returns:
-        :class:`PreparedImageInputs` on the model's device.
+        :class:`PreparedImageInputs` on the model's device (a model dispatched by
+        accelerate: the device the inputs have; its hooks move them).
 
     Raises:
         ValueError / TypeError with a message saying what to change.
@@ -125,13 +127,15 @@ def prepare_pixel_values(
     if additional_forward_args is not None:
         raise ValueError("Vision Transformers take no additional_forward_args (images have no padding); pass None")
     params = next(model.parameters())
-    x = inputs.to(device=params.device, dtype=params.dtype)
+    # a model dispatched by accelerate keeps offloaded parameters on 'meta': its inputs stay where they are
+    device = input_device(model, inputs)
+    x = inputs.to(device=device, dtype=params.dtype)
     grid = (h // p, w // p)
     prefix = num_prefix_tokens(model, adapter)
     t = prefix + grid[0] * grid[1]
     accepts = adapter.family in ("ViT", "DeiT")  # DINOv2 always interpolates its position embeddings
     interpolate = (h, w) != image_size(model)
-    mask = torch.ones(b, t, dtype=torch.long, device=params.device)
+    mask = torch.ones(b, t, dtype=torch.long, device=device)
     return PreparedImageInputs(
         input_ids=None, inputs_embeds=None, attention_mask=mask, token_type_ids=None, is_tuple=is_tuple, causal=False,
         pixel_values=x, interpolate=interpolate, patch=p, grid=grid, num_prefix=prefix, accepts_interpolate=accepts,

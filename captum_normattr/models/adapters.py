@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 from torch import Tensor, nn
 
-from captum_normattr.models.weights import weight_and_bias
+from captum_normattr.models.weights import module_tensor, weight_and_bias
 
 
 @dataclass(frozen=True)
@@ -186,13 +186,22 @@ _CONFIG_VARIANTS = {
 
 
 def layer_scale(layer: nn.Module, path: Optional[str]) -> Optional[Tensor]:
-    r"""The per-channel scale (D,) of a layer-scale module (DINOv2's ``lambda1``), or None without one."""
+    r"""The per-channel scale (D,) of a layer-scale module (DINOv2's ``lambda1``), or None without one.
+
+    Read through :func:`~captum_normattr.models.weights.module_tensor` like every other
+    weight, so a layer offloaded by accelerate (its parameters on ``meta``) gives the
+    values its hook holds.
+
+    Raises:
+        WeightsNotReachableError: the scale is on ``meta`` and no accelerate hook holds it.
+        ValueError: the module has no scale parameter.
+    """
     if path is None:
         return None
     module = get_path(layer, path)
     for name in ("lambda1", "gamma", "scale", "weight"):
-        value = getattr(module, name, None)
-        if isinstance(value, Tensor):
+        value = module_tensor(module, name, path)
+        if value is not None:
             return value
     raise ValueError(f"cannot find the scale parameter of layer-scale module {type(module).__name__} ({path})")
 

@@ -180,7 +180,9 @@ VISION_HEADS: Dict[str, str] = {
 }
 
 
-def vision_head(model: nn.Module, num_tokens: int, num_prefix: int, dtype: torch.dtype) -> LinearTokenHead:
+def vision_head(
+    model: nn.Module, num_tokens: int, num_prefix: int, dtype: torch.dtype, device: Optional[torch.device] = None
+) -> LinearTokenHead:
     r"""The linear head of a supported vision classifier, as rows and per-row weights.
 
     Args:
@@ -190,9 +192,11 @@ def vision_head(model: nn.Module, num_tokens: int, num_prefix: int, dtype: torch
         num_tokens: T, the tokens of this input ([CLS], distillation/register tokens, patches).
         num_prefix: the tokens before the first patch.
         dtype: compute dtype.
+        device: where to put the head (the inputs' device); None: where the classifier's
+            weight is read from (its own device, or the CPU copy an accelerate hook keeps).
 
     Returns:
-        :class:`LinearTokenHead` on the model's device.
+        :class:`LinearTokenHead` on ``device``.
 
     Raises:
         UnsupportedModelError: for other models (a bare ``ViTModel`` has no classes) or a
@@ -204,16 +208,18 @@ def vision_head(model: nn.Module, num_tokens: int, num_prefix: int, dtype: torch
             f"{name} has no supported image-classification head. Supported: {', '.join(VISION_HEADS)} "
             "(a bare ViTModel/DeiTModel/Dinov2Model has no classes to explain)."
         )
-    cast = lambda t: None if t is None else t.detach().to(dtype)
 
     def linear(path: str):
         module = get_path(model, path)
         if not isinstance(module, nn.Linear):
             raise UnsupportedModelError(f"{name}.{path} is {type(module).__name__}, not a linear classifier (num_labels=0?)")
-        w, b = linear_params(module)
+        w, b = linear_params(module)  # accelerate-safe: never 'meta' (models/weights.py)
+        nonlocal device
+        if device is None:
+            device = w.device
+        cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
         return cast(w), cast(b)
 
-    device = next(model.parameters()).device
     if name == "DeiTForImageClassificationWithTeacher":
         (w_c, b_c), (w_d, b_d) = linear("cls_classifier"), linear("distillation_classifier")
         weight = torch.stack([w_c, w_d]) / 2
