@@ -1,19 +1,29 @@
 r"""Speed of every method on a ViT-B/16-sized classifier, as ratios to its forward pass.
 
 Usage:
-    python benchmarks/vit_speed.py [--batch 16] [--size 224] [--repeats 3] [--threads N] [--methods ...]
+    python benchmarks/vit_speed.py [--batch 16] [--small-batch 1] [--small-methods ...] [--size 224]
+                                   [--repeats 1] [--threads 1] [--out benchmarks/results/vit_speed.json]
 
 The model is ``ViTForImageClassification`` with the ViT-B/16 configuration (12 layers,
 width 768, 12 heads, FF 3072, patch 16, 1000 classes; 197 tokens at 224 x 224) and random
-weights, float32. Each method is timed on the same random batch, interleaved with the
-forward pass of the classifier (``_bench.time_interleaved``: warm-up, then the median of
-``--repeats`` rounds), so that machine noise hits all alike; the ratio is method time /
-forward time. Captum's gradient methods are included for reference (IG with 32 steps).
-Prints one JSON line with the times and ratios.
+weights, float32. Every method runs on the same random batch; each call is timed between
+two forward passes of the classifier on the same batch (``--repeats`` rounds, median), and
+the ratio is the method's time over the mean of the forward passes next to it, so that
+machine noise hits both alike. Both the wall time and the CPU time of the process are
+recorded; on a shared machine the CPU-time ratio (one torch thread) is the reliable one.
+
+Methods whose cost is many forward passes (``--small-methods``; default GlobEnc+FF, ALTI+FF
+and IntegratedGradients, Captum's default 50 steps) are timed at ``--small-batch`` instead
+of ``--batch`` (with the forward pass at that batch): every row of the output says its
+batch. ALTI+FF for pre-LN layers is the benchmark-only class of ``vit_faithfulness.py`` (the
+package's ``FFIntegratedDecomposition(contribution="alti")`` is for post-LN encoders).
+Writes the JSON to ``--out`` and prints a Markdown table.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +38,11 @@ from captum.attr import InputXGradient, IntegratedGradients, Saliency  # noqa: E
 from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
 
 from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution  # noqa: E402
+from vit_faithfulness import PreLNALTIFF  # noqa: E402
+
+ALL = ["GlobEnc", "ALTI", "DecompX", "FF decomposition (FF scope)", "GlobEnc+FF", "ALTI+FF", "Saliency", "InputXGradient",
+       "IntegratedGradients"]
+SMALL = ["FF decomposition (FF scope)", "GlobEnc+FF", "ALTI+FF", "IntegratedGradients"]
 
 
 def build(size: int) -> ViTForImageClassification:
@@ -37,63 +52,100 @@ def build(size: int) -> ViTForImageClassification:
     return ViTForImageClassification(cfg).eval()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--size", type=int, default=224)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    ap.add_argument(
-        "--methods", nargs="*",
-        default=["GlobEnc", "ALTI", "GlobEnc+FF", "DecompX", "Saliency", "InputXGradient", "IntegratedGradients"],
-    )
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = build(args.size)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(1))
+def calls(model, x):
     fwd = lambda px: model(pixel_values=px).logits
-    target = torch.zeros(args.batch, dtype=torch.long)
-    calls = {
+    target = torch.zeros(len(x), dtype=torch.long)
+    return {
         "GlobEnc": lambda: GlobEncAttribution(model).attribute(x),
         "ALTI": lambda: ALTIAttribution(model).attribute(x),
-        "GlobEnc+FF": lambda: FFIntegratedDecomposition(model).attribute(x),
         "DecompX": lambda: DecompXAttribution(model).attribute(x, target=target),
-        "DecompX (forward algorithm)": lambda: DecompXAttribution(model, algorithm="forward").attribute(x, target=target),
+        "FF decomposition (FF scope)": lambda: FFIntegratedDecomposition(model, scope="FF").attribute(x),
+        "GlobEnc+FF": lambda: FFIntegratedDecomposition(model).attribute(x),
+        "ALTI+FF": lambda: PreLNALTIFF(model).attribute(x),
         "Saliency": lambda: Saliency(fwd).attribute(x, target=target),
         "InputXGradient": lambda: InputXGradient(fwd).attribute(x, target=target),
-        "IntegratedGradients": lambda: IntegratedGradients(fwd).attribute(
-            x, target=target, n_steps=32, internal_batch_size=args.batch
-        ),
+        "IntegratedGradients": lambda: IntegratedGradients(fwd).attribute(x, target=target, internal_batch_size=len(x)),
     }
+
+
+def clock(f):
+    w0, c0 = time.perf_counter(), time.process_time()
+    f()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def measure(model, batch: int, size: int, names, repeats: int, warm: bool):
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    fns = calls(model, x)
 
     def forward():
         with torch.no_grad():
-            fwd(x)
-
-    def clock(f):
-        t0 = time.perf_counter()
-        f()
-        return time.perf_counter() - t0
+            model(pixel_values=x)
 
     forward()  # warm-up
-    out = {"batch": args.batch, "size": args.size, "threads": torch.get_num_threads(), "forward_s": None, "methods": {}}
-    fwd_times = []
-    for name in args.methods:
-        calls[name]()  # warm-up
-        ts, fs = [], []
-        for _ in range(args.repeats):  # interleaved with the forward pass
-            fs.append(clock(forward))
-            ts.append(clock(calls[name]))
-        fs.sort(), ts.sort()
-        f_med, t_med = fs[len(fs) // 2], ts[len(ts) // 2]
-        fwd_times.append(f_med)
-        out["methods"][name] = {"seconds": t_med, "forward_seconds": f_med, "ratio": t_med / f_med}
-        print(f"{name:28s} {t_med:8.2f} s  forward {f_med:6.2f} s  ratio {t_med / f_med:6.1f}", flush=True)
-    out["forward_s"] = sorted(fwd_times)[len(fwd_times) // 2]
-    import json
+    out = {}
+    for name in names:
+        if warm:
+            fns[name]()
+        rounds = []
+        for _ in range(repeats):
+            f0 = clock(forward)
+            m = clock(fns[name])
+            f1 = clock(forward)
+            rounds.append((m, ((f0[0] + f1[0]) / 2, (f0[1] + f1[1]) / 2)))
+        med = lambda key: statistics.median(key(r) for r in rounds)
+        row = {
+            "batch": batch,
+            "seconds": med(lambda r: r[0][0]), "cpu_seconds": med(lambda r: r[0][1]),
+            "forward_seconds": med(lambda r: r[1][0]), "forward_cpu_seconds": med(lambda r: r[1][1]),
+            "ratio_wall": med(lambda r: r[0][0] / r[1][0]), "ratio_cpu": med(lambda r: r[0][1] / r[1][1]),
+            "repeats": repeats,
+        }
+        out[name] = row
+        print(f"{name:28s} batch {batch:3d}  {row['cpu_seconds']:8.2f} s CPU  forward {row['forward_cpu_seconds']:6.2f} s CPU  "
+              f"ratio {row['ratio_cpu']:6.1f} (wall {row['ratio_wall']:6.1f})", flush=True)
+    return out
 
-    print(json.dumps(out))
+
+def table(results) -> str:
+    rows = ["| method | batch | CPU s | forward CPU s | ratio (CPU time) | ratio (wall time) |", "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results["methods"].items():
+        rows.append(f"| {name} | {r['batch']} | {r['cpu_seconds']:.2f} | {r['forward_cpu_seconds']:.2f} | "
+                    f"{r['ratio_cpu']:.1f} | {r['ratio_wall']:.1f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--small-batch", type=int, default=1)
+    ap.add_argument("--small-methods", nargs="*", default=SMALL, help="methods timed at --small-batch")
+    ap.add_argument("--methods", nargs="*", default=ALL)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave the default)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first call of each method")
+    ap.add_argument("--out", default=str(HERE / "results" / "vit_speed.json"))
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    unknown = set(args.methods) - set(ALL)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {ALL}")
+    model = build(args.size)
+    results = {"size": args.size, "threads": torch.get_num_threads(), "model": "ViT-B/16 configuration, random weights, float32",
+               "methods": {}}
+    big = [m for m in args.methods if m not in args.small_methods]
+    small = [m for m in args.methods if m in args.small_methods]
+    with torch.inference_mode(False):
+        if big:
+            results["methods"].update(measure(model, args.batch, args.size, big, args.repeats, not args.no_warmup))
+        if small:
+            results["methods"].update(measure(model, args.small_batch, args.size, small, args.repeats, not args.no_warmup))
+    results["methods"] = {m: results["methods"][m] for m in args.methods}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -89,8 +89,8 @@ def layer_patch_rows(
         title: figure title.
 
     Returns:
-        The matplotlib figure; the panel titles give the share of the row that goes to the
-        prefix tokens ([CLS], distillation, registers), which the grids do not show.
+        The matplotlib figure; the panel titles give the share of the row's total that goes
+        to the prefix tokens ([CLS], distillation, registers), which the grids do not show.
     """
     import matplotlib.pyplot as plt
 
@@ -106,7 +106,9 @@ def layer_patch_rows(
             continue
         r = maps[l, row]
         ax.imshow(r[num_prefix:].reshape(grid).numpy(), cmap=cmap, interpolation="nearest")
-        ax.set_title(f"layer {l + 1} (prefix {float(r[:num_prefix].sum()):.2f})", fontsize=8)
+        total = float(r.sum())
+        share = float(r[:num_prefix].sum()) / total if total else 0.0
+        ax.set_title(f"layer {l + 1} (prefix {share:.0%})", fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

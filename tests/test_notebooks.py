@@ -19,7 +19,7 @@ NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
 def test_there_are_tutorials():
     names = [p.name for p in NOTEBOOKS]
     for name in ("01_quickstart.ipynb", "02_faithfulness.ipynb", "03_ff_analysis.ipynb", "04_decoders.ipynb",
-                 "05_words_and_spans.ipynb"):
+                 "05_words_and_spans.ipynb", "06_vision.ipynb"):
         assert name in names
 
 
