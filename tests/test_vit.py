@@ -169,12 +169,28 @@ def test_batch_equals_single(family):
 
 
 def test_other_image_sizes_interpolate_positions():
-    for family in ("vit", "dinov2"):
+    for family in ("vit", "deit", "dinov2_reg"):
         model = make_vision(family)
         x = images(1, side=24)
         res = DecompXAttribution(model).decompose(x)
         assert res.delta.max() <= 1e-10 and res.extras["patch_grid"].shape == (1, 6, 6)
+        kw = {} if family.startswith("dinov2") else {"interpolate_pos_encoding": True}  # DINOv2 always interpolates
+        assert torch.allclose(res.logits, model(pixel_values=x, **kw).logits, atol=1e-12)
         assert GlobEncAttribution(model).attribute(x).shape == x.shape
+        assert ALTIAttribution(model).decompose(x).scores.shape == (1, _prefix(family) + 36)
+
+
+def test_deit_without_teacher_reads_cls_only():
+    from transformers import DeiTForImageClassification
+
+    torch.manual_seed(0)
+    model = _perturb(DeiTForImageClassification(DeiTConfig(intermediate_size=24, **SMALL)).double().eval())
+    x = images()
+    res = DecompXAttribution(model).decompose(x)
+    assert res.delta.max() <= 1e-10 and res.extras["num_prefix_tokens"] == 2
+    assert torch.allclose(res.logits, model(pixel_values=x).logits, atol=1e-12)
+    head = DecompXAttribution(model).output.linear_head(18, 2, torch.float64)
+    assert head.rows.tolist() == [0]  # the distillation token is read by no head here
 
 
 def test_swiglu_dinov2_complete_up_to_quadrature():
