@@ -2,27 +2,32 @@ r"""Faithfulness of the decompositions on a small Vision Transformer, fully offl
 
 Usage (scikit-learn is a benchmark-only dependency, not in setup.cfg):
     pip install scikit-learn
-    python benchmarks/vit_faithfulness.py [--epochs 20] [--test 300] [--out benchmarks/results/vit_faithfulness.json]
+    python benchmarks/vit_faithfulness.py [--patch 8] [--epochs 40] [--test 300] [--min-accuracy 0.9]
+                                          [--out benchmarks/results/vit_faithfulness.json]
 
 Data: scikit-learn's 8x8 handwritten digits (1797 images, shipped inside the package, no
 download), upscaled 4x (nearest) to 32x32, one channel, pixel values scaled to [-1, 1].
-Model: ``ViTForImageClassification`` trained here (patch 4, so each patch is one original
-pixel; 64 patches + [CLS]; 4 layers, 4 heads, width 64, FF 128; float32, a few minutes on
-2 CPU cores), seed 0, first 1497 images train, last 300 test.
+Model: ``ViTForImageClassification`` trained here (patch 8 by default, so each patch is
+2 x 2 original pixels: 16 patches + [CLS]; 4 layers, 4 heads, width 64, FF 128; float32;
+AdamW, one-cycle schedule, batch 32; about a minute of one CPU core), seed 0, first 1497
+images train, last 300 test. If the test accuracy is below ``--min-accuracy`` the training
+runs another schedule (at most ``--max-rounds`` in all); the JSON records the accuracy and
+the rounds. (Patch 4, one original pixel per patch, reached only 0.70 after 40 epochs: a
+token holding a single pixel value learns slowly.)
 
 Methods (patch scores; [CLS] excluded): GlobEnc (pre-LN default map N_RESLN), ALTI,
-GlobEnc+FF (whole layer, RES2; ALTI+FF is a post-LN analysis and is refused for pre-LN
-models), DecompX (signed, predicted class), attention rollout (Abnar and Zuidema:
+ALTI+FF (pre-LN, :class:`PreLNALTIFF` below: the package refuses ALTI+FF for pre-LN
+models), GlobEnc+FF (whole layer, RES2), DecompX (signed, predicted class), attention rollout (Abnar and Zuidema:
 0.5 mean-head attention + 0.5 I, rolled out; GlobEnc's ``W_FIXEDRES`` map), Captum's
 Saliency (|gradient| summed over the patch's pixels), InputXGradient and
-IntegratedGradients (32 steps, baseline the all-background image -1; signed, summed
+IntegratedGradients (Captum's default 50 steps, baseline the all-background image -1; signed, summed
 over the patch's pixels), and a random ranking.
 
 Protocol: patches ranked by score (most relevant first, MoRF, and least relevant first,
-LeRF; ties by position). Deletion: patches replaced by the background value -1, k = 0, 4,
-..., 64 patches; insertion: from the all-background image, patches put back in the same
+LeRF; ties by position). Deletion: patches replaced by the background value -1, k = 0, 1,
+..., 16 patches (patch 8; every 4th k for patch 4); insertion: from the all-background image, patches put back in the same
 order. The curve is the probability of the class predicted on the clean image. Reported:
-the area under each curve (mean over the 17 points) and AOPC = mean over k of
+the area under each curve (mean over the 17 points; ± its standard error over images) and AOPC = mean over k of
 (p(clean) - p(k deleted)). Better: deletion MoRF low, AOPC MoRF high, insertion MoRF high;
 deletion LeRF high, insertion LeRF low. Cost: wall time of one call on the test set
 divided by one forward pass of the classifier on the same batch (median of 3).
@@ -226,33 +231,42 @@ def timed(f, repeats=3):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--patch", type=int, default=8, choices=(4, 8), help="patch size on the 32 x 32 image")
     ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--min-accuracy", type=float, default=0.9)
+    ap.add_argument("--max-rounds", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--shift", type=int, default=1, help="random translations by up to this many original pixels")
+    ap.add_argument("--shift", type=int, default=0, help="random translations by up to this many original pixels")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--test", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)  # 1 thread is fastest on a contended machine
     ap.add_argument("--out", default=str(HERE / "results" / "vit_faithfulness.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global PATCH
+    PATCH = args.patch
     torch.manual_seed(args.seed)
     x, y = load_digits_tensors()
     xtr, ytr, xte, yte = x[: -args.test], y[: -args.test], x[-args.test :], y[-args.test :]
     model = build_model()
     t0 = time.perf_counter()
-    loss = train(model, xtr, ytr, args.epochs, args.seed, args.lr, args.batch, args.shift)
+    for rounds in range(1, args.max_rounds + 1):
+        loss = train(model, xtr, ytr, args.epochs, args.seed + rounds - 1, args.lr, args.batch, args.shift)
+        with torch.no_grad():
+            pred = model(pixel_values=xte).logits.argmax(-1)
+        acc = float((pred == yte).float().mean())
+        print(f"round {rounds}: {time.perf_counter() - t0:.0f} s, last loss {loss:.3f}, test accuracy {acc:.3f}", flush=True)
+        if acc >= args.min_accuracy:
+            break
     train_s = time.perf_counter() - t0
-    with torch.no_grad():
-        pred = model(pixel_values=xte).logits.argmax(-1)
-    acc = float((pred == yte).float().mean())
-    print(f"trained in {train_s:.0f} s, last loss {loss:.3f}, test accuracy {acc:.3f}", flush=True)
-    ks = list(range(0, 65, 4))
+    n_patches = (SIDE // PATCH) ** 2
+    ks = list(range(0, n_patches + 1, max(1, n_patches // 16)))
     if acc < 0.9:
         print(f"warning: test accuracy {acc:.3f} < 0.9: the curves of an untrained model say little", flush=True)
     results = {
         "accuracy": acc, "chance": 0.1, "train_seconds": train_s, "final_train_loss": loss, "test_images": len(xte), "ks": ks,
-        "training": {"epochs": args.epochs, "lr": args.lr, "batch": args.batch, "shift": args.shift, "seed": args.seed},
+        "training": {"patch": PATCH, "rounds": rounds, "epochs_per_round": args.epochs, "lr": args.lr, "batch": args.batch, "shift": args.shift, "seed": args.seed},
         "threads": torch.get_num_threads(), "methods": {},
     }
     forward_s = timed(lambda: model(pixel_values=xte))
