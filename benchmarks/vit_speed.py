@@ -12,8 +12,9 @@ the ratio is the method's time over the mean of the forward passes next to it, s
 machine noise hits both alike. Both the wall time and the CPU time of the process are
 recorded; on a shared machine the CPU-time ratio (one torch thread) is the reliable one.
 
-Methods whose cost is many forward passes (``--small-methods``; default GlobEnc+FF, ALTI+FF
-and IntegratedGradients, Captum's default 50 steps) are timed at ``--small-batch`` instead
+Methods whose cost is many forward passes (``--small-methods``: GlobEnc+FF, ALTI+FF, the FF scope
+(not run by default: every scope costs what GlobEnc+FF costs) and IntegratedGradients, Captum's
+default 50 steps) are timed at ``--small-batch`` instead
 of ``--batch`` (with the forward pass at that batch): every row of the output says its
 batch. ALTI+FF for pre-LN layers is the benchmark-only class of ``vit_faithfulness.py`` (the
 package's ``FFIntegratedDecomposition(contribution="alti")`` is for post-LN encoders).
@@ -40,9 +41,10 @@ from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
 from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution  # noqa: E402
 from vit_faithfulness import PreLNALTIFF  # noqa: E402
 
-ALL = ["GlobEnc", "ALTI", "DecompX", "FF decomposition (FF scope)", "GlobEnc+FF", "ALTI+FF", "Saliency", "InputXGradient",
+ALL = ["GlobEnc", "ALTI", "DecompX", "Saliency", "InputXGradient", "GlobEnc+FF", "ALTI+FF", "FF decomposition (FF scope)",
        "IntegratedGradients"]
 SMALL = ["FF decomposition (FF scope)", "GlobEnc+FF", "ALTI+FF", "IntegratedGradients"]
+DEFAULT = [m for m in ALL if m != "FF decomposition (FF scope)"]  # every scope costs what GlobEnc+FF costs
 
 
 def build(size: int) -> ViTForImageClassification:
@@ -52,8 +54,8 @@ def build(size: int) -> ViTForImageClassification:
     return ViTForImageClassification(cfg).eval()
 
 
-def calls(model, x):
-    fwd = lambda px: model(pixel_values=px).logits
+def calls(model, x, interpolate: bool = False):
+    fwd = lambda px: model(pixel_values=px, interpolate_pos_encoding=interpolate).logits
     target = torch.zeros(len(x), dtype=torch.long)
     return {
         "GlobEnc": lambda: GlobEncAttribution(model).attribute(x),
@@ -74,7 +76,7 @@ def clock(f):
     return time.perf_counter() - w0, time.process_time() - c0
 
 
-def measure(model, batch: int, size: int, names, repeats: int, warm: bool):
+def measure(model, batch: int, size: int, names, repeats: int, warm: bool, on_row=None):
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
     fns = calls(model, x)
 
@@ -85,7 +87,7 @@ def measure(model, batch: int, size: int, names, repeats: int, warm: bool):
     forward()  # warm-up
     # each method's warm-up call on one small image (32 x 32, interpolated positions): the
     # code paths run once without costing a full call
-    tiny = calls(model, torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+    tiny = calls(model, torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)), interpolate=True)
     out = {}
     for name in names:
         if warm:
@@ -105,6 +107,8 @@ def measure(model, batch: int, size: int, names, repeats: int, warm: bool):
             "repeats": repeats,
         }
         out[name] = row
+        if on_row is not None:
+            on_row(name, row)
         print(f"{name:28s} batch {batch:3d}  {row['cpu_seconds']:8.2f} s CPU  forward {row['forward_cpu_seconds']:6.2f} s CPU  "
               f"ratio {row['ratio_cpu']:6.1f} (wall {row['ratio_wall']:6.1f})", flush=True)
     return out
@@ -123,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--small-batch", type=int, default=1)
     ap.add_argument("--small-methods", nargs="*", default=SMALL, help="methods timed at --small-batch")
-    ap.add_argument("--methods", nargs="*", default=ALL)
+    ap.add_argument("--methods", nargs="*", default=DEFAULT)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave the default)")
@@ -140,13 +144,17 @@ def main(argv=None):
                "methods": {}}
     big = [m for m in args.methods if m not in args.small_methods]
     small = [m for m in args.methods if m in args.small_methods]
-    with torch.inference_mode(False):
-        if big:
-            results["methods"].update(measure(model, args.batch, args.size, big, args.repeats, not args.no_warmup))
-        if small:
-            results["methods"].update(measure(model, args.small_batch, args.size, small, args.repeats, not args.no_warmup))
-    results["methods"] = {m: results["methods"][m] for m in args.methods}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save(name, row):  # after every method, so that a stopped run keeps what it measured
+        results["methods"][name] = row
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+    if big:
+        measure(model, args.batch, args.size, big, args.repeats, not args.no_warmup, save)
+    if small:
+        measure(model, args.small_batch, args.size, small, args.repeats, not args.no_warmup, save)
+    results["methods"] = {m: results["methods"][m] for m in args.methods}
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
 
