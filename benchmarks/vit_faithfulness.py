@@ -242,7 +242,11 @@ def main(argv=None):
     ap.add_argument("--test", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)  # 1 thread is fastest on a contended machine
     ap.add_argument("--out", default=str(HERE / "results" / "vit_faithfulness.json"))
+    ap.add_argument("--render-only", metavar="JSON", help="print the table of a results file and exit")
     args = ap.parse_args(argv)
+    if args.render_only:
+        print(table(json.loads(Path(args.render_only).read_text())))
+        return
     torch.set_num_threads(args.threads)
     global PATCH
     PATCH = args.patch
@@ -290,16 +294,18 @@ def main(argv=None):
 
 
 def table(results) -> str:
+    r"""Markdown table. Insertion LeRF equals deletion MoRF and deletion LeRF equals insertion MoRF
+    (k runs over every patch count, so the two curves see the same images in reverse order):
+    those columns are left out."""
     rows = [
-        "| method | deletion MoRF AUC (lower better) | AOPC MoRF (higher better) | insertion MoRF AUC (higher better) | "
-        "deletion LeRF AUC (higher better) | AOPC LeRF (lower better) | insertion LeRF AUC (lower better) | cost (forward passes) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | deletion MoRF AUC ↓ (± s.e.) | AOPC MoRF ↑ | insertion MoRF AUC ↑ (± s.e.) | AOPC LeRF ↓ | cost (forward passes) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in results["methods"].items():
         m, l = r["MoRF"], r["LeRF"]
         rows.append(
-            f"| {name} | {m['deletion_auc']:.3f} ± {m['deletion_auc_se']:.3f} | {m['aopc']:.3f} | {m['insertion_auc']:.3f} | {l['deletion_auc']:.3f} | "
-            f"{l['aopc']:.3f} | {l['insertion_auc']:.3f} | {r['cost_forward_passes']:.1f} |"
+            f"| {name} | {m['deletion_auc']:.3f} ± {m['deletion_auc_se']:.3f} | {m['aopc']:.3f} | "
+            f"{m['insertion_auc']:.3f} ± {m['insertion_auc_se']:.3f} | {l['aopc']:.3f} | {r['cost_forward_passes']:.1f} |"
         )
     return "\n".join(rows)
 
