@@ -373,6 +373,11 @@ def test_clear_errors_for_unsupported_models_and_bad_inputs():
                                                 encoder_ffn_dim=16, decoder_ffn_dim=16, attention_window=[4]))
     with pytest.raises(UnsupportedModelError, match="encoder-decoder model type 'led'.*T5/mT5"):
         ALTIPlusAttribution(led)
+    from transformers import T5EncoderModel
+
+    enc_only = T5EncoderModel(T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+    with pytest.raises(UnsupportedModelError, match="no encoder and decoder"):
+        ALTIPlusAttribution(enc_only)
     model = model_for("marian")
     alti = ALTIPlusAttribution(model)
     src, tgt = pair()
@@ -406,3 +411,32 @@ def test_clear_errors_for_unsupported_models_and_bad_inputs():
         alti.attribute(src)
     with pytest.raises(ValueError, match="outside example"):
         alti.attribute((src, tgt), target=10)
+
+
+def test_plots_and_captum_interop():
+    pytest.importorskip("matplotlib")
+    from captum_normattr.visualization_seq2seq import (
+        generation_to_llm_attribution_result,
+        plot_contribution_matrix,
+        plot_source_share,
+    )
+
+    model = model_for("marian")
+    src, tgt = pair(seed=8)
+    sm = torch.ones_like(src)
+    sm[0, :2] = 0
+    res = ALTIPlusAttribution(model).decompose(src, tgt, sm)
+    fig = plot_contribution_matrix(res, 0, [f"s{i}" for i in range(7)], [f"t{i}" for i in range(6)])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()][:5] == ["s2", "s3", "s4", "s5", "s6"]
+    assert ax.images[0].get_array().shape == (6, 5 + 6)
+    assert plot_source_share(res).axes[0].get_ylim() == (0.0, 1.0)
+    assert len(plot_source_share(res, 1, [f"t{i}" for i in range(6)], skip_first=True).axes[0].patches) == 5
+    with torch.no_grad():
+        gen = model.generate(input_ids=src[1:], max_new_tokens=3, do_sample=False, num_beams=1)
+    step = explain_generation(model, src[1:], gen)[0]
+    assert plot_contribution_matrix(step).axes[0].images[0].get_array().shape == (3, 7 + 3)
+    llm = generation_to_llm_attribution_result(step, [f"s{i}" for i in range(7)])
+    assert tuple(llm.token_attr.shape) == (3, 7)
+    with pytest.raises(TypeError, match="ALTIPlusResult"):
+        plot_contribution_matrix(torch.zeros(3))

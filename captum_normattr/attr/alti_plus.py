@@ -25,7 +25,7 @@ from captum_normattr.decompose.alti_plus import (
     block_contributions,
     encoder_rollout,
 )
-from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq
+from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq, seq2seq_base
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position, check_memory_budget
 from captum_normattr.result import AttributionResult
@@ -212,6 +212,7 @@ class ALTIPlusAttribution(Attribution):
         memory_budget_mb: float = ALTI_PLUS_MEMORY_BUDGET_MB,
     ) -> None:
         self.adapter = get_seq2seq_adapter(model)
+        seq2seq_base(model)  # raises for a model without both stacks (T5EncoderModel, ...)
         if isinstance(conventions, str):
             if conventions not in ("default", "official"):
                 raise ValueError(f"conventions must be 'default', 'official' or an ALTIPlusConventions, got {conventions!r}")
@@ -229,13 +230,15 @@ class ALTIPlusAttribution(Attribution):
     def _prepare(self, src_ids, tgt_ids, src_mask, tgt_mask):
         config = self.model.config
         vocab = int(getattr(config, "vocab_size"))
+        tgt_vocab = int(getattr(config, "decoder_vocab_size", None) or vocab)  # Marian: separate vocabularies
         src_ids = _check_ids("source ids", src_ids, vocab)
-        tgt_ids = _check_ids("decoder input ids", tgt_ids, vocab)
+        tgt_ids = _check_ids("decoder input ids", tgt_ids, tgt_vocab)
         if src_ids.shape[0] != tgt_ids.shape[0]:
             raise ValueError(
                 f"source and decoder inputs must hold the same number of examples; got {src_ids.shape[0]} and {tgt_ids.shape[0]}"
             )
-        limit = getattr(config, "max_position_embeddings", None) if self.adapter.model_types[0] != "t5" else None
+        # learned or fixed-size position tables; M2M100 extends its sinusoids and T5 has relative positions
+        limit = None if self.adapter.model_types[0] in ("t5", "m2m_100") else getattr(config, "max_position_embeddings", None)
         for name, ids in (("source", src_ids), ("decoder input", tgt_ids)):
             if limit is not None and ids.shape[1] > int(limit):
                 raise ValueError(f"the {name} has {ids.shape[1]} tokens but the model accepts at most {limit}; truncate it")
@@ -287,7 +290,7 @@ class ALTIPlusAttribution(Attribution):
         errors: Dict[str, List[Tensor]] = {name: [] for name in BLOCKS}
         conv = self.conventions
         with torch.no_grad(), recording_seq2seq(self.model, self.adapter, dtype) as rec:
-            self.model(
+            rec.base(  # the module holding encoder and decoder: no head (a classification head needs no run)
                 input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_ids,
                 decoder_attention_mask=tgt_mask, use_cache=False,
             )
