@@ -289,6 +289,12 @@ def test_recording_keeps_the_outputs_and_the_model_is_unchanged_also_after_error
         with recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64):  # eager recording attention
             inside = model(**kw).logits
     assert torch.allclose(inside, before, atol=1e-12, rtol=0)  # T5's relative position bias included
+    import captum_normattr.models.capture as capture
+
+    monkeypatch.setattr(capture, "SCORE_CHUNK_BYTES", 1)  # one head per chunk: the bias is sliced per head
+    with torch.no_grad(), recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64):
+        assert torch.allclose(model(**kw).logits, before, atol=1e-12, rtol=0)
+    monkeypatch.undo()
     layers = model.model.decoder.layers if family == "bart" else model.decoder.block
     model.train()
     layers[0].training = False  # a mixed state must come back as it was
