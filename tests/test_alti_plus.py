@@ -446,3 +446,17 @@ def test_plots_and_captum_interop():
     assert tuple(llm.token_attr.shape) == (3, 7)
     with pytest.raises(TypeError, match="ALTIPlusResult"):
         plot_contribution_matrix(torch.zeros(3))
+
+
+def test_non_finite_examples_are_nan_with_a_warning():
+    model = make_model("marian", seed=9)
+    with torch.no_grad():
+        model.model.shared.weight[39] = float("nan")
+    src, tgt = pair(seed=9)
+    src[0, 2] = 39
+    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[0\]"):
+        res = ALTIPlusAttribution(model).decompose(src, tgt)
+    assert bool(torch.isnan(res.source_contributions[0]).all()) and bool(torch.isnan(res.source_share[0]).all())
+    assert bool(torch.isfinite(res.source_contributions[1]).all()) and float(res.completeness_error) <= 1e-10
+    alone = ALTIPlusAttribution(model).decompose(src[1:], tgt[1:])
+    assert torch.allclose(res.source_contributions[1], alone.source_contributions[0], atol=1e-12, rtol=0)

@@ -16,6 +16,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
+from captum_normattr.attr.base import mark_non_finite
 from captum_normattr.attr.inputs import _has_gaps, explained_positions
 from captum_normattr.decompose.alti_plus import (
     DEFAULT,
@@ -324,7 +325,7 @@ class ALTIPlusAttribution(Attribution):
             delta = torch.cat(list(per_block.values()), 1).amax(1)
         extras = {f"{name}_completeness_error": per_block[name].amax(0) for name in BLOCKS}
         keep = return_layer_maps
-        return ALTIPlusResult(
+        result = ALTIPlusResult(
             method=self.get_name(),
             scores=r_src[rows, pos],
             attention_mask=src_mask,
@@ -336,13 +337,16 @@ class ALTIPlusAttribution(Attribution):
             source_contributions=r_src,
             target_contributions=r_tgt,
             source_share=share,
-            completeness_error=delta.amax(),
+            completeness_error=delta[torch.isfinite(delta)].amax() if bool(torch.isfinite(delta).any()) else delta.amax(),
             encoder_maps=torch.stack(maps["encoder_self"], 1) if keep else None,
             encoder_rollout=r_enc if keep else None,
             decoder_self_maps=torch.stack(maps["decoder_self"], 1) if keep else None,
             decoder_cross_maps=torch.stack(maps["decoder_cross"], 1) if keep else None,
             conventions=_describe(conv),
         )
+        # an example whose forward pass held NaN or infinity: every per-example number NaN, with a warning
+        bad = ~(torch.isfinite(r_src).flatten(1).all(1) & torch.isfinite(r_tgt).flatten(1).all(1) & torch.isfinite(delta))
+        return mark_non_finite(result, ~bad)
 
     @log_usage()
     def attribute(
