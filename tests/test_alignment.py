@@ -176,3 +176,63 @@ def test_parse_and_format_links_round_trip():
 def test_docstring_examples():
     res = doctest.testmod(AL, optionflags=doctest.ELLIPSIS)
     assert res.failed == 0 and res.attempted > 5
+
+
+# --------------------------------------------------------------------------- the benchmark's task
+def _bench_module():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import mt_alignment
+
+    return mt_alignment
+
+
+def test_synthetic_task_gold_alignments_follow_the_rules():
+    import random
+
+    M = _bench_module()
+    lp = M.build_language_pair(0)
+    assert M.build_language_pair(0).translation == lp.translation  # seeded
+    rng = random.Random(3)
+    cat = {w: c for c, ws in lp.src.items() for w in ws}
+    for _ in range(200):
+        ex = M.generate_example(rng, lp)
+        links = sorted(ex.sure | ex.possible)
+        # every target word has exactly one link, to a source word that translates into it
+        assert [t for t, _ in links] == list(range(len(ex.tgt)))
+        for t, s in ex.sure:
+            assert ex.tgt[t] in lp.translation[ex.src[s]]
+        (t_p, s_p), = ex.possible  # the object particle, possible only
+        assert ex.tgt[t_p] == lp.particle and cat[ex.src[s_p]] == "noun"
+        # SOV: the verb's translation ends the target; adverbs move to the front
+        v = [s for s, w in enumerate(ex.src) if cat[w] == "verb"][0]
+        assert max(t for t, s in ex.sure if s == v) == len(ex.tgt) - 1
+        if cat[ex.src[-1]] == "adv":
+            assert (0, len(ex.src) - 1) in ex.sure
+        # adjective-noun swap: inside the target, a noun precedes the adjectives of its phrase
+        for t, s in ex.sure:
+            if cat[ex.src[s]] == "adj":
+                noun_s = next(k for k in range(s, len(ex.src)) if cat[ex.src[k]] == "noun")
+                assert min(tt for tt, ss in ex.sure if ss == noun_s) < t
+
+
+def test_gold_scores_give_zero_aer_and_shuffled_gold_does_not():
+    M = _bench_module()
+    lp = M.build_language_pair(1)
+    test, _ = M.make_datasets(lp, 1, 40)
+    enc = M.encode(test)
+    B, T = enc["dec"].shape
+    S = enc["src"].shape[1]
+    gold = torch.zeros(B, T, S)
+    for b, ex in enumerate(test):
+        for t, s in ex.sure | ex.possible:
+            gold[b, t, s] = 1.0
+        gold[b, len(ex.tgt), len(ex.src)] = 1.0  # the EOS row reads the source EOS
+    hyp = batch_argmax_alignments(gold, enc["src_mask"], [len(e.tgt) for e in test])
+    sure, poss = [e.sure for e in test], [e.possible for e in test]
+    assert alignment_error_rate(hyp, sure, poss) == 0.0
+    # the "input" setting reads the next row: far from perfect on this reordered task
+    hyp_in = batch_argmax_alignments(gold, enc["src_mask"], [len(e.tgt) for e in test], setting="input")
+    assert alignment_error_rate(hyp_in, sure, poss) > 0.5
