@@ -6,6 +6,7 @@ Hugging Face ``transformers``; ALTI-Logit for next-token logits of the decoders.
 """
 from captum_normattr.aggregation import aggregate_map, aggregate_map_to_words, aggregate_to_sentences, aggregate_to_spans, aggregate_to_words
 from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution
+from captum_normattr.attr.alti_plus import ALTIPlusAttribution, ALTIPlusResult, explain_generation
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
@@ -22,6 +23,9 @@ __all__ = [
     "ALTIAttribution",
     "ALTILogitAttribution",
     "ALTILogitResult",
+    "ALTIPlusAttribution",
+    "ALTIPlusResult",
+    "explain_generation",
     "GlobEncAttribution",
     "FFIntegratedDecomposition",
     "DecompXAttribution",

@@ -8,7 +8,7 @@ the model families it applies to. :data:`METHODS` maps the key to its spec.
 
 Examples:
     >>> sorted(METHODS)
-    ['alti', 'alti-logit', 'decompx', 'ff', 'globenc']
+    ['alti', 'alti-logit', 'alti-plus', 'decompx', 'ff', 'globenc']
     >>> spec = get_method("globenc")
     >>> spec.cls.__name__, spec.uses_target, spec.signed
     ('GlobEncAttribution', False, False)
@@ -29,6 +29,7 @@ from captum_normattr.attr import (
     FFIntegratedDecomposition,
     GlobEncAttribution,
 )
+from captum_normattr.attr.alti_plus import ALTIPlusAttribution
 from captum_normattr.decompose.decompx import BIAS_MODES
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, SCOPES
@@ -47,7 +48,9 @@ __all__ = [
 ]
 
 #: the model families a method can apply to
-FAMILIES: Tuple[str, ...] = ("encoders", "decoders")
+FAMILIES: Tuple[str, ...] = ("encoders", "decoders", "encoder-decoders")
+#: the families a method applies to unless its entry says otherwise
+DEFAULT_FAMILIES: Tuple[str, ...] = ("encoders", "decoders")
 
 
 def parse_position(value: str) -> Union[int, str]:
@@ -168,7 +171,7 @@ class MethodSpec:
     options: Tuple[OptionSpec, ...] = ()
     uses_target: bool = False
     signed: bool = False
-    families: Tuple[str, ...] = FAMILIES
+    families: Tuple[str, ...] = DEFAULT_FAMILIES
     maps: bool = False
     fixed: Mapping[str, Any] = field(default_factory=dict)
     factory: Optional[Callable[[Any, Any], Any]] = None
@@ -250,7 +253,7 @@ def register_method(
     options: Tuple[OptionSpec, ...] = (),
     uses_target: bool = False,
     signed: bool = False,
-    families: Tuple[str, ...] = FAMILIES,
+    families: Tuple[str, ...] = DEFAULT_FAMILIES,
     maps: bool = False,
     fixed: Optional[Mapping[str, Any]] = None,
     replace: bool = False,
@@ -344,6 +347,14 @@ register_method(MethodSpec(
     "(-t token id; default: the predicted token)",
     explains="a next-token logit of a causal LM (or target minus foil)",
     options=(POSITION_OPTION,), uses_target=True, signed=True, families=("decoders",),
+))
+
+register_method(MethodSpec(
+    "alti-plus", ALTIPlusAttribution,
+    "ALTI+ (Ferrando et al. 2022): source and target-prefix contributions of an encoder-decoder "
+    "(BART, Marian, mBART, M2M100/NLLB, Pegasus, T5/mT5)",
+    explains="every decoder position's contributions from the source tokens and the target prefix (rows sum to 1)",
+    families=("encoder-decoders",),
 ))
 
 

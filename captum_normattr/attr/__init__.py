@@ -1,5 +1,6 @@
 r"""One Captum ``Attribution`` class per file."""
 from captum_normattr.attr.alti import ALTIAttribution
+from captum_normattr.attr.alti_plus import ALTIPlusAttribution, ALTIPlusResult, explain_generation
 from captum_normattr.attr.alti_logit import ALTILogitAttribution, ALTILogitResult
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
 from captum_normattr.attr.ff_decomposition import FFIntegratedDecomposition
@@ -9,6 +10,9 @@ __all__ = [
     "ALTIAttribution",
     "ALTILogitAttribution",
     "ALTILogitResult",
+    "ALTIPlusAttribution",
+    "ALTIPlusResult",
+    "explain_generation",
     "DecompXAttribution",
     "DecompXResult",
     "FFIntegratedDecomposition",

@@ -55,8 +55,12 @@ def _active() -> List["Recorder"]:
     return stack
 
 
-def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool):
-    r"""Eager attention computed in chunks of heads; returns (output (B, T, H, Dh), probs or None)."""
+def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool, position_bias=None):
+    r"""Eager attention computed in chunks of heads; returns (output (B, T, H, Dh), probs or None).
+
+    ``position_bias``: an additive (B or 1, H or 1, T, S) score bias added before the mask
+    (T5's relative position bias), or None.
+    """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: one key/value head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
@@ -72,6 +76,8 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     for h0 in range(0, h, step):
         sl = slice(h0, min(h, h0 + step))
         scores = torch.matmul(query[:, sl], key[:, sl].transpose(2, 3)).mul_(scaling)
+        if position_bias is not None:
+            scores.add_(position_bias[:, sl] if position_bias.shape[1] > 1 else position_bias)
         if attention_mask is not None:
             m = attention_mask[..., :s]
             if m.dtype == torch.bool:
@@ -116,7 +122,8 @@ def _recording_attention(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention soft-capping and attention sinks are not supported by captum_normattr")
     out, probs, values = _eager_attention(
-        query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching)
+        query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching),
+        position_bias=kwargs.get("position_bias"),
     )
     for recorder in watching:
         recorder.record_attention(module, probs, values)

@@ -1,0 +1,259 @@
+r"""ALTI+ for encoder-decoders (Ferrando et al., EMNLP 2022): the pure mathematics.
+
+Tensors in, tensors out; no model, no hooks (those are in :mod:`captum_normattr.models.seq2seq`).
+The definition, with every choice, is in ``docs/seq2seq.md``. In short, for one attention
+block with probabilities A^h_ij, values v^h_j (b_V inside), per-head output projections W_O^h
+and output bias b_O, residual r_i and real block output y_i:
+
+- parts p_ij = sum_h A^h_ij v^h_j W_O^h; self-attention: the residual joins the query's own
+  part (p_ii += r_i); cross-attention: the residual is one extra part p_{i,K+1} = r_i;
+- post-LN (BART, Marian): T_ij = gamma * (p_ij - mean(p_ij)) / sigma_i with sigma_i the scale
+  of the real norm input (frozen), and the bias part gamma * (b_O - mean(b_O)) / sigma_i + beta;
+  pre-LN (mBART, M2M100/NLLB, Pegasus, T5): T_ij = p_ij, the bias part b_O;
+- c_ij = max(0, |y_i|_1 - |y_i - T_ij|_1) with y_i = sum_j T_ij + bias part, rows divided
+  by their sums;
+- encoder: the plain product of the layer maps; decoder layer l: M_l = [C^cross_l[:, :S] R^enc
+  | rho_l * C^self_l] (rho_l: the residual column of C^cross_l), rolled out as the bottom row
+  of prod_l [[I, 0], [M^src_l, M^tgt_l]].
+
+The official code's quirks (the unbiased standard deviation for sigma, ``+1e-6`` inside the
+L1 distance, the decoder rollout rows re-normalised) are options (:data:`OFFICIAL`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from captum_normattr.decompose.attention import project_values
+from captum_normattr.decompose.mixing import row_normalize
+from captum_normattr.decompose.records import NormParams
+
+__all__ = [
+    "ALTIPlusConventions",
+    "DEFAULT",
+    "LN_SCALES",
+    "OFFICIAL",
+    "alti_plus_rollout",
+    "block_contributions",
+    "encoder_rollout",
+    "norm_scale",
+]
+
+#: how the frozen scale sigma_i of a post-LN norm is taken
+LN_SCALES = ("exact", "official")
+
+
+@dataclass(frozen=True)
+class ALTIPlusConventions:
+    r"""The numerical conventions of one ALTI+ computation.
+
+    Attributes:
+        ln_scale: ``"exact"``: sigma_i = sqrt(Var_biased(u_i) + eps), the scale the norm really
+            used (the parts then sum to the real output); ``"official"``: the official code's
+            std_unbiased(u_i + eps) (the parts then sum to something slightly different).
+        l1_eps: a constant added to every coordinate inside the L1 distance (the official
+            code's ``F.pairwise_distance`` adds 1e-6), 0 for the plain L1 distance.
+        renormalize_rollout: divide every row of the decoder rollout by its sum after each
+            layer from the second on (the official code does; a no-op in exact arithmetic).
+    """
+
+    ln_scale: str = "exact"
+    l1_eps: float = 0.0
+    renormalize_rollout: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ln_scale not in LN_SCALES:
+            raise ValueError(f"ln_scale must be one of {LN_SCALES}, got {self.ln_scale!r}")
+        if not (isinstance(self.l1_eps, (int, float)) and self.l1_eps >= 0):
+            raise ValueError(f"l1_eps must be a number >= 0, got {self.l1_eps!r}")
+
+
+#: the package's default: the exact norm scale and the plain L1 distance
+DEFAULT = ALTIPlusConventions()
+#: the official code's conventions (mt-upc/transformer-contributions-nmt)
+OFFICIAL = ALTIPlusConventions(ln_scale="official", l1_eps=1e-6, renormalize_rollout=True)
+
+
+def norm_scale(u: Tensor, norm: NormParams, ln_scale: str = "exact") -> Tensor:
+    r"""The frozen scale sigma_i of a norm at its real input.
+
+    Args:
+        u: (..., D) the real input of the norm.
+        norm: its parameters (``kind`` ``"layernorm"`` or ``"rmsnorm"``).
+        ln_scale: ``"exact"`` (what the norm computes) or ``"official"`` (LayerNorm only:
+            the unbiased std of u + eps, as the official ALTI+ code).
+
+    Returns:
+        (...,) sigma_i.
+    """
+    if norm.kind == "rmsnorm":
+        if ln_scale != "exact":
+            raise ValueError("the official ALTI+ scale convention is defined for LayerNorm only")
+        return torch.sqrt(u.pow(2).mean(-1) + norm.eps)
+    if ln_scale == "official":
+        return (u + norm.eps).std(-1, unbiased=True)
+    return torch.sqrt(u.var(-1, unbiased=False) + norm.eps)
+
+
+def _norm_map(x: Tensor, norm: NormParams) -> Tensor:
+    r"""The linear part of a norm with frozen scale: gamma * (x - mean(x)) (no centering for RMS)."""
+    if norm.kind == "layernorm":
+        x = x - x.mean(-1, keepdim=True)
+    if norm.weight is not None:
+        x = x * norm.weight
+    return x
+
+
+def block_contributions(
+    probs: Tensor,
+    values: Tensor,
+    head_weight: Tensor,
+    out_bias: Optional[Tensor],
+    residual: Tensor,
+    output: Tensor,
+    valid_q: Tensor,
+    valid_k: Tensor,
+    cross: bool,
+    norm: Optional[NormParams] = None,
+    norm_input: Optional[Tensor] = None,
+    conventions: ALTIPlusConventions = DEFAULT,
+    chunk_rows: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""ALTI contributions of one attention block (self- or cross-attention) and its completeness error.
+
+    Args:
+        probs: (B, H, Q, K) attention probabilities (masked keys exactly 0).
+        values: (B, H, K, Dh) value states (b_V inside).
+        head_weight: (H, Dh, D) W_O per head (right-multiplied).
+        out_bias: (D,) b_O or None.
+        residual: (B, Q, D) the residual r_i of every query.
+        output: (B, Q, D) the real block output y_i (for the completeness error).
+        valid_q: (B, Q) bool, real queries. valid_k: (B, K) bool, real keys.
+        cross: False: self-attention (Q == K; r_i joins token i's part); True: cross-attention
+            (r_i is an extra part, the last column of the result).
+        norm: post-LN: the norm after the sum (parts are mapped through it with a frozen
+            scale); None: pre-LN (the block output is the raw residual stream).
+        norm_input: post-LN: (B, Q, D) the real input of that norm (gives the scale).
+        conventions: :data:`DEFAULT` or :data:`OFFICIAL` (or a mix).
+        chunk_rows: query rows per chunk (None: all at once); parts of one chunk are a
+            (B, rows, K, D) tensor.
+
+    Returns:
+        (contributions (B, Q, K) for self-attention or (B, Q, K + 1) for cross-attention, valid
+        rows summing to 1, pad rows and pad key columns exactly 0;
+        completeness error (B,): the largest absolute difference, over the real queries,
+        between the sum of all parts (bias part included) and the real output y_i).
+    """
+    b, _, q, k = probs.shape
+    if not cross and q != k:
+        raise ValueError(f"a self-attention block needs as many queries as keys, got {q} and {k}")
+    if norm is not None and norm_input is None:
+        raise ValueError("a post-LN block needs the real input of its norm (norm_input)")
+    projected = project_values(values, head_weight)  # (B, H, K, D): v^h_j W_O^h
+    d = projected.shape[-1]
+    bias = out_bias if out_bias is not None else projected.new_zeros(d)
+    ncol = k + 1 if cross else k
+    out = probs.new_zeros(b, q, ncol)
+    err = probs.new_zeros(b)
+    step = q if chunk_rows is None else max(1, int(chunk_rows))
+    for r0 in range(0, q, step):
+        r1 = min(q, r0 + step)
+        parts = torch.einsum("bhrk,bhkd->brkd", probs[:, :, r0:r1], projected)  # (B, R, K, D)
+        res = residual[:, r0:r1]
+        if cross:
+            parts = torch.cat([parts, res.unsqueeze(2)], dim=2)
+        else:
+            rows = torch.arange(r1 - r0, device=parts.device)
+            parts[:, rows, rows + r0] += res
+        if norm is not None:
+            sigma = norm_scale(norm_input[:, r0:r1], norm, conventions.ln_scale)[..., None]  # (B, R, 1)
+            parts = _norm_map(parts, norm) / sigma.unsqueeze(-1)
+            bias_part = _norm_map(bias, norm) / sigma
+            if norm.bias is not None:
+                bias_part = bias_part + norm.bias
+        else:
+            bias_part = bias.expand(b, r1 - r0, d)
+        resultant = parts.sum(2) + bias_part  # (B, R, D): the decomposed block output
+        gap = (resultant - output[:, r0:r1]).abs().amax(-1).masked_fill(~valid_q[:, r0:r1], 0.0)
+        err = torch.maximum(err, gap.amax(-1))
+        diff = parts.sub_(resultant.unsqueeze(2))  # T_ij - y_i (in place: parts are not needed any more)
+        if conventions.l1_eps:
+            diff.add_(conventions.l1_eps)
+        dist = diff.abs_().sum(-1)  # (B, R, K')
+        out[:, r0:r1] = (resultant.abs().sum(-1, keepdim=True) - dist).clamp_min_(0)
+        del parts, diff
+    cols = valid_k if not cross else torch.cat([valid_k, valid_k.new_ones(b, 1)], dim=1)
+    keep = valid_q.unsqueeze(-1) & cols.unsqueeze(-2)
+    out = out.masked_fill_(~keep, 0.0)
+    return row_normalize(out), err
+
+
+def encoder_rollout(maps: Sequence[Tensor]) -> Tensor:
+    r"""ALTI rollout of the encoder: R_1 = C_1, R_l = C_l R_{l-1} (no re-normalisation).
+
+    Args:
+        maps: per layer (B, S, S) contribution maps, first layer first.
+
+    Returns:
+        (B, S, S) R_L.
+    """
+    if not maps:
+        raise ValueError("the encoder has no layers to roll out")
+    joint = maps[0]
+    for m in maps[1:]:
+        joint = torch.matmul(m, joint)
+    return joint
+
+
+def alti_plus_rollout(
+    self_maps: Sequence[Tensor],
+    cross_maps: Sequence[Tensor],
+    enc_rollout: Tensor,
+    renormalize: bool = False,
+    return_layers: bool = False,
+) -> Tuple[Tensor, Tensor, Optional[List[Tensor]]]:
+    r"""ALTI+ decoder rollout over [source tokens | decoder-input tokens].
+
+    Layer l: M_l = [C^cross_l[:, :S] R^enc | diag(rho_l) C^self_l], rho_l = C^cross_l[:, S]
+    (the share of the residual stream). R_1 = M_1 and
+    R_l = [M^src_l + M^tgt_l R^src_{l-1} | M^tgt_l R^tgt_{l-1}].
+
+    Args:
+        self_maps: per decoder layer (B, T, T) C^self_l.
+        cross_maps: per decoder layer (B, T, S + 1) C^cross_l (last column: the residual).
+        enc_rollout: (B, S, S) R^enc (the encoder's final rollout; every cross-attention
+            reads the final encoder output).
+        renormalize: divide every row by its sum after each layer from the second on (the
+            official code; a no-op in exact arithmetic; zero rows stay zero).
+        return_layers: also return the rollout after every layer.
+
+    Returns:
+        (R^src (B, T, S), R^tgt (B, T, T), the per-layer (B, T, S + T) rollouts or None).
+    """
+    if len(self_maps) != len(cross_maps) or not self_maps:
+        raise ValueError(f"need as many self- as cross-attention maps (>= 1), got {len(self_maps)} and {len(cross_maps)}")
+    s = enc_rollout.shape[-1]
+    layers: List[Tensor] = []
+    r_src = r_tgt = None
+    for l, (c_self, c_cross) in enumerate(zip(self_maps, cross_maps)):
+        if c_cross.shape[-1] != s + 1:
+            raise ValueError(f"cross-attention map of layer {l} has {c_cross.shape[-1]} columns, expected S + 1 = {s + 1}")
+        m_src = torch.matmul(c_cross[..., :s], enc_rollout)
+        m_tgt = c_cross[..., s:] * c_self
+        if r_src is None:
+            r_src, r_tgt = m_src, m_tgt
+        else:
+            r_src = m_src + torch.matmul(m_tgt, r_src)
+            r_tgt = torch.matmul(m_tgt, r_tgt)
+            if renormalize:
+                sums = r_src.sum(-1, keepdim=True) + r_tgt.sum(-1, keepdim=True)
+                ok = sums > 0
+                denom = torch.where(ok, sums, torch.ones_like(sums))
+                r_src = (r_src / denom).masked_fill(~ok, 0.0)
+                r_tgt = (r_tgt / denom).masked_fill(~ok, 0.0)
+        if return_layers:
+            layers.append(torch.cat([r_src, r_tgt], dim=-1))
+    return r_src, r_tgt, (layers if return_layers else None)

@@ -1,0 +1,379 @@
+r"""Encoder-decoder models: declarative adapters and the recording of one forward pass for ALTI+.
+
+An encoder-decoder has three kinds of attention block: encoder self-attention, decoder
+(causal) self-attention and decoder cross-attention over the encoder output. For each
+block ALTI+ needs (``docs/seq2seq.md``):
+
+- the attention probabilities per head (B, H, Q, K) (T5's relative position bias and the
+  masks included) and the value states per head (B, H, K, Dh), value bias inside;
+- the output projection W_O and b_O;
+- the residual r_i that the block adds to the attention output;
+- the real block output y_i (post-LN: the output of the norm that follows the sum, and that
+  norm's input u_i and parameters; pre-LN: the raw residual stream after the block).
+
+The probabilities and values come from the package's recording attention function
+(:mod:`captum_normattr.models.capture`; registered in transformers' ``AttentionInterface``),
+the rest from forward hooks. As there, everything (hooks, the attention implementation,
+the training flags) is restored when the call ends, also when it raises. All architecture
+knowledge sits in :data:`SEQ2SEQ_ADAPTERS`, one :class:`Seq2SeqAdapter` per family.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from captum_normattr.decompose.records import NormParams
+from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
+from captum_normattr.models.capture import _active, _configs, _register, _switch_off, _switch_on, norm_params
+
+__all__ = [
+    "BLOCKS",
+    "BlockSpec",
+    "BlockTensors",
+    "SEQ2SEQ_ADAPTERS",
+    "Seq2SeqAdapter",
+    "Seq2SeqRecorder",
+    "get_seq2seq_adapter",
+    "is_seq2seq",
+    "recording_seq2seq",
+    "supported_seq2seq_families",
+]
+
+#: the three attention blocks of an encoder-decoder layer stack, in recording order
+BLOCKS: Tuple[str, ...] = ("encoder_self", "decoder_self", "decoder_cross")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    r"""Where one attention block keeps its pieces (paths from one layer module).
+
+    Attributes:
+        attention: the module that calls the attention function (records probs and values).
+        attn_out: the output projection W_O (with b_O).
+        residual: (path, side): the module whose input (``"in"``, its ``hidden_states``
+            argument) or output (``"out"``) is the residual r the block adds.
+        output: (path, side): the real block output y (post-LN: the norm's output; pre-LN:
+            the raw residual stream after the block).
+        norm: post-LN only: the norm applied to the sum (its input u gives the scale).
+    """
+
+    attention: str
+    attn_out: str
+    residual: Tuple[str, str]
+    output: Tuple[str, str]
+    norm: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Seq2SeqAdapter:
+    r"""Where one encoder-decoder family keeps its layers and attention blocks.
+
+    Attributes:
+        family: readable family name.
+        model_types: the ``config.model_type`` values it serves.
+        encoder_layers / decoder_layers: paths of the layer lists, from the base model.
+        encoder_self / decoder_self / decoder_cross: the three :class:`BlockSpec`.
+        pre_ln: True where the norms sit inside the branches (the block output is the raw stream).
+        norm_kind: ``"layernorm"`` or ``"rmsnorm"`` (T5's scale-only norm).
+        positions: how the family places tokens, for the docs and padding notes.
+    """
+
+    family: str
+    model_types: Tuple[str, ...]
+    encoder_layers: str
+    decoder_layers: str
+    encoder_self: BlockSpec
+    decoder_self: BlockSpec
+    decoder_cross: BlockSpec
+    pre_ln: bool
+    norm_kind: str = "layernorm"
+    positions: str = ""
+
+    def block(self, name: str) -> BlockSpec:
+        return getattr(self, name)
+
+
+# BART and Marian (post-LN): the residual is what the attention reads; the block output is
+# the norm after the sum.
+_POST_LN = dict(
+    encoder_layers="encoder.layers",
+    decoder_layers="decoder.layers",
+    encoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn", "in"), ("self_attn_layer_norm", "out"),
+                           norm="self_attn_layer_norm"),
+    decoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn", "in"), ("self_attn_layer_norm", "out"),
+                           norm="self_attn_layer_norm"),
+    decoder_cross=BlockSpec("encoder_attn", "encoder_attn.out_proj", ("encoder_attn", "in"),
+                            ("encoder_attn_layer_norm", "out"), norm="encoder_attn_layer_norm"),
+    pre_ln=False,
+)
+# mBART, M2M100/NLLB, Pegasus (pre-LN): the residual is the raw stream entering the block's
+# norm; the block output is the raw stream entering the next norm.
+_PRE_LN = dict(
+    encoder_layers="encoder.layers",
+    decoder_layers="decoder.layers",
+    encoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn_layer_norm", "in"), ("final_layer_norm", "in")),
+    decoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn_layer_norm", "in"),
+                           ("encoder_attn_layer_norm", "in")),
+    decoder_cross=BlockSpec("encoder_attn", "encoder_attn.out_proj", ("encoder_attn_layer_norm", "in"),
+                            ("final_layer_norm", "in")),
+    pre_ln=True,
+)
+# T5 / mT5 (pre-LN, RMS-style norm, no biases, no 1/sqrt(d) scaling, relative position bias):
+# layer[0] is the self-attention sub-layer (norm, attention, residual), layer[1] the cross-attention.
+_T5 = dict(
+    encoder_layers="encoder.block",
+    decoder_layers="decoder.block",
+    encoder_self=BlockSpec("layer.0.SelfAttention", "layer.0.SelfAttention.o", ("layer.0", "in"), ("layer.0", "out")),
+    decoder_self=BlockSpec("layer.0.SelfAttention", "layer.0.SelfAttention.o", ("layer.0", "in"), ("layer.0", "out")),
+    decoder_cross=BlockSpec("layer.1.EncDecAttention", "layer.1.EncDecAttention.o", ("layer.1", "in"),
+                            ("layer.1", "out")),
+    pre_ln=True,
+    norm_kind="rmsnorm",
+)
+
+SEQ2SEQ_ADAPTERS: Dict[str, Seq2SeqAdapter] = {
+    "bart": Seq2SeqAdapter("BART", ("bart",), positions="learned, counted from the first slot", **_POST_LN),
+    "marian": Seq2SeqAdapter("Marian", ("marian",), positions="sinusoidal, counted from the first slot", **_POST_LN),
+    "mbart": Seq2SeqAdapter("mBART", ("mbart",), positions="learned, counted from the first slot", **_PRE_LN),
+    "m2m_100": Seq2SeqAdapter("M2M100/NLLB", ("m2m_100",), positions="sinusoidal, counted over non-pad tokens",
+                              **_PRE_LN),
+    "pegasus": Seq2SeqAdapter("Pegasus", ("pegasus",), positions="sinusoidal, counted from the first slot", **_PRE_LN),
+    "t5": Seq2SeqAdapter("T5/mT5", ("t5", "mt5"), positions="relative position bias", **_T5),
+}
+
+
+def supported_seq2seq_families() -> str:
+    r"""Readable list of the supported encoder-decoder families and their model types."""
+    return ", ".join(f"{a.family} ({'/'.join(a.model_types)})" for a in SEQ2SEQ_ADAPTERS.values())
+
+
+def is_seq2seq(model: nn.Module) -> bool:
+    r"""True for an encoder-decoder ``transformers`` model (``config.is_encoder_decoder``)."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def get_seq2seq_adapter(model: nn.Module) -> Seq2SeqAdapter:
+    r"""The adapter of an encoder-decoder model, from its ``config.model_type``.
+
+    Raises:
+        UnsupportedModelError: for other models; the message names the supported families.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    for adapter in SEQ2SEQ_ADAPTERS.values():
+        if model_type in adapter.model_types:
+            return adapter
+    kind = "encoder-decoder model" if is_seq2seq(model) else "model (not an encoder-decoder)"
+    raise UnsupportedModelError(
+        f"ALTI+ does not support the {kind} type {model_type!r} ({type(model).__name__}). "
+        f"Supported encoder-decoder families: {supported_seq2seq_families()}. "
+        "(LED, ProphetNet, BigBird-Pegasus, FSMT, NLLB-MoE, UMT5, Switch Transformers and the other encoder-decoders "
+        "are not supported; decoder-only and encoder-only models are explained by ALTIAttribution.)"
+    )
+
+
+def _base(model: nn.Module) -> nn.Module:
+    r"""The module holding ``encoder`` and ``decoder`` (the model itself for T5's models with a head)."""
+    if hasattr(model, "encoder") and hasattr(model, "decoder"):
+        return model
+    base = getattr(model, "base_model", model)
+    if hasattr(base, "encoder") and hasattr(base, "decoder"):
+        return base
+    raise UnsupportedModelError(f"{type(model).__name__} has no encoder and decoder to explain with ALTI+")
+
+
+@dataclass
+class BlockTensors:
+    r"""What one attention block recorded, in the compute dtype.
+
+    Attributes:
+        probs: (B, H, Q, K) attention probabilities.
+        values: (B, H, K, Dh) value states (b_V inside).
+        head_weight: (H, Dh, D) the output projection per head, right-multiplied.
+        out_bias: (D,) b_O or None.
+        residual: (B, Q, D) r_i.
+        output: (B, Q, D) the real block output y_i.
+        norm: post-LN: the parameters of the norm after the sum; None for pre-LN.
+        norm_input: post-LN: (B, Q, D) the real input u_i of that norm; None for pre-LN.
+        cross: True for the cross-attention block (the residual is an extra part).
+        layer: the layer index in its stack.
+    """
+
+    probs: Tensor
+    values: Tensor
+    head_weight: Tensor
+    out_bias: Optional[Tensor]
+    residual: Tensor
+    output: Tensor
+    norm: Optional[NormParams]
+    norm_input: Optional[Tensor]
+    cross: bool
+    layer: int
+
+
+def _hidden_arg(args, kwargs):
+    if args:
+        return args[0]
+    return kwargs.get("hidden_states")
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+class Seq2SeqRecorder:
+    r"""Records the attention blocks of one encoder-decoder forward pass.
+
+    It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture`,
+    whose recording attention function calls :meth:`watches` and :meth:`record_attention`.
+
+    Args:
+        model: a supported encoder-decoder.
+        adapter: its :class:`Seq2SeqAdapter`.
+        dtype: the compute dtype of the handed-out tensors.
+    """
+
+    def __init__(self, model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dtype):
+        self.model = model
+        self.adapter = adapter
+        self.dtype = dtype
+        base = _base(model)
+        self.layers = {
+            "encoder": list(get_path(base, adapter.encoder_layers)),
+            "decoder": list(get_path(base, adapter.decoder_layers)),
+        }
+        self._attn: Dict[int, Tuple[str, int]] = {}
+        for name in BLOCKS:
+            for i, layer in enumerate(self.layers[name.split("_")[0]]):
+                self._attn[id(get_path(layer, adapter.block(name).attention))] = (name, i)
+        self.records: Dict[Tuple[str, int], Dict[str, Tensor]] = {}
+
+    def stack_layers(self, block: str) -> List[nn.Module]:
+        return self.layers[block.split("_")[0]]
+
+    # --- called by the recording attention function ------------------------------
+    def watches(self, module: nn.Module) -> bool:
+        return id(module) in self._attn
+
+    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor) -> None:
+        key = self._attn.get(id(module))
+        if key is not None:
+            rec = self.records.setdefault(key, {})
+            rec["probs"] = probs.detach()
+            rec["values"] = values.detach()
+
+    # --- hooks --------------------------------------------------------------------
+    def _mine(self) -> bool:
+        return self in _active()
+
+    def hooks(self) -> list:
+        handles = []
+        for name in BLOCKS:
+            spec = self.adapter.block(name)
+            wanted: Dict[Tuple[str, str], List[str]] = {}
+            wanted.setdefault(tuple(spec.residual), []).append("residual")
+            wanted.setdefault(tuple(spec.output), []).append("output")
+            if spec.norm is not None:
+                wanted.setdefault((spec.norm, "in"), []).append("norm_input")
+            for i, layer in enumerate(self.stack_layers(name)):
+                for (path, side), keys in wanted.items():
+                    module = get_path(layer, path) if path else layer
+                    if side == "in":
+
+                        def pre(mod, args, kwargs, key=(name, i), keys=tuple(keys)):
+                            if self._mine():
+                                x = _hidden_arg(args, kwargs)
+                                for k in keys:
+                                    self.records.setdefault(key, {})[k] = x.detach()
+
+                        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                    else:
+
+                        def post(mod, args, output, key=(name, i), keys=tuple(keys)):
+                            if self._mine():
+                                for k in keys:
+                                    self.records.setdefault(key, {})[k] = _first(output).detach()
+
+                        handles.append(module.register_forward_hook(post))
+        return handles
+
+    # --- what the records become ----------------------------------------------------
+    def block_tensors(self, name: str, index: int) -> BlockTensors:
+        r"""The :class:`BlockTensors` of block ``name`` (one of :data:`BLOCKS`) in layer ``index``.
+
+        Raises:
+            RuntimeError: if the forward pass did not record that block.
+        """
+        rec = self.records.get((name, index), {})
+        needed = ["probs", "values", "residual", "output"] + (["norm_input"] if not self.adapter.pre_ln else [])
+        missing = [k for k in needed if k not in rec]
+        if missing:
+            raise RuntimeError(
+                f"{name} block of layer {index}: the forward pass recorded no {missing}; the model's structure does not "
+                f"match the {self.adapter.family} adapter"
+            )
+        spec = self.adapter.block(name)
+        layer = self.stack_layers(name)[index]
+        device = rec["probs"].device
+        cast = lambda t: None if t is None else t.detach().to(device=device, dtype=self.dtype)
+        w_o, b_o = linear_params(get_path(layer, spec.attn_out))  # (H Dh, D), (D,)
+        h, dh = rec["values"].shape[1], rec["values"].shape[-1]
+        norm = None
+        if spec.norm is not None:
+            norm = norm_params(get_path(layer, spec.norm), self.adapter.norm_kind, self.dtype, device)
+        return BlockTensors(
+            probs=cast(rec["probs"]),
+            values=cast(rec["values"]),
+            head_weight=cast(w_o).reshape(h, dh, -1),
+            out_bias=cast(b_o),
+            residual=cast(rec["residual"]),
+            output=cast(rec["output"]),
+            norm=norm,
+            norm_input=cast(rec.get("norm_input")) if norm is not None else None,
+            cross=name == "decoder_cross",
+            layer=index,
+        )
+
+
+@contextlib.contextmanager
+def recording_seq2seq(model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dtype = torch.float32) -> Iterator[Seq2SeqRecorder]:
+    r"""Record the attention blocks of the forward passes run inside the block.
+
+    Inside the block the model runs in eval mode with the package's recording attention
+    function; afterwards its hooks, attention implementation and training flags are as
+    before, also after an error.
+
+    Args:
+        model: a supported encoder-decoder.
+        adapter: its :class:`Seq2SeqAdapter`.
+        dtype: the compute dtype.
+
+    Yields:
+        The :class:`Seq2SeqRecorder`.
+
+    Examples::
+
+        >>> with recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64) as rec:
+        ...     model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
+        >>> rec.block_tensors("decoder_cross", 0).probs.shape  # (B, H, T, S)
+    """
+    _register()
+    recorder = Seq2SeqRecorder(model, adapter, dtype)
+    configs = _configs(model)
+    handles: list = []
+    stack = _active()
+    _switch_on(model, configs)
+    try:
+        handles = recorder.hooks()
+        stack.append(recorder)
+        yield recorder
+    finally:
+        if recorder in stack:
+            stack.remove(recorder)
+        for hd in handles:
+            hd.remove()
+        _switch_off(model, configs)
