@@ -289,6 +289,12 @@ def test_recording_keeps_the_outputs_and_the_model_is_unchanged_also_after_error
         with recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64):  # eager recording attention
             inside = model(**kw).logits
     assert torch.allclose(inside, before, atol=1e-12, rtol=0)  # T5's relative position bias included
+    import captum_normattr.models.capture as capture
+
+    monkeypatch.setattr(capture, "SCORE_CHUNK_BYTES", 1)  # one head per chunk: the bias is sliced per head
+    with torch.no_grad(), recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64):
+        assert torch.allclose(model(**kw).logits, before, atol=1e-12, rtol=0)
+    monkeypatch.undo()
     layers = model.model.decoder.layers if family == "bart" else model.decoder.block
     model.train()
     layers[0].training = False  # a mixed state must come back as it was
@@ -373,6 +379,11 @@ def test_clear_errors_for_unsupported_models_and_bad_inputs():
                                                 encoder_ffn_dim=16, decoder_ffn_dim=16, attention_window=[4]))
     with pytest.raises(UnsupportedModelError, match="encoder-decoder model type 'led'.*T5/mT5"):
         ALTIPlusAttribution(led)
+    from transformers import T5EncoderModel
+
+    enc_only = T5EncoderModel(T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+    with pytest.raises(UnsupportedModelError, match="no encoder and decoder"):
+        ALTIPlusAttribution(enc_only)
     model = model_for("marian")
     alti = ALTIPlusAttribution(model)
     src, tgt = pair()
@@ -406,3 +417,46 @@ def test_clear_errors_for_unsupported_models_and_bad_inputs():
         alti.attribute(src)
     with pytest.raises(ValueError, match="outside example"):
         alti.attribute((src, tgt), target=10)
+
+
+def test_plots_and_captum_interop():
+    pytest.importorskip("matplotlib")
+    from captum_normattr.visualization_seq2seq import (
+        generation_to_llm_attribution_result,
+        plot_contribution_matrix,
+        plot_source_share,
+    )
+
+    model = model_for("marian")
+    src, tgt = pair(seed=8)
+    sm = torch.ones_like(src)
+    sm[0, :2] = 0
+    res = ALTIPlusAttribution(model).decompose(src, tgt, sm)
+    fig = plot_contribution_matrix(res, 0, [f"s{i}" for i in range(7)], [f"t{i}" for i in range(6)])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()][:5] == ["s2", "s3", "s4", "s5", "s6"]
+    assert ax.images[0].get_array().shape == (6, 5 + 6)
+    assert plot_source_share(res).axes[0].get_ylim() == (0.0, 1.0)
+    assert len(plot_source_share(res, 1, [f"t{i}" for i in range(6)], skip_first=True).axes[0].patches) == 5
+    with torch.no_grad():
+        gen = model.generate(input_ids=src[1:], max_new_tokens=3, do_sample=False, num_beams=1)
+    step = explain_generation(model, src[1:], gen)[0]
+    assert plot_contribution_matrix(step).axes[0].images[0].get_array().shape == (3, 7 + 3)
+    llm = generation_to_llm_attribution_result(step, [f"s{i}" for i in range(7)])
+    assert tuple(llm.token_attr.shape) == (3, 7)
+    with pytest.raises(TypeError, match="ALTIPlusResult"):
+        plot_contribution_matrix(torch.zeros(3))
+
+
+def test_non_finite_examples_are_nan_with_a_warning():
+    model = make_model("marian", seed=9)
+    with torch.no_grad():
+        model.model.shared.weight[39] = float("nan")
+    src, tgt = pair(seed=9)
+    src[0, 2] = 39
+    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[0\]"):
+        res = ALTIPlusAttribution(model).decompose(src, tgt)
+    assert bool(torch.isnan(res.source_contributions[0]).all()) and bool(torch.isnan(res.source_share[0]).all())
+    assert bool(torch.isfinite(res.source_contributions[1]).all()) and float(res.completeness_error) <= 1e-10
+    alone = ALTIPlusAttribution(model).decompose(src[1:], tgt[1:])
+    assert torch.allclose(res.source_contributions[1], alone.source_contributions[0], atol=1e-12, rtol=0)

@@ -16,6 +16,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
+from captum_normattr.attr.base import mark_non_finite
 from captum_normattr.attr.inputs import _has_gaps, explained_positions
 from captum_normattr.decompose.alti_plus import (
     DEFAULT,
@@ -25,7 +26,7 @@ from captum_normattr.decompose.alti_plus import (
     block_contributions,
     encoder_rollout,
 )
-from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq
+from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq, seq2seq_base
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position, check_memory_budget
 from captum_normattr.result import AttributionResult
@@ -212,6 +213,7 @@ class ALTIPlusAttribution(Attribution):
         memory_budget_mb: float = ALTI_PLUS_MEMORY_BUDGET_MB,
     ) -> None:
         self.adapter = get_seq2seq_adapter(model)
+        seq2seq_base(model)  # raises for a model without both stacks (T5EncoderModel, ...)
         if isinstance(conventions, str):
             if conventions not in ("default", "official"):
                 raise ValueError(f"conventions must be 'default', 'official' or an ALTIPlusConventions, got {conventions!r}")
@@ -229,13 +231,15 @@ class ALTIPlusAttribution(Attribution):
     def _prepare(self, src_ids, tgt_ids, src_mask, tgt_mask):
         config = self.model.config
         vocab = int(getattr(config, "vocab_size"))
+        tgt_vocab = int(getattr(config, "decoder_vocab_size", None) or vocab)  # Marian: separate vocabularies
         src_ids = _check_ids("source ids", src_ids, vocab)
-        tgt_ids = _check_ids("decoder input ids", tgt_ids, vocab)
+        tgt_ids = _check_ids("decoder input ids", tgt_ids, tgt_vocab)
         if src_ids.shape[0] != tgt_ids.shape[0]:
             raise ValueError(
                 f"source and decoder inputs must hold the same number of examples; got {src_ids.shape[0]} and {tgt_ids.shape[0]}"
             )
-        limit = getattr(config, "max_position_embeddings", None) if self.adapter.model_types[0] != "t5" else None
+        # learned or fixed-size position tables; M2M100 extends its sinusoids and T5 has relative positions
+        limit = None if self.adapter.model_types[0] in ("t5", "m2m_100") else getattr(config, "max_position_embeddings", None)
         for name, ids in (("source", src_ids), ("decoder input", tgt_ids)):
             if limit is not None and ids.shape[1] > int(limit):
                 raise ValueError(f"the {name} has {ids.shape[1]} tokens but the model accepts at most {limit}; truncate it")
@@ -287,7 +291,7 @@ class ALTIPlusAttribution(Attribution):
         errors: Dict[str, List[Tensor]] = {name: [] for name in BLOCKS}
         conv = self.conventions
         with torch.no_grad(), recording_seq2seq(self.model, self.adapter, dtype) as rec:
-            self.model(
+            rec.base(  # the module holding encoder and decoder: no head (a classification head needs no run)
                 input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_ids,
                 decoder_attention_mask=tgt_mask, use_cache=False,
             )
@@ -321,7 +325,7 @@ class ALTIPlusAttribution(Attribution):
             delta = torch.cat(list(per_block.values()), 1).amax(1)
         extras = {f"{name}_completeness_error": per_block[name].amax(0) for name in BLOCKS}
         keep = return_layer_maps
-        return ALTIPlusResult(
+        result = ALTIPlusResult(
             method=self.get_name(),
             scores=r_src[rows, pos],
             attention_mask=src_mask,
@@ -333,13 +337,16 @@ class ALTIPlusAttribution(Attribution):
             source_contributions=r_src,
             target_contributions=r_tgt,
             source_share=share,
-            completeness_error=delta.amax(),
+            completeness_error=delta[torch.isfinite(delta)].amax() if bool(torch.isfinite(delta).any()) else delta.amax(),
             encoder_maps=torch.stack(maps["encoder_self"], 1) if keep else None,
             encoder_rollout=r_enc if keep else None,
             decoder_self_maps=torch.stack(maps["decoder_self"], 1) if keep else None,
             decoder_cross_maps=torch.stack(maps["decoder_cross"], 1) if keep else None,
             conventions=_describe(conv),
         )
+        # an example whose forward pass held NaN or infinity: every per-example number NaN, with a warning
+        bad = ~(torch.isfinite(r_src).flatten(1).all(1) & torch.isfinite(r_tgt).flatten(1).all(1) & torch.isfinite(delta))
+        return mark_non_finite(result, ~bad)
 
     @log_usage()
     def attribute(

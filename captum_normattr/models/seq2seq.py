@@ -39,6 +39,7 @@ __all__ = [
     "Seq2SeqRecorder",
     "get_seq2seq_adapter",
     "is_seq2seq",
+    "seq2seq_base",
     "recording_seq2seq",
     "supported_seq2seq_families",
 ]
@@ -176,8 +177,12 @@ def get_seq2seq_adapter(model: nn.Module) -> Seq2SeqAdapter:
     )
 
 
-def _base(model: nn.Module) -> nn.Module:
-    r"""The module holding ``encoder`` and ``decoder`` (the model itself for T5's models with a head)."""
+def seq2seq_base(model: nn.Module) -> nn.Module:
+    r"""The module holding ``encoder`` and ``decoder`` (``model.model`` for BART's heads, the model itself for T5's).
+
+    Raises:
+        UnsupportedModelError: for a model without both (e.g. ``T5EncoderModel``).
+    """
     if hasattr(model, "encoder") and hasattr(model, "decoder"):
         return model
     base = getattr(model, "base_model", model)
@@ -241,7 +246,7 @@ class Seq2SeqRecorder:
         self.model = model
         self.adapter = adapter
         self.dtype = dtype
-        base = _base(model)
+        base = self.base = seq2seq_base(model)
         self.layers = {
             "encoder": list(get_path(base, adapter.encoder_layers)),
             "decoder": list(get_path(base, adapter.decoder_layers)),
