@@ -124,6 +124,7 @@ class Example:
     tgt: List[int]  # target word ids (no EOS)
     sure: set = field(default_factory=set)  # (t, s) word links
     possible: set = field(default_factory=set)  # possible-only links
+    tgt_cat: List[str] = field(default_factory=list)  # category of every target word
 
 
 def _noun_phrase(rng: random.Random, lp: LanguagePair) -> List[Tuple[str, int]]:
@@ -165,10 +166,13 @@ def generate_example(rng: random.Random, lp: LanguagePair) -> Example:
         if p == "PARTICLE":
             ex.possible.add((len(ex.tgt), obj_noun))
             ex.tgt.append(lp.particle)
+            ex.tgt_cat.append("particle")
             continue
-        for w in lp.translation[src_words[p][1]]:
+        cat = src_words[p][0]
+        for k, w in enumerate(lp.translation[src_words[p][1]]):
             ex.sure.add((len(ex.tgt), p))
             ex.tgt.append(w)
+            ex.tgt_cat.append(cat if k == 0 else {"noun": "compound part 2", "verb": "auxiliary"}[cat])
     return ex
 
 
@@ -363,20 +367,50 @@ def integrated_gradients(model, enc, n_steps: int) -> Tuple[torch.Tensor, float]
     return out, sum(deltas) / max(1, len(deltas))
 
 
-def alti_plus_scores(model, enc):
-    r"""ALTI+ source contributions and source share, (B, T, S) and (B, T)."""
+def alti_plus_scores(model, enc, timed: Dict[str, float]):
+    r"""ALTI+ matrices (B, T, S): the final source contributions (timed call), the official-quirk
+    variant, the rollout after each decoder layer, and the cross-attention block alone (last
+    column of C^cross dropped) with and without the encoder rollout (the official code's
+    ``decoder.encoder_attn`` and ``alti_enc_cross_attn`` modes). Also the source share (B, T)
+    and the largest completeness error.
+    """
     from captum_normattr.attr.alti_plus import ALTIPlusAttribution
+    from captum_normattr.decompose.alti_plus import alti_plus_rollout
 
-    res = ALTIPlusAttribution(model).decompose(
-        enc["src"], enc["dec"], src_attention_mask=enc["src_mask"], tgt_attention_mask=enc["dec_mask"]
-    )
+    kw = dict(src_attention_mask=enc["src_mask"], tgt_attention_mask=enc["dec_mask"])
+    t0 = time.perf_counter()
+    res = ALTIPlusAttribution(model).decompose(enc["src"], enc["dec"], **kw)
+    timed["alti_plus"] += time.perf_counter() - t0
     sc = res.source_contributions.detach()
     if sc.shape != (*enc["dec"].shape, enc["src"].shape[1]):
         raise RuntimeError(
             f"ALTI+ source_contributions has shape {tuple(sc.shape)}, expected "
             f"{(*enc['dec'].shape, enc['src'].shape[1])} (rows = decoder input positions)"
         )
-    return sc, res.source_share.detach(), res
+    mats = {"alti_plus": sc}
+    off = ALTIPlusAttribution(model, conventions="official").decompose(enc["src"], enc["dec"], **kw)
+    mats["alti_plus_official"] = off.source_contributions.detach()
+    full = ALTIPlusAttribution(model).decompose(enc["src"], enc["dec"], return_layer_maps=True, **kw)
+    S = enc["src"].shape[1]
+    L = full.decoder_cross_maps.shape[1]
+    _, _, layers = alti_plus_rollout(
+        [full.decoder_self_maps[:, l] for l in range(L)],
+        [full.decoder_cross_maps[:, l] for l in range(L)],
+        full.encoder_rollout,
+        return_layers=True,
+    )
+    for l in range(L):
+        mats[f"alti_plus_layer{l}"] = layers[l][..., :S]
+        cross = full.decoder_cross_maps[:, l, :, :S]
+        mats[f"alti_cross_layer{l}"] = cross
+        mats[f"alti_cross_enc_layer{l}"] = torch.matmul(cross, full.encoder_rollout)
+    if (layers[-1][..., :S] - sc).abs().max() > 1e-9:
+        raise RuntimeError("the last per-layer ALTI+ rollout differs from source_contributions")
+    ce = {
+        "default": max(float(torch.as_tensor(r.completeness_error).max()) for r in (res, full)),
+        "official": float(torch.as_tensor(off.completeness_error).max()),
+    }
+    return mats, res.source_share.detach(), ce
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -396,12 +430,20 @@ def evaluate(model, test: Sequence[Example], args) -> Dict:
         methods.remove("alti_plus")
     L = model.config.decoder_layers
     methods += [f"attn_layer{l}" for l in range(L)]
+    if not args.skip_alti_plus:
+        methods += ["alti_plus_official"] + [
+            f"{k}{l}" for k in ("alti_plus_layer", "alti_cross_layer", "alti_cross_enc_layer") for l in range(L)
+        ]
     hyps: Dict[str, Dict] = {m: {} for m in methods}
     seconds = {"forward": 0.0, "attention": 0.0, "ig": 0.0, "alti_plus": 0.0}
     share_rows: List[List[float]] = []
+    share_by_cat: Dict[str, List[float]] = {}
     completeness = []
     ig_delta = []
     gen = torch.Generator().manual_seed(args.seed + 3)
+    warm = encode(test[: args.batch])
+    with torch.no_grad():  # warm-up, so that the first timed forward pass is not a cold one
+        model(input_ids=warm["src"], attention_mask=warm["src_mask"], decoder_input_ids=warm["dec"])
     for i in range(0, len(test), args.batch):
         batch = test[i : i + args.batch]
         enc = encode(batch)
@@ -423,15 +465,13 @@ def evaluate(model, test: Sequence[Example], args) -> Dict:
         mats["ig"], mats["ig_abs"] = ig, ig.abs()
         mats["random"] = torch.rand(enc["dec"].shape + enc["src"].shape[1:], generator=gen, dtype=torch.float64)
         if not args.skip_alti_plus:
-            t0 = time.perf_counter()
-            sc, share, res = alti_plus_scores(model, enc)
-            seconds["alti_plus"] += time.perf_counter() - t0
-            mats["alti_plus"] = sc
-            ce = getattr(res, "completeness_error", None)
-            if ce is not None:
-                completeness.append(float(torch.as_tensor(ce).max()))
+            alti_mats, share, ce = alti_plus_scores(model, enc, seconds)
+            mats.update(alti_mats)
+            completeness.append(ce)
             for b, e in enumerate(batch):
                 share_rows.append(share[b, : len(e.tgt) + 1].tolist())  # rows 0..n (n predicts EOS)
+                for t, c in enumerate(e.tgt_cat):
+                    share_by_cat.setdefault(c, []).append(float(share[b, t]))
         for m in methods:
             for key, h in aer_table(mats[m], enc, batch).items():
                 hyps[m].setdefault(key, []).extend(h)
@@ -445,6 +485,26 @@ def evaluate(model, test: Sequence[Example], args) -> Dict:
             sc = alignment_scores(h, sure, possible)
             key = f"{setting}" + ("" if null_eos else "_eos_excluded")
             result[m][key] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sc.to_dict().items()}
+
+    # per target-word category (output setting, EOS may win): gold link / EOS (no link) / wrong
+    gold = [(e.sure | e.possible) for e in test]
+    by_cat: Dict[str, Dict] = {}
+    for m in ("alti_plus", "attn_last", "attn_mean", "ig", "random"):
+        if m not in hyps:
+            continue
+        counts: Dict[str, List[int]] = {}
+        for e, g, h in zip(test, gold, hyps[m][("output", True)]):
+            linked = {t: s for t, s in h}
+            for t, c in enumerate(e.tgt_cat):
+                k = counts.setdefault(c, [0, 0, 0])
+                if t not in linked:
+                    k[1] += 1
+                elif (t, linked[t]) in g:
+                    k[0] += 1
+                else:
+                    k[2] += 1
+        by_cat[m] = {c: {"n": sum(k), "gold": round(k[0] / sum(k), 3), "eos": round(k[1] / sum(k), 3),
+                         "wrong": round(k[2] / sum(k), 3)} for c, k in sorted(counts.items())}
 
     n_rows = sum(len(e.tgt) for e in test)  # aligned rows
     avg_len = n_rows / len(test)
@@ -462,11 +522,18 @@ def evaluate(model, test: Sequence[Example], args) -> Dict:
     if not args.skip_alti_plus:
         cost["alti_plus"] = {"passes": "1 forward + decomposition", "x_forward": seconds["alti_plus"] / seconds["forward"]}
     share = source_share_summary(share_rows) if share_rows else None
+    if share is not None:
+        share["by_target_category"] = {
+            c: {"mean": round(sum(v) / len(v), 4), "n": len(v)} for c, v in sorted(share_by_cat.items())
+        }
     return {
         "aer": result,
+        "links_by_target_category": by_cat,
         "cost": cost,
         "source_share": share,
-        "alti_plus_max_completeness_error": max(completeness) if completeness else None,
+        "alti_plus_max_completeness_error": {
+            k: max(c[k] for c in completeness) for k in ("default", "official")
+        } if completeness else None,
         "mean_target_words": avg_len,
         "mean_source_words": sum(len(e.src) for e in test) / len(test),
     }
@@ -503,9 +570,11 @@ def source_share_summary(rows: List[List[float]], n_bins: int = 5) -> Dict:
 
 
 def markdown(report: Dict) -> str:
+    r"""The results table (Markdown): AER per method, precision / recall, cost."""
     ev = report["evaluation"]
     names = {
         "alti_plus": "ALTI+ source contributions",
+        "alti_plus_official": "ALTI+, official-code conventions",
         "attn_last": "cross-attention, mean of heads, last layer",
         "attn_mean": "cross-attention, mean of heads and layers",
         "ig": "IntegratedGradients (signed sum over d)",
@@ -514,7 +583,8 @@ def markdown(report: Dict) -> str:
     }
     cost = ev["cost"]
     cost_of = {
-        "alti_plus": cost.get("alti_plus"), "attn_last": cost["attention"], "attn_mean": cost["attention"],
+        "alti_plus": cost.get("alti_plus"), "alti_plus_official": cost.get("alti_plus"),
+        "attn_last": cost["attention"], "attn_mean": cost["attention"],
         "ig": cost["ig"], "ig_abs": cost["ig"], "random": cost["random"],
     }
     lines = [
@@ -531,11 +601,22 @@ def markdown(report: Dict) -> str:
             f"| {label} | {a['output']['aer']:.3f} | {a['output']['precision']:.2f} / {a['output']['recall']:.2f} "
             f"| {a['input']['aer']:.3f} | {a['output_eos_excluded']['aer']:.3f} | {c['passes']} | {c['x_forward']:.1f} |"
         )
-    per_layer = ", ".join(
-        f"layer {k[len('attn_layer'):]}: {v['output']['aer']:.3f}" for k, v in ev["aer"].items() if k.startswith("attn_layer")
-    )
+    per_layer = {
+        "attn_layer": "cross-attention weights",
+        "alti_plus_layer": "ALTI+ rollout up to layer l",
+        "alti_cross_layer": "ALTI of the cross-attention block alone",
+        "alti_cross_enc_layer": "cross-attention block ALTI x encoder rollout",
+    }
     lines.append("")
-    lines.append(f"Cross-attention per layer (AER, output): {per_layer}.")
+    lines.append("| per decoder layer l (AER, output / input) | " + " | ".join(
+        f"l = {l}" for l in range(report["model"]["layers"])) + " |")
+    lines.append("|---|" + "---:|" * report["model"]["layers"])
+    for prefix, label in per_layer.items():
+        cells = []
+        for l in range(report["model"]["layers"]):
+            r = ev["aer"].get(f"{prefix}{l}")
+            cells.append("pending" if r is None else f"{r['output']['aer']:.3f} / {r['input']['aer']:.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -615,6 +696,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         s = ev["source_share"]
         print("source share by relative position:", [b["mean"] for b in s["by_relative_position"]],
               "row 0:", s["row0_mean"], "EOS row:", s["eos_row_mean"])
+        print("source share by target word category:", {c: v["mean"] for c, v in s["by_target_category"].items()})
+    for m, cats in ev["links_by_target_category"].items():
+        print(f"{m}: gold / EOS / wrong by category:",
+              {c: (v["gold"], v["eos"], v["wrong"]) for c, v in cats.items()})
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
