@@ -41,6 +41,12 @@ official code's rule); pads are never chosen. AER is summed over the test set
   embedding dimension (|sum| in the JSON as ``ig_abs``);
 - random scores (uniform, seeded).
 
+The JSON also holds: ALTI+ with the official code's conventions, the ALTI+ rollout after
+each decoder layer, the ALTI of each cross-attention block alone and times the encoder
+rollout (the official code's ``decoder.encoder_attn`` and ``alti_enc_cross_attn`` modes),
+the cross-attention of each layer, and, per target-word category (noun, verb, auxiliary,
+particle, ...), the share of words linked to a gold source word, to the EOS, or wrongly.
+
 Also reported: the ALTI+ source share (sum of a row's source contributions) along the
 target, by decoder row and by relative position; the model's held-out accuracy
 (teacher-forced token accuracy and greedy exact match); and the cost of each method per
