@@ -339,8 +339,8 @@ def forward_with_attention(model, enc) -> Tuple[torch.Tensor, List[torch.Tensor]
 def integrated_gradients(model, enc, n_steps: int) -> Tuple[torch.Tensor, float]:
     r"""IG of log p(y_{i+1}) w.r.t. the source token embeddings, for every decoder row i.
 
-    Returns the (B, T, S, d) -> summed-over-d signed scores (B, T, S) and the mean absolute
-    convergence delta relative to the mean |log p| explained.
+    Returns the signed scores (B, T, S) (attributions summed over the embedding dimension)
+    and the mean absolute convergence delta over the real decoder rows (log-probability units).
     """
     enc_module = model.get_encoder()
     with torch.no_grad():
@@ -420,7 +420,8 @@ def alti_plus_scores(model, enc, timed: Dict[str, float]):
 
 
 # --------------------------------------------------------------------------- evaluation
-def aer_table(scores: torch.Tensor, enc, batch: Sequence[Example]) -> Dict[str, float]:
+def aer_table(scores: torch.Tensor, enc, batch: Sequence[Example]) -> Dict[Tuple[str, bool], List[set]]:
+    r"""Hard alignments of one batch for every (setting, EOS may win) combination."""
     n_tgt = [len(e.tgt) for e in batch]
     out = {}
     for setting in ("output", "input"):
