@@ -220,8 +220,6 @@ class ALTIPlusAttribution(Attribution):
             conventions = DEFAULT if conventions == "default" else OFFICIAL
         elif not isinstance(conventions, ALTIPlusConventions):
             raise TypeError(f"conventions must be 'default', 'official' or an ALTIPlusConventions, got {type(conventions).__name__}")
-        if self.adapter.norm_kind == "rmsnorm" and conventions.ln_scale != "exact":
-            conventions = ALTIPlusConventions("exact", conventions.l1_eps, conventions.renormalize_rollout)  # pre-LN: unused
         Attribution.__init__(self, model)
         self.model = model
         self.conventions = conventions
