@@ -6,6 +6,8 @@ r"""Faithfulness evaluation: metric presets and a harness comparing attribution 
   Saliency, InputXGradient, gradient x input, (Layer)IntegratedGradients, and ours;
 - :mod:`~captum_normattr.evaluation.harness`: :class:`FaithfulnessHarness`, the presets
   and :class:`HarnessResult` (Markdown table, JSON).
+- :mod:`~captum_normattr.evaluation.alignment`: word alignments from (target x source)
+  attribution matrices and the alignment error rate (AER), for encoder-decoders.
 
 Examples:
     >>> from captum_normattr.evaluation import FaithfulnessHarness, SequenceClassifier, baselines
@@ -14,7 +16,7 @@ Examples:
     >>> print(res.table())  # doctest: +SKIP
 """
 
-from . import baselines, metrics
+from . import alignment, baselines, metrics
 from .baselines import Method
 from .classifier import SequenceClassifier
 from .harness import (
@@ -33,6 +35,7 @@ from .harness import (
 )
 
 __all__ = [
+    "alignment",
     "baselines",
     "metrics",
     "Method",
