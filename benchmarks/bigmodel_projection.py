@@ -47,7 +47,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import measure_peak, print_json, random_ids, rss_mb, run_child  # noqa: E402
+from _bench import decoder_runner, llama_model, measure_peak, print_json, random_ids, rss_mb, run_child  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
                  vocab_size=1000, max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
@@ -71,29 +71,14 @@ def child(args) -> None:
     if os.nice(0) < 10:
         os.nice(10 - os.nice(0))
     torch.set_num_threads(1)
-    from transformers import LlamaConfig, LlamaModel
-
-    from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**LLAMA3_8B, num_hidden_layers=args._layers)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaModel(cfg).eval()
+    model = llama_model(LLAMA3_8B, layers=args._layers)
     ids = random_ids(1, args._tokens, low=1, high=1000, cls=None)
-    name = args._child
-    if name == "globenc":
-        a = GlobEncAttribution(model)
-        fn = lambda: a.attribute(ids)  # noqa: E731
-    elif name == "alti":
-        a = ALTIAttribution(model)
-        fn = lambda: a.attribute(ids)  # noqa: E731
-    elif name == "alti_logit":
-        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
-        fn = lambda: a.attribute(ids, target=TARGET)  # noqa: E731
-    else:
-        a = DecompXAttribution(model, unembedding=model.embed_tokens.weight)
-        fn = lambda: a.attribute(ids, target=TARGET)  # noqa: E731
-    record = {"method": name, "layers": args._layers, "tokens": args._tokens, "model_rss_mb": rss_mb()}
+    run = decoder_runner(args._child, model, TARGET)
+    info: dict = {}
+    # DecompX's runner returns its result (decompose(), the computation of attribute() on a decoder):
+    # it says which algorithm "auto" chose at this size
+    fn = lambda: info.update(algorithm=run(ids).algorithm) if args._child == "decompx" else run(ids)  # noqa: E731
+    record = {"method": args._child, "layers": args._layers, "tokens": args._tokens, "model_rss_mb": rss_mb()}
 
     def abort(extra_mb: float) -> None:
         print_json({**record, "exceeded": True, "extra_peak_mb": extra_mb})
@@ -108,7 +93,7 @@ def child(args) -> None:
     timer.start()
     extra, seconds = measure_peak(fn, limit_mb=args._limit, on_exceed=abort)
     timer.cancel()
-    print_json({**record, "extra_peak_mb": extra, "seconds": seconds})
+    print_json({**record, **info, "extra_peak_mb": extra, "seconds": seconds})
 
 
 def fit(t1: int, y1: float, t2: int, y2: float):
