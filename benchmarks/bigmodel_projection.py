@@ -18,11 +18,14 @@ attention probabilities and the maps are T^2; the hidden states, checkpoints and
 activations are T), then evaluated at ``--project-tokens`` (4096) and 32 layers.
 
 The CPU model is float32, so the compute dtype costs no copy of the weights; a bfloat16
-model on a GPU upcasts one layer's weights to float32 while that layer is decomposed
-(``LayerTensors`` holds W_O and the FF weights; DecompX adds W_V): that is added
-analytically, twice for DecompX (its adjoint reruns a layer while the next is released).
-The projection is for the streaming engine on one GPU; "room left" = 80 GB - 16 GB
-(the bfloat16 weights of Llama-3-8B, 8.03e9 parameters) - the projected peak.
+model on a GPU casts one layer's weights to float32 while that layer is decomposed
+(``LayerTensors`` holds W_O and the FF weights; DecompX adds W_V), twice for DecompX (its
+adjoint reruns a layer while the next is released), and its bfloat16 recorded tensors live
+next to their float32 casts for a moment: :func:`bf16_extra_gib` adds both analytically.
+The projection is for the streaming engine on one GPU; "room left" = 79.6 GiB (an 80 GB
+H100 as ``nvidia-smi`` reports it) - 14.96 GiB (the bfloat16 weights of Llama-3-8B, 8.03e9
+parameters, 16.06 GB) - the projected peak - the bfloat16 casts. The CUDA context (about
+0.5 GiB) and the caching allocator's slack are not included.
 
 Usage (about 20-40 min on a shared 2-core machine; keep an eye on ``free -g``: the 2-layer
 model is 1.75 GB of float32 weights and a 2048-token call adds a few GB):
@@ -61,11 +64,26 @@ METHODS = ("globenc", "alti", "alti_logit", "decompx")
 
 
 def layer_weight_gb(decompx: bool) -> float:
-    r"""float32 bytes of the weights one LayerTensors holds (W_O, W_up, W_gate, W_down; + W_V for DecompX)."""
+    r"""float32 GiB of the weights one LayerTensors holds (W_O, W_up, W_gate, W_down; + W_V for DecompX)."""
     d, f, kv = LLAMA3_8B["hidden_size"], LLAMA3_8B["intermediate_size"], LLAMA3_8B["num_key_value_heads"]
     dh = d // LLAMA3_8B["num_attention_heads"]
     n = d * d + 3 * d * f + (d * kv * dh if decompx else 0)
     return 4 * n / 2**30
+
+
+def bf16_extra_gib(method: str, tokens: int) -> float:
+    r"""What a bfloat16 model on a GPU adds to the float32 CPU figure, GiB (an analytic upper bound).
+
+    One layer's weights cast to float32 while it is decomposed (twice for DecompX, whose adjoint
+    reruns a layer while the next one's cast is alive), plus the bfloat16 recorded tensors alive
+    next to their float32 casts while ``LayerTensors`` is built: the probabilities (H, T, T) and
+    about ten (T, D) tensors. The forward pass of a bfloat16 model keeps half the bytes of the
+    float32 one measured, which this bound does not subtract.
+    """
+    d, h = LLAMA3_8B["hidden_size"], LLAMA3_8B["num_attention_heads"]
+    weights = layer_weight_gb(method == "decompx") * (2 if method == "decompx" else 1)
+    recorded = 2 * (h * tokens * tokens + 10 * tokens * d) / 2**30
+    return weights + recorded
 
 
 def child(args) -> None:
@@ -148,7 +166,7 @@ def project(records: list, project_tokens: int, project_layers: int) -> list:
             one_fit = _at(base_c, P) + per
             one = by.get((m, 1, P))
             one_mb = one["extra_peak_mb"] if one is not None else one_fit
-            upcast = layer_weight_gb(m == "decompx") * (2 if m == "decompx" else 1)
+            upcast = bf16_extra_gib(m, P)
             peak = (one_mb + (L - 1) * per) / 1024
             row.update(fit_only_1_layer_gib=one_fit / 1024, one_layer_source="measured" if one is not None else "fit",
                        one_layer_gib=one_mb / 1024, per_layer_projected_gib=per / 1024,
@@ -163,7 +181,7 @@ def table(rows: list, project_tokens: int, project_layers: int) -> str:
     P, L = project_tokens, project_layers
     head = ("| method | 1 / 2 layers, 1024 tok | 1 / 2 layers, 2048 tok | per layer, 1024 / 2048 tok "
             f"| {L} layers, 2048 tok | 1 layer, {P} tok | per layer, {P} tok (fit) | {L} layers, {P} tok "
-            f"| + bf16 upcast | GPU total with {WEIGHTS_GIB:.1f} GiB bf16 weights | room left of {GPU_GIB:.1f} GiB |\n"
+            f"| + bf16 casts | GPU total with {WEIGHTS_GIB:.1f} GiB bf16 weights | room left of {GPU_GIB:.1f} GiB |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     out = [head]
     for r in rows:

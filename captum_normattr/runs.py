@@ -20,6 +20,9 @@ r"""Dataset runs: explain every text of a corpus, one JSON Lines record per text
   records to its own shard file (``out.jsonl.part-<rank>``, flushed after every batch);
   at the end the main process merges the existing output and the shards in input order
   into ``out.jsonl`` (written to a temporary file, then renamed) and removes the shards.
+  ``accelerate launch --cpu --num_processes N`` starts one process (accelerate's multi-CPU
+  launcher is ``mpirun``); the command line then starts the N CPU processes itself
+  (:mod:`captum_normattr.cpu_launch`).
 - **Resume.** A rerun with the same output skips the ids already in ``out.jsonl`` and in
   any shard left by a crashed run, and merges everything at the end; ``--overwrite``
   starts afresh. A progress bar runs on the main process only (``-q`` turns it off).
