@@ -27,12 +27,16 @@ H100 as ``nvidia-smi`` reports it) - 14.96 GiB (the bfloat16 weights of Llama-3-
 parameters, 16.06 GB) - the projected peak - the bfloat16 casts. The CUDA context (about
 0.5 GiB) and the caching allocator's slack are not included.
 
-Usage (about 20-40 min on a shared 2-core machine; keep an eye on ``free -g``: the 2-layer
-model is 1.75 GB of float32 weights and a 2048-token call adds a few GB):
+Usage (on a shared 2-core machine one child took 0.5-3 min at 1024-2048 tokens; the 2-layer
+model is 1.75 GB of float32 weights and a 2048-token call adds up to 3 GB):
 
-    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 1024 2048 \
+    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 1024 2048 --limit-gb 10 \
         --json benchmarks/results/bigmodel_projection.json
+    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 4096 --layers 1 --limit-gb 10 \
+        --json benchmarks/results/bigmodel_projection.json      # measured 1-layer figures at 4096
     python benchmarks/bigmodel_projection.py --table benchmarks/results/bigmodel_projection.json
+
+The file keeps every record; a rerun skips the (method, layers, tokens) already in it.
 
 Options: ``--methods globenc alti alti_logit decompx``, ``--tokens T1 T2``, ``--layers 1 2``,
 ``--project-tokens 4096``, ``--project-layers 32``, ``--limit-gb 12`` (a child aborts past it),
