@@ -1,10 +1,12 @@
 r"""Shared machinery of the speed/memory benchmarks (``benchmarks/speed_*.py``).
 
-Pure helpers, no model code: the resident-set size of this process, the peak extra memory
-and wall time of one call (polled in a thread), interleaved timing with a warm-up and the
-median of repeats, and running a child process of a benchmark script (a fresh process per
-memory figure, so that one measurement's allocator state cannot leak into the next) whose
-answer is the last JSON line of its standard output.
+Helpers: the resident-set size of this process, the peak extra memory and wall time of one
+call (polled in a thread), interleaved timing with a warm-up and the median of repeats, and
+running a child process of a benchmark script (a fresh process per memory figure, so that one
+measurement's allocator state cannot leak into the next) whose answer is the last JSON line of
+its standard output. Also the models the decoder benchmarks share: the ~100M Llama-family
+config (:data:`LLAMA_100M`), a seeded bare ``LlamaModel`` of any config
+(:func:`llama_model`) and one call of each decoder method on it (:func:`decoder_runner`).
 
 The scripts import it as ``import _bench`` after putting their own folder on ``sys.path``
 (Python does that already for ``python benchmarks/X.py``, from any working directory).
@@ -22,7 +24,13 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json", "random_ids"]
+__all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json", "random_ids", "LLAMA_100M",
+           "llama_model", "decoder_runner", "DECODER_TARGET"]
+
+# The ~100M Llama-family decoder of benchmarks/speed_decoder.py and memory_engine.py (97.6M parameters).
+LLAMA_100M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2048, vocab_size=32000, max_position_embeddings=16384, hidden_act="silu")
+DECODER_TARGET = 42  # the explained next token of ALTI-Logit / DecompX on the decoders
 
 
 def rss_mb() -> float:
@@ -247,3 +255,72 @@ def random_ids(
     if sep is not None:
         ids[:, -1] = sep
     return ids
+
+
+def llama_model(config: Mapping[str, Any], layers: Optional[int] = None, seed: int = 0):
+    r"""A bare ``LlamaModel`` of ``config`` with random weights (seeded), sdpa attention, in eval mode.
+
+    Args:
+        config (Mapping[str, Any]): ``LlamaConfig`` keyword arguments (e.g. :data:`LLAMA_100M`).
+        layers (int, optional): ``num_hidden_layers`` instead of the config's. Default: None.
+        seed (int, optional): ``torch.manual_seed`` before the weights are drawn. Default: 0.
+
+    Returns:
+        LlamaModel: float32, on the CPU.
+
+    Examples::
+
+        >>> model = llama_model(dict(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        ...                          vocab_size=100), layers=2)
+        >>> len(model.layers)
+        2
+    """
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**config, **({} if layers is None else {"num_hidden_layers": layers})})
+    cfg._attn_implementation = "sdpa"
+    return LlamaModel(cfg).eval()
+
+
+def decoder_runner(name: str, model: Any, target: int = DECODER_TARGET) -> Callable[[torch.Tensor], Any]:
+    r"""One call of a decoder method on a bare ``LlamaModel``, as a function of the token ids.
+
+    ``forward`` (the plain forward pass), ``globenc`` (the pre-LN default map), ``alti``,
+    ``alti_logit`` and ``decompx`` (both with ``unembedding=model.embed_tokens.weight`` and
+    the next token ``target``; DecompX's call is :meth:`DecompXAttribution.decompose`, the
+    computation of ``attribute`` on a decoder, whose result also says which algorithm ran).
+
+    Args:
+        name (str): one of ``forward``, ``globenc``, ``alti``, ``alti_logit``, ``decompx``.
+        model: a bare decoder (``LlamaModel``).
+        target (int, optional): the explained next token. Default: :data:`DECODER_TARGET`.
+
+    Returns:
+        Callable: ``ids -> result`` (the attribution object is built once, outside the call).
+
+    Raises:
+        ValueError: for an unknown name.
+
+    Examples::
+
+        >>> run = decoder_runner("alti", llama_model(LLAMA_100M, layers=1))  # doctest: +SKIP
+        >>> run(random_ids(1, 16, low=100, high=30000, cls=None)).shape  # doctest: +SKIP
+    """
+    from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
+
+    if name == "forward":
+        return lambda ids: model(input_ids=ids, use_cache=False)
+    if name == "globenc":
+        a = GlobEncAttribution(model)  # the pre-LN default map
+        return lambda ids: a.attribute(ids)
+    if name == "alti":
+        a = ALTIAttribution(model)
+        return lambda ids: a.attribute(ids)
+    if name == "alti_logit":
+        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
+        return lambda ids: a.attribute(ids, target=target)
+    if name == "decompx":  # a bare model with an unembedding: no LM head needed
+        d = DecompXAttribution(model, unembedding=model.embed_tokens.weight)
+        return lambda ids: d.decompose(ids, target=target)
+    raise ValueError(f"unknown decoder method {name!r}; choose forward, globenc, alti, alti_logit or decompx")

@@ -18,18 +18,25 @@ attention probabilities and the maps are T^2; the hidden states, checkpoints and
 activations are T), then evaluated at ``--project-tokens`` (4096) and 32 layers.
 
 The CPU model is float32, so the compute dtype costs no copy of the weights; a bfloat16
-model on a GPU upcasts one layer's weights to float32 while that layer is decomposed
-(``LayerTensors`` holds W_O and the FF weights; DecompX adds W_V): that is added
-analytically, twice for DecompX (its adjoint reruns a layer while the next is released).
-The projection is for the streaming engine on one GPU; "room left" = 80 GB - 16 GB
-(the bfloat16 weights of Llama-3-8B, 8.03e9 parameters) - the projected peak.
+model on a GPU casts one layer's weights to float32 while that layer is decomposed
+(``LayerTensors`` holds W_O and the FF weights; DecompX adds W_V), twice for DecompX (its
+adjoint reruns a layer while the next is released), and its bfloat16 recorded tensors live
+next to their float32 casts for a moment: :func:`bf16_extra_gib` adds both analytically.
+The projection is for the streaming engine on one GPU; "room left" = 79.6 GiB (an 80 GB
+H100 as ``nvidia-smi`` reports it) - 14.96 GiB (the bfloat16 weights of Llama-3-8B, 8.03e9
+parameters, 16.06 GB) - the projected peak - the bfloat16 casts. The CUDA context (about
+0.5 GiB) and the caching allocator's slack are not included.
 
-Usage (about 20-40 min on a shared 2-core machine; keep an eye on ``free -g``: the 2-layer
-model is 1.75 GB of float32 weights and a 2048-token call adds a few GB):
+Usage (on a shared 2-core machine one child took 0.5-3 min at 1024-2048 tokens; the 2-layer
+model is 1.75 GB of float32 weights and a 2048-token call adds up to 3 GB):
 
-    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 1024 2048 \
+    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 1024 2048 --limit-gb 10 \
         --json benchmarks/results/bigmodel_projection.json
+    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 4096 --layers 1 --limit-gb 10 \
+        --json benchmarks/results/bigmodel_projection.json      # measured 1-layer figures at 4096
     python benchmarks/bigmodel_projection.py --table benchmarks/results/bigmodel_projection.json
+
+The file keeps every record; a rerun skips the (method, layers, tokens) already in it.
 
 Options: ``--methods globenc alti alti_logit decompx``, ``--tokens T1 T2``, ``--layers 1 2``,
 ``--project-tokens 4096``, ``--project-layers 32``, ``--limit-gb 12`` (a child aborts past it),
@@ -47,53 +54,54 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import measure_peak, print_json, random_ids, rss_mb, run_child  # noqa: E402
+from _bench import decoder_runner, llama_model, measure_peak, print_json, random_ids, rss_mb, run_child  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
                  vocab_size=1000, max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
                  rope_theta=500000.0)
 PARAMS_8B = 8.03e9
-GPU_GB = 80.0
+WEIGHTS_GIB = PARAMS_8B * 2 / 2**30  # Llama-3-8B in bfloat16: 16.06 GB = 14.96 GiB
+GPU_GIB = 81559 / 1024  # an "80 GB" H100 as nvidia-smi reports it (81,559 MiB; an A100 80GB has 81,920)
 TARGET = 42
 EXIT_OVER, EXIT_TIMEOUT = 3, 4
 METHODS = ("globenc", "alti", "alti_logit", "decompx")
 
 
 def layer_weight_gb(decompx: bool) -> float:
-    r"""float32 bytes of the weights one LayerTensors holds (W_O, W_up, W_gate, W_down; + W_V for DecompX)."""
+    r"""float32 GiB of the weights one LayerTensors holds (W_O, W_up, W_gate, W_down; + W_V for DecompX)."""
     d, f, kv = LLAMA3_8B["hidden_size"], LLAMA3_8B["intermediate_size"], LLAMA3_8B["num_key_value_heads"]
     dh = d // LLAMA3_8B["num_attention_heads"]
     n = d * d + 3 * d * f + (d * kv * dh if decompx else 0)
     return 4 * n / 2**30
 
 
+def bf16_extra_gib(method: str, tokens: int) -> float:
+    r"""What a bfloat16 model on a GPU adds to the float32 CPU figure, GiB (an analytic upper bound).
+
+    One layer's weights cast to float32 while it is decomposed (twice for DecompX, whose adjoint
+    reruns a layer while the next one's cast is alive), plus the bfloat16 recorded tensors alive
+    next to their float32 casts while ``LayerTensors`` is built: the probabilities (H, T, T) and
+    about ten (T, D) tensors. The forward pass of a bfloat16 model keeps half the bytes of the
+    float32 one measured, which this bound does not subtract.
+    """
+    d, h = LLAMA3_8B["hidden_size"], LLAMA3_8B["num_attention_heads"]
+    weights = layer_weight_gb(method == "decompx") * (2 if method == "decompx" else 1)
+    recorded = 2 * (h * tokens * tokens + 10 * tokens * d) / 2**30
+    return weights + recorded
+
+
 def child(args) -> None:
     if os.nice(0) < 10:
         os.nice(10 - os.nice(0))
     torch.set_num_threads(1)
-    from transformers import LlamaConfig, LlamaModel
-
-    from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**LLAMA3_8B, num_hidden_layers=args._layers)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaModel(cfg).eval()
+    model = llama_model(LLAMA3_8B, layers=args._layers)
     ids = random_ids(1, args._tokens, low=1, high=1000, cls=None)
-    name = args._child
-    if name == "globenc":
-        a = GlobEncAttribution(model)
-        fn = lambda: a.attribute(ids)  # noqa: E731
-    elif name == "alti":
-        a = ALTIAttribution(model)
-        fn = lambda: a.attribute(ids)  # noqa: E731
-    elif name == "alti_logit":
-        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
-        fn = lambda: a.attribute(ids, target=TARGET)  # noqa: E731
-    else:
-        a = DecompXAttribution(model, unembedding=model.embed_tokens.weight)
-        fn = lambda: a.attribute(ids, target=TARGET)  # noqa: E731
-    record = {"method": name, "layers": args._layers, "tokens": args._tokens, "model_rss_mb": rss_mb()}
+    run = decoder_runner(args._child, model, TARGET)
+    info: dict = {}
+    # DecompX's runner returns its result (decompose(), the computation of attribute() on a decoder):
+    # it says which algorithm "auto" chose at this size
+    fn = lambda: info.update(algorithm=run(ids).algorithm) if args._child == "decompx" else run(ids)  # noqa: E731
+    record = {"method": args._child, "layers": args._layers, "tokens": args._tokens, "model_rss_mb": rss_mb()}
 
     def abort(extra_mb: float) -> None:
         print_json({**record, "exceeded": True, "extra_peak_mb": extra_mb})
@@ -108,7 +116,7 @@ def child(args) -> None:
     timer.start()
     extra, seconds = measure_peak(fn, limit_mb=args._limit, on_exceed=abort)
     timer.cancel()
-    print_json({**record, "extra_peak_mb": extra, "seconds": seconds})
+    print_json({**record, **info, "extra_peak_mb": extra, "seconds": seconds})
 
 
 def fit(t1: int, y1: float, t2: int, y2: float):
@@ -119,44 +127,79 @@ def fit(t1: int, y1: float, t2: int, y2: float):
     return y1 / t1 - b * t1, b
 
 
-def project(records: list, tokens: list, project_tokens: int, project_layers: int) -> list:
+def _at(coef, t: int) -> float:
+    return coef[0] * t + coef[1] * t * t
+
+
+def project(records: list, project_tokens: int, project_layers: int) -> list:
+    r"""Per method: the measured figures, the fits, and the projection to ``project_layers`` layers (GiB).
+
+    The fits use the two longest lengths measured with both 1 and 2 layers. At
+    ``project_tokens`` a measured 1-layer figure, where there is one, replaces the fitted
+    ``base + per_layer`` (the fit-only figure is kept as ``fit_only_1_layer_gib`` to show the
+    extrapolation error); the further layers always come from the per-layer fit.
+    """
     rows = []
     by = {(r["method"], r["layers"], r["tokens"]): r for r in records if "extra_peak_mb" in r and not r.get("exceeded")}
+    P, L = project_tokens, project_layers
     for m in METHODS:
-        row = {"method": m}
+        row: dict = {"method": m}
+        algos = sorted({r["algorithm"] for k, r in by.items() if k[0] == m and "algorithm" in r})
+        if algos:
+            row["algorithm"] = "/".join(algos)
         parts = {}
-        for t in tokens:
+        for (mm, n, t), r in sorted(by.items()):
+            if mm == m:
+                row[f"extra_{n}_layer_{t}_gib"] = r["extra_peak_mb"] / 1024
+                row[f"seconds_{n}_layer_{t}"] = r.get("seconds")
+        for t in sorted({k[2] for k in by if k[0] == m}):
             one, two = by.get((m, 1, t)), by.get((m, 2, t))
             if one is None or two is None:
                 continue
             per = max(two["extra_peak_mb"] - one["extra_peak_mb"], 0.0)
-            base = one["extra_peak_mb"] - per
-            parts[t] = (base, per)
-            row[f"peak_2_layers_{t}_gb"] = two["extra_peak_mb"] / 1024
-            row[f"per_layer_{t}_gb"] = per / 1024
-            row[f"seconds_2_layers_{t}"] = two.get("seconds")
+            parts[t] = (one["extra_peak_mb"] - per, per)
+            row[f"per_layer_{t}_gib"] = per / 1024
+            row[f"base_{t}_gib"] = (one["extra_peak_mb"] - per) / 1024
+            row[f"peak_{L}_layers_{t}_gib"] = (one["extra_peak_mb"] + (L - 1) * per) / 1024
         if len(parts) >= 2:
-            (t1, (b1, p1)), (t2, (b2, p2)) = sorted(parts.items())[:2]
-            base = sum(c * x for c, x in zip(fit(t1, b1, t2, b2), (project_tokens, project_tokens**2)))
-            per = sum(c * x for c, x in zip(fit(t1, p1, t2, p2), (project_tokens, project_tokens**2)))
-            upcast = layer_weight_gb(m == "decompx") * (2 if m == "decompx" else 1)
-            peak = (base + project_layers * per) / 1024 + upcast
-            row.update(base_projected_gb=base / 1024, per_layer_projected_gb=per / 1024, upcast_gb=upcast,
-                       peak_projected_gb=peak, room_left_gb=GPU_GB - PARAMS_8B * 2 / 1e9 - peak)
+            (t1, (b1, p1)), (t2, (b2, p2)) = sorted(parts.items())[-2:]
+            base_c, per_c = fit(t1, b1, t2, b2), fit(t1, p1, t2, p2)
+            row.update(fit_tokens=[t1, t2], base_fit_mib=dict(zip(("per_token", "per_token2"), base_c)),
+                       per_layer_fit_mib=dict(zip(("per_token", "per_token2"), per_c)))
+            per = _at(per_c, P)
+            one_fit = _at(base_c, P) + per
+            one = by.get((m, 1, P))
+            one_mb = one["extra_peak_mb"] if one is not None else one_fit
+            upcast = bf16_extra_gib(m, P)
+            peak = (one_mb + (L - 1) * per) / 1024
+            row.update(fit_only_1_layer_gib=one_fit / 1024, one_layer_source="measured" if one is not None else "fit",
+                       one_layer_gib=one_mb / 1024, per_layer_projected_gib=per / 1024,
+                       peak_projected_gib=peak, upcast_gib=upcast,
+                       gpu_total_gib=WEIGHTS_GIB + peak + upcast, room_left_gib=GPU_GIB - WEIGHTS_GIB - peak - upcast)
         rows.append(row)
     return rows
 
 
-def table(rows: list, tokens: list, project_tokens: int, project_layers: int) -> str:
-    t_hi = max(tokens)
-    head = (f"| method | peak, 2 layers, {t_hi} tok (GB) | per layer, {t_hi} tok (GB) | "
-            f"projected peak, {project_layers} layers, {project_tokens} tok, + bf16 upcast (GB) | "
-            f"room left on 80 GB next to 16 GB bf16 weights (GB) |\n|---|---|---|---|---|")
+def table(rows: list, project_tokens: int, project_layers: int) -> str:
+    r"""The projection as a markdown table (GiB)."""
+    P, L = project_tokens, project_layers
+    head = ("| method | 1 / 2 layers, 1024 tok | 1 / 2 layers, 2048 tok | per layer, 1024 / 2048 tok "
+            f"| {L} layers, 2048 tok | 1 layer, {P} tok | per layer, {P} tok (fit) | {L} layers, {P} tok "
+            f"| + bf16 casts | GPU total with {WEIGHTS_GIB:.1f} GiB bf16 weights | room left of {GPU_GIB:.1f} GiB |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     out = [head]
     for r in rows:
-        f = lambda k: "-" if r.get(k) is None else f"{r[k]:.2f}"  # noqa: E731
-        out.append(f"| {r['method']} | {f(f'peak_2_layers_{t_hi}_gb')} | {f(f'per_layer_{t_hi}_gb')} | "
-                   f"{f('peak_projected_gb')} | {f('room_left_gb')} |")
+        def f(k, d=2):
+            return "-" if r.get(k) is None else f"{r[k]:.{d}f}"
+        name = {"globenc": "GlobEnc", "alti": "ALTI", "alti_logit": "ALTI-Logit", "decompx": "DecompX"}[r["method"]]
+        if r.get("algorithm"):
+            name += f" ({r['algorithm']})"
+        one = f(f"one_layer_gib") + ("" if r.get("one_layer_source") == "measured" else " (fit)")
+        out.append(f"| {name} | {f('extra_1_layer_1024_gib')} / {f('extra_2_layer_1024_gib')} "
+                   f"| {f('extra_1_layer_2048_gib')} / {f('extra_2_layer_2048_gib')} "
+                   f"| {f('per_layer_1024_gib', 3)} / {f('per_layer_2048_gib', 3)} | {f(f'peak_{L}_layers_2048_gib')} "
+                   f"| {one} | {f('per_layer_projected_gib', 3)} | {f('peak_projected_gib')} | {f('upcast_gib')} "
+                   f"| {f('gpu_total_gib')} | **{f('room_left_gib', 1)}** |")
     return "\n".join(out)
 
 
@@ -183,7 +226,7 @@ def main() -> None:
     if args.table:
         with open(args.table) as f:
             saved = json.load(f)
-        print(table(saved["projection"], saved["tokens"], saved["project_tokens"], saved["project_layers"]))
+        print(table(saved["projection"], saved["project_tokens"], saved["project_layers"]))
         return
     saved = {"records": []}
     if args.json and os.path.exists(args.json):
@@ -209,14 +252,15 @@ def main() -> None:
                     saved.update(records=records)
                     with open(args.json, "w") as f:
                         json.dump(saved, f, indent=1)
-    tokens = sorted({r["tokens"] for r in records})
-    rows = project(records, tokens, args.project_tokens, args.project_layers)
-    saved.update(records=records, projection=rows, tokens=tokens, project_tokens=args.project_tokens,
-                 project_layers=args.project_layers, config=LLAMA3_8B, threads=1, dtype="float32")
+    rows = project(records, args.project_tokens, args.project_layers)
+    saved.update(records=records, projection=rows, project_tokens=args.project_tokens,
+                 project_layers=args.project_layers, config=LLAMA3_8B, threads=1, dtype="float32",
+                 weights_gib=WEIGHTS_GIB, gpu_gib=GPU_GIB)
+    saved.pop("tokens", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(saved, f, indent=1)
-    print(table(rows, tokens, args.project_tokens, args.project_layers))
+    print(table(rows, args.project_tokens, args.project_layers))
 
 
 if __name__ == "__main__":

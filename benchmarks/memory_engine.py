@@ -13,7 +13,7 @@ Sections (``--sections``, default all three):
   GlobEnc (the pre-LN default map), ALTI, ALTI-Logit and DecompX (both with
   ``unembedding=model.embed_tokens.weight``, ``target=42``; DecompX takes the bare model with an
   unembedding, no LM head needed). Table: method x (4 layers, 8 layers, ratio 8:4).
-* ``length``: the ~100M config of ``benchmarks/speed_decoder.py`` (hidden 768, 12 layers, 12 heads,
+* ``length``: the ~100M config ``_bench.LLAMA_100M``, also that of ``speed_decoder.py`` (hidden 768, 12 layers, 12 heads,
   4 key/value heads, FF 2048, vocab 32000, bare ``LlamaModel``) at ``--lengths`` tokens, the same
   methods. A child aborts as soon as its extra memory passes ``--limit-gb`` (shown as "> 8 GB");
   a method over the limit is not run at longer lengths (shown as "> 8 GB (not run)").
@@ -68,20 +68,17 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from _bench import measure_peak, print_json, random_ids, rss_mb, run_child  # noqa: E402
+from _bench import (  # noqa: E402
+    LLAMA_100M, decoder_runner, llama_model, measure_peak, print_json, random_ids, rss_mb, run_child)
 
 SMALL_LLAMA = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704,
                    vocab_size=1000, max_position_embeddings=16384, hidden_act="silu")
-# the ~100M config of benchmarks/speed_decoder.py (CONFIG there)
-LLAMA_100M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                  intermediate_size=2048, vocab_size=32000, max_position_embeddings=16384, hidden_act="silu")
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
                  max_position_embeddings=512, num_labels=2)
 DECODER_METHODS = ("forward", "globenc", "alti", "alti_logit", "decompx")
 ENCODER_METHODS = ("forward", "globenc", "alti", "ff", "ff_alti", "decompx")
 LABELS = {"forward": "forward (sdpa)", "globenc": "GlobEnc", "alti": "ALTI", "alti_logit": "ALTI-Logit",
           "decompx": "DecompX", "ff": "GlobEnc+FF", "ff_alti": "ALTI+FF"}
-TARGET = 42  # the explained next token of ALTI-Logit / DecompX on the decoders
 EXIT_OVER, EXIT_TIMEOUT = 3, 4
 
 
@@ -107,15 +104,6 @@ def use_package(root: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ models
-def _llama(layers: int, config: dict):
-    from transformers import LlamaConfig, LlamaModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**{**config, "num_hidden_layers": layers})
-    cfg._attn_implementation = "sdpa"
-    return LlamaModel(cfg).eval()
-
-
 def _bert():
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -123,26 +111,6 @@ def _bert():
     cfg = BertConfig(**BERT_BASE)
     cfg._attn_implementation = "sdpa"
     return BertForSequenceClassification(cfg).eval()
-
-
-def _decoder_runner(name: str, model):
-    from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
-
-    if name == "forward":
-        return lambda ids: model(input_ids=ids, use_cache=False)
-    if name == "globenc":
-        a = GlobEncAttribution(model)  # the pre-LN default map
-        return lambda ids: a.attribute(ids)
-    if name == "alti":
-        a = ALTIAttribution(model)
-        return lambda ids: a.attribute(ids)
-    if name == "alti_logit":
-        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
-        return lambda ids: a.attribute(ids, target=TARGET)
-    if name == "decompx":  # a bare LlamaModel with an unembedding: no LM head needed
-        a = DecompXAttribution(model, unembedding=model.embed_tokens.weight)
-        return lambda ids: a.attribute(ids, target=TARGET)
-    raise ValueError(f"unknown decoder method {name!r}")
 
 
 def _encoder_runner(name: str, model):
@@ -177,10 +145,10 @@ def child(args, package_file: str) -> None:
         inputs = (ids, torch.ones_like(ids))
         fn = _encoder_runner(name, model)
     else:
-        model = _llama(args._layers, SMALL_LLAMA if section == "depth" else LLAMA_100M)
+        model = llama_model(SMALL_LLAMA if section == "depth" else LLAMA_100M, layers=args._layers)
         inputs = (random_ids(args._batch, args._tokens, low=1 if section == "depth" else 100,
                              high=1000 if section == "depth" else 30000, cls=None),)
-        fn = _decoder_runner(name, model)
+        fn = decoder_runner(name, model)
     record = {"section": section, "method": name, "layers": args._layers if section != "encoder" else 12,
               "tokens": args._tokens, "batch": args._batch, "threads": torch.get_num_threads(),
               "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),

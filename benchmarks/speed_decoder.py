@@ -28,21 +28,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
 sys.path.insert(0, HERE)
 
-from _bench import measure_peak, print_json, random_ids  # noqa: E402
+from _bench import LLAMA_100M, llama_model, measure_peak, print_json, random_ids  # noqa: E402
 from _bench import run_child as _run_script  # noqa: E402
 
-CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-              intermediate_size=2048, vocab_size=32000, max_position_embeddings=16384, hidden_act="silu")
+CONFIG = LLAMA_100M
 METHODS = ("forward", "globenc", "alti", "alti_logit", "ff")
 
 
 def _model():
-    from transformers import LlamaConfig, LlamaModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**CONFIG)
-    cfg._attn_implementation = "sdpa"
-    return LlamaModel(cfg).eval()
+    return llama_model(CONFIG)
 
 
 def _runner(name: str, model):

@@ -463,6 +463,29 @@ def _method_label(res: Any, spec: MethodSpec, taken: Dict[str, Any]) -> str:
     return label
 
 
+def _build_attributions(specs: Sequence[MethodSpec], model: Any, options: argparse.Namespace) -> List[Tuple[MethodSpec, Any]]:
+    r"""Every method of ``specs`` built for ``model``; a :class:`CLIError` names one that cannot explain it."""
+    attrs = []
+    for spec in specs:
+        try:
+            attrs.append((spec, spec.build(model, options)))
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise CLIError(f"method {spec.key!r} cannot explain this model: {err}") from None
+    return attrs
+
+
+def _max_length(model: Any, tokenizer: Any, max_length: Optional[int]) -> Optional[int]:
+    r"""``max_length`` if given, else the smaller of the tokenizer's and the position embeddings' limits (or None)."""
+    if max_length is not None:
+        return max_length
+    limit = getattr(tokenizer, "model_max_length", None)
+    out = limit if isinstance(limit, int) and 0 < limit < 100_000 else None
+    pos_limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(pos_limit, int) and pos_limit > 0:
+        out = min(out or pos_limit, pos_limit)
+    return out
+
+
 def explain(
     texts: Sequence[str],
     model: Any,
@@ -497,19 +520,8 @@ def explain(
     from captum_normattr.visualization import example_from_result
 
     device = next(model.parameters()).device
-    attrs = []
-    for spec in specs:
-        try:
-            attrs.append((spec, spec.build(model, options)))
-        except (ValueError, TypeError, NotImplementedError) as err:
-            raise CLIError(f"method {spec.key!r} cannot explain this model: {err}") from None
-    max_len = options.max_length
-    if max_len is None:
-        limit = getattr(tokenizer, "model_max_length", None)
-        max_len = limit if isinstance(limit, int) and 0 < limit < 100_000 else None
-        pos_limit = getattr(model.config, "max_position_embeddings", None)
-        if isinstance(pos_limit, int) and pos_limit > 0:
-            max_len = min(max_len or pos_limit, pos_limit)
+    attrs = _build_attributions(specs, model, options)
+    max_len = _max_length(model, tokenizer, options.max_length)
     side = getattr(tokenizer, "truncation_side", "right")
     all_exps: List[Any] = []
     all_maps: List[Dict[str, Any]] = []
@@ -815,6 +827,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_intermixed_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
+    args._argv = argv  # what a dataset run restarts as several CPU processes (captum_normattr/cpu_launch.py)
     try:
         return _run(args)
     except CLIError as err:

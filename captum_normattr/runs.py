@@ -20,6 +20,9 @@ r"""Dataset runs: explain every text of a corpus, one JSON Lines record per text
   records to its own shard file (``out.jsonl.part-<rank>``, flushed after every batch);
   at the end the main process merges the existing output and the shards in input order
   into ``out.jsonl`` (written to a temporary file, then renamed) and removes the shards.
+  ``accelerate launch --cpu --num_processes N`` starts one process (accelerate's multi-CPU
+  launcher is ``mpirun``); the command line then starts the N CPU processes itself
+  (:mod:`captum_normattr.cpu_launch`).
 - **Resume.** A rerun with the same output skips the ids already in ``out.jsonl`` and in
   any shard left by a crashed run, and merges everything at the end; ``--overwrite``
   starts afresh. A progress bar runs on the main process only (``-q`` turns it off).
@@ -33,9 +36,12 @@ import csv
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from captum_normattr.cpu_launch import requested_cpu_processes, spawn_cpu_processes
 
 __all__ = ["InputError", "InputItem", "add_arguments", "explain_dataset", "read_inputs", "run_cli"]
 
@@ -321,17 +327,6 @@ def _records(
     return out
 
 
-def _max_length(model: Any, tokenizer: Any, max_length: Optional[int]) -> Optional[int]:
-    if max_length is not None:
-        return max_length
-    limit = getattr(tokenizer, "model_max_length", None)
-    out = limit if isinstance(limit, int) and 0 < limit < 100_000 else None
-    pos_limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(pos_limit, int) and pos_limit > 0:
-        out = min(out or pos_limit, pos_limit)
-    return out
-
-
 def _state():
     r"""accelerate's process state; CPU processes where ``--cpu`` was asked for or no accelerator exists.
 
@@ -344,7 +339,16 @@ def _state():
     accel = getattr(torch, "accelerator", None)
     has_accelerator = accel.is_available() if accel is not None else torch.cuda.is_available()
     cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not has_accelerator
-    return PartialState(cpu=cpu)
+    state = PartialState(cpu=cpu)
+    if state.num_processes == 1:
+        n = requested_cpu_processes()
+        if n > 1:  # explain_dataset in a script under `accelerate launch --cpu --num_processes N`
+            warnings.warn(f"accelerate launch asked for {n} CPU processes but started one (its multi-CPU launcher is "
+                          f"mpirun): this process explains every text. For {n} processes use `accelerate launch "
+                          f"--multi_gpu --num_processes {n}` with CUDA_VISIBLE_DEVICES=\"\" or `torchrun "
+                          f"--nproc_per_node {n}` (the command line `-m captum_normattr` starts them itself)",
+                          stacklevel=3)
+    return state
 
 
 def _run(
@@ -363,7 +367,7 @@ def _run(
     device: Any = None,
 ) -> List[Dict[str, Any]]:
     r"""The shared core of :func:`explain_dataset` and the command line; returns this process's new records."""
-    from captum_normattr.cli import CLIError, _explain_batch
+    from captum_normattr.cli import CLIError, _build_attributions, _explain_batch, _max_length
 
     state = _state()
     if output is not None:
@@ -376,12 +380,7 @@ def _run(
         todo = [it for it in items if _key(it.id) not in done]
     else:
         todo = list(items)
-    attrs = []
-    for spec in specs:
-        try:
-            attrs.append((spec, spec.build(model, options)))
-        except (ValueError, TypeError, NotImplementedError) as err:
-            raise CLIError(f"method {spec.key!r} cannot explain this model: {err}") from None
+    attrs = _build_attributions(specs, model, options)
     limit = _max_length(model, tokenizer, max_length)
     with state.split_between_processes(todo) as share:
         share = list(share)
@@ -542,6 +541,12 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
                             args.split)
     except InputError as err:
         raise CLIError(str(err)) from None
+    n = requested_cpu_processes()
+    if n > 1:  # `accelerate launch --cpu --num_processes N` started only this process: start the N
+        if not args.quiet:
+            print(f"{PROG}: accelerate launch started 1 process for --num_processes {n} on CPU (its multi-CPU "
+                  f"launcher is mpirun); starting {n} CPU processes joined over gloo", file=sys.stderr)
+        return spawn_cpu_processes(n, ["-m", "captum_normattr", *getattr(args, "_argv", sys.argv[1:])])
     state = _state()
     device = _resolve_device(args.device)
     if state.num_processes > 1 and state.device.type != "cpu":
@@ -555,10 +560,16 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
         args.position = "last" if _is_decoder(model) else 0
     output = Path(args.output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
-    _run(items, model, tok, specs, args, output, batch_size=args.batch_size, max_length=args.max_length,
-         target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device)
+    new = _run(items, model, tok, specs, args, output, batch_size=args.batch_size, max_length=args.max_length,
+               target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device)
+    counts = [len(new)]
+    if state.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        counts = gather_object(counts)  # texts explained now by each process, in process order
     if state.is_main_process and not args.quiet:
         n = sum(1 for _ in _read_records(output))
+        per = f": {' + '.join(map(str, counts))} explained now" if state.num_processes > 1 else ""
         print(f"{PROG}: wrote {args.output} ({n} records, {state.num_processes} process"
-              f"{'es' if state.num_processes > 1 else ''})", file=sys.stderr)
+              f"{'es' if state.num_processes > 1 else ''}{per})", file=sys.stderr)
     return 0

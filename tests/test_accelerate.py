@@ -152,3 +152,26 @@ def test_half_precision_stays_close_to_float32(family, dtype):
         assert b.dtype == torch.float32, name  # decomposed in float32
         rel = ((a - b).abs().max() / a.abs().max()).item()
         assert rel < HALF_TOL[dtype], f"{name} {dtype}: relative error {rel}"
+
+
+def test_a_half_precision_lm_head_is_cast_by_rows_not_whole(monkeypatch):
+    r"""ALTI-Logit / DecompX read the unembedding rows they explain (and the logits by blocks of rows),
+    so that a bfloat16 LM head of a big model is never copied whole in float32."""
+    from captum_normattr.attr import explained_output
+    from captum_normattr.models.adapters import get_adapter
+
+    model = make_decoder("llama", tied=False).to(torch.bfloat16)
+    out = explained_output.NextTokenLogit(model, get_adapter(model))
+    w = model.lm_head.weight
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0))
+    full = x @ w.float().T
+    monkeypatch.setattr(explained_output, "VOCAB_BLOCK", 7)  # several blocks and a short last one
+    assert torch.allclose(out.logits(x), full, rtol=1e-6, atol=1e-6)
+    d = out.resolve((torch.tensor([3, 5]), torch.tensor([1, 1])), x)
+    assert d.direction.dtype == torch.float32
+    assert torch.equal(d.direction, w[[3, 5]].float() - w[[1, 1]].float())
+    assert torch.equal(out.resolve(None, x).target, full.argmax(-1))
+    # what the methods return is unchanged: the same target through the cast head
+    ids, mask = _batch("llama")
+    a = ALTILogitAttribution(model).attribute(ids, target=3, additional_forward_args=(mask,))
+    assert a.dtype == torch.float32 and torch.isfinite(a).all()

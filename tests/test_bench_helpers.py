@@ -119,3 +119,20 @@ def test_documented_results_rebuild_command_reproduces_results_md(tmp_path):
     finally:
         os.chdir(cwd)
     assert copy.read_text(encoding="utf-8") == text
+
+
+def test_llama_model_and_decoder_runner_run_every_decoder_method():
+    tiny = dict(_bench.LLAMA_100M, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=48, vocab_size=64)
+    model = _bench.llama_model(tiny, layers=2)
+    assert len(model.layers) == 2 and model.config.num_attention_heads == 4
+    again = _bench.llama_model(tiny, layers=2)  # seeded: the same weights
+    assert torch.equal(model.layers[0].mlp.up_proj.weight, again.layers[0].mlp.up_proj.weight)
+    ids = _bench.random_ids(1, 6, low=1, high=64, cls=None)
+    with torch.no_grad():
+        for name in ("forward", "globenc", "alti", "alti_logit"):
+            assert _bench.decoder_runner(name, model, target=5)(ids) is not None, name
+    res = _bench.decoder_runner("decompx", model, target=5)(ids)
+    assert res.algorithm == "adjoint" and res.scores.shape == (1, 6)
+    with pytest.raises(ValueError, match="unknown decoder method"):
+        _bench.decoder_runner("lime", model)

@@ -156,16 +156,38 @@ def test_accelerate_launch_two_processes_write_the_same_records_as_one(model_dir
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     assert _cli(model_dir, "-m", "alti", "--file", path, "--format", "jsonl", "-o", one) == 0
     launcher = Path(sys.executable).with_name("accelerate")
-    # two CPU processes: accelerate's --cpu alone starts one (its multi-CPU launcher is mpirun), so the
-    # torchrun launcher (--multi_gpu) is asked for with the GPUs hidden and ACCELERATE_USE_CPU set
-    cmd = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+    # the documented command: accelerate's --cpu launcher starts one process (its multi-CPU launcher is
+    # mpirun); the program sees that and starts the 2 processes itself (captum_normattr/cpu_launch.py)
+    cmd = [str(launcher), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no",
            "-m", "captum_normattr", "-m", "alti", "--file", str(path), "--format", "jsonl",
            "-o", str(two), "--model", model_dir, "-b", "2"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true")
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(6 records, 2 processes)" in proc.stderr
+    assert "starting 2 CPU processes" in proc.stderr
+    assert "(6 records, 2 processes: 3 + 3 explained now)" in proc.stderr  # each process took half of the texts
     _same(_records(one), _records(two))
     assert not list(tmp_path.glob("two.jsonl.part-*"))
+
+
+def test_accelerate_launch_command_lines_are_recognised(monkeypatch):
+    from captum_normattr.cpu_launch import launch_arguments, requested_cpu_processes
+
+    assert launch_arguments(["/venv/bin/python", "/venv/bin/accelerate", "launch", "--cpu", "-m", "x"]) == ["--cpu", "-m", "x"]
+    assert launch_arguments(["python", "-m", "accelerate.commands.launch", "--cpu", "s.py"]) == ["--cpu", "s.py"]
+    assert launch_arguments(["/venv/bin/accelerate-launch", "s.py"]) == ["s.py"]
+    assert launch_arguments(["python", "-m", "pytest", "-q"]) is None
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    cli = ["/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "3", "-m", "captum_normattr", "-m", "alti"]
+    assert requested_cpu_processes(cli) == 3
+    assert requested_cpu_processes(cli[:4] + ["1"] + cli[5:]) == 1  # one process asked for
+    assert requested_cpu_processes(cli[:2] + ["--num_machines", "2"] + cli[2:]) == 1  # several machines: mpirun's job
+    assert requested_cpu_processes(cli[:2] + ["--mpirun_hostfile", "hosts"] + cli[2:]) == 1
+    assert requested_cpu_processes(["python", "-m", "captum_normattr"]) == 1  # not accelerate launch
+    monkeypatch.setenv("WORLD_SIZE", "3")  # already one of the N processes
+    assert requested_cpu_processes(cli) == 1

@@ -26,6 +26,9 @@ from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapt
 from captum_normattr.models.weights import weight_and_bias
 
 
+VOCAB_BLOCK = 8192  # unembedding rows cast at a time for the predicted-token logits
+
+
 def as_token_ids(x: Any, b: int, name: str, device) -> Tensor:
     r"""(B,) long ids from an int, a list of ints, or a 0-d / (B,) integer tensor."""
     if isinstance(x, int) and not isinstance(x, bool):
@@ -111,10 +114,16 @@ class NextTokenLogit:
         return int((self._head.weight if self._head is not None else self._weights[0]).shape[0])  # meta has shapes
 
     def logits(self, final_out: Tensor) -> Tensor:
-        r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D)."""
+        r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D).
+
+        The unembedding is cast to ``final_out``'s dtype and device :data:`VOCAB_BLOCK` rows at
+        a time: a bfloat16 LM head of 128k x 4096 is never copied whole in float32 (2 GB).
+        """
         weight, bias = self._head_weights()
-        w = weight.detach().to(device=final_out.device, dtype=final_out.dtype)
-        out = final_out @ w.T
+        out = final_out.new_empty((final_out.shape[0], weight.shape[0]))
+        for start in range(0, weight.shape[0], VOCAB_BLOCK):
+            w = weight[start:start + VOCAB_BLOCK].detach().to(device=final_out.device, dtype=final_out.dtype)
+            out[:, start:start + w.shape[0]] = final_out @ w.T
         if bias is not None:
             out = out + bias.detach().to(device=final_out.device, dtype=final_out.dtype)
         return out
@@ -147,16 +156,18 @@ class NextTokenLogit:
             if ids is not None and bool(((ids < 0) | (ids >= self.vocab_size)).any()):
                 raise ValueError(f"{name} token ids must lie in [0, {self.vocab_size - 1}]; got {ids.tolist()}")
         weight, bias = self._head_weights()
-        w = weight.detach().to(device=device, dtype=dtype)
-        u = w[t_ids]
+
+        def rows(t: Tensor, ids: Tensor) -> Tensor:  # only the rows used are cast (not the whole head)
+            return t.detach()[ids.to(t.device)].to(device=device, dtype=dtype)
+
+        u = rows(weight, t_ids)
         ub = torch.zeros(b, dtype=dtype, device=device)
-        wb = None if bias is None else bias.detach().to(device=device, dtype=dtype)
-        if wb is not None:
-            ub = wb[t_ids]
+        if bias is not None:
+            ub = rows(bias, t_ids)
         if f_ids is not None:
-            u = u - w[f_ids]
-            if wb is not None:
-                ub = ub - wb[f_ids]
+            u = u - rows(weight, f_ids)
+            if bias is not None:
+                ub = ub - rows(bias, f_ids)
         return LogitDirection(u, ub, t_ids, f_ids)
 
 
