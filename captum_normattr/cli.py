@@ -13,6 +13,13 @@ Examples (shell)::
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
     captum-normattr "An unbelievably good film. Dull ending." --aggregate sentence
     captum-normattr --list-methods
+    captum-normattr --model DIR -m alti-plus --source "source text" --target-text "reference"  # encoder-decoders
+    captum-normattr --model DIR --file pairs.tsv -m alti-plus --format jsonl -o out.jsonl        # source<TAB>target
+
+Encoder-decoders (``-m alti-plus``, implied by ``--source``) take their own inputs and outputs
+(:func:`run_seq2seq`, :func:`read_pairs`, :func:`explain_pairs`; docs/cli.md): teacher-forced
+targets or greedy generation, a table per target token, JSON / JSON Lines records with the
+T x S source and T x T target contributions, and the contribution-matrix and source-share plots.
 
 Methods come from the registry, :data:`captum_normattr.registry.METHODS` (re-exported
 here as :data:`METHODS`): its keys are the ``-m`` choices, and every option a method
