@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"  {PROG} -m globenc alti --map N_RES \"the film was a delight\"\n"
         f"  {PROG} explain -m globenc,alti \"the film was a delight\"\n"
         f"  {PROG} --file texts.txt --format html -o report.html\n"
-        f"  {PROG} -m ff --scope RES2 --plots pics/ \"the film was a delight\"",
+        f"  {PROG} -m ff --scope RES2 --plots pics/ \"the film was a delight\"\n"
+        f"  {PROG} --model DIR -m alti-plus --source \"das Haus\" --target-text \"the house\"   # encoder-decoders\n"
+        f"  {PROG} --model DIR -m alti-plus --file pairs.tsv --format jsonl -o out.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("texts", nargs="*", metavar="TEXT",
@@ -211,12 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-text", action="append", default=None, metavar="TEXT",
                    help="the reference target of each --source, teacher-forced (repeatable, in order); "
                    "without it the model generates (greedy) and the generated tokens are explained")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=64,
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
                    help="generation: at most this many new tokens (default: 64)")
     g.add_argument("--conventions", choices=("default", "official"), default="default",
                    help="ALTI+: 'default' (exact norm scale, plain L1) or 'official' (the official code's "
                    "unbiased std, +1e-6 in the L1 distance, row re-normalisation)")
-    g.add_argument("--top", type=_positive_int, default=3,
+    g.add_argument("--top", type=_positive_int, default=3, metavar="K",
                    help="table: the top source tokens shown per target token (default: 3)")
     return p
 
@@ -816,6 +818,9 @@ def read_pairs(sources: Sequence[str], targets: Optional[Sequence[str]], file: O
             path = Path(file).expanduser()
             if not path.is_file():
                 raise CLIError(f"file not found: {file}" if not path.exists() else f"not a file: {file}")
+            if path.suffix.lower() in (".json", ".jsonl", ".ndjson"):
+                raise CLIError(f"{file}: a pairs file is plain text, one 'source<TAB>target' pair (or one source) "
+                               "per line; JSON is not read here")
             try:
                 lines = path.read_text(encoding="utf-8").splitlines()
             except UnicodeDecodeError:

@@ -243,10 +243,13 @@ def test_broken_pairs_file(capsys, marian, tmp_path, content, message):
         assert str(path) in err
 
 
-def test_usage_errors(capsys, marian):
+def test_usage_errors(capsys, marian, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"source": "a"}\n', encoding="utf-8")
     code, _, err = run(capsys, "--model", marian, "--source", "a", "--source", "b", "--target-text", "x")
     assert code == 2 and "--target-text was given 1 time(s) for 2 source(s)" in err
     code, _, err = run(capsys, "--model", marian, "-m", "alti-plus")
     assert code == 2 and "no source to explain" in err
     code, _, err = run(capsys, "--model", marian, "--source", "a", "--format", "html")
     assert code == 2 and "does not apply to alti-plus" in err
+    code, _, err = run(capsys, "--model", marian, "-m", "alti-plus", "--file", tmp_path / "p.jsonl")
+    assert code == 2 and "a pairs file is plain text" in err
