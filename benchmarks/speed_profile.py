@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+if "--package" in sys.argv:  # measure another checkout (e.g. an export of main), before anything is imported
+    sys.path.insert(0, sys.argv[sys.argv.index("--package") + 1])
+else:
+    sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _bench import random_ids  # noqa: E402
@@ -73,7 +76,7 @@ def setup(workload: str):
 
         model, _ = load_default_model()
         ids = random_ids(32, 128)
-        return model, ids, torch.ones_like(ids), "eager"
+        return model, ids, torch.ones_like(ids), model.config._attn_implementation
     from speed_decoder import _model
 
     model = _model()
@@ -109,6 +112,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-split", action="store_true", help="only total times (no timers)")
+    p.add_argument("--package", default=None, help="folder holding the captum_normattr to measure (default: this checkout)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, ids, mask, impl = setup(args.workload)
@@ -130,6 +134,9 @@ def main() -> None:
                 if dt < best.get(n, float("inf")):
                     best[n], split[n] = dt, dict(TIMES)
     fwd = best["forward"]
+    import captum_normattr
+
+    print(f"package {Path(captum_normattr.__file__).parent.parent.name}")
     print(f"{args.workload}: {tuple(ids.shape)}, {args.threads} threads, min of {args.repeats}; forward ({impl}) {fwd:.3f} s")
     for n in args.methods:
         s = split[n]
