@@ -120,8 +120,9 @@ def time_interleaved(
     *,
     max_repeats: Optional[Mapping[str, int]] = None,
     no_warm_up: Collection[str] = (),
+    stat: str = "median",
 ) -> dict:
-    r"""Median wall time of every run, with the repeats interleaved so that noise hits all alike.
+    r"""Median (or minimum) wall time of every run, with the repeats interleaved so that noise hits all alike.
 
     Under ``torch.no_grad()``: one warm-up call of every run (except those in
     ``no_warm_up``), then ``repeats`` rounds that each call every run once, in order.
@@ -134,9 +135,10 @@ def time_interleaved(
             (the first rounds), for runs too slow to repeat. Default: None.
         no_warm_up (Collection[str], optional): names whose warm-up call is skipped (runs
             long enough not to need one). Default: ().
+        stat (str, optional): ``"median"`` or ``"min"`` of the timed calls. Default: "median".
 
     Returns:
-        dict: name -> median seconds over its timed calls.
+        dict: name -> median (or minimum) seconds over its timed calls.
 
     Examples::
 
@@ -160,7 +162,8 @@ def time_interleaved(
                 t0 = time.perf_counter()
                 fn(*args)
                 times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) for n, v in times.items()}
+    pick = min if stat == "min" else statistics.median
+    return {n: pick(v) for n, v in times.items()}
 
 
 def run_child(

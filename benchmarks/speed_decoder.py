@@ -3,6 +3,12 @@ r"""Speed and memory of the decoder methods on a ~100M-parameter Llama-family mo
 Usage:
     nice python benchmarks/speed_decoder.py [--tokens 256 1024] [--ff-tokens 256]
                                             [--search-methods alti] [--limit-gb 8] [--search-budget 300]
+                                            [--ratio-tokens 1024] [--repeats 3] [--threads 2]
+
+First, the speed ratios: every method and one plain forward pass (sdpa) timed side by
+side in this process at ``--ratio-tokens`` (batch 1, ``--threads`` torch threads, one
+warm-up call each, then the minimum of ``--repeats`` interleaved calls); DecompX is the
+default (adjoint) DecompXAttribution on the next-token logit of token 42.
 
 Config: hidden 768, 12 layers, 12 heads, 4 key/value heads (GQA), intermediate 2048 (SwiGLU),
 vocab 32000, float32, bare ``LlamaModel`` (97.6M parameters); ALTI-Logit uses the
@@ -28,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
 sys.path.insert(0, HERE)
 
-from _bench import LLAMA_100M, llama_model, measure_peak, print_json, random_ids  # noqa: E402
+from _bench import LLAMA_100M, decoder_runner, llama_model, measure_peak, print_json, random_ids, time_interleaved  # noqa: E402
 from _bench import run_child as _run_script  # noqa: E402
 
 CONFIG = LLAMA_100M
@@ -40,23 +46,26 @@ def _model():
 
 
 def _runner(name: str, model):
-    from captum_normattr import ALTIAttribution, ALTILogitAttribution, FFIntegratedDecomposition, GlobEncAttribution
-
-    if name == "forward":
-        return lambda ids: model(input_ids=ids, use_cache=False)
-    if name == "globenc":
-        a = GlobEncAttribution(model)  # N_RESLN, the pre-LN default
-        return lambda ids: a.attribute(ids)
-    if name == "alti":
-        a = ALTIAttribution(model)
-        return lambda ids: a.attribute(ids)
-    if name == "alti_logit":
-        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
-        return lambda ids: a.attribute(ids, target=42)
+    r"""One call of ``name`` on ``model``: the shared decoder runners, plus the FF decomposition."""
     if name == "ff":
+        from captum_normattr import FFIntegratedDecomposition
+
         a = FFIntegratedDecomposition(model)  # RES2 scope, gated FF by Gauss-Legendre (48 nodes)
         return lambda ids: a.attribute(ids)
-    raise ValueError(name)
+    return decoder_runner(name, model)
+
+
+RATIO_METHODS = ("globenc", "alti", "alti_logit", "decompx")
+GOALS = {"globenc": 2.0, "alti": 4.0, "alti_logit": 4.0, "decompx": 4.0}
+
+
+def ratios(tokens: int, repeats: int, threads: int) -> dict:
+    r"""Minimum seconds of the forward pass and of each method, side by side in this process."""
+    torch.set_num_threads(threads)
+    model = _model()
+    ids = random_ids(1, tokens, low=100, high=30000, cls=None)
+    runs = {n: _runner(n, model) for n in ("forward",) + RATIO_METHODS}
+    return time_interleaved(runs, (ids,), repeats, stat="min")
 
 
 def child(name: str, tokens: int, limit_mb: float) -> None:
@@ -131,6 +140,10 @@ def main() -> None:
     p.add_argument("--limit-gb", type=float, default=8.0)
     p.add_argument("--search-budget", type=float, default=300.0, help="seconds per searched method")
     p.add_argument("--search-cap", type=int, default=8192)
+    p.add_argument("--ratio-tokens", type=int, default=1024, help="length of the in-process ratio table (0: skip it)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ratios-only", action="store_true", help="stop after the ratio table")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_tokens", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_limit", type=float, default=1e12, help=argparse.SUPPRESS)
@@ -138,6 +151,14 @@ def main() -> None:
     if args._child:
         child(args._child, args._tokens, args._limit)
         return
+    if args.ratio_tokens:
+        sec = ratios(args.ratio_tokens, args.repeats, args.threads)
+        print(f"1 x {args.ratio_tokens} tokens, {args.threads} threads, min of {args.repeats}: "
+              f"forward (sdpa) {sec['forward']:.2f} s")
+        for m in RATIO_METHODS:
+            print(f"  {m:<11} {sec[m]:7.2f} s = {sec[m] / sec['forward']:.2f} x forward (goal <= {GOALS[m]:g})", flush=True)
+        if args.ratios_only:
+            return
     limit_mb = args.limit_gb * 1024
     n_params = sum(q.numel() for q in _model().parameters())
     print(f"Llama-family config {CONFIG}, {n_params / 1e6:.1f}M parameters, float32, batch 1, 1 thread")

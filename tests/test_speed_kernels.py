@@ -65,3 +65,44 @@ def test_tile_for_cache_respects_the_row_cap():
     assert tile_for_cache(32, 128, 384, 4) == (1, 21, 128)
     assert tile_for_cache(1, 1024, 768, 4)[1] == 16
     assert tile_for_cache(1, 1024, 768, 4, max_rows=4)[1] == 4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_alti_kernel_matches_explicit_parts(causal):
+    r"""The fused torch.compile kernel (forced on, float64) gives the explicit-parts map to 1e-12."""
+    from captum_normattr.decompose import alti
+
+    gen = torch.Generator().manual_seed(1)
+    b, h, t, d = 2, 3, 37, 8
+    probs = _probs(b, h, t, causal, gen)
+    projected = torch.randn(b, h, t, d, dtype=torch.float64, generator=gen)
+    residual = torch.randn(b, t, d, dtype=torch.float64, generator=gen)
+    output = 3 * torch.randn(b, t, d, dtype=torch.float64, generator=gen)
+    scale = torch.rand(b, t, dtype=torch.float64, generator=gen) + 0.5
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[0, :3] = False
+    alti.use_compiled_kernel(True)
+    try:
+        with _no_fallback_warning():
+            got = alti_map(probs, projected, residual, output, valid, scale, None, causal)
+    finally:
+        alti.use_compiled_kernel(None)
+    want = _naive_alti(probs, projected, residual, output, valid, scale, causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _no_fallback_warning():
+    import warnings
+
+    class _Guard:
+        def __enter__(self):
+            self._cm = warnings.catch_warnings(record=True)
+            self._rec = self._cm.__enter__()
+            warnings.simplefilter("always")
+
+        def __exit__(self, *exc):
+            self._cm.__exit__(*exc)
+            msgs = [str(w.message) for w in self._rec if "compiled ALTI kernel" in str(w.message)]
+            assert not msgs, msgs  # the compiled kernel ran (no silent fallback)
+
+    return _Guard()

@@ -2,19 +2,107 @@ r"""ALTI contributions (Ferrando et al. 2022; docs/design.md, section 5).
 
 c_ij = max(0, |y_i|_1 - |y_i - T_i(x_j)|_1), rows normalised to sum to 1, where T_i(x_j)
 is token j's part of the block output y_i (bias parts are inside y_i but belong to no
-token). Parts are produced in cache-sized tiles (examples x query rows x source tokens,
-:func:`~captum_normattr.decompose.chunking.tile_for_cache`) into one reused buffer, so that
-memory stays bounded and the L1 passes run on data still in cache.
+token). Two kernels compute the distances |s_i y_i - part_ij|_1 (docs/performance.md):
+
+* a fused one, compiled with ``torch.compile`` (float32 layers large enough to repay the
+  compilation, see :func:`use_compiled_kernel`): for every pair (i, j) it forms the part
+  sum_h alpha^h_ij projected[h, j] in registers and accumulates the L1 distance, so no
+  part is ever written to memory;
+* the eager one (float64, small layers, or wherever compilation is unavailable): parts
+  are produced in tiles (examples x query rows x source tokens,
+  :func:`~captum_normattr.decompose.chunking.tile_for_cache`) into one reused buffer, so
+  that memory stays bounded and the L1 passes run on data still in cache.
+
+Both skip the all-zero causal triangle (row blocks stop at their last row).
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+import threading
+import warnings
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.chunking import CACHE_TILE_BYTES, tile_for_cache
+from captum_normattr.decompose.chunking import MIN_TILE_ROWS, tile_for_cache
 from captum_normattr.decompose.mixing import row_normalize
+
+#: Bytes of one tile of the eager kernel's reused parts buffer (measured: larger tiles mean
+#: fewer, larger batched products; 16 MB beat 1-4 MB on MiniLM 32 x 128).
+ALTI_TILE_BYTES = 16 * 2**20
+#: Pairs x width (B T^2 D) of a layer from which the compiled kernel is used by default: smaller
+#: layers never repay a compilation (seconds, once per process, cached on disk by torch).
+COMPILE_MIN_ELEMENTS = 2**24
+#: Environment variable: ``0`` disables the compiled kernel, ``1`` uses it at every size.
+COMPILE_ENV = "CAPTUM_NORMATTR_COMPILE"
+
+_STATE = {"compiled": None, "failed": False, "forced": None}
+_STATE_LOCK = threading.Lock()
+
+
+def use_compiled_kernel(enabled: Optional[bool] = None) -> None:
+    r"""Choose the ALTI distance kernel for the whole process.
+
+    Args:
+        enabled: True: the compiled kernel for every layer (float64 too); False: the eager kernel
+            always; None (default): float32 layers of at least :data:`COMPILE_MIN_ELEMENTS`
+            pairs x width use the compiled kernel. The environment variable
+            ``CAPTUM_NORMATTR_COMPILE`` (``0``/``1``) gives the default of this setting.
+
+    Examples::
+
+        >>> use_compiled_kernel(False)  # e.g. a one-off call on a machine without a C++ compiler
+        >>> use_compiled_kernel(None)
+    """
+    _STATE["forced"] = enabled
+
+
+def _l1_distance_tile(mix: Tensor, projected: Tensor, target: Tensor) -> Tensor:
+    r"""|target_r - sum_h mix[c, r, h] projected[c, h]|_1 for every (c, r): the fused computation.
+
+    Args:
+        mix: (n, C, R, H) probabilities alpha^h_ij laid out (source j, query i, head).
+        projected: (n, C, H, D) values of the source tokens through W_O (and a map A).
+        target: (n, R, D) s_i y_i.
+
+    Returns:
+        (n, C, R).
+    """
+    acc = mix[..., 0, None] * projected[:, :, None, 0, :]
+    for h in range(1, mix.shape[-1]):  # unrolled: the compiler keeps the part in registers
+        acc = acc + mix[..., h, None] * projected[:, :, None, h, :]
+    return (acc - target[:, None]).abs().sum(-1)
+
+
+def _compiled_kernel(dtype: torch.dtype, elements: int) -> Optional[Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    r"""The compiled :func:`_l1_distance_tile` if it should and can be used, else None."""
+    if _STATE["failed"]:
+        return None
+    forced = _STATE["forced"]
+    if forced is None:
+        env = os.environ.get(COMPILE_ENV, "").strip()
+        forced = {"0": False, "1": True}.get(env)
+    if forced is False or (forced is None and (dtype != torch.float32 or elements < COMPILE_MIN_ELEMENTS)):
+        return None
+    with _STATE_LOCK:
+        if _STATE["compiled"] is None:
+            try:
+                _STATE["compiled"] = torch.compile(_l1_distance_tile, dynamic=True)
+            except Exception as e:  # no compiler backend in this torch build
+                _fail(e)
+                return None
+    return _STATE["compiled"]
+
+
+def _fail(error: BaseException) -> None:
+    _STATE["failed"] = True
+    warnings.warn(
+        f"captum_normattr: the compiled ALTI kernel is unavailable ({type(error).__name__}: {error}); "
+        f"using the eager kernel (set {COMPILE_ENV}=0 to skip the attempt)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def l1_contributions(parts: Tensor, output: Tensor) -> Tensor:
@@ -56,26 +144,74 @@ def alti_map(
         output: (B, T, D) real block output y_i (bias parts included).
         valid: (B, T) bool, non-pad tokens.
         row_scale: optional (B, T) divisor per receiving token (a norm's real scale).
-        chunk_rows: at most this many query rows per tile (the memory-budget chunk of
-            :func:`~captum_normattr.decompose.chunking.rows_for_budget`; None: no cap). The
-            tiles are smaller still, sized for the cache.
-        causal: causal attention (decoders): row i has parts only from j <= i, so each chunk
+        chunk_rows: at most this many query rows per tile of the eager kernel (the
+            memory-budget chunk of :func:`~captum_normattr.decompose.chunking.rows_for_budget`;
+            None: no cap). The tiles are smaller still, sized for the cache.
+        causal: causal attention (decoders): row i has parts only from j <= i, so each block
             of rows works on the source tokens before its end only (entries j > i are 0).
+        tile_bytes: bytes of one tile of the eager kernel (None: :data:`ALTI_TILE_BYTES`).
 
     Returns:
         (B, T, T) contributions, valid rows summing to 1, pad rows and columns 0.
     """
     b, _, t, d = projected.shape
-    nb, nr, nc = tile_for_cache(b, t, d, projected.element_size(), chunk_rows, tile_bytes or CACHE_TILE_BYTES)
-    out = probs.new_zeros(b, t, t)
     # Source-token-major layout: one (R, H) @ (H, D) product per (example, source token).
     proj_j = projected.permute(0, 2, 1, 3).contiguous()  # (B, T_j, H, D)
     y_l1 = output.abs().sum(-1)  # (B, T)
     # |y_i - part_ij / s_i|_1 = |s_i y_i - part_ij|_1 / s_i
     target = output if row_scale is None else output * row_scale[..., None]
-    # One cache-sized buffer reused by every tile: no page faults, and the passes of
-    # sub/abs/sum read what the product has just written while it is still in cache.
-    buf = projected.new_empty(nb * nr * nc * d)
+    kernel = None if tile_bytes is not None else _compiled_kernel(projected.dtype, b * t * t * d)
+    dist = None
+    if kernel is not None:
+        try:
+            dist = _fused_distances(kernel, probs, proj_j, residual, target, causal)
+        except Exception as e:  # compilation failed (no C++ compiler, unsupported device, ...)
+            _fail(e)
+    if dist is None:
+        dist = _tiled_distances(probs, proj_j, residual, target, chunk_rows, causal, tile_bytes or ALTI_TILE_BYTES)
+    if row_scale is not None:
+        dist.div_(row_scale[..., None])
+    out = torch.sub(y_l1[..., None], dist).clamp_min_(0)
+    out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
+    if causal:
+        out.tril_()
+    return row_normalize(out)
+
+
+def _fused_distances(kernel, probs: Tensor, proj_j: Tensor, residual: Optional[Tensor], target: Tensor, causal: bool) -> Tensor:
+    r"""(B, T, T) distances |s_i y_i - part_ij|_1 by the compiled kernel (see the module docstring).
+
+    Row blocks of max(16, T / 16) rows for causal attention (source tokens up to the block's
+    last row only), all rows at once otherwise. The diagonal, whose part also holds the
+    residual term, is recomputed afterwards, O(B T H D).
+    """
+    b, t = target.shape[:2]
+    dist = target.new_zeros(b, t, t)
+    step = max(MIN_TILE_ROWS, -(-t // 16)) if causal else t
+    for r0 in range(0, t, step):
+        r1 = min(t, r0 + step)
+        last = r1 if causal else t
+        mix = probs[:, :, r0:r1, :last].permute(0, 3, 2, 1)  # (B, C, R, H), a view
+        dist[:, r0:r1, :last] = kernel(mix, proj_j[:, :last], target[:, r0:r1]).transpose(1, 2)
+    if residual is not None:
+        diag = torch.diagonal(probs, dim1=-2, dim2=-1).transpose(1, 2)  # (B, T, H)
+        own = torch.einsum("bth,bthd->btd", diag, proj_j) + residual
+        idx = torch.arange(t, device=dist.device)
+        dist[:, idx, idx] = (target - own).abs().sum(-1)
+    return dist
+
+
+def _tiled_distances(
+    probs: Tensor, proj_j: Tensor, residual: Optional[Tensor], target: Tensor, chunk_rows: Optional[int], causal: bool,
+    tile_bytes: int,
+) -> Tensor:
+    r"""(B, T, T) distances |s_i y_i - part_ij|_1 by the eager tile kernel (see the module docstring)."""
+    b, t, _, d = proj_j.shape
+    nb, nr, nc = tile_for_cache(b, t, d, proj_j.element_size(), chunk_rows, tile_bytes)
+    dist_all = target.new_zeros(b, t, t)
+    # One buffer reused by every tile: no page faults, and the passes of sub/abs/sum read
+    # what the product has just written while it is still in cache.
+    buf = proj_j.new_empty(nb * nr * nc * d)
     for b0 in range(0, b, nb):
         bs = slice(b0, min(b, b0 + nb))
         n_b = bs.stop - bs.start
@@ -92,12 +228,5 @@ def alti_map(
                 if residual is not None and lo < hi:
                     r_idx = torch.arange(lo, hi, device=parts.device)
                     parts[:, r_idx - c0, r_idx - r0] += residual[bs, lo:hi]
-                dist = parts.sub_(tgt).abs_().sum(-1).transpose(1, 2)  # (b, R, C)
-                if row_scale is not None:
-                    dist.div_(row_scale[bs, r0:r1, None])
-                out[bs, r0:r1, c0:c1] = torch.sub(y_l1[bs, r0:r1, None], dist).clamp_min_(0)
-    del buf
-    out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
-    if causal:
-        out.tril_()
-    return row_normalize(out)
+                dist_all[bs, r0:r1, c0:c1] = parts.sub_(tgt).abs_().sum(-1).transpose(1, 2)  # (b, R, C)
+    return dist_all

@@ -96,6 +96,57 @@ def attention_parts_rows(probs: Tensor, projected: Tensor, rows: slice) -> Tenso
     return torch.einsum("bhij,bhjd->bijd", probs[:, :, rows], projected)
 
 
+def _gram_and_diagonal(probs: Tensor, values: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""Per-token Gram matrices (B, T, H, H) of the vectors f^h(x_j) A = v^h_j w^h, and the
+    attention part of every token in itself, sum_h alpha^h_jj f^h(x_j) A, (B, T, D).
+
+    Built from cache-sized blocks of tokens: the (tokens, H, D) projections are H times
+    larger than the hidden states and never exist for all tokens at once.
+    """
+    b, h, t = values.shape[:3]
+    d = w.shape[-1]
+    gram = values.new_empty(b, t, h, h)
+    diag = values.new_empty(b, t, d)
+    alpha_jj = torch.diagonal(probs, dim1=-2, dim2=-1).transpose(1, 2).reshape(b * t, 1, h)  # (B T, 1, H)
+    flat_v, flat_g, flat_d = values.transpose(1, 2).reshape(b * t, h, -1), gram.view(b * t, h, h), diag.view(b * t, 1, d)
+    step = max(MIN_TILE_ROWS, CACHE_TILE_BYTES // max(1, h * d * values.element_size()))
+    for s0 in range(0, b * t, step):
+        s1 = min(b * t, s0 + step)
+        projected = torch.einsum("nhk,hkd->nhd", flat_v[s0:s1], w)  # f^h(x_j) A
+        torch.matmul(projected, projected.transpose(-1, -2), out=flat_g[s0:s1])
+        torch.matmul(alpha_jj[s0:s1], projected, out=flat_d[s0:s1])
+    return gram, diag
+
+
+def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
+    r"""(B, T, T) squared norms alpha_ij^T G_j alpha_ij of the attention parts (diagonal included).
+
+    Blocks of source tokens j, laid out (B, C, R, H) once per block so that both products
+    read contiguous memory; causal: rows i < c0 have no part from j >= c0 (skipped, 0).
+    """
+    b, h, t = probs.shape[:3]
+    sq = probs.new_zeros(b, t, t) if causal else probs.new_empty(b, t, t)
+    cols = rows_for_budget(b, t, h, probs.element_size(), GRAM_CHUNK_MB, temporaries=2)
+    cols = min(t, max(MIN_TILE_ROWS, min(cols, CACHE_TILE_BYTES // max(1, b * t * h * probs.element_size()))))
+    for c0 in range(0, t, cols):
+        c1 = min(t, c0 + cols)
+        r0 = c0 if causal else 0
+        mix = probs[:, :, r0:, c0:c1].permute(0, 3, 2, 1).contiguous()  # (B, C, R, H)
+        quad = torch.matmul(mix, gram[:, c0:c1]).mul_(mix).sum(-1)  # (B, C, R): alpha^T G alpha
+        sq[:, r0:, c0:c1] = quad.transpose(1, 2)
+        del mix, quad
+    return sq
+
+
+def _finish_norms(sq: Tensor, diag_sq: Tensor, row_scale: Optional[Tensor]) -> Tensor:
+    t = sq.shape[-1]
+    idx = torch.arange(t, device=sq.device)
+    sq[:, idx, idx] = diag_sq
+    if row_scale is not None:
+        sq.div_(row_scale.pow(2).unsqueeze(-1))
+    return sq.clamp_min_(0).sqrt_()
+
+
 def part_norms_gram(
     probs: Tensor,
     values: Tensor,
@@ -117,7 +168,9 @@ def part_norms_gram(
         values: (B, H, T, Dh).
         head_weight: (H, Dh, D).
         diagonal_parts: (B, T, D) the full part of token i in itself, before A.
-        lin_map: optional (D, D) map A (centering and gamma scalings of the norms).
+        lin_map: optional map A: a (D, D) matrix or a
+            :class:`~captum_normattr.decompose.layer_norm.NormLinearMap` (centering and
+            gamma scalings of the norms).
         row_scale: optional (B, T) divisor s_i per receiving token.
         causal: the probabilities are lower-triangular: the blocks skip the rows i < j
             (their entries are 0).
@@ -125,38 +178,11 @@ def part_norms_gram(
     Returns:
         (B, T, T) norms, entry [b, i, j].
     """
-    b, h, t = values.shape[:3]
     w = head_weight if lin_map is None else head_weight @ lin_map
-    # Per-token Gram matrices (B, T, H, H) of the vectors f^h(x_j) A, from cache-sized blocks of
-    # tokens: the (tokens, H, D) projections are H times larger than the hidden states.
-    d = w.shape[-1]
-    gram = values.new_empty(b, t, h, h)
-    flat_v, flat_g = values.transpose(1, 2).reshape(b * t, h, -1), gram.view(b * t, h, h)
-    step = max(MIN_TILE_ROWS, CACHE_TILE_BYTES // max(1, h * d * values.element_size()))
-    for s0 in range(0, b * t, step):
-        s1 = min(b * t, s0 + step)
-        projected = torch.einsum("nhk,hkd->nhd", flat_v[s0:s1], w)  # f^h(x_j) A
-        torch.matmul(projected, projected.transpose(-1, -2), out=flat_g[s0:s1])
-    del projected
-    sq = probs.new_zeros(b, t, t) if causal else probs.new_empty(b, t, t)
-    # Blocks of source tokens j, laid out (B, C, R, H) once per block so that both products
-    # read contiguous memory; causal: rows i < c0 have no part from j >= c0 (skipped).
-    cols = rows_for_budget(b, t, h, probs.element_size(), GRAM_CHUNK_MB, temporaries=2)
-    cols = min(t, max(MIN_TILE_ROWS, min(cols, CACHE_TILE_BYTES // max(1, b * t * h * probs.element_size()))))
-    for c0 in range(0, t, cols):
-        c1 = min(t, c0 + cols)
-        r0 = c0 if causal else 0
-        mix = probs[:, :, r0:, c0:c1].permute(0, 3, 2, 1).contiguous()  # (B, C, R, H)
-        quad = torch.matmul(mix, gram[:, c0:c1]).mul_(mix).sum(-1)  # (B, C, R): alpha^T G alpha
-        sq[:, r0:, c0:c1] = quad.transpose(1, 2)
-        del mix, quad
+    gram, _ = _gram_and_diagonal(probs, values, w)
+    sq = _quadratic_norms(probs, gram, causal)
     diag = diagonal_parts if lin_map is None else diagonal_parts @ lin_map
-    diag_sq = diag.pow(2).sum(-1)
-    idx = torch.arange(t, device=probs.device)
-    sq[:, idx, idx] = diag_sq
-    if row_scale is not None:
-        sq.div_(row_scale.pow(2).unsqueeze(-1))
-    return sq.clamp_min_(0).sqrt_()
+    return _finish_norms(sq, diag.pow(2).sum(-1), row_scale)
 
 
 def norm_maps_and_ratios(
@@ -175,7 +201,10 @@ def norm_maps_and_ratios(
 
     Every map is the norm of (sum_h alpha^h_ij f^h(x_j) + [i=j, with residual] residual_i) A / s_i
     for the (A, s, with_residual) that ``spec(name)`` returns; post-LN and pre-LN layers
-    differ only in their ``spec`` and in what the residual and the total are.
+    differ only in their ``spec`` and in what the residual and the total are. The
+    attention part of each token in itself is taken from the Gram blocks' projections
+    (no separate product through W_O), and A is applied to vectors only (O(D) per vector
+    for a :class:`~captum_normattr.decompose.layer_norm.NormLinearMap`).
 
     Args:
         probs: (B, H, T, T); values: (B, H, T, Dh); head_weight: (H, Dh, D).
@@ -183,7 +212,7 @@ def norm_maps_and_ratios(
         total_with_residual: (B, T, D) sum over j of the parts including the residual
             (bias parts excluded), taken from the real tensors.
         names: the maps to compute.
-        spec: name -> (A (D, D) or None, row scale (B, T) or None, with_residual).
+        spec: name -> (A (D, D) matrix, NormLinearMap or None, row scale (B, T) or None, with_residual).
         mask2d: (B, T, T) mask applied to every map.
         valid: (B, T) bool.
         causal: lower-triangular probabilities (see :func:`part_norms_gram`).
@@ -191,14 +220,17 @@ def norm_maps_and_ratios(
     Returns:
         (maps name -> (B, T, T), ratios name -> (B, T)).
     """
-    attn_diag = diagonal_attention_parts(probs, values, head_weight)
     maps: Dict[str, Tensor] = {}
     ratios: Dict[str, Tensor] = {}
     for name in names:
         lin, scale, with_res = spec(name)
-        own = attn_diag + residual if with_res else attn_diag
+        w = head_weight if lin is None else head_weight @ lin
+        gram, attn_diag = _gram_and_diagonal(probs, values, w)  # attn_diag: already through A
+        sq = _quadratic_norms(probs, gram, causal)
+        del gram
         total = total_with_residual if with_res else total_with_residual - residual
-        maps[name] = part_norms_gram(probs, values, head_weight, own, lin, scale, causal).mul_(mask2d)
-        own_m, total_m = (own, total) if lin is None else (own @ lin, total @ lin)
+        own_m = attn_diag + (residual if lin is None else residual @ lin) if with_res else attn_diag
+        total_m = total if lin is None else total @ lin
+        maps[name] = _finish_norms(sq, own_m.pow(2).sum(-1), scale).mul_(mask2d)
         ratios[name] = mixing_ratio(total_m, own_m) * valid.to(total.dtype)
     return maps, ratios

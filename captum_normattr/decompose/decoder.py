@@ -40,7 +40,7 @@ from captum_normattr.decompose.attention import (
     norm_maps_and_ratios,
     project_values,
 )
-from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_linear_map, norm_scale
+from captum_normattr.decompose.layer_norm import NormLinearMap, apply_norm_to_parts, norm_bias_part, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
@@ -70,7 +70,11 @@ def _out_bias(layer: LayerTensors) -> Tensor:
 
 
 def attention_update_sum(layer: LayerTensors) -> Tensor:
-    r"""sum_j sum_h alpha^h_ij f^h(LN1(x_j)) from probabilities and values (no bias), (B, T, D)."""
+    r"""sum_j sum_h alpha^h_ij f^h(LN1(x_j)) (no bias), (B, T, D): from the recorded attention
+    context when there is one (no second product over the probabilities), else from
+    probabilities and values."""
+    if layer.context is not None:
+        return layer.attention_sum()
     return heads_through_out(attention_context(layer.probs, layer.values, layer.causal), layer.head_out_weight())
 
 
@@ -93,7 +97,7 @@ def pre_ln_norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tenso
         return None, None, True
     if name == "N_RESLN":
         d = layer.hidden_in.shape[-1]
-        lin = norm_linear_map(layer.ln2, d, layer.hidden_in.dtype, layer.hidden_in.device)
+        lin = NormLinearMap(layer.ln2, dim=d, dtype=layer.hidden_in.dtype, device=layer.hidden_in.device)
         return lin, norm_scale(layer.ln2_in, layer.ln2), True
     check_pre_ln_map(name)
     raise ValueError(f"map {name!r} is not a norm map; choose from {PRE_LN_NORM_MAPS}")

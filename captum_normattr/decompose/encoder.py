@@ -13,7 +13,7 @@ from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map
 from captum_normattr.decompose.attention import attention_context, heads_through_out, norm_maps_and_ratios, project_values
-from captum_normattr.decompose.layer_norm import norm_linear_map, norm_scale
+from captum_normattr.decompose.layer_norm import NormLinearMap, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask, ratio_residual
 from captum_normattr.decompose.records import LayerTensors
 
@@ -31,7 +31,8 @@ def norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tensor], Opt
         name: one of :data:`NORM_MAPS`.
 
     Returns:
-        (A or None, row_scale (B, T) or None, with_residual).
+        (A or None, row_scale (B, T) or None, with_residual); A is a
+        :class:`~captum_normattr.decompose.layer_norm.NormLinearMap` (``x @ A`` in O(D)).
     """
     d = layer.hidden_in.shape[-1]
     dtype, device = layer.hidden_in.dtype, layer.hidden_in.device
@@ -39,14 +40,12 @@ def norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tensor], Opt
         return None, None, False
     if name == "N_RES":
         return None, None, True
-    ln1_map = norm_linear_map(layer.ln1, d, dtype, device)
     s1 = norm_scale(layer.ln1_in, layer.ln1)
     if name == "N_RESLN":
-        return ln1_map, s1, True
+        return NormLinearMap(layer.ln1, dim=d, dtype=dtype, device=device), s1, True
     if name == "N_ENC":
-        ln2_map = norm_linear_map(layer.ln2, d, dtype, device)
         s2 = norm_scale(layer.ln2_in, layer.ln2)
-        return ln1_map @ ln2_map, s1 * s2, True
+        return NormLinearMap(layer.ln1, layer.ln2, dim=d, dtype=dtype, device=device), s1 * s2, True
     raise ValueError(f"unknown norm map {name!r}; choose from {NORM_MAPS}")
 
 
@@ -111,7 +110,7 @@ def post_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[in
         (B, T, T), valid rows summing to 1.
     """
     d = layer.hidden_in.shape[-1]
-    ln1_map = norm_linear_map(layer.ln1, d, layer.hidden_in.dtype, layer.hidden_in.device)
+    ln1_map = NormLinearMap(layer.ln1, dim=d, dtype=layer.hidden_in.dtype, device=layer.hidden_in.device)
     projected = project_values(layer.values, layer.head_out_weight(), ln1_map)
     residual = layer.hidden_in @ ln1_map
     scale = norm_scale(layer.ln1_in, layer.ln1)
@@ -132,7 +131,10 @@ def post_ln_ln1_parts_sum(layer: LayerTensors) -> Tensor:
     """
     from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
 
-    attn = heads_through_out(attention_context(layer.probs, layer.values), layer.head_out_weight())
+    if layer.context is not None:  # the product the recording attention already computed
+        attn = layer.attention_sum()
+    else:
+        attn = heads_through_out(attention_context(layer.probs, layer.values), layer.head_out_weight())
     parts_sum = apply_norm_to_parts(attn + layer.hidden_in, layer.ln1_in, layer.ln1)
     return parts_sum + norm_bias_part(layer.out_bias, layer.ln1_in, layer.ln1)
 

@@ -81,6 +81,9 @@ class LayerTensors:
         causal: True when the self-attention is causal (decoders): every map is
             lower-triangular and chunked paths skip the all-zero upper triangle.
         index: the layer's position in the stack (0 = first).
+        context: the attention context sum_j alpha^h_ij v^h_j that the recording attention
+            computed, (B, T, H, Dh) (query-major, as it enters W_O), or None (then it is
+            recomputed from ``probs`` and ``values`` where needed).
     """
 
     hidden_in: Tensor
@@ -100,6 +103,7 @@ class LayerTensors:
     ff: Optional[FFParams] = None
     causal: bool = False
     index: int = 0
+    context: Optional[Tensor] = None
 
     @property
     def num_heads(self) -> int:
@@ -109,3 +113,15 @@ class LayerTensors:
         r"""The output projection split per head: (H, Dh, D)."""
         h = self.num_heads
         return self.out_weight.reshape(h, -1, self.out_weight.shape[-1])
+
+    def attention_sum(self) -> Tensor:
+        r"""sum_j sum_h alpha^h_ij v^h_j W_O^h (bias b_O excluded), (B, T, D).
+
+        From the recorded :attr:`context` (the one product the forward pass computed)
+        when there is one, else recomputed from ``probs`` and ``values``.
+        """
+        b, h, t, dh = self.values.shape
+        if self.context is not None:
+            return self.context.reshape(b, t, h * dh) @ self.out_weight
+        ctx = self.probs @ self.values  # (B, H, T, Dh)
+        return ctx.transpose(1, 2).reshape(b, t, h * dh) @ self.out_weight

@@ -126,7 +126,7 @@ def _recording_attention(
         position_bias=kwargs.get("position_bias"),
     )
     for recorder in watching:
-        recorder.record_attention(module, probs, values)
+        recorder.record_attention(module, probs, values, out if not (module.training and dropout > 0) else None)
     return out, probs
 
 
@@ -238,12 +238,15 @@ class Recorder:
     def _mine(self) -> bool:
         return self in _active()
 
-    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor) -> None:
+    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor, context: Optional[Tensor] = None) -> None:
+        r"""Keep a watched module's probabilities, values and (if given) attention context (B, T, H, Dh)."""
         idx = self._attn_index.get(id(module))
         if idx is not None:
             rec = self.records.setdefault(idx, {})
             rec["probs"] = probs.detach()
             rec["values"] = values.detach()
+            if context is not None:
+                rec["context"] = context.detach()
 
     def _hooks(self) -> list:
         a = self.adapter
@@ -336,6 +339,7 @@ class Recorder:
             hidden_in=cast(rec["hidden_in"]),
             probs=cast(rec["probs"]),
             values=cast(rec["values"]),
+            context=cast(rec.get("context")),
             out_weight=cast(w_o),
             out_bias=cast(b_o),
             ln1=norm_params(get_path(layer, a.ln1), a.norm_kind, dtype, device),
