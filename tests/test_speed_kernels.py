@@ -68,10 +68,14 @@ def test_tile_for_cache_respects_the_row_cap():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiled_alti_kernel_matches_explicit_parts(causal):
-    r"""The fused torch.compile kernel (forced on, float64) gives the explicit-parts map to 1e-12."""
+@pytest.mark.parametrize("block_bytes", [None, 1])
+def test_compiled_alti_kernel_matches_explicit_parts(causal, block_bytes, monkeypatch):
+    r"""The fused torch.compile kernel (forced on, float64) gives the explicit-parts map to 1e-12,
+    in one row block or in the smallest blocks its memory bound allows."""
     from captum_normattr.decompose import alti
 
+    if block_bytes is not None:
+        monkeypatch.setattr(alti, "FUSED_BLOCK_BYTES", block_bytes)
     gen = torch.Generator().manual_seed(1)
     b, h, t, d = 2, 3, 37, 8
     probs = _probs(b, h, t, causal, gen)

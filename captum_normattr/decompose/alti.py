@@ -34,6 +34,10 @@ ALTI_TILE_BYTES = 16 * 2**20
 #: Pairs x width (B T^2 D) of a layer from which the compiled kernel is used by default: smaller
 #: layers never repay a compilation (seconds, once per process, cached on disk by torch).
 COMPILE_MIN_ELEMENTS = 2**24
+#: Bytes of the parts of one call of the compiled kernel, were they written out: the fused kernel
+#: keeps them in registers, but bounding its row blocks keeps memory bounded too where torch
+#: runs the function eagerly instead (e.g. after too many recompilations).
+FUSED_BLOCK_BYTES = 256 * 2**20
 #: Environment variable: ``0`` disables the compiled kernel, ``1`` uses it at every size.
 COMPILE_ENV = "CAPTUM_NORMATTR_COMPILE"
 
@@ -182,12 +186,15 @@ def _fused_distances(kernel, probs: Tensor, proj_j: Tensor, residual: Optional[T
     r"""(B, T, T) distances |s_i y_i - part_ij|_1 by the compiled kernel (see the module docstring).
 
     Row blocks of max(16, T / 16) rows for causal attention (source tokens up to the block's
-    last row only), all rows at once otherwise. The diagonal, whose part also holds the
+    last row only), and never more rows than :data:`FUSED_BLOCK_BYTES` of parts would fill. The diagonal, whose part also holds the
     residual term, is recomputed afterwards, O(B T H D).
     """
     b, t = target.shape[:2]
     dist = target.new_zeros(b, t, t)
-    step = max(MIN_TILE_ROWS, -(-t // 16)) if causal else t
+    per_row = b * t * proj_j.shape[-1] * proj_j.element_size()  # bytes of one query row's parts
+    step = max(MIN_TILE_ROWS, FUSED_BLOCK_BYTES // max(1, per_row))
+    if causal:
+        step = min(step, max(MIN_TILE_ROWS, -(-t // 16)))
     for r0 in range(0, t, step):
         r1 = min(t, r0 + step)
         last = r1 if causal else t
