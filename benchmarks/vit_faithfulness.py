@@ -16,12 +16,13 @@ the rounds. (Patch 4, one original pixel per patch, reached only 0.70 after 40 e
 token holding a single pixel value learns slowly.)
 
 Methods (patch scores; [CLS] excluded): GlobEnc (pre-LN default map N_RESLN), ALTI,
-ALTI+FF (pre-LN, :class:`PreLNALTIFF` below: the package refuses ALTI+FF for pre-LN
-models), GlobEnc+FF (whole layer, RES2), DecompX (signed, predicted class), attention rollout (Abnar and Zuidema:
-0.5 mean-head attention + 0.5 I, rolled out; GlobEnc's ``W_FIXEDRES`` map), Captum's
-Saliency (|gradient| summed over the patch's pixels), InputXGradient and
-IntegratedGradients (Captum's default 50 steps, baseline the all-background image -1; signed, summed
-over the patch's pixels), and a random ranking.
+ALTI+FF (``FFIntegratedDecomposition(contribution="alti")``: ALTI's L1 contribution of the
+whole-layer parts against the real layer output, RES2), GlobEnc+FF (whole layer, RES2),
+DecompX (signed, predicted class), attention rollout (Abnar and Zuidema: 0.5 mean-head
+attention + 0.5 I, rolled out; GlobEnc's ``W_FIXEDRES`` map), Captum's Saliency (|gradient|
+summed over the patch's pixels), InputXGradient and IntegratedGradients (Captum's default 50
+steps, baseline the all-background image -1; signed, summed over the patch's pixels), and a
+random ranking.
 
 Protocol: patches ranked by score (most relevant first, MoRF, and least relevant first,
 LeRF; ties by position). Deletion: patches replaced by the background value -1, k = 0, 1,
@@ -50,10 +51,6 @@ from captum.attr import InputXGradient, IntegratedGradients, Saliency  # noqa: E
 from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
 
 from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution  # noqa: E402
-from captum_normattr.attr.base import LayerContribution  # noqa: E402
-from captum_normattr.decompose.alti import l1_contributions  # noqa: E402
-from captum_normattr.decompose.decoder import pre_ln_ff_parts, residual_parts  # noqa: E402
-from captum_normattr.decompose.mixing import pair_mask, row_normalize  # noqa: E402
 
 PATCH, SIDE, BACKGROUND = 4, 32, -1.0
 
@@ -100,45 +97,6 @@ def train(model, x, y, epochs: int, seed: int = 0, lr: float = 3e-3, batch: int 
     return loss.item()
 
 
-class PreLNALTIFF(FFIntegratedDecomposition):
-    r"""ALTI+FF for pre-LN layers (benchmark only: the package refuses ``contribution="alti"`` there).
-
-    Per layer, the whole-layer parts out_{i<-j} = h_{i<-j} + FF_{i<-j} (the attention block
-    with its residual, plus the FF parts of ``pre_ln_ff_parts``: closed-form integrated
-    gradients of the activation) are scored as ALTI scores them, max(0, |out_i|_1 -
-    |out_i - out_{i<-j}|_1) against the real layer output, rows normalised, then rolled out
-    like ALTI. The completeness of the parts (parts + bias part = real layer output) is
-    checked per layer and reported as ``layer_completeness_error``.
-    """
-
-    def __init__(self, model, chunk: int = 16):
-        super().__init__(model)
-        self.chunk = chunk
-
-    def layer_contribution(self, layer, valid, keep_maps):
-        b, t, _ = layer.hidden_in.shape
-        c = layer.hidden_in.new_zeros(b, t, t)
-        err = layer.hidden_in.new_zeros(b)
-        out_bias = layer.out_bias if layer.out_bias is not None else 0.0
-        cache = {}
-        for start in range(0, t, self.chunk):
-            rows = slice(start, min(t, start + self.chunk))
-            parts = residual_parts(layer, rows)
-            ffp, ff_b = pre_ln_ff_parts(layer, rows, cache=cache)
-            parts.add_(ffp)
-            real = layer.layer_out[:, rows]
-            err = torch.maximum(err, (parts.sum(2) + out_bias + ff_b - real).abs().flatten(1).amax(1))
-            c[:, rows] = l1_contributions(parts, real)
-        m = row_normalize(c * pair_mask(valid, c.dtype))
-        return LayerContribution(
-            map=m,
-            errors={"completeness_error": err.max(), "layer_completeness_error": err.max(), "example_completeness_error": err},
-        )
-
-    def get_name(self) -> str:
-        return "ALTI+FF (pre-LN, benchmark)"
-
-
 def patch_sum(attr: torch.Tensor) -> torch.Tensor:
     r"""(B, C, H, W) pixel attributions -> (B, N) patch sums (row-major)."""
     b = attr.shape[0]
@@ -151,7 +109,7 @@ def methods(model):
     sal, ixg, ig = Saliency(fwd), InputXGradient(fwd), IntegratedGradients(fwd)
     ge, al = GlobEncAttribution(model), ALTIAttribution(model)
     ff, dx = FFIntegratedDecomposition(model), DecompXAttribution(model)
-    alti_ff = PreLNALTIFF(model)
+    alti_ff = FFIntegratedDecomposition(model, contribution="alti")
     roll = GlobEncAttribution(model, map_name="W_FIXEDRES")
 
     def tokens(a):
@@ -216,7 +174,7 @@ def completeness(name, model, x, target) -> float:
     x = x[:50]
     if name == "DecompX":
         return DecompXAttribution(model).decompose(x, target=target[:50]).delta.max().item()
-    attr = PreLNALTIFF(model) if name == "ALTI+FF" else FFIntegratedDecomposition(model)
+    attr = FFIntegratedDecomposition(model, contribution="alti" if name == "ALTI+FF" else "norm")
     return attr.decompose(x, return_layer_maps=False, return_rollout=False).extras["layer_completeness_error"].max().item()
 
 

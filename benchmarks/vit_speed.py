@@ -16,8 +16,7 @@ Methods whose cost is many forward passes (``--small-methods``: GlobEnc+FF, ALTI
 (not run by default: every scope costs what GlobEnc+FF costs) and IntegratedGradients, Captum's
 default 50 steps) are timed at ``--small-batch`` instead
 of ``--batch`` (with the forward pass at that batch): every row of the output says its
-batch. ALTI+FF for pre-LN layers is the benchmark-only class of ``vit_faithfulness.py`` (the
-package's ``FFIntegratedDecomposition(contribution="alti")`` is for post-LN encoders).
+batch. ALTI+FF is ``FFIntegratedDecomposition(contribution="alti")``.
 Writes the JSON to ``--out`` and prints a Markdown table.
 """
 from __future__ import annotations
@@ -33,13 +32,11 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 from captum.attr import InputXGradient, IntegratedGradients, Saliency  # noqa: E402
 from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
 
 from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution  # noqa: E402
-from vit_faithfulness import PreLNALTIFF  # noqa: E402
 
 ALL = ["GlobEnc", "ALTI", "DecompX", "Saliency", "InputXGradient", "GlobEnc+FF", "ALTI+FF", "FF decomposition (FF scope)",
        "IntegratedGradients"]
@@ -63,7 +60,7 @@ def calls(model, x, interpolate: bool = False):
         "DecompX": lambda: DecompXAttribution(model).attribute(x, target=target),
         "FF decomposition (FF scope)": lambda: FFIntegratedDecomposition(model, scope="FF").attribute(x),
         "GlobEnc+FF": lambda: FFIntegratedDecomposition(model).attribute(x),
-        "ALTI+FF": lambda: PreLNALTIFF(model).attribute(x),
+        "ALTI+FF": lambda: FFIntegratedDecomposition(model, contribution="alti").attribute(x),
         "Saliency": lambda: Saliency(fwd).attribute(x, target=target),
         "InputXGradient": lambda: InputXGradient(fwd).attribute(x, target=target),
         "IntegratedGradients": lambda: IntegratedGradients(fwd).attribute(x, target=target, internal_batch_size=len(x)),

@@ -22,7 +22,7 @@ METHODS = [
     ("globenc", lambda m: GlobEncAttribution(m), False, False),
     ("alti", lambda m: ALTIAttribution(m), False, False),
     ("globenc+ff", lambda m: FFIntegratedDecomposition(m), False, False),
-    ("alti+ff", lambda m: FFIntegratedDecomposition(m, contribution="alti"), False, True),
+    ("alti+ff", lambda m: FFIntegratedDecomposition(m, contribution="alti"), False, False),
     ("alti-logit", lambda m: ALTILogitAttribution(m), True, False),
     ("decompx-adjoint", lambda m: DecompXAttribution(m, algorithm="adjoint"), False, False),
     ("decompx-forward", lambda m: DecompXAttribution(m, algorithm="forward"), False, False),

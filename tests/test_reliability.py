@@ -33,7 +33,7 @@ ENCODER = {
     "decompx_spread": lambda m: DecompXAttribution(m, bias_mode="spread"),
 }
 DECODER = dict(
-    {k: v for k, v in ENCODER.items() if k != "ff_alti"},  # ALTI+FF is a post-LN analysis
+    ENCODER,
     alti_logit=lambda m: ALTILogitAttribution(m),
 )
 SIGNED = ("decompx", "alti_logit")

@@ -1,4 +1,4 @@
-r"""Feed-forward-inclusive decomposition of post-LN encoders (Kobayashi et al. 2023): GlobEnc+FF, ALTI+FF."""
+r"""Feed-forward-inclusive decomposition (Kobayashi et al. 2023): GlobEnc+FF, ALTI+FF, post-LN and pre-LN."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple, Union
@@ -30,7 +30,8 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
 
     Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``ATB`` = |h_{i<-j}| (attention block with
     residual), ``LN2`` = LN2-output parts (the FF input), ``FF`` = FF-output parts, ``RES2`` =
-    the whole layer output h + FF (the default for them). A gated FF (SwiGLU) is integrated by
+    the whole layer output h + FF (the default for them; with ``contribution="alti"`` this is
+    ALTI+FF, every scope scored against its real output). A gated FF (SwiGLU) is integrated by
     Gauss-Legendre quadrature with ``nodes`` nodes; its completeness error is the delta.
 
     Args:
@@ -49,7 +50,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             512 tokens decomposes in a few hundred MB).
         ignore_low_gamma: share of LayerNorm dimensions with the lowest gamma ignored in the
             norms of the LN-output scopes ATB and LN2 (Kobayashi et al. 2023 use 0.01);
-            0 (default) ignores none; ``"norm"`` contribution only.
+            0 (default) ignores none; ``"norm"`` contribution and post-LN models only.
 
     Examples::
 

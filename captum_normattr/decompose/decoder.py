@@ -31,8 +31,9 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.alti import alti_map
+from captum_normattr.decompose.alti import alti_map, l1_contributions
 from captum_normattr.decompose.chunking import rows_for_budget
+from captum_normattr.decompose.feed_forward import CONTRIBUTIONS
 from captum_normattr.decompose.attention import (
     attention_context,
     attention_parts_rows,
@@ -41,7 +42,7 @@ from captum_normattr.decompose.attention import (
     project_values,
 )
 from captum_normattr.decompose.layer_norm import NormLinearMap, apply_norm_to_parts, norm_bias_part, norm_scale
-from captum_normattr.decompose.mixing import fixed_residual, pair_mask
+from captum_normattr.decompose.mixing import fixed_residual, pair_mask, row_normalize
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
 
@@ -177,6 +178,14 @@ def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Opti
 
 #: Component scopes of a pre-LN layer, in the order of the layer (docs/design.md, section 6, feed-forward).
 PRE_LN_SCOPES: Tuple[str, ...] = ("ATB", "LN2", "FF", "RES2")
+#: The real tensor each pre-LN scope's parts (plus bias part) sum to, a :class:`LayerTensors` field:
+#: what ALTI contributions of the scope are measured against.
+PRE_LN_SCOPE_OUTPUTS: Dict[str, str] = {"ATB": "ln2_in", "LN2": "ln2_out", "FF": "ff_out", "RES2": "layer_out"}
+
+
+def pre_ln_scope_outputs(layer: LayerTensors) -> Dict[str, Tensor]:
+    r"""The real output of every pre-LN scope, (B, T, D) (see :data:`PRE_LN_SCOPE_OUTPUTS`)."""
+    return {s: getattr(layer, field) for s, field in PRE_LN_SCOPE_OUTPUTS.items()}
 
 
 def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[Tensor]) -> Dict[str, Tensor]:
@@ -298,12 +307,19 @@ def pre_ln_component_scope_maps(
     nodes: Optional[int] = None,
     causal: bool = True,
     memory_budget_mb: float = 128.0,
+    contribution: str = "norm",
 ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
-    r"""Norm maps of the component scopes of a pre-LN layer, built in chunks of query rows.
+    r"""Maps of the component scopes of a pre-LN layer, built in chunks of query rows.
 
-    Scopes: ``ATB`` |h_{i<-j}| (attention block with its residual), ``LN2`` |LN2 parts| (the
-    FF input), ``FF`` |FF_{i<-j}| (FF output parts), ``RES2`` |h_{i<-j} + FF_{i<-j}| (the
-    whole layer output out_i = h_i + FF(LN2(h_i))).
+    Scope parts of token j in token i: ``ATB`` h_{i<-j} (attention block with its residual),
+    ``LN2`` the LN2 parts (the FF input), ``FF`` FF_{i<-j} (FF output parts), ``RES2``
+    h_{i<-j} + FF_{i<-j} (the whole layer output out_i = h_i + FF(LN2(h_i))). Each map entry
+    is the L2 norm of the part (``contribution="norm"``) or ALTI's L1 contribution
+    max(0, |y_i|_1 - |y_i - part_{i<-j}|_1) against the real output y_i of the scope
+    (:data:`PRE_LN_SCOPE_OUTPUTS`: h_i, LN2(h_i), FF(LN2(h_i)), the real layer output), real
+    rows normalised to sum to 1 after the pad and causal entries are zeroed, as for post-LN
+    layers (:func:`~captum_normattr.decompose.feed_forward.component_scope_maps`). With
+    ``"alti"``, ``ATB`` is the ALTI map (:func:`pre_ln_alti_map`) and ``RES2`` is ALTI+FF.
 
     Args:
         layer: the layer's tensors.
@@ -315,12 +331,16 @@ def pre_ln_component_scope_maps(
             and their entries are 0.
         memory_budget_mb: budget of one chunk's explicit parts (about four (B, R, T, max(D, F))
             temporaries), in MB.
+        contribution: ``"norm"`` (default) or ``"alti"`` (see above).
 
     Returns:
-        (maps, errors): maps scope -> (B, T, T); errors ``"ff"`` (scalar, max over real
+        (maps, errors): maps scope -> (B, T, T), pad rows and columns and (causal) the
+        entries j > i exactly 0; errors ``"ff"`` (scalar, max over real
         tokens of |FF parts + bias - real FF output|), ``"layer"`` (the same against the
         real layer output) and ``"ff_per_example"`` (B,).
     """
+    if contribution not in CONTRIBUTIONS:
+        raise ValueError(f"contribution must be one of {CONTRIBUTIONS}, got {contribution!r}")
     b, t, d = layer.hidden_in.shape
     if chunk_rows is None:
         width = max(d, layer.ff.width)
@@ -333,21 +353,30 @@ def pre_ln_component_scope_maps(
     layer_err = layer.hidden_in.new_zeros(b, t)
     bias_o = _out_bias(layer)
     cache: Dict[str, Dict[str, Tensor]] = {}
+    outputs = pre_ln_scope_outputs(layer)
+
+    def score(scope: str, parts: Tensor, rows: slice) -> Tensor:
+        if contribution == "norm":
+            return parts.norm(dim=-1)
+        return l1_contributions(parts, outputs[scope][:, rows])
+
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
         cols = rows.stop if causal else t  # causal: sources j > i have exactly zero parts
         h = residual_parts(layer, rows, cols)
-        maps["ATB"][:, rows, :cols] = h.norm(dim=-1)
-        maps["LN2"][:, rows, :cols] = apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2).norm(dim=-1)
+        maps["ATB"][:, rows, :cols] = score("ATB", h, rows)
+        maps["LN2"][:, rows, :cols] = score("LN2", apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2), rows)
         ffp, ff_b = pre_ln_ff_parts(layer, rows, method, steps, nodes, cache, cols)
-        maps["FF"][:, rows, :cols] = ffp.norm(dim=-1)
+        maps["FF"][:, rows, :cols] = score("FF", ffp, rows)
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         h.add_(ffp)
-        maps["RES2"][:, rows, :cols] = h.norm(dim=-1)
+        maps["RES2"][:, rows, :cols] = score("RES2", h, rows)
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, ffp
     m2 = pair_mask(valid, dtype, causal)
     maps = {s: v.mul_(m2) for s, v in maps.items()}
+    if contribution == "alti":
+        maps = {s: row_normalize(v) for s, v in maps.items()}
     vm = valid.to(dtype)
     ff_ex = (ff_err * vm).amax(-1)
     layer_ex = (layer_err * vm).amax(-1)

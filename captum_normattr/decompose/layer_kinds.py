@@ -154,14 +154,16 @@ class PreLNKind(LayerKind):
     def scope_maps(self, layer, valid, options):
         return decoder.pre_ln_component_scope_maps(
             layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,
-            options.memory_budget_mb,
+            options.memory_budget_mb, options.contribution,
         )
 
     def check_ff_options(self, options, family):
-        if options.contribution != "norm" or options.ignore_low_gamma:
+        if options.ignore_low_gamma:
             raise ValueError(
-                f"{family} is a pre-LN model: FFIntegratedDecomposition supports contribution='norm' "
-                "without ignore_low_gamma there (ALTI+FF and the LayerNorm-gamma ablation are post-LN analyses)"
+                f"{family} is a pre-LN model: ignore_low_gamma is not supported there. The LayerNorm-gamma "
+                "ablation of Kobayashi et al. 2023 acts on the LayerNorms that close the attention block and the "
+                "layer of a post-LN encoder; a pre-LN layer's norms sit before its blocks and no norm follows its "
+                "residuals. Use ignore_low_gamma=0 (contribution='norm' or 'alti' both work)"
             )
 
 

@@ -264,7 +264,8 @@ class Seq2SeqRecorder:
     def watches(self, module: nn.Module) -> bool:
         return id(module) in self._attn
 
-    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor) -> None:
+    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor, context: Optional[Tensor] = None) -> None:
+        r"""Keep a watched module's probabilities and values (ALTI+ needs no attention context)."""
         key = self._attn.get(id(module))
         if key is not None:
             rec = self.records.setdefault(key, {})
