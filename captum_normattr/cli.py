@@ -810,13 +810,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CLIError("--html-maps needs --format html (or an --output ending in .html)")
     if (args.html_maps or args.plots):
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib
         except ImportError:
             from captum_normattr.visualization import MISSING_MATPLOTLIB_MESSAGE
 
             raise CLIError(MISSING_MATPLOTLIB_MESSAGE) from None
-        import matplotlib
-
         matplotlib.use("Agg")
     given = list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
     if SUBCOMMAND in given:

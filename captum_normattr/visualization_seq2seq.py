@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from captum_normattr.visualization import _check_tokens, _finish, _new_figure, _shorten, _tick_fontsize, _to_numpy
