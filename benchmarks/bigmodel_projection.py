@@ -194,7 +194,7 @@ def table(rows: list, project_tokens: int, project_layers: int) -> str:
         name = {"globenc": "GlobEnc", "alti": "ALTI", "alti_logit": "ALTI-Logit", "decompx": "DecompX"}[r["method"]]
         if r.get("algorithm"):
             name += f" ({r['algorithm']})"
-        one = f(f"one_layer_gib") + ("" if r.get("one_layer_source") == "measured" else " (fit)")
+        one = f("one_layer_gib") + ("" if r.get("one_layer_source") == "measured" else " (fit)")
         out.append(f"| {name} | {f('extra_1_layer_1024_gib')} / {f('extra_2_layer_1024_gib')} "
                    f"| {f('extra_1_layer_2048_gib')} / {f('extra_2_layer_2048_gib')} "
                    f"| {f('per_layer_1024_gib', 3)} / {f('per_layer_2048_gib', 3)} | {f(f'peak_{L}_layers_2048_gib')} "

@@ -9,7 +9,6 @@ on the same ids.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -3,7 +3,7 @@ from layer_capture import capture_layers
 import torch
 from captum.attr import NoiseTunnel
 
-from captum_normattr import GLOBENC_MAPS, ALTIAttribution, GlobEncAttribution, UnsupportedModelError, rollout
+from captum_normattr import ALTIAttribution, GlobEncAttribution, UnsupportedModelError, rollout
 from captum_normattr.decompose.encoder import post_ln_alti_map, post_ln_layer_maps, post_ln_ln1_parts_sum
 from captum_normattr.decompose.mixing import row_normalize
 from captum_normattr.models.adapters import get_adapter

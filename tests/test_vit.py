@@ -26,7 +26,6 @@ from captum_normattr import (
 from captum_normattr.attr.images import spread_over_pixels
 from captum_normattr.decompose.decoder import pre_ln_alti_map, pre_ln_layer_maps, residual_parts
 from captum_normattr.decompose.feed_forward import ff_parts
-from captum_normattr.decompose.gated_feed_forward import gated_ff_parts
 
 SMALL = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_labels=3)
 FAMILIES = ["vit", "deit", "dinov2", "dinov2_reg"]
