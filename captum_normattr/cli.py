@@ -225,6 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- inputs
 
 
+def read_text_lines(path: Path, file: str) -> List[str]:
+    r"""The lines of a UTF-8 text file, or a :class:`CLIError` naming ``file``.
+
+    Args:
+        path: the file.
+        file: its name as the user gave it (for the message).
+
+    Returns:
+        Its lines, without line ends.
+    """
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise CLIError(f"{file} is not a UTF-8 text file") from None
+    except OSError as err:
+        raise CLIError(f"cannot read {file}: {err.strerror or err}") from None
+
+
 def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
     r"""Collect the texts from the positional arguments and ``--file``.
 
@@ -248,12 +266,7 @@ def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
                 raise CLIError(f"file not found: {file}")
             if not path.is_file():
                 raise CLIError(f"not a file: {file}")
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except UnicodeDecodeError:
-                raise CLIError(f"{file} is not a UTF-8 text file") from None
-            except OSError as err:
-                raise CLIError(f"cannot read {file}: {err.strerror or err}") from None
+            lines = read_text_lines(path, file)
         out.extend(line.strip() for line in lines if line.strip())
     if not out:
         raise CLIError("no text to explain: give TEXT arguments or --file PATH")

@@ -31,6 +31,7 @@ from captum_normattr.cli import (
     _resolve_device,
     _write,
     load_model,
+    read_text_lines,
 )
 from captum_normattr.registry import MethodSpec
 
@@ -91,12 +92,7 @@ def read_pairs(sources: Sequence[str], targets: Optional[Sequence[str]], file: O
             if path.suffix.lower() in (".json", ".jsonl", ".ndjson"):
                 raise CLIError(f"{file}: a pairs file is plain text, one 'source<TAB>target' pair (or one source) "
                                "per line; JSON is not read here")
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except UnicodeDecodeError:
-                raise CLIError(f"{file} is not a UTF-8 text file") from None
-            except OSError as err:
-                raise CLIError(f"cannot read {file}: {err.strerror or err}") from None
+            lines = read_text_lines(path, file)
         for n, line in enumerate(lines, start=1):
             if not line.strip():
                 continue

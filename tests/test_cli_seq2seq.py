@@ -15,27 +15,12 @@ import torch
 
 from captum_normattr import cli
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution, explain_generation
+from test_alti_plus import _perturb  # away from the near-zero init, so the shares are far from 0 and 1
 from test_cli import WORDS, _save_tiny  # the tiny BERT / GPT-2 folders of the text CLI's tests
 
 SRC_WORDS = "the cat dog sat ran on a mat".split()
 TGT_WORDS = "le chat chien est court sur un tapis".split()
 PAIRS = [("the cat sat on a mat", "le chat est sur un tapis"), ("a dog ran", "un chien court")]
-
-
-def _perturb(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # away from the near-zero init, so the shares are far from 0 and 1
-        for name, p in model.named_parameters():
-            if "embed_positions" in name:
-                continue
-            if "embed" in name or "shared" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-            elif p.dim() == 2:
-                p.copy_(0.25 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-            elif "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -459,14 +459,39 @@ def recording(
         >>> with recording(model, get_adapter(model), lambda layer: maps.append(layer.probs.mean(1))) as rec:
         ...     model(input_ids=ids, attention_mask=mask)
     """
-    _register()
     recorder = Recorder(model, adapter, dtype, on_layer, keep_calls)
+    with recorder_session(model, recorder, recorder._hooks):
+        try:
+            yield recorder
+        finally:
+            recorder.records.clear()
+            recorder.calls.clear()
+
+
+@contextlib.contextmanager
+def recorder_session(model: nn.Module, recorder: Any, install_hooks: Callable[[], list]) -> Iterator[Any]:
+    r"""Make ``recorder`` the recording of this thread for the block, with its hooks installed.
+
+    The one place that switches a model's attention to the recording function and back: on
+    exit (also after an error) the hooks are removed, the recorder leaves this thread's
+    stack and the model's attention implementation and per-module flags are restored.
+
+    Args:
+        model: the recorded model.
+        recorder: an object with ``record_attention(module, probs, values, context=None)``
+            and ``watches(module)`` (:class:`Recorder`, or the encoder-decoder recorder).
+        install_hooks: registers the recorder's hooks and returns their handles.
+
+    Yields:
+        ``recorder``.
+    """
+    _register()
     configs = _configs(model)
-    handles = []
+    handles: list = []
     stack = _active()
     _switch_on(model, configs)
     try:
-        handles = recorder._hooks()
+        handles = install_hooks()
         stack.append(recorder)
         yield recorder
     finally:
@@ -474,6 +499,4 @@ def recording(
             stack.remove(recorder)
         for h in handles:
             h.remove()
-        recorder.records.clear()
-        recorder.calls.clear()
         _switch_off(model, configs)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
-from captum_normattr.models.capture import _active, _configs, _register, _switch_off, _switch_on, norm_params
+from captum_normattr.models.capture import _active, norm_params, recorder_session
 
 __all__ = [
     "BLOCKS",
@@ -367,19 +367,6 @@ def recording_seq2seq(model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dt
         ...     model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
         >>> rec.block_tensors("decoder_cross", 0).probs.shape  # (B, H, T, S)
     """
-    _register()
     recorder = Seq2SeqRecorder(model, adapter, dtype)
-    configs = _configs(model)
-    handles: list = []
-    stack = _active()
-    _switch_on(model, configs)
-    try:
-        handles = recorder.hooks()
-        stack.append(recorder)
+    with recorder_session(model, recorder, recorder.hooks):
         yield recorder
-    finally:
-        if recorder in stack:
-            stack.remove(recorder)
-        for hd in handles:
-            hd.remove()
-        _switch_off(model, configs)
