@@ -186,7 +186,7 @@ def main() -> None:
         print(f"| {t} | {args.batch} | {s['forward']:.4f} | {s['closed_form']:.3f} | {s['riemann50']:.3f} | "
               f"{s['closed_form'] / s['forward']:.0f} | {s['riemann50'] / s['forward']:.0f} | "
               f"{s['riemann50'] / s['closed_form']:.2f} |", flush=True)
-    print(f"\npeak extra memory of one call on 1 example (RSS growth over the loaded model, polled every 2 ms; "
+    print("\npeak extra memory of one call on 1 example (RSS growth over the loaded model, polled every 2 ms; "
           f"default memory_budget_mb=128):")
     print("| tokens | forward (MB) | closed form (MB) | IG 50 steps (MB) |")
     print("|---:|---:|---:|---:|")
