@@ -187,7 +187,7 @@ def main() -> None:
               f"{s['closed_form'] / s['forward']:.0f} | {s['riemann50'] / s['forward']:.0f} | "
               f"{s['riemann50'] / s['closed_form']:.2f} |", flush=True)
     print("\npeak extra memory of one call on 1 example (RSS growth over the loaded model, polled every 2 ms; "
-          f"default memory_budget_mb=128):")
+          "default memory_budget_mb=128):")
     print("| tokens | forward (MB) | closed form (MB) | IG 50 steps (MB) |")
     print("|---:|---:|---:|---:|")
     for t in args.tokens:
