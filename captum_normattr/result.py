@@ -41,6 +41,10 @@ class AttributionResult:
 
     #: field name -> the token axes of the batched tensor (pads are dropped along them)
     TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {"scores": (1,)}
+    #: the axis kind (a key of :meth:`kept_positions`) over which ``explained_position`` counts
+    EXPLAINED_AXES: ClassVar[str] = "TOKEN_AXES"
+    #: fields that :meth:`example` leaves out
+    NOT_PER_EXAMPLE: ClassVar[Tuple[str, ...]] = ("method", "attention_mask", "extras", "explained_position")
 
     method: str
     scores: Tensor
@@ -73,23 +77,35 @@ class AttributionResult:
             tokens only; tensors without a batch axis as they are), ``method``, and
             ``explained_position`` as an int counted over the real tokens (or None).
         """
-        idx = self.real_tokens(index)
+        kept = self.kept_positions(index)
         out: Dict[str, Any] = {"method": self.method}
         for f in fields(self):
             name = f.name
-            if name in ("method", "attention_mask", "extras", "explained_position"):
+            if name in self.NOT_PER_EXAMPLE:
                 continue
             value = getattr(self, name)
             if not isinstance(value, Tensor) or value.dim() == 0:
                 out[name] = value
                 continue
             value = value[index]
-            for axis in self.TOKEN_AXES.get(name, ()):
-                value = value.index_select(axis - 1, idx.to(value.device))
+            for axes, idx in kept.items():
+                for axis in getattr(self, axes).get(name, ()):
+                    value = value.index_select(axis - 1, self.axis_positions(name, axis, idx).to(value.device))
             out[name] = value
         pos = self.explained_position
+        idx = kept[self.EXPLAINED_AXES]
         out["explained_position"] = None if pos is None else int((idx < int(pos[index])).sum())
         return out
+
+    def kept_positions(self, index: int) -> Dict[str, Tensor]:
+        r"""Example ``index``'s real positions per axis kind: the name of a class attribute
+        mapping fields to axes (``"TOKEN_AXES"``) -> (n,) long positions kept along them."""
+        return {"TOKEN_AXES": self.real_tokens(index)}
+
+    def axis_positions(self, name: str, axis: int, positions: Tensor) -> Tensor:
+        r"""The positions kept along ``axis`` (of the batched tensor) of field ``name``: by
+        default the real positions themselves (a subclass may keep extra columns)."""
+        return positions
 
     def aggregate(
         self,

@@ -8,7 +8,7 @@ sums to 1. The definition and its choices are in ``docs/seq2seq.md``; the mathem
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -67,6 +67,8 @@ class ALTIPlusResult(AttributionResult):
     """
 
     TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {"scores": (1,)}
+    EXPLAINED_AXES: ClassVar[str] = "TARGET_AXES"
+    NOT_PER_EXAMPLE: ClassVar[Tuple[str, ...]] = AttributionResult.NOT_PER_EXAMPLE + ("target_attention_mask",)
     #: field -> source token axes (of the batched tensor)
     SOURCE_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {
         "scores": (1,), "source_contributions": (2,), "encoder_maps": (2, 3), "encoder_rollout": (1, 2),
@@ -95,41 +97,20 @@ class ALTIPlusResult(AttributionResult):
         r"""(B, T) the share of the target prefix, 1 - source share (0 at pads)."""
         return self.target_contributions.sum(-1)
 
-    def example(self, index: int) -> Dict[str, Any]:
-        r"""One example's values with the pads of both sides removed.
+    def kept_positions(self, index: int) -> Dict[str, Tensor]:
+        r"""The real source tokens (``SOURCE_AXES``) and decoder positions (``TARGET_AXES``) of
+        example ``index``: :meth:`example` drops the pads of both sides, keeps the residual
+        column of ``decoder_cross_maps`` (last) and counts ``explained_position`` over the
+        real decoder positions."""
+        return {
+            "SOURCE_AXES": self.attention_mask[index].bool().nonzero().squeeze(-1),
+            "TARGET_AXES": self.target_attention_mask[index].bool().nonzero().squeeze(-1),
+        }
 
-        Args:
-            index: the example in the batch.
-
-        Returns:
-            dict: every tensor field at ``index`` with its source axes restricted to the
-            real source tokens and its target axes to the real decoder positions (the
-            residual column of ``decoder_cross_maps`` is kept, last); ``method``,
-            ``conventions``, and ``explained_position`` counted over the real decoder positions.
-        """
-        src = self.attention_mask[index].bool().nonzero().squeeze(-1)
-        tgt = self.target_attention_mask[index].bool().nonzero().squeeze(-1)
-        out: Dict[str, Any] = {"method": self.method, "conventions": self.conventions}
-        for f in fields(self):
-            name = f.name
-            if name in ("method", "attention_mask", "target_attention_mask", "extras", "explained_position", "conventions"):
-                continue
-            value = getattr(self, name)
-            if not isinstance(value, Tensor) or value.dim() == 0:
-                out[name] = value
-                continue
-            value = value[index]
-            for axis in self.SOURCE_AXES.get(name, ()):
-                idx = src.to(value.device)
-                if name == "decoder_cross_maps":  # keep the residual column (the last one)
-                    idx = torch.cat([idx, idx.new_tensor([value.shape[axis - 1] - 1])])
-                value = value.index_select(axis - 1, idx)
-            for axis in self.TARGET_AXES.get(name, ()):
-                value = value.index_select(axis - 1, tgt.to(value.device))
-            out[name] = value
-        pos = self.explained_position
-        out["explained_position"] = None if pos is None else int((tgt < int(pos[index])).sum())
-        return out
+    def axis_positions(self, name: str, axis: int, positions: Tensor) -> Tensor:
+        if name == "decoder_cross_maps" and axis == 3:  # keep the residual column (the last one)
+            return torch.cat([positions, positions.new_tensor([self.decoder_cross_maps.shape[3] - 1])])
+        return positions
 
 
 def _describe(conv: ALTIPlusConventions) -> str:
