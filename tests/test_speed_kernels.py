@@ -25,17 +25,22 @@ def _naive_alti(probs, projected, residual, output, valid, scale, causal):
     return row_normalize(c.tril() if causal else c)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tile_bytes", [1, 3000, 2**30])
-def test_alti_tiles_match_explicit_parts(causal, tile_bytes):
-    gen = torch.Generator().manual_seed(0)
-    b, h, t, d = 3, 2, 37, 5  # 37 rows: tiles of 16 rows leave a ragged last tile
+def _alti_layer(seed, b, h, t, d, causal):
+    r"""Random float64 inputs of :func:`alti_map`: probs, projected values, residual, output, row scale, valid mask."""
+    gen = torch.Generator().manual_seed(seed)
     probs = _probs(b, h, t, causal, gen)
     projected = torch.randn(b, h, t, d, dtype=torch.float64, generator=gen)
     residual = torch.randn(b, t, d, dtype=torch.float64, generator=gen)
     output = 3 * torch.randn(b, t, d, dtype=torch.float64, generator=gen)
     scale = torch.rand(b, t, dtype=torch.float64, generator=gen) + 0.5
-    valid = torch.ones(b, t, dtype=torch.bool)
+    return probs, projected, residual, output, scale, torch.ones(b, t, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tile_bytes", [1, 3000, 2**30])
+def test_alti_tiles_match_explicit_parts(causal, tile_bytes):
+    # 37 rows: tiles of 16 rows leave a ragged last tile
+    probs, projected, residual, output, scale, valid = _alti_layer(0, 3, 2, 37, 5, causal)
     valid[1, -4:] = False
     got = alti_map(probs, projected, residual, output, valid, scale, None, causal, tile_bytes=tile_bytes)
     want = _naive_alti(probs, projected, residual, output, valid, scale, causal)
@@ -76,14 +81,7 @@ def test_compiled_alti_kernel_matches_explicit_parts(causal, block_bytes, monkey
 
     if block_bytes is not None:
         monkeypatch.setattr(alti, "FUSED_BLOCK_BYTES", block_bytes)
-    gen = torch.Generator().manual_seed(1)
-    b, h, t, d = 2, 3, 37, 8
-    probs = _probs(b, h, t, causal, gen)
-    projected = torch.randn(b, h, t, d, dtype=torch.float64, generator=gen)
-    residual = torch.randn(b, t, d, dtype=torch.float64, generator=gen)
-    output = 3 * torch.randn(b, t, d, dtype=torch.float64, generator=gen)
-    scale = torch.rand(b, t, dtype=torch.float64, generator=gen) + 0.5
-    valid = torch.ones(b, t, dtype=torch.bool)
+    probs, projected, residual, output, scale, valid = _alti_layer(1, 2, 3, 37, 8, causal)
     valid[0, :3] = False
     alti.use_compiled_kernel(True)
     try:

@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.inputs import PreparedInputs
+from captum_normattr.attr.inputs import PreparedInputs, single_input
 from captum_normattr.models.adapters import ArchitectureAdapter
 from captum_normattr.models.weights import input_device
 
@@ -95,13 +95,7 @@ def prepare_pixel_values(
     Raises:
         ValueError / TypeError with a message saying what to change.
     """
-    is_tuple = isinstance(inputs, tuple)
-    if is_tuple:
-        if len(inputs) != 1:
-            raise ValueError(f"inputs must be one tensor of pixel values (or a 1-tuple); got a tuple of {len(inputs)}")
-        inputs = inputs[0]
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor of pixel values (B, C, H, W); got {type(inputs).__name__}")
+    inputs, is_tuple = single_input(inputs, "pixel values", "(B, C, H, W)")
     if not inputs.is_floating_point():
         raise TypeError(
             f"pixel values must be a float tensor (B, C, H, W), as the model's image processor returns them; got dtype "

@@ -81,6 +81,30 @@ def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optio
     )
 
 
+def single_input(inputs: Any, what: str, shape: str) -> Tuple[Tensor, bool]:
+    r"""The one input tensor of a Captum call, given as a tensor or a 1-tuple.
+
+    Args:
+        inputs: what the caller passed.
+        what: what the tensor holds, for the messages (``"token ids"``, ``"pixel values"``).
+        shape: its expected shape, for the messages (``"(B, T)"``).
+
+    Returns:
+        (the tensor, True if it came in a tuple: Captum returns a tuple then).
+
+    Raises:
+        ValueError: a tuple of more than one element. TypeError: not a tensor.
+    """
+    is_tuple = isinstance(inputs, tuple)
+    if is_tuple:
+        if len(inputs) != 1:
+            raise ValueError(f"inputs must be one tensor of {what} (or a 1-tuple); got a tuple of {len(inputs)}")
+        inputs = inputs[0]
+    if not isinstance(inputs, Tensor):
+        raise TypeError(f"inputs must be a torch.Tensor of {what} {shape}; got {type(inputs).__name__}")
+    return inputs, is_tuple
+
+
 def prepare_inputs(
     model: nn.Module,
     adapter: ArchitectureAdapter,
@@ -107,13 +131,7 @@ def prepare_inputs(
         from captum_normattr.attr.images import prepare_pixel_values
 
         return prepare_pixel_values(model, adapter, inputs, additional_forward_args)
-    is_tuple = isinstance(inputs, tuple)
-    if is_tuple:
-        if len(inputs) != 1:
-            raise ValueError(f"inputs must be one tensor of token ids (or a 1-tuple); got a tuple of {len(inputs)}")
-        inputs = inputs[0]
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor of token ids (B, T); got {type(inputs).__name__}")
+    inputs, is_tuple = single_input(inputs, "token ids", "(B, T)")
     device = input_device(model, inputs)  # a model dispatched by accelerate: the inputs' device
     config = model.config
     if inputs.is_floating_point():
