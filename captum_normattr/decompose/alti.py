@@ -159,8 +159,9 @@ def alti_map(
         (B, T, T) contributions, valid rows summing to 1, pad rows and columns 0.
     """
     b, _, t, d = projected.shape
-    # Source-token-major layout: one (R, H) @ (H, D) product per (example, source token).
-    proj_j = projected.permute(0, 2, 1, 3).contiguous()  # (B, T_j, H, D)
+    # Source-token-major layout (B, T_j, H, D): a free view where ``projected`` was made
+    # token-major (:func:`~captum_normattr.decompose.attention.project_values`), else a copy.
+    proj_j = projected.permute(0, 2, 1, 3).contiguous()
     y_l1 = output.abs().sum(-1)  # (B, T)
     # |y_i - part_ij / s_i|_1 = |s_i y_i - part_ij|_1 / s_i
     target = output if row_scale is None else output * row_scale[..., None]
@@ -185,21 +186,29 @@ def alti_map(
 def _fused_distances(kernel, probs: Tensor, proj_j: Tensor, residual: Optional[Tensor], target: Tensor, causal: bool) -> Tensor:
     r"""(B, T, T) distances |s_i y_i - part_ij|_1 by the compiled kernel (see the module docstring).
 
-    Row blocks of max(16, T / 16) rows for causal attention (source tokens up to the block's
-    last row only), and never more rows than :data:`FUSED_BLOCK_BYTES` of parts would fill. The diagonal, whose part also holds the
-    residual term, is recomputed afterwards, O(B T H D).
+    One example at a time; row blocks of max(16, T / 16) rows for causal attention (source
+    tokens up to the block's last row only), and never more rows than
+    :data:`FUSED_BLOCK_BYTES` of one example's parts would fill. The diagonal, whose part
+    also holds the residual term, is recomputed afterwards, O(B T H D).
     """
     b, t = target.shape[:2]
     dist = target.new_zeros(b, t, t)
-    per_row = b * t * proj_j.shape[-1] * proj_j.element_size()  # bytes of one query row's parts
+    per_row = t * proj_j.shape[-1] * proj_j.element_size()  # bytes of one query row's parts
     step = max(MIN_TILE_ROWS, FUSED_BLOCK_BYTES // max(1, per_row))
     if causal:
         step = min(step, max(MIN_TILE_ROWS, -(-t // 16)))
-    for r0 in range(0, t, step):
-        r1 = min(t, r0 + step)
-        last = r1 if causal else t
-        mix = probs[:, :, r0:r1, :last].permute(0, 3, 2, 1)  # (B, C, R, H), a view
-        dist[:, r0:r1, :last] = kernel(mix, proj_j[:, :last], target[:, r0:r1]).transpose(1, 2)
+    # One example per call, probabilities copied to a contiguous (1, C, R, H) block: the kernel
+    # then loops source token > query row > width, reusing each source's projected values
+    # (H x D) for every row while they are in cache. Measured (docs/performance.md): read
+    # through the permuted view, or with several examples per call (where inductor splits
+    # the sum over heads into two loops and writes the parts out), it ran 1.5-5x slower.
+    # Fixed layout and batch size also mean one compilation for every call.
+    for e in range(b):
+        for r0 in range(0, t, step):
+            r1 = min(t, r0 + step)
+            last = r1 if causal else t
+            mix = probs[e : e + 1, :, r0:r1, :last].permute(0, 3, 2, 1).contiguous()  # (1, C, R, H)
+            dist[e : e + 1, r0:r1, :last] = kernel(mix, proj_j[e : e + 1, :last], target[e : e + 1, r0:r1]).transpose(1, 2)
     if residual is not None:
         diag = torch.diagonal(probs, dim1=-2, dim2=-1).transpose(1, 2)  # (B, T, H)
         own = torch.einsum("bth,bthd->btd", diag, proj_j) + residual

@@ -17,19 +17,31 @@ from captum_normattr.decompose.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, 
 from captum_normattr.decompose.mixing import mixing_ratio
 
 
-def project_values(values: Tensor, head_weight: Tensor, lin_map: Optional[Tensor] = None) -> Tensor:
+def project_values(values: Tensor, head_weight: Tensor, lin_map: Optional[Tensor] = None, token_major: bool = False) -> Tensor:
     r"""Project every head's values through its slice of W_O (and optionally a map A).
 
     Args:
         values: (B, H, T, Dh) value states (bias included).
         head_weight: (H, Dh, D) the output projection per head.
-        lin_map: optional (D, D) right-multiplied linear map A applied after W_O.
+        lin_map: optional (D, D) right-multiplied linear map A applied after W_O (or a
+            :class:`~captum_normattr.decompose.layer_norm.NormLinearMap`).
+        token_major: store the result token by token, (B, T, H, D) in memory (the
+            returned tensor is its (B, H, T, D) view): one product per head written
+            straight into its strided slot, so that a token-major consumer (the ALTI
+            kernels) needs no permuted copy of a tensor H times the hidden states.
 
     Returns:
         (B, H, T, D): f^h(x_j) A for every head h and token j.
     """
     w = head_weight if lin_map is None else head_weight @ lin_map
-    return torch.einsum("bhtk,hkd->bhtd", values, w)
+    if not token_major:
+        return torch.einsum("bhtk,hkd->bhtd", values, w)
+    b, h, t, dh = values.shape
+    out = values.new_empty(b * t, h, w.shape[-1])
+    flat = values.transpose(1, 2).reshape(b * t, h, dh)  # (B T, H, Dh), one small copy
+    for k in range(h):  # rows of out[:, k] are H D apart: a strided output BLAS writes in place
+        torch.mm(flat[:, k], w[k], out=out[:, k])
+    return out.view(b, t, h, -1).transpose(1, 2)
 
 
 def diagonal_attention_parts(probs: Tensor, values: Tensor, head_weight: Tensor) -> Tensor:

@@ -156,7 +156,7 @@ def pre_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int
     Returns:
         (B, T, T), real rows summing to 1.
     """
-    projected = project_values(layer.values, layer.head_out_weight())
+    projected = project_values(layer.values, layer.head_out_weight(), token_major=True)
     return alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows, causal)
 
 

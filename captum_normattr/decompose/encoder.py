@@ -111,7 +111,7 @@ def post_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[in
     """
     d = layer.hidden_in.shape[-1]
     ln1_map = NormLinearMap(layer.ln1, dim=d, dtype=layer.hidden_in.dtype, device=layer.hidden_in.device)
-    projected = project_values(layer.values, layer.head_out_weight(), ln1_map)
+    projected = project_values(layer.values, layer.head_out_weight(), ln1_map, token_major=True)
     residual = layer.hidden_in @ ln1_map
     scale = norm_scale(layer.ln1_in, layer.ln1)
     return alti_map(layer.probs, projected, residual, layer.ln1_out, valid, scale, chunk_rows)
