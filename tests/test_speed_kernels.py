@@ -108,3 +108,73 @@ def _no_fallback_warning():
             assert not msgs, msgs  # the compiled kernel ran (no silent fallback)
 
     return _Guard()
+
+
+# --- causal row blocks of the recording attention (models/capture.py) -------------------------
+def _causal_mask(lengths, t, left):
+    r"""The additive (B, 1, T, T) float64 mask of a causal model with padding, as transformers builds it."""
+    keep = torch.ones(t, t, dtype=torch.bool).tril().expand(len(lengths), 1, t, t).clone()
+    for i, n in enumerate(lengths):
+        if left:
+            keep[i, ..., : t - n] = False
+        else:
+            keep[i, ..., n:] = False
+    return torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min), keep
+
+
+@pytest.mark.parametrize("case", ["right_pad", "bool", "left_pad", "not_causal", "position_bias"])
+def test_causal_row_blocks_equal_the_full_square(case, monkeypatch):
+    from captum_normattr.models import capture
+
+    monkeypatch.setattr(capture, "_MIN_BLOCK_ROWS", 2)
+    gen = torch.Generator().manual_seed(3)
+    b, h, t, dh = 2, 4, 37, 5
+    q, k, v = (torch.randn(b, n, t, dh, dtype=torch.float64, generator=gen) for n in (h, 2, 2))  # GQA 4/2
+    mask, keep = _causal_mask([37, 30], t, left=case == "left_pad")
+    bias = None
+    if case == "bool":
+        mask = keep
+    elif case == "not_causal":
+        mask = mask.clone()
+        mask[1, 0, 5, 20] = 0.0  # one key after the query is visible: no skipping allowed
+    elif case == "position_bias":
+        bias = torch.randn(1, h, t, t, dtype=torch.float64, generator=gen)
+    expect_blocks = case in ("right_pad", "bool", "position_bias")
+    assert (capture._causal_row_blocks(mask, t, t) is not None) == expect_blocks
+    full_out, full_p, _ = capture._eager_attention(q, k, v, mask, None, 0.0, False, True, bias, causal=False)
+    out, p, _ = capture._eager_attention(q, k, v, mask, None, 0.0, False, True, bias, causal=True)
+    torch.testing.assert_close(p, full_p, atol=1e-14, rtol=0)
+    torch.testing.assert_close(out, full_out, atol=1e-13, rtol=0)
+    if expect_blocks:
+        assert not p.triu(1).any()  # the skipped triangle is exactly 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_causal_row_blocks_in_the_decomposition(family, monkeypatch):
+    import captum_normattr as cn
+    from captum_normattr.models import capture
+    from captum_normattr.models.adapters import get_adapter
+    from decoder_models import decoder_batch, make_decoder
+
+    model = make_decoder(family, lm_head=False)
+    ids, mask = decoder_batch([30, 23], seed=1, left=False)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    calls = []
+    real = capture._causal_row_blocks
+    monkeypatch.setattr(capture, "_MIN_BLOCK_ROWS", 2)
+    monkeypatch.setattr(capture, "_causal_row_blocks", lambda *a: calls.append(real(*a)) or calls[-1])
+    methods = {"alti": cn.ALTIAttribution(model), "globenc": cn.GlobEncAttribution(model)}
+    blocked = {n: m.decompose(ids, additional_forward_args=(mask,)) for n, m in methods.items()}
+    assert calls and all(c is not None for c in calls)  # the blocks ran in every layer
+    seen = {}
+    with capture.recording(model, get_adapter(model), lambda layer: seen.setdefault("n", 0)):
+        with torch.no_grad():
+            recorded = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    valid = mask.bool()
+    torch.testing.assert_close(recorded[valid], plain[valid], atol=1e-12, rtol=0)
+    monkeypatch.setattr(capture, "_causal_row_blocks", lambda *a: None)
+    for n, m in methods.items():
+        full = m.decompose(ids, additional_forward_args=(mask,))
+        torch.testing.assert_close(blocked[n].scores, full.scores, atol=1e-12, rtol=0)
+        torch.testing.assert_close(blocked[n].layer_maps, full.layer_maps, atol=1e-12, rtol=0)

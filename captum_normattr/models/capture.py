@@ -40,6 +40,9 @@ from captum_normattr.models.weights import module_tensor
 ATTENTION_NAME = "captum_normattr_capture"
 #: Bytes of one chunk of attention scores in the recording attention.
 SCORE_CHUNK_BYTES = 64 * 2**20
+#: Row blocks of causal attention in the recording forward (work ~ (n + 1) / (2 n) of the square).
+CAUSAL_ROW_BLOCKS = 8
+_MIN_BLOCK_ROWS = 16
 
 _LOCAL = threading.local()  # .stack: the recorders opened by this thread, innermost last
 _LOCK = threading.RLock()
@@ -55,11 +58,34 @@ def _active() -> List["Recorder"]:
     return stack
 
 
-def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool, position_bias=None):
+def _causal_row_blocks(attention_mask: Optional[Tensor], t: int, s: int) -> Optional[List[Tuple[int, int]]]:
+    r"""Row blocks [r0, r1) whose key columns >= r1 are all masked, or None (no skipping).
+
+    Skipping those columns is exact when every query row also keeps at least one key
+    before r1: the masked scores' exponentials are exactly 0 in the full softmax. A fully
+    masked row (e.g. a left pad) normalises over every column, so its presence disables
+    the skipping, as does any unmasked entry above a block.
+    """
+    if attention_mask is None or t != s or t <= 4 * _MIN_BLOCK_ROWS:
+        return None
+    m = attention_mask[..., :s]
+    kept = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    step = max(_MIN_BLOCK_ROWS, -(-t // CAUSAL_ROW_BLOCKS))
+    blocks = [(r0, min(t, r0 + step)) for r0 in range(0, t, step)]
+    if not bool(kept.any(-1).all()) or any(bool(kept[..., r0:r1, r1:].any()) for r0, r1 in blocks):
+        return None
+    return blocks
+
+
+def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool, position_bias=None,
+                     causal: bool = False):
     r"""Eager attention computed in chunks of heads; returns (output (B, T, H, Dh), probs or None).
 
     ``position_bias``: an additive (B or 1, H or 1, T, S) score bias added before the mask
-    (T5's relative position bias), or None.
+    (T5's relative position bias), or None. ``causal``: the module declares causal
+    attention; where the mask confirms it (:func:`_causal_row_blocks`), blocks of query
+    rows compute scores, softmax and mixing only over the keys up to their last row (the
+    rest of the probabilities is exactly 0), about half the work of the full square.
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: one key/value head serves `groups` query heads
@@ -70,26 +96,38 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     b, h, t, _ = query.shape
     s = key.shape[-2]
     soft_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dropping = training and dropout > 0
+    blocks = _causal_row_blocks(attention_mask, t, s) if causal and not dropping else None
     probs = torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
     per_head = max(1, b * t * s * max(query.element_size(), 4))
     step = max(1, min(h, SCORE_CHUNK_BYTES // per_head))
     for h0 in range(0, h, step):
         sl = slice(h0, min(h, h0 + step))
-        scores = torch.matmul(query[:, sl], key[:, sl].transpose(2, 3)).mul_(scaling)
-        if position_bias is not None:
-            scores.add_(position_bias[:, sl] if position_bias.shape[1] > 1 else position_bias)
-        if attention_mask is not None:
-            m = attention_mask[..., :s]
-            if m.dtype == torch.bool:
-                scores.masked_fill_(~m, torch.finfo(scores.dtype).min)
-            else:
-                scores.add_(m)
-        probs[:, sl] = torch.softmax(scores, dim=-1, dtype=soft_dtype)
-        del scores
+        for r0, r1, c1 in ((0, t, s),) if blocks is None else ((r0, r1, r1) for r0, r1 in blocks):
+            scores = torch.matmul(query[:, sl, r0:r1], key[:, sl, :c1].transpose(2, 3)).mul_(scaling)
+            if position_bias is not None:
+                pb = position_bias[..., r0:r1, :c1]
+                scores.add_(pb[:, sl] if pb.shape[1] > 1 else pb)
+            if attention_mask is not None:
+                m = attention_mask[..., r0:r1, :c1]
+                if m.dtype == torch.bool:
+                    scores.masked_fill_(~m, torch.finfo(scores.dtype).min)
+                else:
+                    scores.add_(m)
+            probs[:, sl, r0:r1, :c1] = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+            if c1 < s:
+                probs[:, sl, r0:r1, c1:] = 0
+            del scores
     used = probs if probs.dtype == query.dtype else probs.to(query.dtype)
-    if training and dropout > 0:
+    if dropping:
         used = nn.functional.dropout(used, p=dropout, training=True)
-    out = torch.matmul(used, value).transpose(1, 2).contiguous()
+    if blocks is None:
+        out = torch.matmul(used, value)
+    else:
+        out = value.new_empty(b, h, t, value.shape[-1])
+        for r0, r1 in blocks:
+            torch.matmul(used[:, :, r0:r1, :r1], value[:, :, :r1], out=out[:, :, r0:r1])
+    out = out.transpose(1, 2).contiguous()
     del used
     return out, (probs if keep_probs else None), value
 
@@ -123,7 +161,7 @@ def _recording_attention(
         raise NotImplementedError("attention soft-capping and attention sinks are not supported by captum_normattr")
     out, probs, values = _eager_attention(
         query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching),
-        position_bias=kwargs.get("position_bias"),
+        position_bias=kwargs.get("position_bias"), causal=bool(getattr(module, "is_causal", False)),
     )
     for recorder in watching:
         recorder.record_attention(module, probs, values, out if not (module.training and dropout > 0) else None)
