@@ -55,7 +55,7 @@ def test_silu_closed_form_against_40_digits():
 
 
 def test_silu_closed_form_equals_48_node_rule():
-    r"""The default rule's values to 2e-12 wherever the rule itself is that accurate (|a| <= 95), 1e-14 for |a| <= 60."""
+    r"""The default rule's values to 2e-12 where the rule itself is that accurate (|a| <= 95), 1e-14 for |a| <= 60."""
     a = torch.cat([torch.linspace(-95, 95, 19001, dtype=F64), torch.tensor(EDGES[:-4], dtype=F64),
                    torch.randn(2000, generator=torch.Generator().manual_seed(0), dtype=F64) * 4])
     i1, i2 = silu_gate_integrals(a)

@@ -275,7 +275,9 @@ class DecompXAttribution(Attribution):
         dev, dtype = layer.hidden_in.device, layer.hidden_in.dtype
         return w.detach().to(dev, dtype), None if b is None else b.detach().to(dev, dtype)
 
-    def _coefficients(self, layer: LayerTensors, preactivations: Optional[Tuple[Tensor, Tensor]] = None) -> Dict[str, Tensor]:
+    def _coefficients(
+        self, layer: LayerTensors, preactivations: Optional[Tuple[Tensor, Tensor]] = None
+    ) -> Dict[str, Tensor]:
         return ff_coefficients(layer, self.nodes, preactivations)
 
     def _frozen(
@@ -312,7 +314,7 @@ class DecompXAttribution(Attribution):
 
     @contextmanager
     def _tap_preactivations(self, l: int) -> Iterator[Dict[str, Tensor]]:
-        r"""Within the block, the outputs of layer l's gate and up projections computed by this thread (gated FF only)."""
+        r"""In the block: the outputs of layer l's gate and up projections computed by this thread (gated FF only)."""
         got: Dict[str, Tensor] = {}
         if self.adapter.ff_gate is None:
             yield got
@@ -545,7 +547,8 @@ class DecompXAttribution(Attribution):
             u, ub = out.direction, out.bias
             logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
             if adj is not None:
-                scores, bias_score = adjoint_next_token_scores(adj, self._rerun(rec, quad, vf), fparams, f_in, u, ub, pos)
+                frozen_at = self._rerun(rec, quad, vf)
+                scores, bias_score = adjoint_next_token_scores(adj, frozen_at, fparams, f_in, u, ub, pos)
         with torch.no_grad():
             res = None
             if prop is not None:

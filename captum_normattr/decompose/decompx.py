@@ -685,15 +685,15 @@ def head_scores(
 # The adjoint algorithm ("separate" bias mode): with every nonlinear quantity frozen at its
 # real value the network is affine in the embedding output, F(X) = sum_k L_k e_k + c, and
 # token k's DecompX score of class c is the contribution L_k e_k = <dF_c/dx_k, e_k>. One
-# forward pass of the frozen network and one vector-Jacobian product per explained class
-# give every token's score; the bias score is F(e) - sum_k scores = F(0) = c.
+# vector-Jacobian product per explained class gives every token's score; the bias score is
+# the constant F(0) = c (= F(e) - sum_k scores).
 #
 # Streamed (:class:`AdjointPass`): the forward phase keeps each layer's input (B, T, D) as a
-# checkpoint and advances the value F(e) by one frozen layer as the recorded forward pass
-# produces it; the backward phase walks the layers top-down, recomputes each layer's
-# tensors from its checkpoint and pushes the cotangents through that one frozen layer by
-# a local vector-Jacobian product. The frozen layer is affine, so its VJP does not depend
-# on the point it is taken at; no layer's attention probabilities outlive its own step.
+# checkpoint, nothing else; the backward phase walks the layers top-down, recomputes each
+# layer's tensors from its checkpoint, pushes the cotangents through that one frozen layer
+# by its written-out transpose (:meth:`FrozenLayer.vjp`) and adds <cotangent, c_l> of the
+# layer's constant c_l to c. The frozen layer is affine, so its transpose does not depend
+# on any point; no layer's attention probabilities outlive its own step.
 # --------------------------------------------------------------------------------------
 def _slopes(real_pre: Tensor, act: Callable) -> Tensor:
     r"""(g(p) - g(0)) / p at the real pre-activation (g'(0) where p ~ 0), via ig_closed_form."""
@@ -1084,9 +1084,8 @@ class AdjointPass:
         with local_autograd():  # the explained outputs are affine: gradient and value at 0
             y = x_last.new_zeros(x_last.shape[0], self.last_rows.shape[0], x_last.shape[2]).requires_grad_(True)
             roots = list(outputs(y))
-            cots = [
-                torch.autograd.grad(r.sum(), y, retain_graph=j < len(roots) - 1)[0].detach() for j, r in enumerate(roots)
-            ]
+            last = len(roots) - 1
+            cots = [torch.autograd.grad(r.sum(), y, retain_graph=j < last)[0].detach() for j, r in enumerate(roots)]
             consts = [r.detach().clone() for r in roots]
             del roots, y
         for l in range(n - 1, -1, -1):

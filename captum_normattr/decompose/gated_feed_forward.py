@@ -133,7 +133,9 @@ def _bernoulli(n: int) -> List[Fraction]:
 
 _B = _bernoulli(40)
 #: H(x) = int_0^x u tanh(u) du = sum_n c_n x^(2n+1), c_n = 4^n (4^n - 1) B_2n / ((2n)! (2n + 1)), n >= 1.
-_TANH_MOMENT = [float(Fraction(4**n * (4**n - 1)) * _B[2 * n] / (math.factorial(2 * n) * (2 * n + 1))) for n in range(1, 20)]
+_TANH_MOMENT = [
+    float(Fraction(4**n * (4**n - 1)) * _B[2 * n] / (math.factorial(2 * n) * (2 * n + 1))) for n in range(1, 20)
+]
 #: Li2(z) = w - w^2/4 + sum_k B_2k w^(2k+1) / (2k+1)!, w = -log(1 - z), k >= 1.
 _LI2 = [float(_B[2 * k] / math.factorial(2 * k + 1)) for k in range(1, 12)]
 #: Elements per piece of :func:`silu_gate_integrals`: bounds its dozen temporaries (not faster in smaller pieces).
