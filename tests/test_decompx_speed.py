@@ -269,3 +269,33 @@ def test_adjoint_bias_score_is_the_constant(family):
     torch.testing.assert_close(adj.bias_scores, fwd.bias_scores, rtol=0, atol=1e-10)
     torch.testing.assert_close(adj.class_scores, fwd.class_scores, rtol=0, atol=1e-10)
     assert adj.delta.max() < 1e-9 and math.isfinite(float(adj.delta.max()))
+
+
+def test_adjoint_pass_with_the_last_layer_kept():
+    r"""``AdjointPass.forward(x, last_step)`` keeps the last frozen layer: the same gradients and
+    constants, and the backward phase asks only for the layers below it."""
+    from captum_normattr.decompose.decompx import AdjointPass
+
+    model = make_decoder("qwen2", layers=3)
+    ids, mask = decoder_batch([9, 6], seed=9)
+    layers = capture_layers(model, ids, mask)
+    steps = [FrozenLayer(layer, *_value_param(model, layer), ff_coefficients(layer), mask.bool()) for layer in layers]
+    u = torch.randn(24, generator=torch.Generator().manual_seed(1), dtype=F64)
+    rows = torch.tensor([8])
+    outputs = lambda y: [(y[:, 0] * u).sum(-1) + 0.5]
+    results = []
+    for keep in (False, True):
+        adj, asked = AdjointPass(3, rows), []
+        for l, layer in enumerate(layers):
+            adj.forward(layer.hidden_in, steps[l] if keep else None)
+        grads = adj.backward(lambda l, x: asked.append(l) or steps[l], outputs)
+        assert asked == ([1, 0] if keep else [2, 1, 0])
+        results.append((grads[0], adj.constants[0]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    # F(e) = sum of the scores + the constant, F the frozen network applied layer by layer
+    x = layers[0].hidden_in
+    for l, step in enumerate(steps):
+        x = step(x, rows if l == 2 else None)
+    scores = (results[0][0] * layers[0].hidden_in).sum(-1)
+    torch.testing.assert_close(outputs(x)[0], scores.sum(1) + results[0][1], rtol=0, atol=1e-12)

@@ -339,10 +339,6 @@ class DecompXAttribution(Attribution):
             for h in handles:
                 h.remove()
 
-    def _adjoint_forward(self, adj: AdjointPass, layer: LayerTensors, n: int, quad=None, vf=None) -> None:
-        r"""The adjoint's forward phase for one layer: its checkpoint."""
-        adj.forward(layer.hidden_in)
-
     def _algorithm(self, layer_parts: bool) -> str:
         forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate"
         return "forward" if forward else "adjoint"
@@ -404,7 +400,7 @@ class DecompXAttribution(Attribution):
             if prop is not None:
                 prop.step(layer, *self._value_param(layer))
             else:
-                self._adjoint_forward(adj, layer, n)
+                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
             if layer.index == n - 1:
                 kept["pooled"] = layer.layer_out[:, pos]  # the head's real input
 
@@ -471,7 +467,7 @@ class DecompXAttribution(Attribution):
                 step = self._frozen(layer, quad)
                 prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
-                self._adjoint_forward(adj, layer, n, quad)
+                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None) as (
             rec,
@@ -539,7 +535,7 @@ class DecompXAttribution(Attribution):
                 step = self._frozen(layer, quad, vf)
                 prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
-                self._adjoint_forward(adj, layer, n, quad, vf)
+                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
