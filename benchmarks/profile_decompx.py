@@ -12,14 +12,15 @@ one is subtracted from the outer one):
 
 - recording forward: the rest of the call (the model's forward pass with the recording
   attention and hooks, the final norm, the scores);
-- gate integrals: ``gate_integrals`` (the quadrature loop, its per-node autograd included),
-  in the forward phase and again in the backward phase (the rerun layer recomputes them);
+- gate integrals: ``gate_integrals`` (closed form for the SiLU gate with the default 48
+  nodes, the quadrature loop with its per-node autograd otherwise), in the forward phase
+  (the forward algorithm, or the adjoint's last layer when it is kept) and in the backward phase;
 - FF coefficients (rest): the products u W_in, u W_gate and the quadrature error;
-- frozen layer, forward phase: the frozen layer with its biases applied to F(e) (``AdjointPass.forward``);
+- checkpoints (forward phase): ``AdjointPass.forward``;
 - rerun real layer: ``Recorder.rerun_layer`` (the real layer again, on its checkpoint);
-- VJP: ``torch.autograd.grad`` of the frozen layer (outside the gate integrals);
-- frozen layer, backward phase: the rest of ``AdjointPass.backward`` (the frozen layer's
-  forward with its graph).
+- VJP: ``FrozenLayer.vjp``, the written-out transpose of the frozen layer (backward phase);
+- layer constants: ``FrozenLayer.constant`` (0 without biases: Llama);
+- backward phase, rest: the rest of ``AdjointPass.backward``.
 """
 from __future__ import annotations
 
@@ -71,10 +72,11 @@ def instrument() -> None:
     import captum_normattr.attr.decompx as ad
 
     ad.ff_coefficients = dd.ff_coefficients
-    dd.AdjointPass.forward = _timed(dd.AdjointPass.forward, "frozen layer (forward phase)")
+    dd.AdjointPass.forward = _timed(dd.AdjointPass.forward, "checkpoints (forward phase)")
     capture.Recorder.rerun_layer = _timed(capture.Recorder.rerun_layer, "rerun real layer (backward phase)")
-    torch.autograd.grad = _timed(torch.autograd.grad, lambda a: "VJP (backward phase)" if PHASE["backward"] else None)
-    inner = _timed(dd.AdjointPass.backward, "frozen layer with graph (backward phase)")
+    dd.FrozenLayer.vjp = _timed(dd.FrozenLayer.vjp, "VJP, written out (backward phase)")
+    dd.FrozenLayer.constant = _timed(dd.FrozenLayer.constant, "layer constants (backward phase)")
+    inner = _timed(dd.AdjointPass.backward, "backward phase, rest")
 
     def backward(*a, **k):
         PHASE["backward"] = True

@@ -1,8 +1,10 @@
 r"""DecompX (Modarressi et al., ACL 2023): signed, class-specific token scores by exact propagation."""
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from captum.attr import Attribution
@@ -15,7 +17,7 @@ from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.decompx import (
     AdjointPass,
-    FrozenStep,
+    FrozenLayer,
     PartsPropagation,
     adjoint_head_scores,
     adjoint_next_token_scores,
@@ -29,7 +31,7 @@ from captum_normattr.decompose.decompx import (
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
+from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, value_projection
 from captum_normattr.models.capture import Recorder
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_positive_int
@@ -45,6 +47,38 @@ def _ordinary_tensors(obj: Any) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(_ordinary_tensors(o) for o in obj)
     return obj
+
+
+def _stack_layers(per_layer: Dict[int, Tensor], num_layers: int) -> Tensor:
+    r"""(B,) per layer index (filled in any order) -> (B, L)."""
+    return torch.stack([per_layer[l] for l in range(num_layers)], 1)
+
+
+def _checked_preactivations(layer: LayerTensors, got: Dict[str, Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+    r"""(a, b) from the gate and up projections' outputs of a rerun, if they are the layer's real pre-activations.
+
+    They must have the shape (B, T, F) and the compute dtype (a half-precision model is
+    decomposed in float32: its own products are not used), and agree on the first token
+    with the FF input times the weights (so that a projection whose input is not the
+    recorded FF input is never taken). Otherwise None: the coefficients recompute them.
+    """
+    f = layer.ff
+    if "gate" not in got or "up" not in got or f.w_gate is None or not layer.pre_ln:
+        return None
+    u = layer.ln2_out
+    shape = u.shape[:-1] + (f.w_out.shape[0],)
+    pair = []
+    for key, w, b in (("gate", f.w_gate, f.b_gate), ("up", f.w_in, f.b_in)):
+        t = got[key]
+        if t.shape != shape or t.dtype != u.dtype:
+            return None
+        t = t.to(u.device)
+        check = u[:, :1] @ w + (b if b is not None else 0.0)
+        tol = 1e-9 if u.dtype == torch.float64 else 1e-3
+        if not torch.allclose(t[:, :1], check, rtol=tol, atol=tol * float(check.abs().max().clamp(min=1.0))):
+            return None
+        pair.append(t)
+    return pair[0], pair[1]
 
 
 @dataclass
@@ -241,15 +275,69 @@ class DecompXAttribution(Attribution):
         dev, dtype = layer.hidden_in.device, layer.hidden_in.dtype
         return w.detach().to(dev, dtype), None if b is None else b.detach().to(dev, dtype)
 
-    def _coefficients(self, layer: LayerTensors) -> Dict[str, Tensor]:
-        return ff_coefficients(layer, self.nodes)
+    def _coefficients(
+        self, layer: LayerTensors, preactivations: Optional[Tuple[Tensor, Tensor]] = None
+    ) -> Dict[str, Tensor]:
+        return ff_coefficients(layer, self.nodes, preactivations)
 
-    def _frozen(self, layer: LayerTensors) -> FrozenStep:
-        return frozen_step(layer, *self._value_param(layer), self._coefficients(layer))
+    def _frozen(
+        self,
+        layer: LayerTensors,
+        quad: Optional[Dict[int, Tensor]] = None,
+        vf: Optional[Tensor] = None,
+        preactivations: Optional[Tuple[Tensor, Tensor]] = None,
+    ) -> FrozenLayer:
+        r"""The layer's :class:`FrozenLayer`; with ``quad``, its largest quadrature error (B,) (over
+        the real tokens ``vf``, if given) goes to ``quad[layer.index]``."""
+        coefs = self._coefficients(layer, preactivations)
+        if quad is not None:
+            q = coefs.get("quadrature_error")
+            q = q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])
+            quad[layer.index] = (q if vf is None else q * vf).amax(-1)
+        return frozen_step(layer, *self._value_param(layer), coefs, None if vf is None else vf > 0)
 
-    def _rerun(self, rec: Recorder) -> Callable[[int, Tensor], FrozenStep]:
-        r"""``(l, checkpoint) -> FrozenStep``: layer l recomputed from its input, for the adjoint's walk."""
-        return lambda l, x: self._frozen(tensors_to(rec.rerun_layer(l, x), x.device))  # x: on the inputs' device
+    def _rerun(
+        self, rec: Recorder, quad: Optional[Dict[int, Tensor]] = None, vf: Optional[Tensor] = None
+    ) -> Callable[[int, Tensor], FrozenLayer]:
+        r"""``(l, checkpoint) -> FrozenLayer``: layer l recomputed from its input, for the adjoint's walk.
+
+        A gated FF's pre-activations computed by the rerun are kept (:meth:`_tap_preactivations`)
+        and reused for its coefficients instead of being computed a second time.
+        """
+
+        def frozen_at(l: int, x: Tensor) -> FrozenLayer:
+            with self._tap_preactivations(l) as got:
+                layer = tensors_to(rec.rerun_layer(l, x), x.device)  # x: on the inputs' device
+            return self._frozen(layer, quad, vf, _checked_preactivations(layer, got))
+
+        return frozen_at
+
+    @contextmanager
+    def _tap_preactivations(self, l: int) -> Iterator[Dict[str, Tensor]]:
+        r"""In the block: the outputs of layer l's gate and up projections computed by this thread (gated FF only)."""
+        got: Dict[str, Tensor] = {}
+        if self.adapter.ff_gate is None:
+            yield got
+            return
+        me = threading.get_ident()
+
+        def keep(name: str):
+            def hook(module, args, output):
+                if threading.get_ident() == me and torch.is_tensor(output):
+                    got[name] = output.detach()
+
+            return hook
+
+        layer = self._modules_list[l]
+        handles = [
+            get_path(layer, self.adapter.ff_gate).register_forward_hook(keep("gate")),
+            get_path(layer, self.adapter.ff_in).register_forward_hook(keep("up")),
+        ]
+        try:
+            yield got
+        finally:
+            for h in handles:
+                h.remove()
 
     def _algorithm(self, layer_parts: bool) -> str:
         forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate"
@@ -312,7 +400,7 @@ class DecompXAttribution(Attribution):
             if prop is not None:
                 prop.step(layer, *self._value_param(layer))
             else:
-                adj.forward(layer.hidden_in, self._frozen(layer))
+                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
             if layer.index == n - 1:
                 kept["pooled"] = layer.layer_out[:, pos]  # the head's real input
 
@@ -366,7 +454,7 @@ class DecompXAttribution(Attribution):
         t = valid.shape[1]
         head = self.output.linear_head(t, prepared.num_prefix, dtype, valid.device)
         rows = head.rows
-        quad = []
+        quad: Dict[int, Tensor] = {}  # layer -> (B,) its largest quadrature error
         prop: Optional[PartsPropagation] = None
         adj: Optional[AdjointPass] = None
         if algorithm == "forward":
@@ -375,14 +463,11 @@ class DecompXAttribution(Attribution):
             adj = AdjointPass(n, rows)
 
         def on_layer(layer: LayerTensors) -> None:
-            coefs = self._coefficients(layer)
-            q = coefs.get("quadrature_error")
-            quad.append((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])).amax(-1))
-            w_v, b_v = self._value_param(layer)
             if prop is not None:
-                prop.step(layer, w_v, b_v, coefs)
+                step = self._frozen(layer, quad)
+                prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
-                adj.forward(layer.hidden_in, frozen_step(layer, w_v, b_v, coefs))
+                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None) as (
             rec,
@@ -395,7 +480,7 @@ class DecompXAttribution(Attribution):
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 cls_scores, bias_scores = adjoint_linear_head_scores(
-                    adj, self._rerun(rec), fparams, f_rows, head.weight, head.bias, tgt if target_only else None
+                    adj, self._rerun(rec, quad), fparams, f_rows, head.weight, head.bias, tgt if target_only else None
                 )
                 if target_only:
                     delta = (cls_scores.sum(-1) + bias_scores - logits[ar, tgt]).abs()
@@ -415,7 +500,7 @@ class DecompXAttribution(Attribution):
             scores = cls_scores[ar, :, tgt]
             delta = (scores.sum(-1) + bias_scores[ar, tgt] - logits[ar, tgt]).abs()
             extras = {"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)}
-            extras["quadrature_error"] = torch.stack(quad, 1)
+            extras["quadrature_error"] = _stack_layers(quad, n)
             extras.update(image_extras(prepared, scores))
         return DecompXResult(
             method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta, extras=extras,
@@ -435,7 +520,7 @@ class DecompXAttribution(Attribution):
         b = valid.shape[0]
         ar = torch.arange(b, device=valid.device)
         vf = valid.to(dtype)
-        quad = []  # (B,) per layer: the largest quadrature error over real tokens
+        quad: Dict[int, Tensor] = {}  # layer -> (B,) its largest quadrature error over real tokens
         prop: Optional[PartsPropagation] = None
         adj: Optional[AdjointPass] = None
         if algorithm == "forward":
@@ -446,14 +531,11 @@ class DecompXAttribution(Attribution):
 
         def on_layer(layer: LayerTensors) -> None:
             layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
-            coefs = self._coefficients(layer)
-            q = coefs.get("quadrature_error")
-            quad.append(((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])) * vf).amax(-1))
-            w_v, b_v = self._value_param(layer)
             if prop is not None:
-                prop.step(layer, w_v, b_v, coefs)
+                step = self._frozen(layer, quad, vf)
+                prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
-                adj.forward(layer.hidden_in, frozen_step(layer, w_v, b_v, coefs))
+                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
@@ -461,7 +543,8 @@ class DecompXAttribution(Attribution):
             u, ub = out.direction, out.bias
             logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
             if adj is not None:
-                scores, bias_score = adjoint_next_token_scores(adj, self._rerun(rec), fparams, f_in, u, ub, pos)
+                frozen_at = self._rerun(rec, quad, vf)
+                scores, bias_score = adjoint_next_token_scores(adj, frozen_at, fparams, f_in, u, ub, pos)
         with torch.no_grad():
             res = None
             if prop is not None:
@@ -474,7 +557,7 @@ class DecompXAttribution(Attribution):
             delta = (scores.sum(-1) + bias_score - logit).abs()
         return DecompXResult(
             method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, explained_position=pos,
-            delta=delta, extras={"quadrature_error": torch.stack(quad, 1)},
+            delta=delta, extras={"quadrature_error": _stack_layers(quad, n)},
             target=out.target, foil=out.foil, logits=logit.unsqueeze(-1),
             class_scores=scores.unsqueeze(-1), bias_scores=bias_score.unsqueeze(-1),
             layer_part_norms=None if res is None else res.layer_part_norms,

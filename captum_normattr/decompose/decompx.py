@@ -67,7 +67,7 @@ from torch import Tensor
 from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import ig_closed_form
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gate_integrals, local_autograd
-from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
+from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part, norm_scale
 from captum_normattr.decompose.records import LayerTensors, NormParams
 
 BIAS_MODES: Tuple[str, ...] = ("separate", "spread", "spread_per_key")
@@ -278,7 +278,9 @@ def post_ln_layer_parts(
     return y, y_b
 
 
-def ff_coefficients(layer: LayerTensors, nodes: int = DEFAULT_NODES) -> Dict[str, Tensor]:
+def ff_coefficients(
+    layer: LayerTensors, nodes: int = DEFAULT_NODES, preactivations: Optional[Tuple[Tensor, Tensor]] = None
+) -> Dict[str, Tensor]:
     r"""The frozen per-neuron FF coefficients of one layer, at the REAL FF input.
 
     The FF input is LN1's output for a post-LN layer and LN2's output for a pre-LN one.
@@ -297,23 +299,30 @@ def ff_coefficients(layer: LayerTensors, nodes: int = DEFAULT_NODES) -> Dict[str
     Args:
         layer: the layer's real tensors.
         nodes: Gauss-Legendre nodes (gated FF only).
+        preactivations: gated FF only: the real (a, b) (B, T, F) if already at hand (the
+            outputs of the gate and up projections that a rerun of the layer computed;
+            read, not modified), instead of recomputing them from the FF input.
 
     Returns:
         dict of (B, T, F) tensors (and the (B, T) quadrature error for a gated FF).
     """
     f = layer.ff
     u = layer.ln2_out if layer.pre_ln else layer.ln1_out
-    pre = u @ f.w_in
-    if f.b_in is not None:
-        pre = pre + f.b_in
-    if f.w_gate is None:
-        return {"slope": _slopes(pre, f.act)}
-    a = u @ f.w_gate
-    if f.b_gate is not None:
-        a = a + f.b_gate
+    if f.w_gate is not None and preactivations is not None:
+        a, pre = preactivations
+    else:
+        pre = u @ f.w_in
+        if f.b_in is not None:
+            pre += f.b_in
+        if f.w_gate is None:
+            return {"slope": _slopes(pre, f.act)}
+        a = u @ f.w_gate
+        if f.b_gate is not None:
+            a += f.b_gate
     i1, i2 = gate_integrals(a, f.act, nodes)
-    err = (pre * (a * i1 + i2) - pre * f.act(a)).abs().amax(-1)
-    return {"gate": pre * i1, "up": i2, "quadrature_error": err}
+    # |b (a I1 + I2) - b g(a)| = |b| |a I1 + I2 - g(a)|, in place
+    err = torch.mul(a, i1).add_(i2).sub_(f.act(a)).mul_(pre).abs_().amax(-1)
+    return {"gate": i1.mul_(pre), "up": i2, "quadrature_error": err}
 
 
 def _value_heads(v: Tensor, kv_heads: int, groups: int) -> Tensor:
@@ -676,15 +685,15 @@ def head_scores(
 # The adjoint algorithm ("separate" bias mode): with every nonlinear quantity frozen at its
 # real value the network is affine in the embedding output, F(X) = sum_k L_k e_k + c, and
 # token k's DecompX score of class c is the contribution L_k e_k = <dF_c/dx_k, e_k>. One
-# forward pass of the frozen network and one vector-Jacobian product per explained class
-# give every token's score; the bias score is F(e) - sum_k scores = F(0) = c.
+# vector-Jacobian product per explained class gives every token's score; the bias score is
+# the constant F(0) = c (= F(e) - sum_k scores).
 #
 # Streamed (:class:`AdjointPass`): the forward phase keeps each layer's input (B, T, D) as a
-# checkpoint and advances the value F(e) by one frozen layer as the recorded forward pass
-# produces it; the backward phase walks the layers top-down, recomputes each layer's
-# tensors from its checkpoint and pushes the cotangents through that one frozen layer by
-# a local vector-Jacobian product. The frozen layer is affine, so its VJP does not depend
-# on the point it is taken at; no layer's attention probabilities outlive its own step.
+# checkpoint, nothing else; the backward phase walks the layers top-down, recomputes each
+# layer's tensors from its checkpoint, pushes the cotangents through that one frozen layer
+# by its written-out transpose (:meth:`FrozenLayer.vjp`) and adds <cotangent, c_l> of the
+# layer's constant c_l to c. The frozen layer is affine, so its transpose does not depend
+# on any point; no layer's attention probabilities outlive its own step.
 # --------------------------------------------------------------------------------------
 def _slopes(real_pre: Tensor, act: Callable) -> Tensor:
     r"""(g(p) - g(0)) / p at the real pre-activation (g'(0) where p ~ 0), via ig_closed_form."""
@@ -797,36 +806,230 @@ def frozen_layer(
     return frozen_post_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs["slope"], rows)
 
 
+def _norm_transpose(w: Tensor, real: Tensor, params: NormParams) -> Tensor:
+    r"""The transpose of a norm's frozen linear map x -> gamma c(x) / s(real) applied to ``w`` (..., D).
+
+    The centering c (LayerNorm) is a symmetric projection, so the transpose is
+    c(gamma w / s); RMSNorm: gamma w / s.
+    """
+    scale = norm_scale(real, params).unsqueeze(-1)
+    out = w * params.weight.to(w.dtype) if params.weight is not None else w
+    out = out / scale
+    return out if params.kind == "rmsnorm" else out - out.mean(-1, keepdim=True)
+
+
+#: Query blocks of the causal transpose in :func:`_mix_transpose` (the blocks above the diagonal are skipped).
+CAUSAL_BLOCKS = 4
+
+
+def _mix_transpose(g_mixed: Tensor, probs: Tensor, kv_heads: int, causal: bool = False) -> Tensor:
+    r"""The transpose of the frozen attention mixing: (B, R, H, Dh) -> (B, T, H_kv * Dh).
+
+    mixed_i^h = sum_j alpha^h_ij v_j^{h // groups}: the value cotangent of key j is
+    sum_i alpha^h_ij g_i^h, summed over the query heads that share a key/value head.
+    ``causal`` (all T rows, and alpha_ij = 0 for j > i wherever g_i is not 0): query block
+    [i0, i1) reaches keys j < i1 only, so most of the all-zero triangle is skipped.
+    """
+    b, r, h, dh = g_mixed.shape
+    t = probs.shape[-1]
+    if causal and r == t and t >= 2 * CAUSAL_BLOCKS:
+        gh = g_mixed.permute(0, 2, 1, 3)  # (B, H, T, Dh)
+        g_v = g_mixed.new_zeros(b, h, t, dh)
+        size = -(-t // CAUSAL_BLOCKS)
+        for i0 in range(0, t, size):
+            i1 = min(t, i0 + size)
+            g_v[:, :, :i1] += probs[:, :, i0:i1, :i1].transpose(-1, -2) @ gh[:, :, i0:i1]
+        g_v = g_v.permute(0, 2, 1, 3)  # (B, T, H, Dh)
+    else:
+        g_v = torch.einsum("bhij,bihe->bjhe", probs, g_mixed)  # (B, T, H, Dh)
+    if kv_heads != h:
+        g_v = g_v.reshape(b, t, kv_heads, h // kv_heads, dh).sum(3)
+    return g_v.reshape(b, t, kv_heads * dh)
+
+
+def _scatter_rows(g_rows: Tensor, t: int, rows: Optional[Tensor]) -> Tensor:
+    r"""(B, R, D) at ``rows`` into a zero (B, T, D) (itself when ``rows`` is None)."""
+    if rows is None:
+        return g_rows
+    out = g_rows.new_zeros(g_rows.shape[0], t, g_rows.shape[2])
+    out[:, rows] = g_rows
+    return out
+
+
+def _causal_rows(layer: LayerTensors, g_rows: Tensor, rows: Optional[Tensor], valid: Optional[Tensor]) -> bool:
+    r"""Whether alpha_ij = 0 for j > i at every row i where ``g_rows`` is not 0.
+
+    True for a causal layer (all rows) when the cotangent vanishes at the pad rows: a fully
+    masked pad query row attends uniformly to every key, later ones included.
+    """
+    if not layer.causal or rows is not None or valid is None:
+        return False
+    pads = ~valid.to(device=g_rows.device, dtype=torch.bool)
+    return not bool(pads.any()) or not bool(g_rows[pads].any())
+
+
+def frozen_pre_ln_layer_vjp(
+    g: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+    valid: Optional[Tensor] = None,
+) -> Tensor:
+    r"""The transpose of :func:`frozen_pre_ln_layer`'s linear part (``with_bias=False``): J^T g.
+
+    Written out instead of taken by autograd, so that no forward pass of the frozen layer
+    (and no graph) is needed; ``tests/test_decompx_speed.py`` checks it against
+    ``torch.autograd`` in float64.
+
+    Args:
+        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None).
+        layer, value_weight, coefs, rows: as in :func:`frozen_pre_ln_layer`.
+        valid: (B, T) bool, the real tokens, or None. Given for a causal layer, the all-zero
+            triangle of the attention is skipped when ``g`` is 0 at the pad rows (as in the
+            adjoint pass, where no real row reads a pad row).
+
+    Returns:
+        (B, T, D) the cotangent of the layer input.
+    """
+    b, t = layer.hidden_in.shape[:2]
+    h = layer.num_heads
+    hd = layer.out_weight.shape[0]
+    kv_heads = value_weight.shape[1] // (hd // h)
+    sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
+    f = layer.ff
+    g_ig = g @ f.w_out.T  # (B, R, F)
+    if f.w_gate is None:
+        g_z = g_ig.mul_(sel(coefs["slope"])) @ f.w_in.T
+    else:  # ig = (z W_gate) * gate + (z W_up) * up
+        width = g_ig.shape[-1]
+        flat = g_ig.view(-1, width)
+        g_z = torch.mm(flat * sel(coefs["gate"]).reshape(-1, width), f.w_gate.T)
+        g_z.addmm_(flat.mul_(sel(coefs["up"]).reshape(-1, width)), f.w_in.T)
+        g_z = g_z.view(g.shape)
+    del g_ig
+    g_h = g + _norm_transpose(g_z, sel(layer.ln2_in), layer.ln2)  # (B, R, D): residual + LN2 and the FF
+    del g_z
+    probs = layer.probs if rows is None else layer.probs[:, :, rows]
+    g_mixed = (g_h @ layer.out_weight.T).view(b, g_h.shape[1], h, hd // h)
+    g_u = _mix_transpose(g_mixed, probs, kv_heads, _causal_rows(layer, g_h, rows, valid)) @ value_weight.T  # (B, T, D)
+    return _norm_transpose(g_u, layer.ln1_in, layer.ln1).add_(_scatter_rows(g_h, t, rows))
+
+
+def frozen_post_ln_layer_vjp(
+    g: Tensor, layer: LayerTensors, value_weight: Tensor, ff_slope: Tensor, rows: Optional[Tensor] = None
+) -> Tensor:
+    r"""The transpose of :func:`frozen_post_ln_layer`'s linear part (``with_bias=False``): J^T g.
+
+    Args:
+        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None).
+        layer, value_weight, ff_slope, rows: as in :func:`frozen_post_ln_layer`.
+
+    Returns:
+        (B, T, D) the cotangent of the layer input.
+    """
+    b, t = layer.hidden_in.shape[:2]
+    h = layer.num_heads
+    hd = value_weight.shape[1]
+    sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
+    f = layer.ff
+    g_r = _norm_transpose(g, sel(layer.ln2_in), layer.ln2)  # LN2 input: zt + FF(zt)
+    g_zt = g_r + ((g_r @ f.w_out.T).mul_(sel(ff_slope))) @ f.w_in.T
+    g_ax = _norm_transpose(g_zt, sel(layer.ln1_in), layer.ln1)  # LN1 input: attention + x
+    probs = layer.probs if rows is None else layer.probs[:, :, rows]
+    g_mixed = (g_ax @ layer.out_weight.T).view(b, g_ax.shape[1], h, hd // h)
+    return (_mix_transpose(g_mixed, probs, h) @ value_weight.T).add_(_scatter_rows(g_ax, t, rows))
+
+
+def _is_zero(t: Optional[Tensor]) -> bool:
+    return t is None or not bool(torch.any(t != 0))
+
+
+class FrozenLayer:
+    r"""One layer with its nonlinear quantities frozen at the real values: an affine map J x + c.
+
+    Calling it applies the map with its biases (:func:`frozen_layer`, a :data:`FrozenStep`);
+    :meth:`vjp` applies J^T (:func:`frozen_pre_ln_layer_vjp`, :func:`frozen_post_ln_layer_vjp`)
+    and :meth:`constant` gives c (None when the layer adds no bias at all, e.g. Llama).
+    It holds the layer's tensors while it lives.
+
+    Args:
+        layer: the layer's real tensors.
+        value_weight, value_bias: its W_V and b_V.
+        coefs: its :func:`ff_coefficients`.
+        valid: (B, T) bool, the real tokens (lets :meth:`vjp` skip a causal layer's zero triangle), or None.
+    """
+
+    def __init__(
+        self,
+        layer: LayerTensors,
+        value_weight: Tensor,
+        value_bias: Optional[Tensor],
+        coefs: Dict[str, Tensor],
+        valid: Optional[Tensor] = None,
+    ) -> None:
+        self.layer, self.value_weight, self.value_bias, self.coefs = layer, value_weight, value_bias, coefs
+        self.valid = valid
+
+    def __call__(self, x: Tensor, rows: Optional[Tensor] = None) -> Tensor:
+        return frozen_layer(x, self.layer, self.value_weight, self.value_bias, True, self.coefs, rows)
+
+    def vjp(self, g: Tensor, rows: Optional[Tensor] = None) -> Tensor:
+        r"""J^T g: (B, R, D) cotangent at ``rows`` -> (B, T, D)."""
+        if self.layer.pre_ln:
+            return frozen_pre_ln_layer_vjp(g, self.layer, self.value_weight, self.coefs, rows, self.valid)
+        return frozen_post_ln_layer_vjp(g, self.layer, self.value_weight, self.coefs["slope"], rows)
+
+    def has_constant(self) -> bool:
+        r"""Whether c can be nonzero: some bias, beta or (elementwise FF) g(0) W_out is present."""
+        layer, f = self.layer, self.layer.ff
+        tensors = [self.value_bias, layer.out_bias, layer.ln1.bias, layer.ln2.bias, f.b_in, f.b_out, f.b_gate]
+        if not all(_is_zero(t) for t in tensors):
+            return True
+        if f.w_gate is None:  # the frozen elementwise FF maps 0 to g(0) W_out
+            return not _is_zero(f.act(torch.zeros((), dtype=self.value_weight.dtype, device=self.value_weight.device)))
+        return False
+
+    def constant(self, rows: Optional[Tensor] = None) -> Optional[Tensor]:
+        r"""c = the frozen layer applied to 0, (B, R, D); None when :meth:`has_constant` is False."""
+        if not self.has_constant():
+            return None
+        return self(torch.zeros_like(self.layer.hidden_in), rows)
+
+
 #: A frozen layer with its biases, as a function of its input: (x (B, T, D), rows or None) -> (B, R, D).
 FrozenStep = Callable[[Tensor, Optional[Tensor]], Tensor]
 
 
 def frozen_step(
-    layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor], coefs: Dict[str, Tensor]
-) -> FrozenStep:
-    r"""The :data:`FrozenStep` of one layer (it holds the layer's tensors while it lives)."""
-
-    def step(x: Tensor, rows: Optional[Tensor] = None) -> Tensor:
-        return frozen_layer(x, layer, value_weight, value_bias, True, coefs, rows)
-
-    return step
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    coefs: Dict[str, Tensor],
+    valid: Optional[Tensor] = None,
+) -> FrozenLayer:
+    r"""The :class:`FrozenLayer` (a :data:`FrozenStep`) of one layer (it holds the layer's tensors while it lives)."""
+    return FrozenLayer(layer, value_weight, value_bias, coefs, valid)
 
 
 class AdjointPass:
     r"""The adjoint algorithm streamed over the layers (``"separate"`` bias mode).
 
     Forward phase: :meth:`forward` once per layer, in order, as the forward pass produces
-    it. It keeps the layer input (B, T, D) as the layer's checkpoint and advances
-    :attr:`value`, the frozen network with its biases applied to the embedding output e,
-    by one layer (the last layer produces ``last_rows`` only). The layer itself is not kept.
+    it: it keeps the layer input (B, T, D) as the layer's checkpoint. Nothing else is
+    computed there (the layer itself is not kept, except the frozen last layer if it is
+    handed over: it is the first one the backward phase needs).
 
     Backward phase: :meth:`backward` walks l = L-1, ..., 0. ``frozen_at(l, checkpoint_l)``
-    recomputes layer l's frozen map (the attribution reruns the real layer on its
+    recomputes layer l's :class:`FrozenLayer` (the attribution reruns the real layer on its
     checkpoint: :meth:`~captum_normattr.models.capture.Recorder.rerun_layer`), and the
-    cotangents are pushed through it by a local ``torch.autograd.grad`` on a leaf copy of
-    the checkpoint. The frozen layer is affine, so the VJP does not depend on the point; the
-    layer's tensors (its attention probabilities) are released before the next layer is
-    recomputed. Memory: L checkpoints (B, T, D) plus one layer's tensors and graph.
+    cotangents are pushed through it by its written-out transpose (:meth:`FrozenLayer.vjp`);
+    the layer's tensors (its attention probabilities) are released before the next layer is
+    recomputed. The frozen network is affine, F(x) = J x + c, and its constant
+    <u, c> = sum_l <g_(l+1), c_l> + (the output's own constant) is accumulated on the way
+    (c_l the constant of layer l, g_(l+1) the cotangent of its output), so that F(e) is
+    never formed: the bias score is that constant, and F(e) = scores + bias score.
+    Memory: L checkpoints (B, T, D) plus one layer's tensors.
 
     Args:
         num_layers: L.
@@ -837,60 +1040,67 @@ class AdjointPass:
         self.num_layers = num_layers
         self.last_rows = last_rows
         self.checkpoints: List[Optional[Tensor]] = []
-        self.value: Optional[Tensor] = None
+        self.last_step: Optional[FrozenLayer] = None
+        #: After :meth:`backward`: per explained output, its constant (B,) (the bias score).
+        self.constants: List[Tensor] = []
 
     @property
     def embeddings(self) -> Tensor:
         r"""(B, T, D) e, the input of the first layer."""
         return self.checkpoints[0]
 
-    def forward(self, layer_input: Tensor, step: FrozenStep) -> None:
-        r"""Checkpoint the next layer's input and apply its frozen map to :attr:`value`."""
+    def forward(self, layer_input: Tensor, last_step: Optional[FrozenLayer] = None) -> None:
+        r"""Checkpoint the next layer's input.
+
+        Args:
+            layer_input: (B, T, D) its real input.
+            last_step: the last layer only: its :class:`FrozenLayer`, kept for the backward
+                phase instead of being recomputed (ignored for the other layers).
+        """
         l = len(self.checkpoints)
         if l >= self.num_layers:
             raise RuntimeError(f"all {self.num_layers} layers have been seen already")
-        x = layer_input.detach()
-        self.checkpoints.append(x)
-        self.value = step(x if l == 0 else self.value, self.last_rows if l == self.num_layers - 1 else None)
+        self.checkpoints.append(layer_input.detach())
+        if l == self.num_layers - 1:
+            self.last_step = last_step
 
     def backward(
-        self, frozen_at: Callable[[int, Tensor], FrozenStep], outputs: Callable[[Tensor], Sequence[Tensor]]
+        self, frozen_at: Callable[[int, Tensor], FrozenLayer], outputs: Callable[[Tensor], Sequence[Tensor]]
     ) -> List[Tensor]:
         r"""The gradients of the explained outputs with respect to e, one layer at a time.
 
         Args:
-            frozen_at: ``(l, checkpoint_l) -> FrozenStep`` of layer l.
+            frozen_at: ``(l, checkpoint_l) -> FrozenLayer`` of layer l.
             outputs: maps the frozen last-layer output at ``last_rows`` (B, R, D) to the
-                scalar outputs to differentiate (e.g. one class logit summed over the batch).
+                explained outputs, (B,) each (e.g. one class logit per example); affine in its input.
 
         Returns:
-            One (B, T, D) gradient per output.
+            One (B, T, D) gradient per output; :attr:`constants` holds each output's constant (B,).
         """
         n = self.num_layers
         if len(self.checkpoints) != n:
             raise RuntimeError(f"the forward phase saw {len(self.checkpoints)} of {n} layers")
-        cots: List[Tensor] = []
+        x_last = self.checkpoints[-1]
+        with local_autograd():  # the explained outputs are affine: gradient and value at 0
+            y = x_last.new_zeros(x_last.shape[0], self.last_rows.shape[0], x_last.shape[2]).requires_grad_(True)
+            roots = list(outputs(y))
+            last = len(roots) - 1
+            cots = [torch.autograd.grad(r.sum(), y, retain_graph=j < last)[0].detach() for j, r in enumerate(roots)]
+            consts = [r.detach().clone() for r in roots]
+            del roots, y
         for l in range(n - 1, -1, -1):
-            point = self.checkpoints[l]
-            step = frozen_at(l, point)  # outside enable_grad: a rerun of the real layer builds no graph
-            with local_autograd():
-                x = point.detach().clone().requires_grad_(True)
-                if l == n - 1:
-                    roots = list(outputs(step(x, self.last_rows)))
-                    grads = [torch.autograd.grad(r, x, retain_graph=j < len(roots) - 1)[0] for j, r in enumerate(roots)]
-                    del roots
-                else:
-                    y = step(x, None)
-                    grads = [
-                        torch.autograd.grad(y, x, grad_outputs=c, retain_graph=j < len(cots) - 1)[0]
-                        for j, c in enumerate(cots)
-                    ]
-                    del y
-            del step, x  # the layer's tensors and graph go here
+            rows = self.last_rows if l == n - 1 else None
+            step = self.last_step if (l == n - 1 and self.last_step is not None) else frozen_at(l, self.checkpoints[l])
+            self.last_step = None
+            c = step.constant(rows)
+            if c is not None:
+                consts = [k + (g * c).sum((1, 2)) for k, g in zip(consts, cots)]
+            del c
+            cots = [step.vjp(g, rows) for g in cots]
+            del step  # the layer's tensors go here
             if l > 0:
                 self.checkpoints[l] = None
-            cots = [g.detach() for g in grads]
-            del grads
+        self.constants = consts
         return cots
 
 
@@ -912,24 +1122,17 @@ def adjoint_head_scores(
 
     Returns:
         Without ``target``: (scores (B, T, C), bias scores (B, C)); with it: (scores (B, T),
-        bias scores (B,)). The bias score is F(e) - sum of the scores.
+        bias scores (B,)). The bias score is the frozen network's constant F(0), so that
+        F(e) = sum of the scores + bias score.
     """
     e = adj.embeddings
-    value = frozen_head(adj.value[:, 0], head, slope, True)  # F(e), (B, C)
     if target is not None:
         pick = lambda out: out.gather(1, target.view(-1, 1)).squeeze(1)
-        (g,) = adj.backward(frozen_at, lambda y: [pick(frozen_head(y[:, 0], head, slope, True)).sum()])
-        scores = (g * e).sum(-1)
-        return scores.detach(), (pick(value) - scores.sum(1)).detach()
-    c = value.shape[-1]
-
-    def roots(y: Tensor) -> List[Tensor]:
-        out = frozen_head(y[:, 0], head, slope, True)
-        return [out[:, j].sum() for j in range(c)]
-
-    grads = adj.backward(frozen_at, roots)
+        (g,) = adj.backward(frozen_at, lambda y: [pick(frozen_head(y[:, 0], head, slope, True))])
+        return (g * e).sum(-1).detach(), adj.constants[0]
+    grads = adj.backward(frozen_at, lambda y: list(frozen_head(y[:, 0], head, slope, True).unbind(-1)))
     scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
-    return scores.detach(), (value - scores.sum(1)).detach()
+    return scores.detach(), torch.stack(adj.constants, -1)
 
 
 # --------------------------------------------------------------------------------------
@@ -1083,10 +1286,7 @@ def adjoint_next_token_scores(
     ar = torch.arange(e.shape[0], device=e.device)
     row_index = torch.searchsorted(adj.last_rows, position)
     f_in = final_input[ar, position]
-    value = frozen_next_token_logit(adj.value[ar, row_index], final_params, f_in, direction, direction_bias)
     (g,) = adj.backward(
-        frozen_at, lambda y: [frozen_next_token_logit(y[ar, row_index], final_params, f_in, direction, direction_bias).sum()]
+        frozen_at, lambda y: [frozen_next_token_logit(y[ar, row_index], final_params, f_in, direction, direction_bias)]
     )
-    scores = (g * e).sum(-1)
-    return scores.detach(), (value - scores.sum(1)).detach()
-
+    return (g * e).sum(-1).detach(), adj.constants[0]

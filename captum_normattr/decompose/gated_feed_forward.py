@@ -12,19 +12,24 @@ one-dimensional integrals per neuron. Their sum over j (bias part included) is
 b * (a I1 + I2) = b * int_0^1 d/dt [t g(t a)] dt = b g(a): completeness holds exactly for the
 exact integrals. Both integrals are evaluated by an n-node Gauss-Legendre rule on [0, 1]
 (g' by autograd); the completeness error that remains is the quadrature error, which
-falls quickly with n for smooth g (SiLU, GELU). Part of token j: IG_j W_down; bias part:
-IG_bias W_down + b_down.
+falls quickly with n for smooth g (SiLU, GELU). For the SiLU gate with n >= 48 (the
+default) the integrals are taken in closed form instead (:func:`silu_gate_integrals`, exact
+to rounding; the 48-node rule agrees with it to 1e-14 for |a| <= 60 in float64), several
+times faster. Part of token j: IG_j W_down; bias part: IG_bias W_down + b_down.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Tuple
+from fractions import Fraction
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 #: Default number of Gauss-Legendre nodes: |a I1 + I2 - g(a)| < 1e-12 for SiLU gate values |a| <= 60 in float64.
+#: From this many nodes on, a SiLU gate's integrals are taken in closed form (:func:`silu_gate_integrals`).
 DEFAULT_NODES = 48
 
 
@@ -58,7 +63,12 @@ def gauss_legendre_unit(nodes: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tuple[Tensor, Tensor]:
-    r"""I1 = int_0^1 g'(t a) t dt and I2 = int_0^1 g(t a) dt per element, by Gauss-Legendre.
+    r"""I1 = int_0^1 g'(t a) t dt and I2 = int_0^1 g(t a) dt per element.
+
+    By the n-node Gauss-Legendre rule, except for a SiLU gate with ``nodes >= DEFAULT_NODES``,
+    whose integrals are exact in closed form (:func:`silu_gate_integrals`): the 48-node rule
+    and the closed form agree to 1e-14 for |a| <= 60 and to 2e-12 for |a| <= 95 in float64
+    (further out the rule's own error grows; more nodes only bring it closer to the closed form).
 
     Args:
         a: (...) gate pre-activations (the real totals, bias included).
@@ -68,6 +78,13 @@ def gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tupl
     Returns:
         (I1, I2), each shaped like ``a``.
     """
+    if int(nodes) >= DEFAULT_NODES and is_silu(act):
+        return silu_gate_integrals(a)
+    return quadrature_gate_integrals(a, act, nodes)
+
+
+def quadrature_gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tuple[Tensor, Tensor]:
+    r"""I1 and I2 (see :func:`gate_integrals`) by the ``nodes``-node Gauss-Legendre rule, g' by autograd."""
     ts, ws = gauss_legendre_unit(nodes, a.dtype, a.device)
     i1 = torch.zeros_like(a)
     i2 = torch.zeros_like(a)
@@ -85,6 +102,126 @@ def gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tupl
         i1.add_(grad, alpha=w * t)
         i2.add_(y.detach(), alpha=w)
     return i1, i2
+
+
+def is_silu(act: Callable) -> bool:
+    r"""Whether ``act`` is the SiLU (``torch.nn.functional.silu``, ``nn.SiLU``, transformers' ``SiLUActivation``).
+
+    Recognised by type, then confirmed on a few probe values (a module whose forward was
+    replaced by something else is not taken for a SiLU).
+    """
+    known = act is torch.nn.functional.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    if not known:
+        return False
+    probe = torch.linspace(-8.0, 8.0, 17, dtype=torch.float64)
+    try:
+        out = act(probe)
+    except Exception:  # e.g. a kernel that only takes another dtype or device
+        return False
+    return torch.is_tensor(out) and out.shape == probe.shape and bool(
+        torch.allclose(out.to(torch.float64), torch.nn.functional.silu(probe), rtol=1e-12, atol=0)
+    )
+
+
+def _bernoulli(n: int) -> List[Fraction]:
+    r"""Bernoulli numbers B_0..B_n (B_1 = -1/2), exactly."""
+    b = [Fraction(1)]
+    for m in range(1, n + 1):
+        b.append(-sum(math.comb(m + 1, k) * b[k] for k in range(m)) / Fraction(m + 1))
+    return b
+
+
+_B = _bernoulli(40)
+#: H(x) = int_0^x u tanh(u) du = sum_n c_n x^(2n+1), c_n = 4^n (4^n - 1) B_2n / ((2n)! (2n + 1)), n >= 1.
+_TANH_MOMENT = [
+    float(Fraction(4**n * (4**n - 1)) * _B[2 * n] / (math.factorial(2 * n) * (2 * n + 1))) for n in range(1, 20)
+]
+#: Li2(z) = w - w^2/4 + sum_k B_2k w^(2k+1) / (2k+1)!, w = -log(1 - z), k >= 1.
+_LI2 = [float(_B[2 * k] / math.factorial(2 * k + 1)) for k in range(1, 12)]
+#: Elements per piece of :func:`silu_gate_integrals`: bounds its dozen temporaries (not faster in smaller pieces).
+SILU_CHUNK = 2**19
+#: Terms used per dtype: (Taylor terms for |a| < 1, Li2 terms for |a| >= 1); both truncation errors < eps / 10.
+_TERMS: Dict[torch.dtype, Tuple[int, int]] = {torch.float64: (18, 7), torch.float32: (9, 4)}
+
+
+def _horner(x: Tensor, coefs: List[float]) -> Tensor:
+    r"""sum_k coefs[k] x^k (a new tensor)."""
+    p = x * coefs[-1]
+    p.add_(coefs[-2])
+    for c in reversed(coefs[:-2]):
+        p.mul_(x).add_(c)
+    return p
+
+
+def silu_gate_integrals(a: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""The exact gate integrals of the SiLU g(s) = s sigmoid(s), in closed form.
+
+    With S(a) = int_0^a g(s) ds, I2 = S(a) / a and, by parts, I1 = (g(a) - I2) / a
+    = sigmoid(a) - S(a) / a^2 (docs/design.md, section 6). Two evaluations of S, each
+    without cancellation in its range:
+
+    - |a| >= 1: S = relu(a) a / 2 - K sign(a), K = pi^2/12 - |a| log(1 + q) + Li2(-q),
+      q = exp(-|a|) <= 1/e (int_0^x u tanh(u) du in terms of the dilogarithm), so
+      I2 = relu(a) / 2 - K / |a| and I1 = sigmoid(a) - [a > 0] / 2 + sign(a) K / a^2; Li2 by
+      its Bernoulli series in w = -log(1 + q) (|w| <= 0.32: each term 400 times smaller than
+      the one before);
+    - |a| < 1: s sigmoid(s) = s/2 + (s/2) tanh(s/2) gives S = a^2/4 + a y P(y), y = a^2/4,
+      P(y) = sum_n c_n y^(n-1) from the Taylor series of int_0^x u tanh(u) du (each term at
+      most a tenth of the one before), so I2 = a/4 + y P(y) and I1 = sigmoid(a) - 1/4 - (a/4) P(y).
+
+    Both give a I1 + I2 = g(a) up to rounding (completeness holds exactly), and agree with a
+    40-digit reference to about 2e-16 in float64 (``tests/test_decompx_speed.py``).
+
+    Args:
+        a: (...) gate pre-activations, float32 or float64 (other dtypes are computed in
+            float32 and cast back).
+
+    Returns:
+        (I1, I2), each shaped like ``a``.
+
+    Examples::
+
+        >>> a = torch.tensor([-3.0, 0.0, 2.0], dtype=torch.float64)
+        >>> i1, i2 = silu_gate_integrals(a)
+        >>> torch.allclose(a * i1 + i2, torch.nn.functional.silu(a), rtol=0, atol=1e-15)
+        True
+    """
+    if a.dtype not in _TERMS:
+        i1, i2 = silu_gate_integrals(a.float())
+        return i1.to(a.dtype), i2.to(a.dtype)
+    if a.numel() > SILU_CHUNK:  # about 40 elementwise passes: in pieces whose temporaries stay in cache
+        flat = a.reshape(-1)
+        i1, i2 = torch.empty_like(flat), torch.empty_like(flat)
+        for start in range(0, flat.numel(), SILU_CHUNK):
+            piece = slice(start, start + SILU_CHUNK)
+            i1[piece], i2[piece] = _silu_gate_integrals(flat[piece])
+        return i1.view(a.shape), i2.view(a.shape)
+    return _silu_gate_integrals(a)
+
+
+def _silu_gate_integrals(a: Tensor) -> Tuple[Tensor, Tensor]:
+    r""":func:`silu_gate_integrals` of one piece (float32 or float64)."""
+    n_taylor, n_li2 = _TERMS[a.dtype]
+    m = a.abs()
+    small = m < 1.0
+    sig = torch.sigmoid(a)
+    # |a| < 1 (y clamped so that the other elements stay finite)
+    y = (a * a).mul_(0.25).clamp_(max=0.25)
+    p = _horner(y, _TANH_MOMENT[:n_taylor])
+    i2_small = torch.addcmul(a * 0.25, y, p)
+    i1_small = torch.addcmul(sig - 0.25, a, p, value=-0.25)
+    del y, p
+    # |a| >= 1 (|a| clamped so that the other elements stay finite)
+    mc = m.clamp_(min=1.0)
+    lq = torch.neg(mc).exp_().log1p_()  # log(1 + q) = -w
+    w2 = lq * lq
+    li2 = _horner(w2, _LI2[:n_li2]).mul_(lq).add_(0.25).mul_(lq).add_(1.0).mul_(lq).neg_()  # Li2(-q)
+    k = li2.addcmul_(mc, lq, value=-1.0).add_(math.pi**2 / 12)  # K
+    del lq, w2
+    k_over = k.div_(mc)  # K / |a|
+    i2_big = torch.relu(a).mul_(0.5).sub_(k_over)
+    i1_big = torch.addcmul(sig, torch.sign(a), k_over.div_(mc)).sub_((a > 0).to(a.dtype), alpha=0.5)
+    return torch.where(small, i1_small, i1_big), torch.where(small, i2_small, i2_big)
 
 
 def gated_ff_parts(

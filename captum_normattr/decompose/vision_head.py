@@ -14,7 +14,7 @@ docs/design.md, section 8 (DecompX), "Vision Transformer heads".
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -102,23 +102,16 @@ def adjoint_linear_head_scores(
 
     Returns:
         Without ``target``: (scores (B, T, C), bias scores (B, C)); with it: (scores (B, T),
-        bias scores (B,)). The bias score is F(e) - sum of the scores (F the frozen affine
-        network), so its distance to the real logit is the completeness error.
+        bias scores (B,)). The bias score is the constant F(0) of the frozen affine network F,
+        so F(e) = sum of the scores + bias score, and its distance to the real logit is the
+        completeness error.
     """
     e = adj.embeddings
     head = lambda y: frozen_linear_head(y, final_params, final_input, weight, head_bias)
-    value = head(adj.value)  # (B, C)
     if target is not None:
         pick = lambda out: out.gather(1, target.view(-1, 1)).squeeze(1)
-        (g,) = adj.backward(frozen_at, lambda y: [pick(head(y)).sum()])
-        scores = (g * e).sum(-1)
-        return scores.detach(), (pick(value) - scores.sum(1)).detach()
-    c = value.shape[-1]
-
-    def roots(y: Tensor) -> List[Tensor]:
-        out = head(y)
-        return [out[:, j].sum() for j in range(c)]
-
-    grads = adj.backward(frozen_at, roots)
+        (g,) = adj.backward(frozen_at, lambda y: [pick(head(y))])
+        return (g * e).sum(-1).detach(), adj.constants[0]
+    grads = adj.backward(frozen_at, lambda y: list(head(y).unbind(-1)))
     scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
-    return scores.detach(), (value - scores.sum(1)).detach()
+    return scores.detach(), torch.stack(adj.constants, -1)
