@@ -5,6 +5,9 @@ Also what ``accelerate launch -m captum_normattr ...`` runs (see ``docs/scale.md
 import sys
 
 from captum_normattr.cli import main
+from captum_normattr.cpu_launch import close_process_group
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    close_process_group()
+    sys.exit(code)

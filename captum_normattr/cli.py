@@ -912,4 +912,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    from captum_normattr.cpu_launch import close_process_group
+
+    code = main()
+    close_process_group()
+    sys.exit(code)

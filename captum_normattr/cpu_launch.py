@@ -181,3 +181,25 @@ def spawn_cpu_processes(n: int, argv: Sequence[str], *, poll_s: float = 0.05) ->
     if failed is None:
         failed = next((p.returncode for p in procs if p.returncode != 0), 0)
     return failed
+
+
+def close_process_group() -> None:
+    r"""Tear down this process's ``torch.distributed`` group, if one was started, before it exits.
+
+    A gloo group left to the interpreter's shutdown can abort the process after its work is
+    done ("terminate called without an active exception", exit status 250), which the
+    launcher then reports as a failure. Called by ``python -m captum_normattr`` on exit.
+
+    Examples::
+
+        >>> close_process_group()  # no group: nothing to do
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no process tears down while another still talks to it
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit: the records are written already
+        pass
+

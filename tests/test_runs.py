@@ -191,3 +191,15 @@ def test_accelerate_launch_command_lines_are_recognised(monkeypatch):
     assert requested_cpu_processes(["python", "-m", "captum_normattr"]) == 1  # not accelerate launch
     monkeypatch.setenv("WORLD_SIZE", "3")  # already one of the N processes
     assert requested_cpu_processes(cli) == 1
+
+
+def test_close_process_group_tears_down_a_started_group(tmp_path):
+    import torch.distributed as dist
+
+    from captum_normattr.cpu_launch import close_process_group
+
+    close_process_group()  # no group: nothing happens
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    close_process_group()
+    assert not dist.is_initialized()
