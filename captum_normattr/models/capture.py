@@ -98,9 +98,11 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     soft_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     dropping = training and dropout > 0
     blocks = _causal_row_blocks(attention_mask, t, s) if causal and not dropping else None
-    probs = torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
     per_head = max(1, b * t * s * max(query.element_size(), 4))
     step = max(1, min(h, SCORE_CHUNK_BYTES // per_head))
+    # one chunk of every head and row: the softmax output is the probabilities (no copy into them)
+    whole = step >= h and blocks is None
+    probs = None if whole else torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
     for h0 in range(0, h, step):
         sl = slice(h0, min(h, h0 + step))
         for r0, r1, c1 in ((0, t, s),) if blocks is None else ((r0, r1, r1) for r0, r1 in blocks):
@@ -114,7 +116,10 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
                     scores.masked_fill_(~m, torch.finfo(scores.dtype).min)
                 else:
                     scores.add_(m)
-            probs[:, sl, r0:r1, :c1] = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+            if whole:
+                probs = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+            else:
+                probs[:, sl, r0:r1, :c1] = torch.softmax(scores, dim=-1, dtype=soft_dtype)
             if c1 < s:
                 probs[:, sl, r0:r1, c1:] = 0
             del scores
