@@ -178,3 +178,20 @@ def test_causal_row_blocks_in_the_decomposition(family, monkeypatch):
         full = m.decompose(ids, additional_forward_args=(mask,))
         torch.testing.assert_close(blocked[n].scores, full.scores, atol=1e-12, rtol=0)
         torch.testing.assert_close(blocked[n].layer_maps, full.layer_maps, atol=1e-12, rtol=0)
+
+
+def test_compiled_kernel_default_selection(monkeypatch):
+    from captum_normattr.decompose import alti
+
+    monkeypatch.delenv(alti.COMPILE_ENV, raising=False)
+    big, per_example = alti.COMPILE_MIN_ELEMENTS, alti.COMPILE_MIN_EXAMPLE_ELEMENTS
+    assert alti._compiled_kernel(torch.float64, 4 * big, 4 * per_example) is None  # float64: eager (exactness)
+    assert alti._compiled_kernel(torch.float32, big // 2, 4 * per_example) is None  # small layer
+    assert alti._compiled_kernel(torch.float32, 4 * big, per_example // 2) is None  # many short examples
+    if not alti._STATE["failed"]:
+        assert alti._compiled_kernel(torch.float32, 4 * big, 4 * per_example) is not None
+    alti.use_compiled_kernel(False)
+    try:
+        assert alti._compiled_kernel(torch.float32, 4 * big, 4 * per_example) is None
+    finally:
+        alti.use_compiled_kernel(None)
