@@ -240,7 +240,36 @@ def _first_tensor(x):
 _RECORD_KEYS = ("hidden_in", "probs", "values", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out")
 
 
-class Recorder:
+class AttentionRecords:
+    r"""What a recorder does when the recording attention runs a module: the shared part of
+    :class:`Recorder` and the encoder-decoder recorder.
+
+    A subclass sets ``_attn_keys`` (id of each watched attention module -> the key of its
+    record in ``records``) and ``keeps_context`` (whether the attention context is kept).
+    """
+
+    _attn_keys: Dict[int, Any]
+    records: Dict[Any, Dict[str, Tensor]]
+    keeps_context: bool = True
+
+    def watches(self, module: nn.Module) -> bool:
+        return id(module) in self._attn_keys
+
+    def _mine(self) -> bool:
+        return self in _active()
+
+    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor, context: Optional[Tensor] = None) -> None:
+        r"""Keep a watched module's probabilities, values and (if kept and given) attention context (B, T, H, Dh)."""
+        key = self._attn_keys.get(id(module))
+        if key is not None:
+            rec = self.records.setdefault(key, {})
+            rec["probs"] = probs.detach()
+            rec["values"] = values.detach()
+            if context is not None and self.keeps_context:
+                rec["context"] = context.detach()
+
+
+class Recorder(AttentionRecords):
     r"""Records one forward pass layer by layer and hands each layer to ``on_layer``.
 
     Args:
@@ -268,28 +297,11 @@ class Recorder:
         self.keep_calls = keep_calls
         self.layers = layer_modules(model, adapter)
         self.base = base_model(model)
-        self._attn_index = {id(get_path(layer, adapter.attention)): i for i, layer in enumerate(self.layers)}
+        self._attn_keys = {id(get_path(layer, adapter.attention)): i for i, layer in enumerate(self.layers)}
         self.records: Dict[int, Dict[str, Tensor]] = {}
         self.calls: Dict[int, Tuple[tuple, dict, bool]] = {}
         self.final: Dict[str, Tensor] = {}
         self.layers_done = 0
-
-    # --- recording -------------------------------------------------------------
-    def watches(self, module: nn.Module) -> bool:
-        return id(module) in self._attn_index
-
-    def _mine(self) -> bool:
-        return self in _active()
-
-    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor, context: Optional[Tensor] = None) -> None:
-        r"""Keep a watched module's probabilities, values and (if given) attention context (B, T, H, Dh)."""
-        idx = self._attn_index.get(id(module))
-        if idx is not None:
-            rec = self.records.setdefault(idx, {})
-            rec["probs"] = probs.detach()
-            rec["values"] = values.detach()
-            if context is not None:
-                rec["context"] = context.detach()
 
     def _hooks(self) -> list:
         a = self.adapter

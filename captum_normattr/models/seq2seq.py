@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
-from captum_normattr.models.capture import _active, norm_params, recorder_session
+from captum_normattr.models.capture import AttentionRecords, norm_params, recorder_session
 
 __all__ = [
     "BLOCKS",
@@ -230,7 +230,7 @@ def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-class Seq2SeqRecorder:
+class Seq2SeqRecorder(AttentionRecords):
     r"""Records the attention blocks of one encoder-decoder forward pass.
 
     It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture`,
@@ -242,6 +242,8 @@ class Seq2SeqRecorder:
         dtype: the compute dtype of the handed-out tensors.
     """
 
+    keeps_context = False  # ALTI+ needs no attention context
+
     def __init__(self, model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dtype):
         self.model = model
         self.adapter = adapter
@@ -251,30 +253,14 @@ class Seq2SeqRecorder:
             "encoder": list(get_path(base, adapter.encoder_layers)),
             "decoder": list(get_path(base, adapter.decoder_layers)),
         }
-        self._attn: Dict[int, Tuple[str, int]] = {}
+        self._attn_keys: Dict[int, Tuple[str, int]] = {}
         for name in BLOCKS:
             for i, layer in enumerate(self.layers[name.split("_")[0]]):
-                self._attn[id(get_path(layer, adapter.block(name).attention))] = (name, i)
+                self._attn_keys[id(get_path(layer, adapter.block(name).attention))] = (name, i)
         self.records: Dict[Tuple[str, int], Dict[str, Tensor]] = {}
 
     def stack_layers(self, block: str) -> List[nn.Module]:
         return self.layers[block.split("_")[0]]
-
-    # --- called by the recording attention function ------------------------------
-    def watches(self, module: nn.Module) -> bool:
-        return id(module) in self._attn
-
-    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor, context: Optional[Tensor] = None) -> None:
-        r"""Keep a watched module's probabilities and values (ALTI+ needs no attention context)."""
-        key = self._attn.get(id(module))
-        if key is not None:
-            rec = self.records.setdefault(key, {})
-            rec["probs"] = probs.detach()
-            rec["values"] = values.detach()
-
-    # --- hooks --------------------------------------------------------------------
-    def _mine(self) -> bool:
-        return self in _active()
 
     def hooks(self) -> list:
         handles = []
