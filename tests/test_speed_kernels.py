@@ -181,14 +181,14 @@ def test_causal_row_blocks_in_the_decomposition(family, monkeypatch):
 
 
 def test_compiled_kernel_default_selection(monkeypatch):
-    from captum_normattr.decompose import alti
+    from captum_normattr.decompose import alti, compiled
 
     monkeypatch.delenv(alti.COMPILE_ENV, raising=False)
     big, per_example = alti.COMPILE_MIN_ELEMENTS, alti.COMPILE_MIN_EXAMPLE_ELEMENTS
     assert alti._compiled_kernel(torch.float64, 4 * big, 4 * per_example) is None  # float64: eager (exactness)
     assert alti._compiled_kernel(torch.float32, big // 2, 4 * per_example) is None  # small layer
     assert alti._compiled_kernel(torch.float32, 4 * big, per_example // 2) is None  # many short examples
-    if not alti._STATE["failed"]:
+    if not compiled.has_failed(alti._l1_distance_tile):
         assert alti._compiled_kernel(torch.float32, 4 * big, 4 * per_example) is not None
     alti.use_compiled_kernel(False)
     try:

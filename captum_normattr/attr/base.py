@@ -52,7 +52,7 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
 
 
-def layer_finite(layer: LayerTensors, valid: Tensor) -> Tensor:
+def layer_finite(layer: LayerTensors, valid: Tensor, input_checked: bool = False) -> Tensor:
     r"""(B,) bool: True where the layer's input and output are finite at the real tokens.
 
     That covers every recorded tensor of the layer: a NaN or an infinity in the value
@@ -60,10 +60,11 @@ def layer_finite(layer: LayerTensors, valid: Tensor) -> Tensor:
     output reaches the layer output of the real queries (a product with a NaN or an
     infinity is never finite again, not even times an exactly zero probability; a norm of
     a non-finite vector is NaN), so checking them as well only re-reads memory.
+    ``input_checked``: the input is a tensor already checked (the previous layer's output).
     """
     v = valid.to(layer.hidden_in.device)
     ok = torch.ones(v.shape[0], dtype=torch.bool, device=v.device)
-    for x in (layer.hidden_in, layer.layer_out):
+    for x in (layer.layer_out,) if input_checked else (layer.hidden_in, layer.layer_out):
         ok &= (torch.isfinite(x).all(-1) | ~v).all(-1)
     return ok
 
@@ -139,9 +140,17 @@ def streamed_forward(
         (recorder, model output). The hooks stay in place until the block ends, so that
         layers can be recomputed there.
     """
+    # the last layer output checked, kept alive: while it lives, no other tensor can have its
+    # memory, so the same address, shape, strides and dtype mean the same elements
+    checked: List[Optional[Tensor]] = [None]
+
     def checked_on_layer(layer: LayerTensors) -> None:
         if prepared.finite is not None:
-            prepared.finite = prepared.finite & layer_finite(layer, prepared.valid)
+            last, x = checked[0], layer.hidden_in
+            same_input = last is not None and (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == (
+                last.data_ptr(), last.shape, last.stride(), last.dtype, last.device)
+            prepared.finite = prepared.finite & layer_finite(layer, prepared.valid, input_checked=same_input)
+            checked[0] = layer.layer_out
         on_layer(layer)
 
     with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls) as rec:

@@ -17,14 +17,12 @@ Both skip the all-zero causal triangle (row blocks stop at their last row).
 """
 from __future__ import annotations
 
-import os
-import threading
-import warnings
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose import compiled
 from captum_normattr.decompose.chunking import MIN_TILE_ROWS, tile_for_cache
 from captum_normattr.decompose.mixing import row_normalize
 
@@ -43,15 +41,14 @@ COMPILE_MIN_EXAMPLE_ELEMENTS = 2**20
 #: keeps them in registers, but bounding its row blocks keeps memory bounded too where torch
 #: runs the function eagerly instead (e.g. after too many recompilations).
 FUSED_BLOCK_BYTES = 256 * 2**20
-#: Environment variable: ``0`` disables the compiled kernel, ``1`` uses it at every size.
-COMPILE_ENV = "CAPTUM_NORMATTR_COMPILE"
-
-_STATE = {"compiled": None, "failed": False, "forced": None}
-_STATE_LOCK = threading.Lock()
+#: Environment variable: ``0`` disables the compiled kernels, ``1`` uses them at every size.
+COMPILE_ENV = compiled.COMPILE_ENV
 
 
 def use_compiled_kernel(enabled: Optional[bool] = None) -> None:
-    r"""Choose the ALTI distance kernel for the whole process.
+    r"""Choose the ALTI distance kernel (and every other compiled kernel) for the whole process.
+
+    The same switch as :func:`~captum_normattr.decompose.compiled.use_compiled_kernels`.
 
     Args:
         enabled: True: the compiled kernel for every layer (float64 too); False: the eager kernel
@@ -65,7 +62,7 @@ def use_compiled_kernel(enabled: Optional[bool] = None) -> None:
         >>> use_compiled_kernel(False)  # e.g. a one-off call on a machine without a C++ compiler
         >>> use_compiled_kernel(None)
     """
-    _STATE["forced"] = enabled
+    compiled.use_compiled_kernels(enabled)
 
 
 def _l1_distance_tile(mix: Tensor, projected: Tensor, target: Tensor) -> Tensor:
@@ -92,33 +89,8 @@ def _compiled_kernel(dtype: torch.dtype, elements: int, example_elements: Option
     ``elements``: pairs x width of the layer (B T^2 D); ``example_elements``: of one example
     (T^2 D; None: not checked).
     """
-    if _STATE["failed"]:
-        return None
-    forced = _STATE["forced"]
-    if forced is None:
-        env = os.environ.get(COMPILE_ENV, "").strip()
-        forced = {"0": False, "1": True}.get(env)
     small = elements < COMPILE_MIN_ELEMENTS or (example_elements or elements) < COMPILE_MIN_EXAMPLE_ELEMENTS
-    if forced is False or (forced is None and (dtype != torch.float32 or small)):
-        return None
-    with _STATE_LOCK:
-        if _STATE["compiled"] is None:
-            try:
-                _STATE["compiled"] = torch.compile(_l1_distance_tile, dynamic=True)
-            except Exception as e:  # no compiler backend in this torch build
-                _fail(e)
-                return None
-    return _STATE["compiled"]
-
-
-def _fail(error: BaseException) -> None:
-    _STATE["failed"] = True
-    warnings.warn(
-        f"captum_normattr: the compiled ALTI kernel is unavailable ({type(error).__name__}: {error}); "
-        f"using the eager kernel (set {COMPILE_ENV}=0 to skip the attempt)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    return compiled.compiled_kernel(_l1_distance_tile, dtype == torch.float32 and not small)
 
 
 def l1_contributions(parts: Tensor, output: Tensor) -> Tensor:
@@ -183,7 +155,7 @@ def alti_map(
         try:
             dist = _fused_distances(kernel, probs, proj_j, residual, target, causal)
         except Exception as e:  # compilation failed (no C++ compiler, unsupported device, ...)
-            _fail(e)
+            compiled.kernel_failed(_l1_distance_tile, e)
     if dist is None:
         dist = _tiled_distances(probs, proj_j, residual, target, chunk_rows, causal, tile_bytes or ALTI_TILE_BYTES)
     if row_scale is not None:

@@ -14,6 +14,8 @@ make several passes over their parts (ALTI), inside the memory budget.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 #: Bytes of one tile of explicit parts in the cache-blocked kernels (about an L2/L3 share per core).
 CACHE_TILE_BYTES = 4 * 2**20
 #: Fewest rows (and columns) of a cache tile: smaller matrix products run below the BLAS's speed.
@@ -21,6 +23,11 @@ MIN_TILE_ROWS = 16
 
 #: Budget of the row-chunked Gram products of the norm maps (one (B, R, T, H) temporary).
 GRAM_CHUNK_MB = 64.0
+
+#: Bytes of one (tokens, D) block of the per-token vector work (norm scales, diagonal parts,
+#: mixing ratios, completeness): every pass after the first reads the block from the CPU
+#: cache instead of main memory (docs/performance.md, "Round 5").
+VECTOR_BLOCK_BYTES = 2**20
 
 
 def rows_for_budget(
@@ -91,3 +98,23 @@ def row_chunks(tokens: int, chunk: int):
     r"""Consecutive slices of at most ``chunk`` rows covering range(tokens)."""
     for start in range(0, tokens, chunk):
         yield slice(start, min(tokens, start + chunk))
+
+
+def token_blocks(tokens: int, row_bytes: int, block_bytes: Optional[int] = None):
+    r"""Consecutive slices of the (flattened) tokens, each about ``block_bytes`` of rows.
+
+    Args:
+        tokens: the number of rows (e.g. B * T).
+        row_bytes: bytes of one row (D * itemsize).
+        block_bytes: the block size in bytes (None: :data:`VECTOR_BLOCK_BYTES`).
+
+    Returns:
+        An iterator of slices covering range(tokens).
+
+    Examples::
+
+        >>> [(s.start, s.stop) for s in token_blocks(1000, 384 * 4)]
+        [(0, 682), (682, 1000)]
+    """
+    block_bytes = VECTOR_BLOCK_BYTES if block_bytes is None else block_bytes
+    return row_chunks(tokens, max(1, block_bytes // max(1, row_bytes)))

@@ -125,14 +125,13 @@ def pre_ln_layer_maps(
     dtype = layer.hidden_in.dtype
     mask2d = pair_mask(valid, dtype, causal)
     head_w = layer.head_out_weight()
-    total_with_res = layer.ln2_in - _out_bias(layer)  # sum_j h_{i<-j}, from the real h
     needed = {n for n in names if n in PRE_LN_NORM_MAPS}
     if "N_FIXEDRES" in names:
         needed.add("N")
     maps, ratios = norm_maps_and_ratios(
-        layer.probs, layer.values, head_w, layer.hidden_in, total_with_res,
+        layer.probs, layer.values, head_w, layer.hidden_in, layer.ln2_in,  # sum_j h_{i<-j}: the real h less b_O
         [n for n in PRE_LN_NORM_MAPS if n in needed], lambda name: pre_ln_norm_map_spec(layer, name), mask2d, valid,
-        causal,
+        causal, total_bias=layer.out_bias,
     )
     if "W" in names or "W_FIXEDRES" in names:
         maps["W"] = layer.probs.mean(1) * mask2d

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from captum_normattr.decompose.alti import alti_map
 from captum_normattr.decompose.attention import attention_context, heads_through_out, norm_maps_and_ratios, project_values
-from captum_normattr.decompose.layer_norm import NormLinearMap, norm_scale
+from captum_normattr.decompose.chunking import token_blocks
+from captum_normattr.decompose.layer_norm import NormLinearMap, apply_norm_to_parts, norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask, ratio_residual
 from captum_normattr.decompose.records import LayerTensors
 
@@ -70,9 +71,7 @@ def post_ln_layer_maps(
     dtype = layer.hidden_in.dtype
     mask2d = pair_mask(valid, dtype)
     head_w = layer.head_out_weight()
-    out_bias = layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
-    # sum_j a_{i<-j} + x_i, from the real LN1 input (the bias b_O removed)
-    total_with_res = layer.ln1_in - out_bias
+    # sum_j a_{i<-j} + x_i is the real LN1 input less the bias b_O (subtracted block by block)
 
     needed = set(n for n in names if n in NORM_MAPS)
     if "N_FIXEDRES" in names:
@@ -81,8 +80,9 @@ def post_ln_layer_maps(
         needed.add("N_ENC")
 
     maps, ratios = norm_maps_and_ratios(
-        layer.probs, layer.values, head_w, layer.hidden_in, total_with_res,
+        layer.probs, layer.values, head_w, layer.hidden_in, layer.ln1_in,
         [n for n in NORM_MAPS if n in needed], lambda name: norm_map_spec(layer, name), mask2d, valid,
+        total_bias=layer.out_bias,
     )
 
     if any(n.startswith("W") for n in names):
@@ -129,7 +129,7 @@ def post_ln_ln1_parts_sum(layer: LayerTensors) -> Tensor:
     Returns:
         (B, T, D).
     """
-    from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
+    from captum_normattr.decompose.layer_norm import norm_bias_part
 
     if layer.context is not None:  # the product the recording attention already computed
         attn = layer.attention_sum()
@@ -140,6 +140,26 @@ def post_ln_ln1_parts_sum(layer: LayerTensors) -> Tensor:
 
 
 def post_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
-    r"""Largest absolute error of parts + bias part against the real LN1 output (valid tokens)."""
-    err = (post_ln_ln1_parts_sum(layer) - layer.ln1_out).abs().amax(-1)
-    return (err * valid.to(err.dtype)).max()
+    r"""Largest absolute error of parts + bias part against the real LN1 output (valid tokens).
+
+    The parts' sum is :func:`post_ln_ln1_parts_sum`, worked out block by block of tokens
+    (one product through W_O per block, the residual and b_O added into it, the norm's
+    fixed linear map with the real scale): each block's temporaries stay in the CPU cache.
+    """
+    if layer.context is None:
+        err = (post_ln_ln1_parts_sum(layer) - layer.ln1_out).abs().amax(-1)
+        return (err * valid.to(err.dtype)).max()
+    b, t, d = layer.hidden_in.shape
+    ctx = layer.context.reshape(b * t, -1)
+    x, real_in, real_out = (u.reshape(b * t, d) for u in (layer.hidden_in, layer.ln1_in, layer.ln1_out))
+    beta = layer.ln1.bias.to(x.dtype) if layer.ln1.bias is not None else None
+    err = x.new_empty(b * t)
+    for rows in token_blocks(b * t, d * x.element_size()):
+        z = torch.addmm(x[rows], ctx[rows], layer.out_weight)  # sum_j a_{i<-j} + x_i
+        if layer.out_bias is not None:
+            z += layer.out_bias  # the bias part, through the same fixed map
+        z = apply_norm_to_parts(z[None], real_in[rows][None], layer.ln1)[0]  # (1, n, D): n tokens
+        if beta is not None:
+            z += beta
+        err[rows] = z.sub_(real_out[rows]).abs_().amax(-1)
+    return (err.view(b, t) * valid.to(err.dtype)).max()

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose import chunking
 from captum_normattr.decompose.records import NormParams
 
 
@@ -25,6 +26,18 @@ def norm_scale(u: Tensor, params: NormParams) -> Tensor:
         s(u) = sqrt(var(u) + eps) (biased variance) for LayerNorm, or
         rms(u) = sqrt(mean(u^2) + eps) for RMSNorm, shape (...,).
     """
+    d = u.shape[-1]
+    if u.requires_grad or u.numel() * u.element_size() <= chunking.VECTOR_BLOCK_BYTES:
+        return _norm_scale_rows(u, params)
+    # blocks of tokens: the centred copy of a block stays in the CPU cache (one read of u from memory)
+    flat = u.reshape(-1, d)
+    out = u.new_empty(flat.shape[0])
+    for rows in chunking.token_blocks(flat.shape[0], d * u.element_size()):
+        out[rows] = _norm_scale_rows(flat[rows], params)
+    return out.view(u.shape[:-1])
+
+
+def _norm_scale_rows(u: Tensor, params: NormParams) -> Tensor:
     if params.kind == "rmsnorm":
         return torch.sqrt(u.pow(2).mean(-1) + params.eps)
     # the biased variance as a norm of the centred input: same value, several times faster than

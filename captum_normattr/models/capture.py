@@ -103,10 +103,15 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     # one chunk of every head and row: the softmax output is the probabilities (no copy into them)
     whole = step >= h and blocks is None
     probs = None if whole else torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
+    # one chunk in the softmax's dtype: the scores are written into the probabilities' buffer and
+    # the softmax runs in place (bitwise the out-of-place result): one fresh (B, H, T, S) buffer per
+    # layer instead of two, whose page faults cost about as much as the products (docs/performance.md)
+    in_place = whole and query.dtype == soft_dtype
     for h0 in range(0, h, step):
         sl = slice(h0, min(h, h0 + step))
         for r0, r1, c1 in ((0, t, s),) if blocks is None else ((r0, r1, r1) for r0, r1 in blocks):
-            scores = torch.matmul(query[:, sl, r0:r1], key[:, sl, :c1].transpose(2, 3)).mul_(scaling)
+            scores = torch.matmul(query[:, sl, r0:r1], key[:, sl, :c1].transpose(2, 3),
+                                  out=query.new_empty(b, h, t, s) if in_place else None).mul_(scaling)
             if position_bias is not None:
                 pb = position_bias[..., r0:r1, :c1]
                 scores.add_(pb[:, sl] if pb.shape[1] > 1 else pb)
@@ -116,7 +121,9 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
                     scores.masked_fill_(~m, torch.finfo(scores.dtype).min)
                 else:
                     scores.add_(m)
-            if whole:
+            if in_place:
+                probs = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+            elif whole:
                 probs = torch.softmax(scores, dim=-1, dtype=soft_dtype)
             else:
                 probs[:, sl, r0:r1, :c1] = torch.softmax(scores, dim=-1, dtype=soft_dtype)

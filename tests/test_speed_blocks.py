@@ -1,0 +1,167 @@
+r"""Round 5 speed paths give the plain formulas' numbers: token blocks, the compiled quadratic forms,
+the blocked completeness check and the finiteness check that reads each layer output once."""
+import dataclasses
+
+import pytest
+from layer_capture import capture_layers
+import torch
+
+from captum_normattr import GlobEncAttribution
+from captum_normattr.attr import base
+from captum_normattr.decompose import attention, chunking, compiled
+from captum_normattr.decompose.decoder import pre_ln_layer_maps
+from captum_normattr.decompose.encoder import post_ln_completeness_error, post_ln_layer_maps, post_ln_ln1_parts_sum
+from captum_normattr.decompose.layer_norm import norm_scale
+from captum_normattr.decompose.records import NormParams
+
+from conftest import make_model, random_batch
+from decoder_models import decoder_batch, make_decoder
+from reference import naive_parts, naive_pre_ln_parts, naive_ratio
+
+NORM_MAPS = ("N", "N_RES", "N_RESLN", "N_ENC")
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    r"""The smallest blocks: 16 tokens per Gram block, one token per vector block."""
+    monkeypatch.setattr(attention, "CACHE_TILE_BYTES", 1)
+    monkeypatch.setattr(chunking, "VECTOR_BLOCK_BYTES", 1)
+
+
+@pytest.fixture
+def forced_compile():
+    compiled.use_compiled_kernels(True)
+    yield
+    compiled.use_compiled_kernels(None)
+
+
+def _no_fallback(fn):
+    assert not compiled.has_failed(fn), "the compiled kernel fell back to the eager one"
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_blocked_post_ln_maps_ratios_and_completeness_equal_naive(family, kernel, tiny_blocks, request):
+    r"""60 tokens in ragged blocks (16-token Gram blocks, 1-token vector blocks), padded batch:
+    every norm map and ratio equals the explicit parts, the completeness error equals the
+    unblocked sum of parts' error and stays below 1e-10."""
+    if kernel == "compiled":
+        request.getfixturevalue("forced_compile")
+    model = make_model(family)
+    ids, mask = random_batch([24, 19, 17], seed=4)
+    valid = mask.bool()
+    m2 = (valid[:, :, None] & valid[:, None, :]).double()
+    for layer in capture_layers(model, ids, mask):
+        maps, ratios = post_ln_layer_maps(layer, valid, NORM_MAPS)
+        ref = naive_parts(layer)
+        for name in NORM_MAPS:
+            torch.testing.assert_close(maps[name], ref[name].norm(dim=-1) * m2, atol=1e-10, rtol=0, msg=name)
+            torch.testing.assert_close(ratios[name], naive_ratio(ref[name]) * valid, atol=1e-10, rtol=0, msg=name)
+        err = post_ln_completeness_error(layer, valid)
+        unblocked = ((post_ln_ln1_parts_sum(layer) - layer.ln1_out).abs().amax(-1) * valid).max()
+        assert err < 1e-10
+        torch.testing.assert_close(err, unblocked, atol=1e-13, rtol=0)
+    if kernel == "compiled":
+        _no_fallback(attention._quadratic_forms_tile)
+
+
+def test_blocked_completeness_sees_a_wrong_output_projection(tiny_blocks):
+    r"""The blocked check measures the parts against the real tensors: a perturbed W_O shows."""
+    model = make_model("bert")
+    ids, mask = random_batch([9, 6], seed=5)
+    layer = capture_layers(model, ids, mask)[0]
+    assert post_ln_completeness_error(layer, mask.bool()) < 1e-10
+    layer = dataclasses.replace(layer, out_weight=layer.out_weight * 1.01)
+    assert post_ln_completeness_error(layer, mask.bool()) > 1e-4
+
+
+@pytest.mark.parametrize("family,lengths", [("gpt2", [30, 21]), ("llama", [40, 29])])
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_blocked_pre_ln_maps_equal_naive(family, lengths, kernel, tiny_blocks, request):
+    r"""Pre-LN maps with the bias subtracted block by block (left padding; 40 tokens: the
+    compiled kernel's causal row blocks) equal the explicit parts."""
+    if kernel == "compiled":
+        request.getfixturevalue("forced_compile")
+    model = make_decoder(family)
+    ids, mask = decoder_batch(lengths, seed=6, left=True)
+    v = mask.bool()
+    m2 = (v[:, :, None] & v[:, None, :]).double().tril()
+    for layer in capture_layers(model, ids, mask):
+        maps, ratios = pre_ln_layer_maps(layer, v)
+        for name, parts in naive_pre_ln_parts(layer).items():
+            torch.testing.assert_close(maps[name], parts.norm(dim=-1) * m2, atol=1e-10, rtol=0, msg=name)
+            torch.testing.assert_close(ratios[name], naive_ratio(parts) * v, atol=1e-10, rtol=0, msg=name)
+    if kernel == "compiled":
+        _no_fallback(attention._quadratic_forms_tile)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b", [1, 3])
+def test_compiled_quadratic_forms_equal_the_batched_products(causal, b, forced_compile):
+    gen = torch.Generator().manual_seed(7)
+    h, t = 4, 70
+    scores = torch.randn(b, h, t, t, dtype=torch.float64, generator=gen)
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    probs = scores.softmax(-1)
+    u = torch.randn(b, t, h, 5, dtype=torch.float64, generator=gen)
+    gram = u @ u.transpose(-1, -2)
+    got = attention._quadratic_norms(probs, gram, causal)
+    _no_fallback(attention._quadratic_forms_tile)
+    want = torch.einsum("bhij,bjhg,bgij->bij", probs, gram, probs)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_quadratic_kernel_default_selection(monkeypatch):
+    r"""Float32 layers from QUAD_COMPILE_MIN_ELEMENTS probabilities compile; float64 and small ones do not."""
+    monkeypatch.delenv(compiled.COMPILE_ENV, raising=False)
+    calls = []
+
+    def fake(fn, wanted):
+        calls.append(wanted)
+        return None
+
+    monkeypatch.setattr(compiled, "compiled_kernel", fake)
+    n = attention.QUAD_COMPILE_MIN_ELEMENTS
+    gram = torch.zeros(1, 8, 2, 2)
+    for dtype, t in ((torch.float32, 8), (torch.float64, 8)):
+        probs = torch.zeros(n // (2 * t * t) + 1, 2, t, t, dtype=dtype)
+        attention._quadratic_norms(probs, gram.to(dtype).expand(probs.shape[0], -1, -1, -1), False)
+    attention._quadratic_norms(torch.zeros(1, 2, 8, 8), gram, False)
+    assert calls == [True, False, False]
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_blocked_norm_scale_equals_the_whole_tensor(kind, monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    u = 3 + torch.randn(3, 11, 7, dtype=torch.float64, generator=gen)
+    params = NormParams(kind=kind, weight=None, bias=None, eps=1e-5)
+    whole = norm_scale(u, params)
+    monkeypatch.setattr(chunking, "VECTOR_BLOCK_BYTES", 5 * 7 * 8)  # 5-token blocks, a ragged last one
+    blocked = norm_scale(u, params)
+    torch.testing.assert_close(blocked, whole, atol=1e-15, rtol=0)
+    c = u - u.mean(-1, keepdim=True) if kind == "layernorm" else u
+    torch.testing.assert_close(blocked, torch.sqrt(c.pow(2).mean(-1) + 1e-5), atol=1e-14, rtol=0)
+
+
+def test_finiteness_reads_each_layer_output_once_and_still_sees_the_input(monkeypatch):
+    r"""Layers after the first skip their input (the previous output, already checked); the
+    first layer's input is checked, so a NaN embedding still marks its example."""
+    model = make_model("bert")
+    ids, mask = random_batch([6, 4], seed=9)
+    seen = []
+    real = base.layer_finite
+
+    def spy(layer, valid, input_checked=False):
+        seen.append(input_checked)
+        return real(layer, valid, input_checked)
+
+    monkeypatch.setattr(base, "layer_finite", spy)
+    attr = GlobEncAttribution(model)
+    attr.attribute(ids, additional_forward_args=(mask,))
+    assert seen == [False, True]
+    emb = model.get_input_embeddings()(ids).detach().clone()
+    emb[1, 2, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[1\]"):
+        got = attr.attribute(emb, additional_forward_args=(mask,))
+    assert torch.isnan(got[1]).all() and torch.isfinite(got[0]).all()
