@@ -165,3 +165,33 @@ def test_finiteness_reads_each_layer_output_once_and_still_sees_the_input(monkey
     with pytest.warns(RuntimeWarning, match=r"example\(s\) \[1\]"):
         got = attr.attribute(emb, additional_forward_args=(mask,))
     assert torch.isnan(got[1]).all() and torch.isfinite(got[0]).all()
+
+
+def test_attention_in_blocks_of_one_example_equals_each_example_alone(monkeypatch):
+    r"""The recording attention's example blocks (masks and T5's position bias sliced per block):
+    padded batches decomposed one example per block equal each example decomposed alone."""
+    from captum_normattr import ALTIAttribution, ALTIPlusAttribution
+    from captum_normattr.models import capture
+    from test_alti_plus import PAD, _pad, model_for, pair
+
+    monkeypatch.setattr(capture, "EXAMPLE_BLOCK_BYTES", 1)
+    bert = make_model("bert")
+    lengths = [9, 4, 7]
+    ids, mask = random_batch(lengths, seed=10)
+    for attr in (ALTIAttribution(bert), GlobEncAttribution(bert)):
+        batch = attr.decompose(ids, (mask,))
+        for i, n in enumerate(lengths):
+            alone = attr.decompose(ids[i : i + 1, :n], (mask[i : i + 1, :n],))
+            torch.testing.assert_close(batch.layer_maps[i, :, :n, :n], alone.layer_maps[0], atol=1e-12, rtol=0)
+            torch.testing.assert_close(batch.scores[i, :n], alone.scores[0], atol=1e-12, rtol=0)
+    t5 = ALTIPlusAttribution(model_for("t5"))
+    (s1, t1), (s2, t2) = pair(seed=2, b=1, s=4, t=3), pair(seed=3, b=1, s=7, t=6)
+    src, tgt = torch.cat([_pad(s1, 3, False, PAD), s2]), torch.cat([_pad(t1, 3, False, PAD), t2])
+    sm = torch.cat([_pad(torch.ones_like(s1), 3, False, 0), torch.ones_like(s2)])
+    tm = torch.cat([_pad(torch.ones_like(t1), 3, False, 0), torch.ones_like(t2)])
+    batch = t5.decompose(src, tgt, sm, tm, return_layer_maps=True)
+    assert float(batch.completeness_error) <= 1e-10
+    for i, (s, t) in enumerate([(s1, t1), (s2, t2)]):
+        alone, ex = t5.decompose(s, t, return_layer_maps=True).example(0), batch.example(i)
+        for key in ("source_contributions", "target_contributions", "encoder_maps", "decoder_self_maps"):
+            torch.testing.assert_close(ex[key], alone[key], atol=1e-12, rtol=0, msg=key)
