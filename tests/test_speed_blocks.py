@@ -113,8 +113,12 @@ def test_compiled_quadratic_forms_equal_the_batched_products(causal, b, forced_c
 
 
 def test_quadratic_kernel_default_selection(monkeypatch):
-    r"""Float32 layers from QUAD_COMPILE_MIN_ELEMENTS probabilities compile; float64 and small ones do not."""
+    r"""By default, float32 layers from QUAD_COMPILE_MIN_ELEMENTS probabilities compile once the eager
+    kernel has taken QUAD_COMPILE_AFTER_SECONDS on such layers; float64 and small layers never do,
+    and the time of small layers does not count."""
     monkeypatch.delenv(compiled.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(attention, "_EAGER_QUAD_SECONDS", [0.0])
+    monkeypatch.setattr(attention, "QUAD_COMPILE_AFTER_SECONDS", 1e-9)
     calls = []
 
     def fake(fn, wanted):
@@ -123,12 +127,18 @@ def test_quadratic_kernel_default_selection(monkeypatch):
 
     monkeypatch.setattr(compiled, "compiled_kernel", fake)
     n = attention.QUAD_COMPILE_MIN_ELEMENTS
-    gram = torch.zeros(1, 8, 2, 2)
-    for dtype, t in ((torch.float32, 8), (torch.float64, 8)):
-        probs = torch.zeros(n // (2 * t * t) + 1, 2, t, t, dtype=dtype)
-        attention._quadratic_norms(probs, gram.to(dtype).expand(probs.shape[0], -1, -1, -1), False)
-    attention._quadratic_norms(torch.zeros(1, 2, 8, 8), gram, False)
-    assert calls == [True, False, False]
+
+    def run(dtype, examples, t=8):
+        attention._quadratic_norms(torch.zeros(examples, 2, t, t, dtype=dtype), torch.zeros(examples, t, 2, 2, dtype=dtype), False)
+
+    run(torch.float32, 1)  # small: no time counted
+    assert attention._EAGER_QUAD_SECONDS[0] == 0.0
+    run(torch.float32, n // 128 + 1)  # large, but no eager time yet
+    assert attention._EAGER_QUAD_SECONDS[0] > 0
+    run(torch.float32, n // 128 + 1)  # large, after the eager time
+    run(torch.float64, n // 128 + 1)
+    run(torch.float32, 1)
+    assert calls == [False, False, True, False, False]
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])

@@ -8,6 +8,7 @@ chunks from per-head projected values (B, H, T, D).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -17,10 +18,16 @@ from captum_normattr.decompose import compiled
 from captum_normattr.decompose.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, MIN_TILE_ROWS, rows_for_budget
 from captum_normattr.decompose.mixing import mixing_ratio
 
-#: Probabilities (B H T^2) of a float32 layer from which the compiled quadratic-form kernel is used
-#: by default: smaller layers never repay its compilation (seconds, once per process, cached on
-#: disk by torch). Measured on MiniLM 32 x 128 (6.3 M): 3 ms against 12-20 ms for the eager blocks.
+#: Probabilities (B H T^2) of a float32 layer from which the compiled quadratic-form kernel may be
+#: used by default. Measured on MiniLM 32 x 128 (6.3 M per layer): 3 ms against 12-20 ms for the
+#: eager blocks, about 0.1 s of a 1.2 s GlobEnc call.
 QUAD_COMPILE_MIN_ELEMENTS = 2**22
+#: Seconds the eager quadratic forms of such layers may take in a process before the compiled
+#: kernel replaces them by default. Its compilation costs 10-35 s once per process (less from
+#: torch's disk cache): no single call repays it, so it is bought only once the eager kernel
+#: has cost as much (a rent-or-buy rule: never more than about twice the better choice).
+QUAD_COMPILE_AFTER_SECONDS = 15.0
+_EAGER_QUAD_SECONDS = [0.0]
 
 
 def project_values(values: Tensor, head_weight: Tensor, lin_map: Optional[Tensor] = None, token_major: bool = False) -> Tensor:
@@ -196,7 +203,8 @@ def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
     r"""(B, T, T) squared norms alpha_ij^T G_j alpha_ij of the attention parts (diagonal included).
 
     Float32 layers of at least :data:`QUAD_COMPILE_MIN_ELEMENTS` probabilities use the
-    compiled kernel :func:`_quadratic_forms_tile` (see
+    compiled kernel :func:`_quadratic_forms_tile` once such layers have spent
+    :data:`QUAD_COMPILE_AFTER_SECONDS` in the eager one (or always, with
     :func:`~captum_normattr.decompose.compiled.use_compiled_kernels`). The eager one works on
     blocks of query rows i, their probabilities laid out (B, C, R, H) once per block so
     that both products read contiguous memory (a block of rows is copied from runs of
@@ -204,13 +212,14 @@ def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
     causal: a block's sources stop at its last row (entries j > i are 0).
     """
     b, h, t = probs.shape[:3]
-    wanted = probs.dtype == torch.float32 and probs.numel() >= QUAD_COMPILE_MIN_ELEMENTS
-    kernel = compiled.compiled_kernel(_quadratic_forms_tile, wanted)
+    large = probs.dtype == torch.float32 and probs.numel() >= QUAD_COMPILE_MIN_ELEMENTS
+    kernel = compiled.compiled_kernel(_quadratic_forms_tile, large and _EAGER_QUAD_SECONDS[0] >= QUAD_COMPILE_AFTER_SECONDS)
     if kernel is not None:
         try:
             return _fused_quadratic_norms(kernel, probs, gram, causal)
         except Exception as e:  # compilation failed (no C++ compiler, unsupported device, ...)
             compiled.kernel_failed(_quadratic_forms_tile, e)
+    start = time.perf_counter()
     sq = probs.new_zeros(b, t, t) if causal else probs.new_empty(b, t, t)
     rows = rows_for_budget(b, t, h, probs.element_size(), GRAM_CHUNK_MB, temporaries=2)
     rows = min(t, max(MIN_TILE_ROWS, min(rows, CACHE_TILE_BYTES // max(1, b * t * h * probs.element_size()))))
@@ -221,6 +230,8 @@ def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
         quad = torch.matmul(mix, gram[:, :c1]).mul_(mix).sum(-1)  # (B, C, R): alpha^T G alpha
         sq[:, r0:r1, :c1] = quad.transpose(1, 2)
         del mix, quad
+    if large:
+        _EAGER_QUAD_SECONDS[0] += time.perf_counter() - start
     return sq
 
 
