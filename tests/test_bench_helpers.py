@@ -136,3 +136,23 @@ def test_llama_model_and_decoder_runner_run_every_decoder_method():
     assert res.algorithm == "adjoint" and res.scores.shape == (1, 6)
     with pytest.raises(ValueError, match="unknown decoder method"):
         _bench.decoder_runner("lime", model)
+
+
+def test_ab_compare_imports_another_version_beside_this_one(tmp_path, monkeypatch):
+    r"""The other version's package coexists: renamed imports, its own recording-attention name."""
+    import ab_compare  # noqa: E402 (benchmarks/ is on sys.path)
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    repo = Path(__file__).resolve().parents[1]
+    base = ab_compare.import_renamed(repo, tmp_path)
+    import captum_normattr
+    from captum_normattr.models import capture
+
+    assert base.__name__ == "captum_normattr_base" and base is not captum_normattr
+    assert base.GlobEncAttribution is not captum_normattr.GlobEncAttribution
+    assert sys.modules["captum_normattr_base.models.capture"].ATTENTION_NAME == "captum_normattr_base_capture"
+    assert capture.ATTENTION_NAME == "captum_normattr_capture"
+    loaded = [m for m in sys.modules if m.startswith("captum_normattr_base")]
+    assert all(str(sys.modules[m].__file__).startswith(str(tmp_path)) for m in loaded)
+    for name in loaded:  # the copy lives in tmp_path only
+        del sys.modules[name]

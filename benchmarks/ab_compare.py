@@ -1,0 +1,108 @@
+r"""Whole calls of this checkout against another version of the package, interleaved in one process.
+
+Usage:
+    git archive <commit> | tar -x -C <dir>       # an export (or any checkout) of the other version
+    python benchmarks/ab_compare.py --base <dir> [--method globenc|alti] [--batch 32] [--tokens 128]
+                                    [--repeats 5] [--threads 2] [--compiled]
+
+On a shared machine, wall times of separate processes drift by 10-20% between runs; two
+versions timed in the same process, one call after the other, drift together. The other
+version's package is copied into a temporary directory as ``captum_normattr_base`` (its
+imports and the name of its recording attention renamed, so that both coexist), and the
+plain forward pass, the other version's method and this checkout's method (and, with
+``--compiled``, this checkout's method with its compiled kernels forced on) are called in
+turn, after one warm-up call each, on the packaged MiniLM. Prints the minimum over the
+repeats and the ratios to the forward pass.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+from _bench import random_ids  # noqa: E402
+
+_NAME = re.compile(r"\bcaptum_normattr\b")
+
+
+def import_renamed(base_dir: Path, into: Path):
+    r"""Copy ``base_dir/captum_normattr`` to ``into/captum_normattr_base`` (renamed) and import it."""
+    src = base_dir / "captum_normattr"
+    if not src.is_dir():
+        raise SystemExit(f"{base_dir} holds no captum_normattr package")
+    dst = into / "captum_normattr_base"
+    shutil.copytree(src, dst)
+    for f in dst.rglob("*.py"):
+        text = f.read_text()
+        text = text.replace('"captum_normattr_capture"', '"captum_normattr_base_capture"')
+        f.write_text(_NAME.sub("captum_normattr_base", text))
+    sys.path.insert(0, str(into))
+    import captum_normattr_base
+
+    return captum_normattr_base
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, type=Path, help="a checkout or export of the other version")
+    p.add_argument("--method", choices=("globenc", "alti"), default="globenc")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compiled", action="store_true", help="also time this checkout with its compiled kernels forced on")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    import captum_normattr as new
+    from captum_normattr.decompose import compiled
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = import_renamed(args.base.resolve(), Path(tmp))
+        model, _ = new.load_default_model()
+        ids = random_ids(args.batch, args.tokens)
+        mask = torch.ones_like(ids)
+
+        def method(pkg):
+            a = pkg.GlobEncAttribution(model, "N_ENC") if args.method == "globenc" else pkg.ALTIAttribution(model)
+            return lambda: a.attribute(ids, additional_forward_args=(mask,))
+
+        runs = {"forward": lambda: model(input_ids=ids, attention_mask=mask), "base": method(base), "this": method(new)}
+        if args.compiled:
+            this = runs["this"]
+
+            def this_compiled():
+                compiled.use_compiled_kernels(True)
+                try:
+                    return this()
+                finally:
+                    compiled.use_compiled_kernels(None)
+
+            runs["this, compiled"] = this_compiled
+        best = {k: float("inf") for k in runs}
+        with torch.no_grad():
+            for f in runs.values():
+                f()
+            for _ in range(args.repeats):
+                for k, f in runs.items():
+                    t0 = time.perf_counter()
+                    f()
+                    best[k] = min(best[k], time.perf_counter() - t0)
+    print(f"{args.method}, MiniLM {args.batch} x {args.tokens}, {torch.get_num_threads()} threads, min of {args.repeats}, "
+          f"interleaved in one process")
+    for k, v in best.items():
+        ratio = "" if k == "forward" else f" = {v / best['forward']:.2f}x forward"
+        print(f"  {k:16s} {v:.3f} s{ratio}")
+
+
+if __name__ == "__main__":
+    main()
