@@ -26,6 +26,9 @@ QUAD_COMPILE_MIN_ELEMENTS = 2**22
 #: kernel replaces them by default. Its compilation costs about 10 s once per process on 2 cores
 #: (less from torch's disk cache): no single call repays it, so it is bought only once the eager
 #: kernel has cost as much (a rent-or-buy rule: never more than about twice the better choice).
+#: The two kernels agree to rounding (about 1e-7 relative in float32), so a process's numbers
+#: may change in their last bits when it switches; ``CAPTUM_NORMATTR_COMPILE=0`` or ``=1`` fixes
+#: the kernel for bitwise-reproducible runs.
 QUAD_COMPILE_AFTER_SECONDS = 10.0
 _EAGER_QUAD_SECONDS = [0.0]
 
