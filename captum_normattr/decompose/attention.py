@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose import compiled
-from captum_normattr.decompose.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, MIN_TILE_ROWS, rows_for_budget
+from captum_normattr.decompose.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, MIN_TILE_ROWS, rows_for_budget, token_blocks
 from captum_normattr.decompose.mixing import mixing_ratio
 
 #: Probabilities (B H T^2) of a float32 layer from which the compiled quadratic-form kernel may be
@@ -124,27 +124,22 @@ def attention_parts_rows(probs: Tensor, projected: Tensor, rows: slice) -> Tenso
     return torch.einsum("bhij,bhjd->bijd", probs[:, :, rows], projected)
 
 
-def _gram_and_diagonal(
-    probs: Tensor, values: Tensor, w: Tensor, on_block: Optional[Callable[[slice, Tensor], None]] = None
-) -> Tuple[Tensor, Optional[Tensor]]:
+def _gram_and_diagonal(probs: Tensor, values: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:
     r"""Per-token Gram matrices (B, T, H, H) of the vectors f^h(x_j) A = v^h_j w^h, and the
     attention part of every token in itself, sum_h alpha^h_jj f^h(x_j) A, (B, T, D).
 
     Built from cache-sized blocks of tokens: the (tokens, H, D) projections are H times
-    larger than the hidden states and never exist for all tokens at once. With
-    ``on_block``, each block's diagonal parts (n, D) are handed to ``on_block(rows, parts)``
-    (rows: a slice of the flattened B * T tokens) while they are in the cache, and
-    None is returned in their place.
+    larger than the hidden states and never exist for all tokens at once.
     """
     b, h, t = values.shape[:3]
     d = w.shape[-1]
     gram = values.new_empty(b, t, h, h)
-    diag = values.new_empty(b, t, d) if on_block is None else None
+    diag = values.new_empty(b, t, d)
     # (B T, 1, H), contiguous: a strided view (B = 1) made bmm copy every token's operands one by one
     alpha_jj = torch.diagonal(probs, dim1=-2, dim2=-1).transpose(1, 2).reshape(b * t, 1, h).contiguous()
     # (H, B T, Dh) view of the values: per head, token rows H Dh apart (a strided BLAS operand)
     heads_v, flat_g = values.transpose(1, 2).reshape(b * t, h, -1).transpose(0, 1), gram.view(b * t, h, h)
-    flat_d = diag.view(b * t, 1, d) if diag is not None else None
+    flat_d = diag.view(b * t, 1, d)
     step = min(b * t, max(MIN_TILE_ROWS, CACHE_TILE_BYTES // max(1, h * d * values.element_size())))
     # one head-major buffer for every block's projections: a fresh one per block, between the
     # callback's small temporaries, came from new pages and halved the products' speed
@@ -153,10 +148,7 @@ def _gram_and_diagonal(
         s1 = min(b * t, s0 + step)
         projected = torch.bmm(heads_v[:, s0:s1], w, out=buf[:, : s1 - s0]).transpose(0, 1)  # (n, H, D): f^h(x_j) A
         torch.matmul(projected, projected.transpose(-1, -2), out=flat_g[s0:s1])
-        if on_block is None:
-            torch.matmul(alpha_jj[s0:s1], projected, out=flat_d[s0:s1])
-        else:
-            on_block(slice(s0, s1), torch.matmul(alpha_jj[s0:s1], projected).squeeze(1))
+        torch.matmul(alpha_jj[s0:s1], projected, out=flat_d[s0:s1])
     return gram, diag
 
 
@@ -304,8 +296,9 @@ def norm_maps_and_ratios(
     attention part of each token in itself is taken from the Gram blocks' projections
     (no separate product through W_O), and A is applied to vectors only (O(D) per vector
     for a :class:`~captum_normattr.decompose.layer_norm.NormLinearMap`). Every per-token
-    vector (own part, total, their norms and ratio) is worked out block by block of tokens
-    while the block's projections are in the cache: no (B, T, D) temporary is made.
+    vector (own part, total, their norms and ratio) is worked out in cache-sized blocks of
+    tokens (:func:`~captum_normattr.decompose.chunking.token_blocks`): no (B, T, D)
+    temporary is made beyond the own attention parts.
 
     Args:
         probs: (B, H, T, T); values: (B, H, T, Dh); head_weight: (H, Dh, D).
@@ -330,20 +323,20 @@ def norm_maps_and_ratios(
     for name in names:
         lin, scale, with_res = spec(name)
         w = head_weight if lin is None else head_weight @ lin
+        gram, attn_diag = _gram_and_diagonal(probs, values, w)  # attn_diag: already through A
+        sq = _quadratic_norms(probs, gram, causal)
+        del gram
+        flat_diag = attn_diag.view(b * t, d)
         own_sq, ratio = residual.new_empty(b * t), residual.new_empty(b * t)
-
-        def token_terms(rows: slice, attn_diag: Tensor, lin=lin, with_res=with_res) -> None:
+        for rows in token_blocks(b * t, d * residual.element_size()):  # cache-sized blocks of tokens
             res = flat_res[rows]
             total = flat_total[rows] if total_bias is None else flat_total[rows] - total_bias
             if not with_res:
                 total = total - res
-            own = attn_diag + (res if lin is None else res @ lin) if with_res else attn_diag  # A applied already
+            own = flat_diag[rows] + (res if lin is None else res @ lin) if with_res else flat_diag[rows]
             own_sq[rows] = own.pow(2).sum(-1)
             ratio[rows] = mixing_ratio(total if lin is None else total @ lin, own)
-
-        gram, _ = _gram_and_diagonal(probs, values, w, token_terms)
-        sq = _quadratic_norms(probs, gram, causal)
-        del gram
+        del attn_diag, flat_diag
         maps[name] = _finish_norms(sq, own_sq.view(b, t), scale).mul_(mask2d)
         ratios[name] = ratio.view(b, t) * valid.to(ratio.dtype)
     return maps, ratios
