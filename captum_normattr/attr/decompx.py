@@ -23,7 +23,6 @@ from captum_normattr.decompose.decompx import (
     adjoint_next_token_scores,
     check_bias_mode,
     ff_coefficients,
-    frozen_step,
     head_scores,
     head_slope,
     logit_scores,
@@ -294,7 +293,7 @@ class DecompXAttribution(Attribution):
             q = coefs.get("quadrature_error")
             q = q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])
             quad[layer.index] = (q if vf is None else q * vf).amax(-1)
-        return frozen_step(layer, *self._value_param(layer), coefs, None if vf is None else vf > 0)
+        return FrozenLayer(layer, *self._value_param(layer), coefs, None if vf is None else vf > 0)
 
     def _rerun(
         self, rec: Recorder, quad: Optional[Dict[int, Tensor]] = None, vf: Optional[Tensor] = None

@@ -1001,17 +1001,6 @@ class FrozenLayer:
 FrozenStep = Callable[[Tensor, Optional[Tensor]], Tensor]
 
 
-def frozen_step(
-    layer: LayerTensors,
-    value_weight: Tensor,
-    value_bias: Optional[Tensor],
-    coefs: Dict[str, Tensor],
-    valid: Optional[Tensor] = None,
-) -> FrozenLayer:
-    r"""The :class:`FrozenLayer` (a :data:`FrozenStep`) of one layer (it holds the layer's tensors while it lives)."""
-    return FrozenLayer(layer, value_weight, value_bias, coefs, valid)
-
-
 class AdjointPass:
     r"""The adjoint algorithm streamed over the layers (``"separate"`` bias mode).
 
