@@ -9,10 +9,12 @@ itself (its byte map, or its own ``convert_tokens_to_string``), so tables, HTML 
 plots and word labels show ``keys`` rather than ``Ġkeys``.
 
 Convention (the same for every family): a token's label is the text it adds to the
-decoded sequence. A token that begins a new word carries its **leading space** (a plain
-space character: ``" keys"`` for ``Ġkeys`` and ``▁keys``, and for a WordPiece word that
-is not a ``##`` continuation); a continuation piece has none (``##ing`` -> ``"ing"``).
-Special tokens (``[CLS]``, ``<s>``, ``<|endoftext|>``) keep their own spelling. A token
+decoded sequence **without the space that separates it from the previous word**:
+``keys`` for ``Ġkeys`` (byte-level), ``▁keys`` (SentencePiece) and ``keys`` (WordPiece),
+``ing`` for the continuation ``##ing``. Only a token that is nothing but white space
+keeps it (``Ġ`` -> ``" "``; ``Ċ`` -> ``"\n"``, which printing shows as ``\n``). The
+tokenizer's own strings stay available (:attr:`ReadableTokens.raw`, the ``"tokens"`` of
+JSON records) for whoever needs the word boundaries. Special tokens (``[CLS]``, ``<s>``, ``<|endoftext|>``) keep their own spelling. A token
 that holds only part of a UTF-8 character (byte-level BPE and byte fallback split rare
 characters and emoji into bytes) shows the bytes it holds as ``\xNN``, so every label
 belongs to its own token; :func:`tokens_text` decodes a group of tokens together
@@ -216,9 +218,9 @@ class _Reader:
         elif i in self.added:
             out = self.added[i][0]
         elif self.byte_level:
-            out = byte_level_decode(token)
+            out = self.strip_word_space(byte_level_decode(token))
         else:
-            out = self._decoded(token)
+            out = self.strip_word_space(self._decoded(token))
         self.cache[i] = out
         return out
 
@@ -240,18 +242,23 @@ class _Reader:
             return token  # not decodable alone: show the tokenizer's spelling
         return out if out else token
 
+    @staticmethod
+    def strip_word_space(label: str) -> str:
+        r"""The convention: no leading word-separating space, unless the token is only white space."""
+        return label[1:] if len(label) > 1 and label[0] == " " and label[1:].strip() else label
+
 
 def readable_tokens(tokenizer: Any, ids: Any) -> ReadableTokens:
     r"""The readable label of every token of one sequence, from the tokenizer itself.
 
-    Byte-level BPE tokens are decoded through the byte map (``Ġkeys`` -> ``" keys"``,
+    Byte-level BPE tokens are decoded through the byte map (``Ġkeys`` -> ``"keys"``,
     ``Ċ`` -> ``"\n"``; a token holding part of a UTF-8 character shows its bytes as
     ``\xNN``); other tokens through the tokenizer's own ``convert_tokens_to_string``, after
     a plain word, so that WordPiece continuations lose their ``##`` (``"ing"``) and
-    SentencePiece ``▁`` becomes a space even where the decoder strips the first one
-    (``▁keys`` -> ``" keys"``; a byte-fallback ``<0xE2>`` that is part of a longer
-    character shows ``\xe2``). A token that begins a new word keeps its leading space,
-    in every family (see the module's convention); special tokens keep their spelling.
+    SentencePiece ``▁`` is read as the tokenizer reads it (``▁keys`` -> ``"keys"``; a
+    byte-fallback ``<0xE2>`` that is part of a longer character shows ``\xe2``). In every
+    family the space that separates a token from the previous word is not shown (see the
+    module's convention); special tokens keep their spelling.
     The labels may hold control characters (``"\n"``): whoever prints them passes them
     through :func:`visible_text`.
 
@@ -268,9 +275,9 @@ def readable_tokens(tokenizer: Any, ids: Any) -> ReadableTokens:
 
     Examples:
         >>> readable_tokens(gpt2_tokenizer, gpt2_tokenizer("The keys")["input_ids"])  # doctest: +SKIP
-        ['The', ' keys']
+        ['The', 'keys']
         >>> readable_tokens(bert_tokenizer, bert_tokenizer("unbelievable")["input_ids"])  # doctest: +SKIP
-        ['[CLS]', ' un', 'bel', 'ie', 'va', 'ble', '[SEP]']
+        ['[CLS]', 'un', 'bel', 'ie', 'va', 'ble', '[SEP]']
     """
     id_list = _ids_list(ids)
     raw = [str(t) for t in tokenizer.convert_ids_to_tokens(id_list)]
