@@ -196,14 +196,14 @@ def test_cli_plots_and_html_maps_with_dollar_tokens(tmp_path):
 
     folder = tmp_path / "model"
     make_model("bert").save_pretrained(folder)
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "$", "5", "a", "b", "c"])}
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "$", "^", "a", "b", "c"])}
     t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     t.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
                             sep_token="[SEP]", mask_token="[MASK]").save_pretrained(folder)
     src = tmp_path / "texts.txt"
-    src.write_text("a $ b $ c 5 $\n", encoding="utf-8")
+    src.write_text("a $ ^ ^ $ b c\n", encoding="utf-8")  # "$ ^ ^ $": a mathtext syntax error
     from captum_normattr import cli
 
     code = cli.main(["--model", str(folder), "-m", "alti", "globenc", "--file", str(src), "-q",
