@@ -425,9 +425,12 @@ def render_json(
 ) -> str:
     r"""The explanations as a JSON document.
 
-    Layout: ``{"meta": {...}, "results": [{"text", "tokens", "explained_position",
-    "prediction", "attributions": {method: [float, ...]}, "extras"}, ...]}``.
-    Non-finite numbers become ``null`` so the output is strict JSON.
+    Layout: ``{"meta": {...}, "results": [{"text", "tokens", "token_text",
+    "explained_position", "prediction", "attributions": {method: [float, ...]},
+    "row_totals", "sink_share", "extras"}, ...]}`` (:meth:`TextExplanation.to_dict`:
+    ``tokens`` are the tokenizer's own strings, ``token_text`` the readable labels).
+    Non-finite numbers become ``null`` so the output is strict JSON. Texts and tokens are
+    written as they are (JSON escapes control characters itself).
 
     Args:
         explanations: the texts.

@@ -159,12 +159,13 @@ class ReadableTokens(list):
 def _decoder_types(tokenizer: Any) -> List[str]:
     r"""The ``type``\ s of a fast tokenizer's decoder (a Sequence lists its parts); [] for others."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
         return []
-    try:
-        dec = json.loads(backend.to_str()).get("decoder") or {}
+    try:  # the decoder's own state: small, unlike the whole tokenizer's JSON (its vocabulary)
+        dec = json.loads(decoder.__getstate__()) or {}
     except Exception:  # pragma: no cover - an unusual backend
-        return []
+        return [type(decoder).__name__]
     out, todo = [], [dec]
     while todo:
         d = todo.pop()
@@ -205,8 +206,11 @@ class _Reader:
         r"""The tokens of a plain word (``"a"``): decoding them before a token shows whether
         the token begins a new word (a space is written between them)."""
         if self._sentinel is None:
-            ids = self.tok("a", add_special_tokens=False)["input_ids"]
-            self._sentinel = list(self.tok.convert_ids_to_tokens(ids)) or ["a"]
+            try:
+                ids = self.tok("a", add_special_tokens=False)["input_ids"]
+                self._sentinel = [str(t) for t in self.tok.convert_ids_to_tokens(ids)] or ["a"]
+            except Exception:  # pragma: no cover - a tokenizer that cannot encode a plain word
+                self._sentinel = ["a"]
             self._prefix = str(self.tok.convert_tokens_to_string(self._sentinel))
         return self._sentinel
 
