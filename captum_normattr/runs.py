@@ -325,7 +325,7 @@ def _records(
             methods[key] = entry
         out.append({
             "id": item.id, "text": item.text, "tokens": tokenizer.convert_ids_to_tokens(real_ids),
-            "token_text": readable_tokens(tokenizer, real_ids), "methods": methods,
+            "token_text": list(readable_tokens(tokenizer, real_ids)), "methods": methods,
         })
     return out
 

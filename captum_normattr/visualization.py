@@ -230,7 +230,8 @@ def example_from_result(
         None), ``method`` (str) and ``tokens`` (list of n str, or None).
 
     Examples:
-        >>> ex = example_from_result(res, 0, tokenizer.convert_ids_to_tokens(ids[0]))  # doctest: +SKIP
+        >>> from captum_normattr.tokens import readable_tokens
+        >>> ex = example_from_result(res, 0, readable_tokens(tokenizer, ids[0]))  # doctest: +SKIP
         >>> plot_layer_grid(ex["layer_maps"], ex["tokens"])  # doctest: +SKIP
     """
     if not _is_result(result):
