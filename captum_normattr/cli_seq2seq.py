@@ -34,7 +34,7 @@ from captum_normattr.cli import (
     read_text_lines,
 )
 from captum_normattr.registry import MethodSpec
-from captum_normattr.tokens import readable_tokens, visible_text
+from captum_normattr.tokens import display_token, readable_tokens, visible_text
 
 __all__ = ["SourcePair", "explain_pairs", "read_pairs", "render_seq2seq_table", "run_seq2seq"]
 
@@ -304,8 +304,8 @@ def render_seq2seq_table(records: Sequence[Dict[str, Any]], top: int = 3, ascii_
         out.append(vis(f"    {rec['method']} ({rec['conventions']}); completeness error {rec['completeness_error']:.1e}; "
                        "each row: the source share and the top source tokens of the prediction of that token "
                        "(the rest of the row is the target prefix)"))
-        toks = [vis(t) for t in rec.get("target_token_text", rec["target_tokens"])]
-        src = [vis(t) for t in rec.get("source_token_text", rec["source_tokens"])]
+        toks = [display_token(t, ascii_only) for t in rec.get("target_token_text", rec["target_tokens"])]
+        src = [display_token(t, ascii_only) for t in rec.get("source_token_text", rec["source_tokens"])]
         w = min(16, max([len(t) for t in toks] + [6]))
         out.append(f"    {'#':>3}  {'token'.ljust(w)}  {'source share':<19}  top source tokens")
         for k, (tok, share, row) in enumerate(zip(toks, rec["source_share"], rec["source_contributions"])):

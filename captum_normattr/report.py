@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.result import AttributionResult
-from captum_normattr.tokens import visible_text
+from captum_normattr.tokens import display_token, visible_text
 
 __all__ = [
     "TextExplanation",
@@ -369,7 +369,7 @@ def render_table(
         sink = _sink_line(ex)
         if sink is not None:
             lines.append("    " + vis(sink))
-        shown = [vis(t) for t in ex.tokens]
+        shown = [display_token(t, ascii_only) for t in ex.tokens]
         toks = [t if len(t) <= max_token_width else t[: max_token_width - 1] + "~" for t in shown]
         tw = max([5] + [len(t) for t in toks])
         iw = max(1, len(str(len(toks) - 1)))
@@ -506,7 +506,7 @@ def _token_spans(ex: TextExplanation, name: str, exclude_sink: bool = False) -> 
         cls = "tok explained" if i == ex.explained_position else "tok"
         spans.append(
             f'<span class="{cls}" style="background-color:{score_color(v / m)}" '
-            f'title="{_esc(tok)}: {_fmt(v)}">{_esc(tok)}</span>'
+            f'title="{_esc(tok)}: {_fmt(v)}">{html.escape(display_token(tok), quote=True)}</span>'
         )
     return "".join(spans)
 
@@ -598,7 +598,7 @@ def render_html(
         for i, tok in enumerate(ex.tokens):
             mark = " *" if i == ex.explained_position else ""
             cells = "".join(f"<td>{_fmt(float(ex.scores[nm][i]))}</td>" for nm in ex.scores)
-            body.append(f'<tr><td>{i}{mark}</td><td class="t">{esc(tok)}</td>{cells}</tr>')
+            body.append(f'<tr><td>{i}{mark}</td><td class="t">{html.escape(display_token(tok), quote=True)}</td>{cells}</tr>')
         parts.append(
             "<details><summary>scores</summary>"
             f'<table class="scores"><tr><th>#</th><th>token</th>{head}</tr>{"".join(body)}</table>'

@@ -38,7 +38,7 @@ import re
 import unicodedata
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["ReadableTokens", "byte_level_decode", "readable_tokens", "tokens_text", "visible_text"]
+__all__ = ["ReadableTokens", "byte_level_decode", "display_token", "readable_tokens", "tokens_text", "visible_text"]
 
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -88,6 +88,21 @@ def visible_text(text: Any) -> str:
             cp = ord(ch)
             out.append(f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}" if cp < 0x10000 else f"\\U{cp:08x}")
     return "".join(out)
+
+
+def display_token(label: Any, ascii_only: bool = False) -> str:
+    r"""A token label as tables, HTML and plots show it: :func:`visible_text`, and a label of
+    spaces only (a byte-level ``Ġ``, a SentencePiece ``▁``) as that many ``␣`` (``' '`` in
+    ASCII), so that a token never shows as nothing.
+
+    Examples:
+        >>> display_token(" "), display_token("\n"), display_token(" ", ascii_only=True)
+        ('␣', '\\n', "' '")
+    """
+    s = visible_text(label)
+    if s and not s.strip(" "):
+        return f"'{s}'" if ascii_only else "\u2423" * len(s)
+    return s
 
 
 # --------------------------------------------------------------------------- byte level

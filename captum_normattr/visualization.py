@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.result import AttributionResult
-from captum_normattr.tokens import visible_text
+from captum_normattr.tokens import display_token, visible_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -154,7 +154,7 @@ def plot_label(text: Any) -> str:
 
 
 def _shorten(token: str, width: int = 14) -> str:
-    token = visible_text(token)
+    token = display_token(token)
     short = token if len(token) <= width else token[: width - 1] + "\u2026"
     return short.replace("$", "\\$")
 
@@ -611,7 +611,7 @@ def plot_rollout_row(
     x_px, line = pad_px, 0
     placed = []
     for i, (tok, col) in enumerate(zip(toks, colors)):
-        t = ax.text(0, 0, plot_label(tok), fontsize=fs, family="monospace", va="center",
+        t = ax.text(0, 0, plot_label(display_token(tok)), fontsize=fs, family="monospace", va="center",
                     fontweight="bold" if i == pos else "normal",
                     bbox=dict(boxstyle="round,pad=0.25", facecolor=col, edgecolor="none"),
                     transform=ax.transAxes)

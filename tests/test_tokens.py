@@ -90,3 +90,38 @@ def test_visible_text_keeps_ordinary_text():
         assert visible_text(s) == s
     assert visible_text("\x1b[31mred") == "\\x1b[31mred" and visible_text("\u202e") == "\\u202e"
     assert visible_text(3.5) == "3.5"
+
+
+def test_display_token_never_shows_nothing():
+    from captum_normattr.tokens import display_token
+
+    assert display_token(" ") == "\u2423" and display_token("  ") == "\u2423\u2423"
+    assert display_token(" ", ascii_only=True) == "' '" and display_token("\x1b") == "\\x1b"
+    assert display_token("keys") == "keys"
+
+
+def test_cli_table_and_json_show_readable_byte_level_tokens(tmp_path, capsys):
+    r"""The command line on a byte-level BPE decoder: the table shows text, JSON keeps both."""
+    import json
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from captum_normattr import cli
+
+    tok = byte_level_bpe()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    text = "The keys are caf\u00e9"
+    assert cli.main(["--model", str(tmp_path), "-m", "alti-logit", text, "-q"]) == 0
+    table = capsys.readouterr().out
+    rows = [ln.split()[1] for ln in table.splitlines() if ln[:4].strip().lstrip("*").isdigit()]
+    assert rows == ["The", "\u2423", "keys", "are", "\u2423", "caf", "\u00e9"]
+    assert "\u0120" not in table and "\u00c3" not in table
+    assert cli.main(["--model", str(tmp_path), "-m", "alti-logit", text, "-q", "--format", "json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["results"][0]
+    assert rec["tokens"] == tok.convert_ids_to_tokens(tok(text)["input_ids"])  # raw, as before
+    assert rec["token_text"] == ["The", " ", "keys", "are", " ", "caf", "\u00e9"]
