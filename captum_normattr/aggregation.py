@@ -42,6 +42,7 @@ Examples:
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -59,6 +60,7 @@ __all__ = [
     "aggregate_to_spans",
     "aggregate_to_words",
     "char_spans_to_token_spans",
+    "check_texts_match",
     "chat_role_char_spans",
     "sentence_char_spans",
     "spans_for",
@@ -109,16 +111,99 @@ def _batch_size(encoding: Any) -> int:
     return len(encs)
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 def _join_pieces(tokens: Sequence[str]) -> str:
-    r"""A readable word from its tokens when the text is not given (WordPiece ``##``,
-    byte-level ``Ġ``, SentencePiece ``▁``)."""
+    r"""A readable word from its token strings when neither the text nor the tokenizer is
+    given: WordPiece ``##`` continuations glued, SentencePiece ``▁`` and byte-fallback
+    ``<0xNN>`` bytes decoded, byte-level BPE (``Ġ``, ``Ċ``, ``Ã©``) decoded through the byte
+    map when the pieces form valid UTF-8 that way. (With the tokenizer at hand,
+    :func:`~captum_normattr.tokens.tokens_text` decodes exactly.)"""
+    from captum_normattr.tokens import byte_level_decode
+
     out = []
     for k, t in enumerate(tokens):
         if k and t.startswith("##"):
             t = t[2:]
         out.append(t)
     word = "".join(out)
-    return word.replace("\u0120", " ").replace("\u2581", " ").replace("\u010a", "\n").strip() or word
+    if _BYTE_FALLBACK.search(word):
+        data = bytearray()
+        for part in re.split(r"(<0x[0-9A-Fa-f]{2}>)", word):
+            m = _BYTE_FALLBACK.fullmatch(part)
+            data.extend(bytes([int(m.group(1), 16)]) if m else part.encode("utf-8"))
+        word = data.decode("utf-8", "replace")
+    if any(0x100 <= ord(c) <= 0x143 for c in word) or any(0x80 <= ord(c) < 0x100 for c in word):
+        try:
+            decoded = byte_level_decode(word, errors="strict")
+        except UnicodeDecodeError:
+            decoded = None  # not byte-level after all (a WordPiece "café")
+        if decoded is not None and (decoded != word):
+            word = decoded
+    shown = word.replace("\u2581", " ")
+    return shown.strip() or word
+
+
+def _normalized(s: str) -> str:
+    r"""Letters and digits only, compatibility-decomposed, accents dropped, case-folded: what an
+    uncased or normalising tokenizer keeps of a text, for comparing tokens with texts."""
+    return "".join(c for c in unicodedata.normalize("NFKD", s).casefold() if c.isalnum())
+
+
+def _token_forms(token: str) -> List[str]:
+    r"""What a token string can stand for in the text, normalised (empty list: not checkable)."""
+    from captum_normattr.tokens import byte_level_decode
+
+    if (token.startswith("[") and token.endswith("]")) or (token.startswith("<") and token.endswith(">")):
+        return []  # [UNK], <unk>, byte fallback <0xNN>: no letters of the text to compare
+    plain = token[2:] if token.startswith("##") else token
+    forms = [_normalized(plain.replace("\u2581", " ")), _normalized(byte_level_decode(token, errors="ignore"))]
+    return [] if any(not f for f in forms) else forms
+
+
+def check_texts_match(encoding: Any, index: int, texts: Sequence[Any]) -> None:
+    r"""Raise unless ``texts[index]`` is the text (or pair of texts) that example ``index`` was tokenized from.
+
+    Word and sentence labels are cut out of the texts at the tokens' character offsets;
+    another text gives labels that belong to no token. Checked: the number of texts, every
+    token's offsets lie inside its text, and every token's letters and digits (markers
+    ``##``/``Ġ``/``▁`` removed, case and accents ignored, as uncased tokenizers normalise)
+    occur in the text at its offsets. Tokens without letters to compare (``[UNK]``,
+    punctuation, byte pieces) are skipped.
+
+    Args:
+        encoding: the ``BatchEncoding`` of a fast tokenizer.
+        index: the example.
+        texts: the texts given for the batch (a string, or a pair of strings, per example).
+
+    Raises:
+        ValueError: naming the first token that does not match.
+    """
+    enc = _encoding(encoding, index)
+    if isinstance(texts, str):
+        raise ValueError("texts must be a list with one text (or pair of texts) per example, not one string")
+    n = _batch_size(encoding)
+    if len(texts) != n:
+        raise ValueError(f"got {len(texts)} texts for the {n} examples of the encoding: give the texts "
+                         "that were tokenized, in the same order")
+    for pos, (s, m, (a, b), tok) in enumerate(zip(enc.sequence_ids, enc.attention_mask, enc.offsets, enc.tokens)):
+        if not m or s is None or b <= a:
+            continue
+        text = _text_of(texts, index, s)
+        if text is None:
+            raise ValueError(f"example {index} has a sequence {s} but no text was given for it")
+        if b > len(text):
+            raise ValueError(
+                f"example {index}: token {pos} ({tok!r}) lies at characters {a}:{b}, beyond the end of the given "
+                f"text ({len(text)} characters): texts must be the strings that were tokenized, in the same order"
+            )
+        forms = _token_forms(tok)
+        if forms and not any(f in _normalized(text[a:b]) for f in forms):
+            raise ValueError(
+                f"example {index}: token {pos} ({tok!r}) does not match the given text at its characters {a}:{b} "
+                f"({text[a:b]!r}): texts must be the strings that were tokenized, in the same order"
+            )
 
 
 def _special_span(enc: Any, pos: int) -> Span:
@@ -140,6 +225,7 @@ def word_spans(
     *,
     keep_special: bool = False,
     texts: Optional[Sequence[Any]] = None,
+    tokenizer: Optional[Any] = None,
 ) -> List[Span]:
     r"""The words of example ``index``, as the fast tokenizer split them (``word_ids``).
 
@@ -149,8 +235,13 @@ def word_spans(
         keep_special: keep every special token (``[CLS]``, ``[SEP]``, ``<s>`` ...) as a
             span of its own; by default they are dropped. Pads are always dropped.
         texts: the texts that were tokenized (a string, or a pair of strings, per
-            example): labels are then the exact words of the text; otherwise they are
-            rebuilt from the tokens (lower-cased by an uncased tokenizer).
+            example): labels are then the exact words of the text (checked with
+            :func:`check_texts_match`); otherwise they are rebuilt from the tokens
+            (lower-cased by an uncased tokenizer).
+        tokenizer: without ``texts``, the tokenizer: labels are the word's tokens decoded
+            together (:func:`~captum_normattr.tokens.tokens_text`); default: rebuilt
+            from the token strings (markers of WordPiece, SentencePiece and byte-level
+            BPE removed).
 
     Returns:
         list of :class:`Span` in the order of the sequence. For a pair of sequences the
@@ -158,8 +249,11 @@ def word_spans(
 
     Raises:
         TypeError: when ``encoding`` does not come from a fast tokenizer.
+        ValueError: when ``texts`` are not the texts that were tokenized.
     """
     enc = _encoding(encoding, index)
+    if texts is not None:
+        check_texts_match(encoding, index, texts)
     words = enc.word_ids
     seqs = enc.sequence_ids
     out: List[Span] = []
@@ -189,6 +283,10 @@ def word_spans(
             start = min(enc.offsets[p][0] for p in sp.tokens)
             end = max(enc.offsets[p][1] for p in sp.tokens)
             label = text[start:end]
+        elif tokenizer is not None:
+            from captum_normattr.tokens import tokens_text
+
+            label = tokens_text(tokenizer, [enc.ids[p] for p in sp.tokens])
         else:
             label = _join_pieces([enc.tokens[p] for p in sp.tokens])
         labelled.append(Span(label.strip() or label, sp.tokens))
@@ -454,6 +552,7 @@ def aggregate_to_words(
     *,
     keep_special: bool = False,
     texts: Optional[Sequence[Any]] = None,
+    tokenizer: Optional[Any] = None,
 ) -> List[Tuple[List[str], Tensor]]:
     r"""Token scores of a batch to word scores.
 
@@ -464,13 +563,15 @@ def aggregate_to_words(
         reduce: ``"sum"`` (default; signs of signed methods are kept), ``"mean"`` or ``"max"``.
         keep_special: keep special tokens as words of their own (default: dropped).
         texts: the tokenized texts, for exact word labels (default: rebuilt from the tokens).
+        tokenizer: without ``texts``, the tokenizer, to decode every word's tokens.
 
     Returns:
         per example ``(words, scores)``: the list of words and a (W,) tensor.
 
     Raises:
         TypeError: for the encoding of a slow tokenizer.
-        ValueError: when the scores do not match the encoding.
+        ValueError: when the scores do not match the encoding, or ``texts`` are not the
+            texts that were tokenized.
 
     Examples:
         >>> from captum_normattr import GlobEncAttribution, load_default_model  # doctest: +SKIP
@@ -483,7 +584,7 @@ def aggregate_to_words(
     out = []
     for i in range(s.shape[0]):
         _check_length(s[i], encoding, i)
-        spans = word_spans(encoding, i, keep_special=keep_special, texts=texts)
+        spans = word_spans(encoding, i, keep_special=keep_special, texts=texts, tokenizer=tokenizer)
         out.append(([sp.label for sp in spans], aggregate_scores(s[i], spans, reduce)))
     return out
 
@@ -540,6 +641,8 @@ def aggregate_to_sentences(
     Returns:
         per example ``(sentences, scores)``.
     """
+    for i in range(_batch_size(encoding)):
+        check_texts_match(encoding, i, texts)
     return aggregate_to_spans(scores, encoding, [sentence_char_spans(t) for t in texts], reduce,
                               keep_special=keep_special)
 
@@ -552,6 +655,7 @@ def aggregate_map_to_words(
     texts: Optional[Sequence[Any]] = None,
     rows: str = "mean",
     cols: str = "sum",
+    tokenizer: Optional[Any] = None,
 ) -> List[Tuple[List[str], Tensor]]:
     r"""Token-to-token maps of a batch to word-to-word maps (:func:`aggregate_map`'s convention).
 
@@ -563,6 +667,7 @@ def aggregate_map_to_words(
         texts: the tokenized texts, for exact word labels.
         rows, cols: the reductions of target rows (default mean) and source columns
             (default sum).
+        tokenizer: without ``texts``, the tokenizer, to decode every word's tokens.
 
     Returns:
         per example ``(words, (..., W, W) map)``.
@@ -574,7 +679,7 @@ def aggregate_map_to_words(
     out = []
     for i in range(n):
         _check_length(maps[i][..., 0, :], encoding, i)
-        spans = word_spans(encoding, i, keep_special=keep_special, texts=texts)
+        spans = word_spans(encoding, i, keep_special=keep_special, texts=texts, tokenizer=tokenizer)
         out.append(([sp.label for sp in spans], aggregate_map(maps[i], spans, rows=rows, cols=cols)))
     return out
 
@@ -586,20 +691,23 @@ def spans_for(
     *,
     keep_special: bool = False,
     texts: Optional[Sequence[Any]] = None,
+    tokenizer: Optional[Any] = None,
 ) -> List[Span]:
     r"""The spans of example ``index`` for a level: ``"word"``, ``"sentence"`` (needs ``texts``)
     or per-example character ranges.
 
     Raises:
-        ValueError: for an unknown level, or ``"sentence"`` without texts.
+        ValueError: for an unknown level, ``"sentence"`` without texts, or texts that are
+            not the ones tokenized (:func:`check_texts_match`).
     """
     if isinstance(level, str):
         if level == "word":
-            return word_spans(encoding, index, keep_special=keep_special, texts=texts)
+            return word_spans(encoding, index, keep_special=keep_special, texts=texts, tokenizer=tokenizer)
         if level == "sentence":
-            text = _text_of(texts, index, 0)
+            text = _text_of(texts, index, 0) if texts is not None else None
             if text is None:
                 raise ValueError("sentence aggregation needs the texts (texts=[...]) to find the sentences")
+            check_texts_match(encoding, index, texts)
             return char_spans_to_token_spans(encoding, index, sentence_char_spans(text), keep_special=keep_special)
         raise ValueError(f"level must be 'word', 'sentence' or per-example character spans, got {level!r}")
     return char_spans_to_token_spans(encoding, index, level[index], keep_special=keep_special)

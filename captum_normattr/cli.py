@@ -582,6 +582,7 @@ def explain(
     from captum_normattr.attr.inputs import explained_positions
     from captum_normattr.report import explanations_from_results
     from captum_normattr.result import AttributionResult, DecompositionResult
+    from captum_normattr.tokens import readable_tokens
     from captum_normattr.visualization import example_from_result
 
     device = next(model.parameters()).device
@@ -612,7 +613,7 @@ def explain(
             pos = known[0] if known else explained_positions(options.position, mask.bool())
             fwd = {"input_ids": ids, "attention_mask": mask}
             preds = _predictions(model, tokenizer, fwd, pos)
-            tokens = [tokenizer.convert_ids_to_tokens(row) for row in enc["input_ids"].tolist()]
+            tokens = [readable_tokens(tokenizer, row) for row in enc["input_ids"].tolist()]
             exps = explanations_from_results(
                 chunk, tokens, results,
                 attention_mask=mask.cpu(), explained_position=pos.cpu(), predictions=preds,

@@ -34,6 +34,7 @@ from captum_normattr.cli import (
     read_text_lines,
 )
 from captum_normattr.registry import MethodSpec
+from captum_normattr.tokens import display_token, readable_tokens, visible_text
 
 __all__ = ["SourcePair", "explain_pairs", "read_pairs", "render_seq2seq_table", "run_seq2seq"]
 
@@ -223,6 +224,9 @@ def _seq2seq_batch(alti: Any, model: Any, tokenizer: Any, pairs: Sequence[Source
             "source_tokens": tokenizer.convert_ids_to_tokens(src_rows[i]),
             "target_tokens": tokenizer.convert_ids_to_tokens(list(tgt)),
             "decoder_input_tokens": tokenizer.convert_ids_to_tokens(list(dec)),
+            "source_token_text": list(readable_tokens(tokenizer, src_rows[i])),
+            "target_token_text": list(readable_tokens(tokenizer, list(tgt))),
+            "decoder_input_token_text": list(readable_tokens(tokenizer, list(dec))),
             "source_contributions": src_c.tolist(),
             "target_contributions": tgt_c.tolist(),
             "source_share": share.tolist(),
@@ -292,15 +296,16 @@ def render_seq2seq_table(records: Sequence[Dict[str, Any]], top: int = 3, ascii_
     Returns:
         The text.
     """
+    vis = visible_text  # control characters and bidi overrides are shown, never sent to the terminal
     out: List[str] = []
     for rec in records:
-        out.append(f"[{rec['id']}] source: {rec['source']}")
-        out.append(f"    target ({rec['mode']}): {rec['target']}")
-        out.append(f"    {rec['method']} ({rec['conventions']}); completeness error {rec['completeness_error']:.1e}; "
-                   "each row: the source share and the top source tokens of the prediction of that token "
-                   "(the rest of the row is the target prefix)")
-        toks = [str(t) for t in rec["target_tokens"]]
-        src = [str(t) for t in rec["source_tokens"]]
+        out.append(vis(f"[{rec['id']}] source: {rec['source']}"))
+        out.append(vis(f"    target ({rec['mode']}): {rec['target']}"))
+        out.append(vis(f"    {rec['method']} ({rec['conventions']}); completeness error {rec['completeness_error']:.1e}; "
+                       "each row: the source share and the top source tokens of the prediction of that token "
+                       "(the rest of the row is the target prefix)"))
+        toks = [display_token(t, ascii_only) for t in rec.get("target_token_text", rec["target_tokens"])]
+        src = [display_token(t, ascii_only) for t in rec.get("source_token_text", rec["source_tokens"])]
         w = min(16, max([len(t) for t in toks] + [6]))
         out.append(f"    {'#':>3}  {'token'.ljust(w)}  {'source share':<19}  top source tokens")
         for k, (tok, share, row) in enumerate(zip(toks, rec["source_share"], rec["source_contributions"])):

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from captum_normattr.attr import ALTIAttribution, GlobEncAttribution
 from captum_normattr.models.loading import load_default_model
+from captum_normattr.tokens import readable_tokens
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     globenc = GlobEncAttribution(model, map_name="N_ENC").decompose(ids, (mask,))
     alti = ALTIAttribution(model).decompose(ids, (mask,))
-    tokens = tokenizer.convert_ids_to_tokens(ids[0])
+    tokens = readable_tokens(tokenizer, ids[0])
     g = globenc.scores[0] / globenc.scores[0].sum()
     a = alti.scores[0]
     print(f"model: all-MiniLM-L6-v2 (packaged), explained position 0 ([CLS]), rollout '{globenc.rollout_convention}'")

@@ -25,10 +25,12 @@ import torch
 from torch import Tensor
 
 from captum_normattr.result import AttributionResult
+from captum_normattr.tokens import display_token, visible_text
 
 __all__ = [
     "TextExplanation",
     "explanations_from_results",
+    "first_token_share",
     "render_html",
     "render_json",
     "render_table",
@@ -55,6 +57,16 @@ class TextExplanation:
         row_totals: method name -> the sum of its token scores over the text (default:
             the sum of ``scores``; an aggregated explanation keeps the totals of its
             tokens). The table shows unsigned scores as shares of it.
+        raw_tokens: the tokenizer's own token strings (``Ġkeys``), when ``tokens`` are
+            readable labels (``" keys"``, :func:`~captum_normattr.tokens.readable_tokens`);
+            JSON writes them under ``"tokens"`` and the labels under ``"token_text"``.
+            Default: taken from ``tokens.raw`` when ``tokens`` is a
+            :class:`~captum_normattr.tokens.ReadableTokens`, else None.
+        sink_share: method name -> the share of the first token (position 0: ``[CLS]``,
+            BOS, or the first word of a decoder prompt, where attention sinks sit):
+            ``|score_0| / sum_t |score_t|`` over the real tokens (NaN when all scores are
+            0). Default: computed from ``scores``; an aggregated explanation keeps the
+            value of its tokens.
     """
 
     text: str
@@ -66,8 +78,15 @@ class TextExplanation:
     figures: Dict[str, str] = field(default_factory=dict)
     signed: Dict[str, bool] = field(default_factory=dict)
     row_totals: Dict[str, float] = field(default_factory=dict)
+    raw_tokens: Optional[List[str]] = None
+    sink_share: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.raw_tokens is None and getattr(self.tokens, "raw", None) is not None:
+            self.raw_tokens = [str(t) for t in self.tokens.raw]  # type: ignore[attr-defined]
+        self.tokens = [str(t) for t in self.tokens]
+        if self.raw_tokens is not None and len(self.raw_tokens) != len(self.tokens):
+            raise ValueError(f"{len(self.raw_tokens)} raw tokens for {len(self.tokens)} tokens")
         for name, vals in self.scores.items():
             if len(vals) != len(self.tokens):
                 raise ValueError(
@@ -75,6 +94,8 @@ class TextExplanation:
                 )
             if name not in self.row_totals:
                 self.row_totals[name] = float(sum(float(v) for v in vals if math.isfinite(float(v))))
+            if name not in self.sink_share:
+                self.sink_share[name] = first_token_share(vals)
 
     def aggregated(self, spans: Sequence[Any], reduce: str = "sum", unit: str = "word") -> "TextExplanation":
         r"""The same explanation over spans of tokens (words, sentences ...).
@@ -106,26 +127,47 @@ class TextExplanation:
         return TextExplanation(
             text=self.text, tokens=[sp.label for sp in spans], scores=scores, explained_position=pos,
             prediction=self.prediction, extras=extras, figures=dict(self.figures), signed=dict(self.signed),
-            row_totals=dict(self.row_totals),
+            row_totals=dict(self.row_totals), sink_share=dict(self.sink_share),
         )
 
     def to_dict(self) -> Dict[str, Any]:
         r"""JSON-ready dict (figures left out; NaN/inf become None).
 
         Returns:
-            dict with ``text``, ``tokens``, ``explained_position``, ``prediction``,
-            ``attributions`` (method -> list of float, the raw scores), ``row_totals``
-            (method -> the sum of its token scores) and ``extras``.
+            dict with ``text``, ``tokens`` (the tokenizer's own token strings when known,
+            else the labels), ``token_text`` (the readable labels shown in tables and
+            HTML), ``explained_position``, ``prediction``, ``attributions`` (method ->
+            list of float, the raw scores), ``row_totals`` (method -> the sum of its
+            token scores), ``sink_share`` (method -> the first token's share of the
+            absolute scores) and ``extras``.
         """
         return {
             "text": self.text,
-            "tokens": list(self.tokens),
+            "tokens": list(self.raw_tokens if self.raw_tokens is not None else self.tokens),
+            "token_text": list(self.tokens),
             "explained_position": self.explained_position,
             "prediction": self.prediction,
             "attributions": {k: [_finite(v) for v in vals] for k, vals in self.scores.items()},
             "row_totals": {k: _finite(v) for k, v in self.row_totals.items()},
+            "sink_share": {k: _finite(v) for k, v in self.sink_share.items()},
             "extras": _jsonable(self.extras),
         }
+
+
+def first_token_share(scores: Sequence[float]) -> float:
+    r"""The share of the first token in the absolute scores of one text: ``|s_0| / sum_t |s_t|``.
+
+    Non-finite scores are left out of the sum; NaN when there is no token or all are 0.
+
+    Examples:
+        >>> first_token_share([3.0, -1.0, 0.0])
+        0.75
+    """
+    vals = [abs(float(v)) for v in scores]
+    total = sum(v for v in vals if math.isfinite(v))
+    if not vals or not math.isfinite(vals[0]) or total <= 0:
+        return float("nan")
+    return vals[0] / total
 
 
 def _finite(v: float) -> Optional[float]:
@@ -160,7 +202,8 @@ def explanations_from_results(
     Args:
         texts: the B texts.
         tokens: the tokens of each text, padded length T (pads are removed with the
-            attention mask) or already without pads.
+            attention mask) or already without pads; readable labels
+            (:func:`~captum_normattr.tokens.readable_tokens`) keep their raw tokens.
         results: method name -> an :class:`~captum_normattr.result.AttributionResult`
             (its per-example ``example(i)`` gives the unpadded scores; its
             ``attention_mask`` and ``explained_position`` are the defaults of the two
@@ -206,8 +249,11 @@ def explanations_from_results(
     for i in range(b):
         keep = shared.real_tokens(i)
         toks = list(tokens[i])
+        raw = getattr(tokens[i], "raw", None)
+        raw = None if raw is None else list(raw)
         if len(toks) == t_len and len(toks) != keep.numel():
             toks = [toks[j] for j in keep.tolist()]
+            raw = None if raw is None else [raw[j] for j in keep.tolist()]
         if len(toks) != keep.numel():
             raise ValueError(f"text {i}: {len(toks)} tokens for {keep.numel()} real positions")
         p: Optional[int] = None
@@ -216,6 +262,7 @@ def explanations_from_results(
         out.append(TextExplanation(
             text=str(texts[i]),
             tokens=[str(t) for t in toks],
+            raw_tokens=None if raw is None else [str(t) for t in raw],
             scores={k: r.example(i)["scores"].detach().to("cpu", torch.float64).tolist() for k, r in batch.items()},
             explained_position=p,
             prediction=None if predictions is None else predictions[i],
@@ -253,6 +300,16 @@ def _fmt(v: float) -> str:
     return f"{v:.4f}" if v == 0 or 1e-3 <= abs(v) < 1e4 else f"{v:.3g}"
 
 
+def _sink_line(ex: TextExplanation) -> Optional[str]:
+    r"""``first-token share ...`` for one text, or None when no method has a finite share."""
+    shown = [f"{nm} {ex.sink_share[nm]:.3f}" for nm in ex.scores
+             if nm in ex.sink_share and math.isfinite(ex.sink_share[nm])]
+    if not shown:
+        return None
+    which = "first token" if "aggregated" in ex.extras or not ex.tokens else f"first token {ex.tokens[0]!r}"
+    return f"sink share ({which}, |s_0| / sum |s|): " + ", ".join(shown)
+
+
 def render_table(
     explanations: Sequence[TextExplanation],
     *,
@@ -260,6 +317,7 @@ def render_table(
     ascii_only: bool = False,
     max_token_width: int = 18,
     shares: bool = False,
+    exclude_sink: bool = False,
 ) -> str:
     r"""A readable plain-text table per text: one row per token, a column per method.
 
@@ -268,7 +326,14 @@ def render_table(
     ASCII). The explained row is marked with ``*``. With ``shares=True`` the scores of
     unsigned methods are shown as shares of their row (score / ``row_totals``; a raw
     GlobEnc rollout row sums to numbers like 1e5), and their column header says
-    ``(share)``; signed methods keep their raw numbers.
+    ``(share)``; signed methods keep their raw numbers. Every text reports the share of
+    its first token in each method's absolute scores (``sink_share``: where decoders put
+    their attention sink).
+
+    Everything printed passes through :func:`~captum_normattr.tokens.visible_text`:
+    control characters (escape sequences, carriage returns, newlines) and right-to-left
+    overrides in a text, a token, a method name or a prediction are shown as ``\x1b``,
+    ``\u202e``, never sent to the terminal.
 
     Args:
         explanations: the texts to show.
@@ -277,6 +342,10 @@ def render_table(
             cannot print them).
         max_token_width: longer tokens are shortened.
         shares: show unsigned scores as shares of their row.
+        exclude_sink: leave the first token out of the scaling: the bars are scaled by
+            the largest score of the other tokens (the first token's bar is clipped, its
+            row marked ``s``) and shares divide by the total of the other tokens. The
+            scores themselves are unchanged.
 
     Returns:
         The table as one string (lines separated by ``\n``, no trailing newline).
@@ -286,39 +355,51 @@ def render_table(
         >>> "ok" in render_table([ex])
         True
     """
+    vis = visible_text
     blocks = []
     for n, ex in enumerate(explanations, start=1):
-        lines = [f"[{n}] {ex.text}"]
+        lines = [f"[{n}] {vis(ex.text)}"]
         if ex.prediction is not None:
-            lines.append(f"    prediction: {ex.prediction}")
+            lines.append(f"    prediction: {vis(ex.prediction)}")
         for key, val in ex.extras.items():
             if isinstance(val, float):
-                lines.append(f"    {key}: {val:.2g}")
+                lines.append(f"    {vis(key)}: {val:.2g}")
             elif isinstance(val, (int, str)):
-                lines.append(f"    {key}: {val}")
-        toks = [t if len(t) <= max_token_width else t[: max_token_width - 1] + "~" for t in ex.tokens]
+                lines.append(f"    {vis(key)}: {vis(val)}")
+        sink = _sink_line(ex)
+        if sink is not None:
+            lines.append("    " + vis(sink))
+        shown = [display_token(t, ascii_only) for t in ex.tokens]
+        toks = [t if len(t) <= max_token_width else t[: max_token_width - 1] + "~" for t in shown]
         tw = max([5] + [len(t) for t in toks])
         iw = max(1, len(str(len(toks) - 1)))
         names = list(ex.scores)
+        skip = 1 if exclude_sink and len(toks) > 1 else 0
         scale = {nm: 1.0 for nm in names}
         if shares:
             for nm in names:
                 total = ex.row_totals.get(nm, 0.0)
+                if skip:
+                    first = float(ex.scores[nm][0]) if ex.scores[nm] else 0.0
+                    total = total - (first if math.isfinite(first) else 0.0)
                 if not ex.signed.get(nm, False) and math.isfinite(total) and total > 0:
                     scale[nm] = 1.0 / total
-        heads = [nm + (" (share)" if scale[nm] != 1.0 else "") for nm in names]
+        heads = [vis(nm) + (" (share)" if scale[nm] != 1.0 else "") for nm in names]
         if any(scale[nm] != 1.0 for nm in names):
-            lines.append("    (share) = score / sum of the method's scores over all tokens of the text "
-                         "(raw numbers: --format json)")
+            lines.append("    (share) = score / sum of the method's scores over all tokens of the text"
+                         + (" but the first" if skip else "") + " (raw numbers: --format json)")
+        if skip:
+            lines.append("    s = the first token, left out of the bar scale")
         col_w = [max(len(hd), 10 + (bar_width + 1 if bar_width else 0)) for hd in heads]
         header = f"  {'#'.rjust(iw)}  {'token'.ljust(tw)}" + "".join(
             f"  {hd.ljust(w)}" for hd, w in zip(heads, col_w)
         )
         lines.append(header.rstrip())
         lines.append("  " + "-" * (len(header) - 2))
-        vmax = {nm: max([abs(v) * scale[nm] for v in ex.scores[nm] if math.isfinite(v)] + [0.0]) for nm in names}
+        vmax = {nm: max([abs(v) * scale[nm] for v in ex.scores[nm][skip:] if math.isfinite(v)] + [0.0])
+                for nm in names}
         for i, tok in enumerate(toks):
-            mark = "*" if i == ex.explained_position else " "
+            mark = "*" if i == ex.explained_position else ("s" if skip and i == 0 else " ")
             row = f" {mark}{str(i).rjust(iw)}  {tok.ljust(tw)}"
             for nm, w in zip(names, col_w):
                 v = float(ex.scores[nm][i]) * scale[nm]
@@ -344,9 +425,12 @@ def render_json(
 ) -> str:
     r"""The explanations as a JSON document.
 
-    Layout: ``{"meta": {...}, "results": [{"text", "tokens", "explained_position",
-    "prediction", "attributions": {method: [float, ...]}, "extras"}, ...]}``.
-    Non-finite numbers become ``null`` so the output is strict JSON.
+    Layout: ``{"meta": {...}, "results": [{"text", "tokens", "token_text",
+    "explained_position", "prediction", "attributions": {method: [float, ...]},
+    "row_totals", "sink_share", "extras"}, ...]}`` (:meth:`TextExplanation.to_dict`:
+    ``tokens`` are the tokenizer's own strings, ``token_text`` the readable labels).
+    Non-finite numbers become ``null`` so the output is strict JSON. Texts and tokens are
+    written as they are (JSON escapes control characters itself).
 
     Args:
         explanations: the texts.
@@ -408,15 +492,21 @@ details summary{cursor:pointer;font-size:.85em;color:#36c}
 """
 
 
-def _token_spans(ex: TextExplanation, name: str) -> str:
+def _esc(value: Any) -> str:
+    r"""Text for HTML: control and format characters shown visibly, then HTML-escaped (quotes too)."""
+    return html.escape(visible_text(value), quote=True)
+
+
+def _token_spans(ex: TextExplanation, name: str, exclude_sink: bool = False) -> str:
     vals = [float(v) for v in ex.scores[name]]
-    m = max([abs(v) for v in vals if math.isfinite(v)] + [0.0]) or 1.0
+    skip = 1 if exclude_sink and len(vals) > 1 else 0
+    m = max([abs(v) for v in vals[skip:] if math.isfinite(v)] + [0.0]) or 1.0
     spans = []
     for i, (tok, v) in enumerate(zip(ex.tokens, vals)):
         cls = "tok explained" if i == ex.explained_position else "tok"
         spans.append(
             f'<span class="{cls}" style="background-color:{score_color(v / m)}" '
-            f'title="{html.escape(tok)}: {_fmt(v)}">{html.escape(tok)}</span>'
+            f'title="{_esc(tok)}: {_fmt(v)}">{html.escape(display_token(tok), quote=True)}</span>'
         )
     return "".join(spans)
 
@@ -433,6 +523,7 @@ def render_html(
     meta: Optional[Mapping[str, Any]] = None,
     *,
     title: str = "captum_normattr report",
+    exclude_sink: bool = False,
 ) -> str:
     r"""A self-contained HTML report (inline CSS, no scripts, no external files).
 
@@ -445,16 +536,21 @@ def render_html(
         explanations: the texts.
         meta: run information shown at the top (model, methods, options ...).
         title: page title.
+        exclude_sink: scale each method's colors by its largest |score| over the tokens
+            but the first (the first token's color saturates); the scores are unchanged.
 
     Returns:
-        The HTML document as a string. Every token appears HTML-escaped.
+        The HTML document as a string. Every text, token, label and value appears
+        HTML-escaped, with control and format characters (right-to-left overrides ...)
+        shown visibly (:func:`~captum_normattr.tokens.visible_text`). Every text reports
+        the first token's share of each method's absolute scores (``sink_share``).
 
     Examples:
         >>> ex = TextExplanation("<b>", ["[CLS]", "<b>", "[SEP]"], {"ALTI": [0.2, 0.7, 0.1]}, 0)
         >>> "&lt;b&gt;" in render_html([ex])
         True
     """
-    esc = html.escape
+    esc = _esc
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -464,7 +560,7 @@ def render_html(
     ]
     if meta:
         rows = "".join(
-            f"<tr><td>{esc(str(k))}</td><td>{esc(json.dumps(_jsonable(v), ensure_ascii=False) if not isinstance(v, str) else v)}</td></tr>"
+            f"<tr><td>{esc(k)}</td><td>{esc(json.dumps(_jsonable(v), ensure_ascii=False) if not isinstance(v, str) else v)}</td></tr>"
             for k, v in meta.items()
         )
         parts.append(f'<table class="meta">{rows}</table>')
@@ -477,15 +573,18 @@ def render_html(
     for n, ex in enumerate(explanations, start=1):
         parts.append(f'<section class="text"><h2>[{n}] {esc(ex.text)}</h2>')
         if ex.prediction is not None:
-            parts.append(f'<div class="pred">prediction: {esc(str(ex.prediction))}</div>')
+            parts.append(f'<div class="pred">prediction: {esc(ex.prediction)}</div>')
         for key, val in ex.extras.items():
             shown = f"{val:.2g}" if isinstance(val, float) else json.dumps(_jsonable(val))
-            parts.append(f'<div class="pred">{esc(str(key))}: {esc(shown)}</div>')
+            parts.append(f'<div class="pred">{esc(key)}: {esc(shown)}</div>')
+        sink = _sink_line(ex)
+        if sink is not None:
+            parts.append(f'<div class="pred">{esc(sink)}</div>')
         placed = set()
         for name in ex.scores:
             parts.append(
                 f'<div class="method"><div class="mname">{esc(name)}</div>'
-                f'<div class="tokens">{_token_spans(ex, name)}</div></div>'
+                f'<div class="tokens">{_token_spans(ex, name, exclude_sink)}</div></div>'
             )
             for key, src in ex.figures.items():  # this method's figures: "name" or "name ..."
                 if key not in placed and (key == name or key.startswith(name + " ")):
@@ -499,7 +598,7 @@ def render_html(
         for i, tok in enumerate(ex.tokens):
             mark = " *" if i == ex.explained_position else ""
             cells = "".join(f"<td>{_fmt(float(ex.scores[nm][i]))}</td>" for nm in ex.scores)
-            body.append(f'<tr><td>{i}{mark}</td><td class="t">{esc(tok)}</td>{cells}</tr>')
+            body.append(f'<tr><td>{i}{mark}</td><td class="t">{html.escape(display_token(tok), quote=True)}</td>{cells}</tr>')
         parts.append(
             "<details><summary>scores</summary>"
             f'<table class="scores"><tr><th>#</th><th>token</th>{head}</tr>{"".join(body)}</table>'

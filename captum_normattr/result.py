@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 
@@ -107,6 +108,80 @@ class AttributionResult:
         default the real positions themselves (a subclass may keep extra columns)."""
         return positions
 
+    def sink_position(self) -> Tensor:
+        r"""(B,) long: the padded position of every example's first real token (its sink:
+        ``[CLS]``, BOS, or the first prompt token of a decoder; left padding moves it)."""
+        return self.attention_mask.bool().long().argmax(dim=-1)
+
+    def sink_share(self) -> Tensor:
+        r"""The share of the first real token in every example's absolute scores.
+
+        Decoders park attention on their first token (the attention sink), and the
+        norm-based methods and logit decompositions give it a large score: report it apart
+        and read the ranking of the other tokens with ``exclude_sink=True``.
+
+        Returns:
+            (B,) float64: ``|s_first| / sum_t |s_t|`` over the real tokens (non-finite
+            scores left out of the sum), NaN where all scores are 0.
+
+        Examples:
+            >>> import torch
+            >>> r = AttributionResult("x", torch.tensor([[3.0, -1.0, 0.0]]), torch.ones(1, 3))
+            >>> r.sink_share().tolist()
+            [0.75]
+        """
+        s = self.scores.detach().to(torch.float64).abs()
+        m = self.attention_mask.bool().to(s.device)
+        s = torch.where(m & torch.isfinite(s), s, torch.zeros_like(s))
+        first = s.gather(-1, self.sink_position().to(s.device)[:, None]).squeeze(-1)
+        total = s.sum(-1)
+        return torch.where(total > 0, first / torch.where(total > 0, total, torch.ones_like(total)),
+                           torch.full_like(total, float("nan")))
+
+    def ranking(self, index: int, *, exclude_sink: bool = False, absolute: bool = False) -> Tensor:
+        r"""Example ``index``'s real tokens, most important first.
+
+        Args:
+            index: the example.
+            exclude_sink: leave the first real token out of the ranking (the scores are
+                unchanged).
+            absolute: rank by ``|score|`` (default: by the score itself, so that the
+                tokens of a signed method that speak *for* the output come first).
+
+        Returns:
+            (n,) long positions counted over the real tokens (the indexing of
+            :meth:`example`); ties keep the earlier token first, NaN scores come last.
+        """
+        s = self.example(index)["scores"].detach().to("cpu", torch.float64)
+        key = s.abs() if absolute else s
+        key = torch.where(torch.isnan(key), torch.full_like(key, -float("inf")), key)
+        order = torch.sort(key, descending=True, stable=True).indices
+        if exclude_sink and order.numel() > 1:
+            order = order[order != 0]
+        return order
+
+    def top_k(self, k: int, *, exclude_sink: bool = False, absolute: bool = False) -> List[Tensor]:
+        r"""The ``k`` most important real tokens of every example (:meth:`ranking`).
+
+        Args:
+            k: how many (fewer where an example has fewer tokens).
+            exclude_sink: leave the first real token out (see :meth:`sink_share`).
+            absolute: rank by ``|score|``.
+
+        Returns:
+            per example a (min(k, n),) long tensor of positions over its real tokens.
+
+        Examples:
+            >>> import torch
+            >>> r = AttributionResult("x", torch.tensor([[5.0, 1.0, 3.0]]), torch.ones(1, 3))
+            >>> [t.tolist() for t in r.top_k(1)], [t.tolist() for t in r.top_k(1, exclude_sink=True)]
+            ([[0]], [[2]])
+        """
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return [self.ranking(i, exclude_sink=exclude_sink, absolute=absolute)[:k]
+                for i in range(self.scores.shape[0])]
+
     def aggregate(
         self,
         encoding: Any,
@@ -115,6 +190,7 @@ class AttributionResult:
         *,
         keep_special: bool = False,
         texts: Optional[Any] = None,
+        tokenizer: Optional[Any] = None,
     ) -> List[Tuple[List[str], Tensor]]:
         r"""The scores aggregated to words, sentences or character spans, per example.
 
@@ -125,7 +201,11 @@ class AttributionResult:
                 :func:`~captum_normattr.aggregation.chat_role_char_spans`).
             reduce: ``"sum"`` (default, signs kept), ``"mean"`` or ``"max"``.
             keep_special: keep special tokens as spans of their own.
-            texts: the tokenized texts (exact word labels; needed for sentences).
+            texts: the tokenized texts (exact word labels; needed for sentences). They
+                are checked against the encoding's offsets: a ``ValueError`` says so
+                when they are not the texts that were tokenized.
+            tokenizer: the tokenizer, for readable word labels without ``texts``
+                (decoded from the word's ids; default: rebuilt from the token strings).
 
         Returns:
             per example ``(labels, (S,) scores)``; see :mod:`captum_normattr.aggregation`.
@@ -134,14 +214,14 @@ class AttributionResult:
 
         out = []
         for i in range(self.scores.shape[0]):
-            spans = spans_for(level, encoding, i, keep_special=keep_special, texts=texts)
+            spans = spans_for(level, encoding, i, keep_special=keep_special, texts=texts, tokenizer=tokenizer)
             out.append(([sp.label for sp in spans], aggregate_scores(self.scores[i], spans, reduce)))
         return out
 
     def words(self, encoding: Any, reduce: str = "sum", *, keep_special: bool = False,
-              texts: Optional[Any] = None) -> List[Tuple[List[str], Tensor]]:
+              texts: Optional[Any] = None, tokenizer: Optional[Any] = None) -> List[Tuple[List[str], Tensor]]:
         r"""The scores summed (``reduce``) over the pieces of every word: ``aggregate(encoding, "word", ...)``."""
-        return self.aggregate(encoding, "word", reduce, keep_special=keep_special, texts=texts)
+        return self.aggregate(encoding, "word", reduce, keep_special=keep_special, texts=texts, tokenizer=tokenizer)
 
 
 @dataclass

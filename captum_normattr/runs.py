@@ -300,6 +300,8 @@ def _records(
 ) -> List[Dict[str, Any]]:
     from torch import Tensor
 
+    from captum_normattr.tokens import readable_tokens
+
     out = []
     for i, item in enumerate(chunk):
         keep = mask[i].bool().cpu()
@@ -322,7 +324,8 @@ def _records(
                 entry["target"] = int(target[i])
             methods[key] = entry
         out.append({
-            "id": item.id, "text": item.text, "tokens": tokenizer.convert_ids_to_tokens(real_ids), "methods": methods,
+            "id": item.id, "text": item.text, "tokens": tokenizer.convert_ids_to_tokens(real_ids),
+            "token_text": list(readable_tokens(tokenizer, real_ids)), "methods": methods,
         })
     return out
 

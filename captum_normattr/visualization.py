@@ -22,9 +22,17 @@ Functions:
       for ``captum.attr.visualization.visualize_text``.
     - :func:`to_llm_attribution_result`: a ``captum.attr.LLMAttributionResult``
       (``plot_token_attr`` / ``plot_seq_attr``) from a decoder's rollout.
+    - :func:`plot_label`: how every label is drawn: literally (no mathtext: a ``$`` in a
+      token is a dollar sign), control characters shown visibly.
+
+Pass readable token labels (:func:`~captum_normattr.tokens.readable_tokens`: ``" keys"``
+rather than ``Ġkeys``). Every score plot and map takes ``exclude_sink=True`` to leave the
+first token (``[CLS]``, BOS: where decoders keep their attention sink) out of the picture
+and of its color scale, without changing the scores.
 """
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +43,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.result import AttributionResult
+from captum_normattr.tokens import display_token, visible_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -46,6 +55,7 @@ __all__ = [
     "MISSING_MATPLOTLIB_MESSAGE",
     "example_from_result",
     "normalize_scores",
+    "plot_label",
     "plot_component_maps",
     "plot_layer_grid",
     "plot_method_comparison",
@@ -128,8 +138,25 @@ def _check_tokens(tokens: Optional[Sequence[str]], n: int) -> List[str]:
     return tokens
 
 
+def plot_label(text: Any) -> str:
+    r"""A string for a matplotlib label, drawn literally.
+
+    Control and format characters are shown visibly
+    (:func:`~captum_normattr.tokens.visible_text`) and every ``$`` is escaped, so that
+    matplotlib never reads the text as mathtext (a token ``$x`` or ``a$b$c`` would
+    otherwise be typeset as a formula, or crash the drawing with a parse error).
+
+    Examples:
+        >>> plot_label("5$")
+        '5\\$'
+    """
+    return visible_text(text).replace("$", "\\$")
+
+
 def _shorten(token: str, width: int = 14) -> str:
-    return token if len(token) <= width else token[: width - 1] + "\u2026"
+    token = display_token(token)
+    short = token if len(token) <= width else token[: width - 1] + "\u2026"
+    return short.replace("$", "\\$")
 
 
 def _auto_cmap(values: np.ndarray, cmap: Optional[str]) -> Tuple[str, Optional[float], Optional[float]]:
@@ -203,7 +230,8 @@ def example_from_result(
         None), ``method`` (str) and ``tokens`` (list of n str, or None).
 
     Examples:
-        >>> ex = example_from_result(res, 0, tokenizer.convert_ids_to_tokens(ids[0]))  # doctest: +SKIP
+        >>> from captum_normattr.tokens import readable_tokens
+        >>> ex = example_from_result(res, 0, readable_tokens(tokenizer, ids[0]))  # doctest: +SKIP
         >>> plot_layer_grid(ex["layer_maps"], ex["tokens"])  # doctest: +SKIP
     """
     if not _is_result(result):
@@ -294,6 +322,7 @@ def plot_token_map(
     annotate: Optional[bool] = None,
     colorbar: bool = True,
     path: Optional[Union[str, Path]] = None,
+    exclude_sink: bool = False,
 ) -> "Figure":
     r"""Token-to-token heat map of one layer map (or a rollout).
 
@@ -310,6 +339,8 @@ def plot_token_map(
         annotate: write the values in the cells (default: when T <= 10).
         colorbar: add a colorbar.
         path: save the figure there (``.png``, ``.svg`` or ``.pdf``).
+        exclude_sink: leave the first token (row and column 0) out of the picture and
+            of its color scale; the data are unchanged.
 
     Returns:
         The matplotlib figure.
@@ -324,6 +355,8 @@ def plot_token_map(
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"expected a square (T, T) map, got shape {tuple(m.shape)}")
     toks = _check_tokens(tokens, m.shape[0])
+    if exclude_sink and len(toks) > 1:
+        m, toks = m[1:, 1:], toks[1:]
     if ax is None:
         side = float(np.clip(0.35 * len(toks) + 2.0, 3.5, 14.0))
         fig = _new_figure((side + (1.0 if colorbar else 0.0), side))
@@ -334,7 +367,7 @@ def plot_token_map(
     ax.set_xlabel("contributing token j", fontsize=9)
     ax.set_ylabel("receiving token i", fontsize=9)
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(plot_label(title), fontsize=10)
     if colorbar:
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     return _finish(fig, path)
@@ -351,6 +384,7 @@ def plot_layer_grid(
     cmap: Optional[str] = None,
     title: Optional[str] = None,
     path: Optional[Union[str, Path]] = None,
+    exclude_sink: bool = False,
 ) -> "Figure":
     r"""A grid of all layer maps of one example.
 
@@ -365,6 +399,8 @@ def plot_layer_grid(
         cmap: colormap (see :func:`plot_token_map`).
         title: figure title (default: the method name of a result).
         path: save the figure there.
+        exclude_sink: leave the first token (row and column 0 of every layer) out of the
+            pictures and their color scales.
 
     Returns:
         The matplotlib figure.
@@ -383,8 +419,10 @@ def plot_layer_grid(
         maps = _to_numpy(layer_maps)
     if maps.ndim != 3 or maps.shape[1] != maps.shape[2]:
         raise ValueError(f"expected (L, T, T) layer maps, got shape {tuple(maps.shape)}")
+    toks = _check_tokens(tokens, maps.shape[1])
+    if exclude_sink and len(toks) > 1:
+        maps, toks = maps[:, 1:, 1:], toks[1:]
     n_layers, n = maps.shape[0], maps.shape[1]
-    toks = _check_tokens(tokens, n)
     names = list(layer_names) if layer_names is not None else [f"layer {l + 1}" for l in range(n_layers)]
     if len(names) != n_layers:
         raise ValueError(f"got {len(names)} layer names for {n_layers} layers")
@@ -399,13 +437,13 @@ def plot_layer_grid(
         ax = fig.add_subplot(nrows, ncols, l + 1)
         im = _draw_map(ax, maps[l], toks, cmap=cmap, vmin=lo, vmax=hi, annotate=False,
                        labels=n <= 40, ylabels=l % ncols == 0)
-        ax.set_title(names[l], fontsize=9)
+        ax.set_title(plot_label(names[l]), fontsize=9)
         if not share_scale:
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=7)
     if share_scale:
         fig.colorbar(im, ax=fig.axes[:n_layers], fraction=0.02, pad=0.02)
     if title or method:
-        fig.suptitle(title or method, fontsize=11)
+        fig.suptitle(plot_label(title or method), fontsize=11)
     return _finish(fig, path)
 
 
@@ -417,6 +455,7 @@ def plot_component_maps(
     cmap: Optional[str] = None,
     title: Optional[str] = None,
     path: Optional[Union[str, Path]] = None,
+    exclude_sink: bool = False,
 ) -> "Figure":
     r"""Several named (T, T) maps side by side.
 
@@ -431,6 +470,7 @@ def plot_component_maps(
         cmap: colormap (see :func:`plot_token_map`).
         title: figure title.
         path: save the figure there.
+        exclude_sink: leave the first token (row and column 0) out of every panel.
 
     Returns:
         The matplotlib figure.
@@ -451,6 +491,9 @@ def plot_component_maps(
     if len(shape) != 2 or shape[0] != shape[1]:
         raise ValueError(f"expected square (T, T) maps, got shape {shape}")
     toks = _check_tokens(tokens, shape[0])
+    if exclude_sink and len(toks) > 1:
+        arrays = {name: a[1:, 1:] for name, a in arrays.items()}
+        shape, toks = (shape[0] - 1, shape[1] - 1), toks[1:]
     k = len(arrays)
     side = float(np.clip(0.3 * shape[0] + 1.8, 3.0, 7.0))
     fig = _new_figure((side * k + 0.8, side + 0.6))
@@ -463,13 +506,13 @@ def plot_component_maps(
         axes.append(ax)
         im = _draw_map(ax, m, toks, cmap=cmap, vmin=lo, vmax=hi, annotate=None,
                        ylabels=idx == 0)
-        ax.set_title(name, fontsize=10)
+        ax.set_title(plot_label(name), fontsize=10)
         if not share_scale:
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=7)
     if share_scale:
         fig.colorbar(im, ax=axes, fraction=0.02, pad=0.02)
     if title:
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle(plot_label(title), fontsize=11)
     return _finish(fig, path)
 
 
@@ -496,6 +539,7 @@ def plot_rollout_row(
     title: Optional[str] = None,
     ax: Optional["Axes"] = None,
     path: Optional[Union[str, Path]] = None,
+    exclude_sink: bool = False,
 ) -> "Figure":
     r"""The attribution row (the explained row of the rollout) as bars or colored text.
 
@@ -511,6 +555,8 @@ def plot_rollout_row(
         title: axes title (default: the method name of a result).
         ax: draw into this axes.
         path: save the figure there.
+        exclude_sink: leave the first token out of the bars (or the colored text) and
+            of their scale; the scores are unchanged.
 
     Returns:
         The matplotlib figure.
@@ -521,6 +567,9 @@ def plot_rollout_row(
     vals, toks, pos, method = _scores_and_tokens(scores, tokens, b)
     pos = explained_position if explained_position is not None else pos
     title = title if title is not None else (method or None)
+    if exclude_sink and len(vals) > 1:
+        vals, toks = vals[1:], toks[1:]
+        pos = None if pos is None or pos < 1 else pos - 1
     if kind not in ("bar", "text"):
         raise ValueError(f"kind must be 'bar' or 'text', got {kind!r}")
     n = len(vals)
@@ -541,7 +590,7 @@ def plot_rollout_row(
             ax.get_xticklabels()[pos].set_fontweight("bold")
             ax.get_xticklabels()[pos].set_color("tab:blue")
         if title:
-            ax.set_title(title, fontsize=10)
+            ax.set_title(plot_label(title), fontsize=10)
         return _finish(fig, path)
 
     # colored text, wrapped into lines; widths measured with the Agg renderer, then
@@ -562,7 +611,7 @@ def plot_rollout_row(
     x_px, line = pad_px, 0
     placed = []
     for i, (tok, col) in enumerate(zip(toks, colors)):
-        t = ax.text(0, 0, tok, fontsize=fs, family="monospace", va="center",
+        t = ax.text(0, 0, plot_label(display_token(tok)), fontsize=fs, family="monospace", va="center",
                     fontweight="bold" if i == pos else "normal",
                     bbox=dict(boxstyle="round,pad=0.25", facecolor=col, edgecolor="none"),
                     transform=ax.transAxes)
@@ -578,7 +627,7 @@ def plot_rollout_row(
     for t, x, ln in placed:
         t.set_position((x / ax_w_px, 1.0 - (head + ln + 0.75) * line_h_px / ax_h_px))
     if title:
-        ax.text(pad_px / ax_w_px, 1.0 - 0.6 * line_h_px / ax_h_px, title, fontsize=10,
+        ax.text(pad_px / ax_w_px, 1.0 - 0.6 * line_h_px / ax_h_px, plot_label(title), fontsize=10,
                 va="center", transform=ax.transAxes)
     return _finish(fig, path)
 
@@ -592,6 +641,7 @@ def plot_method_comparison(
     normalize: bool = True,
     title: Optional[str] = None,
     path: Optional[Union[str, Path]] = None,
+    exclude_sink: bool = False,
 ) -> "Figure":
     r"""Compare several methods' token scores on one sentence.
 
@@ -606,6 +656,9 @@ def plot_method_comparison(
             that methods on different scales can be compared (default True).
         title: figure title.
         path: save the figure there.
+        exclude_sink: leave the first token out of the picture and of the
+            normalisation (each method is divided by its largest |score| over the
+            other tokens).
 
     Returns:
         The matplotlib figure.
@@ -626,6 +679,8 @@ def plot_method_comparison(
     assert toks is not None
     names = [r[0] for r in rows]
     data = np.stack([r[1] for r in rows])
+    if exclude_sink and data.shape[1] > 1:
+        data, toks = data[:, 1:], toks[1:]
     if normalize:
         data = data / np.where(np.abs(data).max(1, keepdims=True) > 0, np.abs(data).max(1, keepdims=True), 1.0)
     n, k = data.shape[1], data.shape[0]
@@ -638,7 +693,7 @@ def plot_method_comparison(
         cm, lo, hi = _auto_cmap(data, None)
         im = ax.imshow(data, cmap=cm, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
         ax.set_yticks(range(k))
-        ax.set_yticklabels(names, fontsize=9)
+        ax.set_yticklabels([plot_label(nm) for nm in names], fontsize=9)
         ax.set_xticks(range(n))
         ax.set_xticklabels(short, rotation=90, fontsize=_tick_fontsize(n))
         ax.tick_params(length=0)
@@ -654,7 +709,7 @@ def plot_method_comparison(
         width = 0.8 / k
         x = np.arange(n)
         for i, name in enumerate(names):
-            ax.bar(x - 0.4 + width * (i + 0.5), data[i], width=width, label=name)
+            ax.bar(x - 0.4 + width * (i + 0.5), data[i], width=width, label=plot_label(name))
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_xticks(x)
         ax.set_xticklabels(short, rotation=90, fontsize=_tick_fontsize(n))
@@ -662,14 +717,14 @@ def plot_method_comparison(
         ax.set_ylabel("attribution" + (" / max |attribution|" if normalize else ""))
         ax.legend(fontsize=8)
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(plot_label(title), fontsize=10)
     return _finish(fig, path)
 
 
 # --------------------------------------------------------------------------- Captum
 
 
-def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None) -> Tensor:
+def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None, *, exclude_sink: bool = False) -> Tensor:
     r"""Scale scores into [-1, 1] by dividing by their maximum absolute value.
 
     Captum's ``visualize_text`` clips word attributions to [-1, 1], so raw
@@ -682,6 +737,11 @@ def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None) -> Ten
     Args:
         scores: (T,) or (B, T) scores.
         mask: optional (T,) or (B, T) attention mask (nonzero = real token).
+        exclude_sink: take the maximum over the real tokens but the first of each row
+            (``[CLS]``, BOS, the first prompt token: where decoders keep their attention
+            sink), so that a large first score does not wash out the others; the first
+            token's value is clipped to [-1, 1]. Rows with a single real token are
+            normalised as usual.
 
     Returns:
         A float tensor of the same shape with values in [-1, 1].
@@ -691,16 +751,23 @@ def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None) -> Ten
         [0.5, -1.0, 0.25]
         >>> normalize_scores([float("nan"), 1.0, 2.0]).tolist()
         [nan, 0.5, 1.0]
+        >>> normalize_scores([8.0, 1.0, 2.0], exclude_sink=True).tolist()
+        [1.0, 0.5, 1.0]
     """
     s = torch.as_tensor(_to_numpy(scores))
     squeeze = s.dim() == 1
     if squeeze:
         s = s.unsqueeze(0)
+    m = (torch.as_tensor(_to_numpy(mask)).reshape(s.shape) != 0) if mask is not None else torch.ones(s.shape, dtype=torch.bool)
     if mask is not None:
-        m = torch.as_tensor(_to_numpy(mask)).reshape(s.shape) != 0
         s = torch.where(m, s, torch.zeros_like(s))
-    finite = torch.isfinite(s)
-    denom = torch.where(finite, s.abs(), torch.zeros_like(s)).amax(dim=1, keepdim=True)
+    counted = torch.isfinite(s) & m
+    if exclude_sink:
+        first = m.long().argmax(dim=1, keepdim=True)  # the first real token of every row
+        sink = torch.zeros_like(m).scatter_(1, first, True)
+        several = m.sum(1, keepdim=True) > 1
+        counted = counted & ~(sink & several)
+    denom = torch.where(counted, s.abs(), torch.zeros_like(s)).amax(dim=1, keepdim=True)
     out = s / torch.where(denom > 0, denom, torch.ones_like(denom))
     out = out.clamp(-1.0, 1.0).float()
     return out[0] if squeeze else out
@@ -719,6 +786,13 @@ def _per_example(value: Any, n: int, default: Any) -> List[Any]:
     return value
 
 
+def _html_text(value: Any) -> Any:
+    r"""A label for Captum's HTML: visible control characters, HTML-escaped (numbers pass)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return html.escape(visible_text(value), quote=True)
+
+
 def to_visualization_records(
     scores: Any,
     tokens: Union[Sequence[str], Sequence[Sequence[str]]],
@@ -730,6 +804,7 @@ def to_visualization_records(
     attr_classes: Any = None,
     convergence_scores: Any = None,
     normalize: bool = True,
+    exclude_sink: bool = False,
 ) -> List[Any]:
     r"""Turn token scores into Captum ``VisualizationDataRecord``\ s for ``visualize_text``.
 
@@ -746,9 +821,15 @@ def to_visualization_records(
         normalize: scale each example's scores to [-1, 1] (max-abs), because
             ``visualize_text`` clips to that range. The ``attr_score`` column keeps
             the sum of the raw scores.
+        exclude_sink: normalise by the largest |score| of the tokens but the first (see
+            :func:`normalize_scores`).
 
     Returns:
         A list of ``captum.attr.visualization.VisualizationDataRecord``, one per example.
+        Captum writes the tokens and the class labels into its HTML as they are, so
+        they are HTML-escaped here (``<b>`` -> ``&lt;b&gt;``, quotes too) with control
+        and format characters shown visibly: a token can never become live markup in
+        a notebook. ``raw_input_ids`` holds these escaped tokens.
 
     Examples:
         >>> from captum.attr import visualization as viz
@@ -780,9 +861,9 @@ def to_visualization_records(
     if len(token_lists) != n_ex:
         raise ValueError(f"got token lists for {len(token_lists)} examples, scores for {n_ex}")
     probs = _per_example(pred_probs, n_ex, float("nan"))
-    preds = _per_example(pred_classes, n_ex, "")
-    trues = _per_example(true_classes, n_ex, "")
-    attrs = _per_example(attr_classes, n_ex, method)
+    preds = [_html_text(v) for v in _per_example(pred_classes, n_ex, "")]
+    trues = [_html_text(v) for v in _per_example(true_classes, n_ex, "")]
+    attrs = [_html_text(v) for v in _per_example(attr_classes, n_ex, method)]
     convs = _per_example(convergence_scores, n_ex, float("nan"))
     records = []
     for i in range(n_ex):
@@ -791,10 +872,10 @@ def to_visualization_records(
             toks = _unpadded_tokens(token_lists[i], result.real_tokens(i).cpu(), t_len)
         except ValueError:
             raise ValueError(f"example {i}: {len(token_lists[i])} tokens for {row.numel()} scores") from None
-        word_attr = normalize_scores(row) if normalize else row.float()
+        word_attr = normalize_scores(row, exclude_sink=exclude_sink) if normalize else row.float()
         records.append(VisualizationDataRecord(
             word_attr, float(probs[i]), preds[i], trues[i], attrs[i],
-            float(row.sum()), [str(t) for t in toks], float(convs[i]),
+            float(row.sum()), [_html_text(t) for t in toks], float(convs[i]),
         ))
     return records
 

@@ -20,7 +20,15 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from torch import Tensor
 
-from captum_normattr.visualization import _check_tokens, _finish, _new_figure, _shorten, _tick_fontsize, _to_numpy
+from captum_normattr.visualization import (
+    _check_tokens,
+    _finish,
+    _new_figure,
+    _shorten,
+    _tick_fontsize,
+    _to_numpy,
+    plot_label,
+)
 
 __all__ = ["generation_to_llm_attribution_result", "plot_contribution_matrix", "plot_source_share"]
 
@@ -109,7 +117,7 @@ def plot_contribution_matrix(
                 ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=max(5.0, fs - 2),
                         color="white" if data[i, j] > 0.6 * np.nanmax(data) else "black")
     if title:
-        ax.set_title(title)
+        ax.set_title(plot_label(title))
     fig.colorbar(im, ax=ax, fraction=0.04)
     return _finish(fig, path)
 
@@ -181,7 +189,7 @@ def plot_source_share(
     ax.set_xlabel("decoder position")
     ax.set_ylabel("source share")
     if title:
-        ax.set_title(title)
+        ax.set_title(plot_label(title))
     return _finish(fig, path)
 
 

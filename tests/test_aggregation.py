@@ -280,3 +280,48 @@ def test_cli_aggregated_plots(tok, tmp_path, capsys):
         "text001_alti_layers.png", "text001_alti_rollout.png", "text001_alti_scores.png"]
     page = (tmp_path / "r.html").read_text()
     assert ">unbelievably<" in page and "##bel" not in page
+
+
+# ----------------------------------------------------------------- texts checked (issue 27, item 13)
+
+
+def test_words_with_texts_that_were_not_tokenized_raise(tok):
+    texts = ["An unbelievably good film.", "Bad."]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    res = AttributionResult("x", _scores(enc), enc["attention_mask"])
+    words, _ = res.words(enc, texts=texts)[0]
+    assert words == ["An", "unbelievably", "good", "film", "."]
+    with pytest.raises(ValueError, match="beyond the end of the given text"):
+        res.words(enc, texts=["An unbelievably good film.", "B"])  # offsets past the text
+    with pytest.raises(ValueError, match="does not match the given text"):
+        res.words(enc, texts=["An unbelievably good fish.", "Bad."])  # same length, another word
+    with pytest.raises(ValueError, match="does not match the given text"):
+        res.words(enc, texts=list(reversed(["An unbelievably good film.", "Bad." + " " * 30])))  # wrong order
+    with pytest.raises(ValueError, match="2 examples"):
+        res.words(enc, texts=texts[:1])
+    with pytest.raises(ValueError, match="does not match"):
+        res.aggregate(enc, "sentence", texts=["An unbelievably good fish.", "Bad."])
+    with pytest.raises(ValueError, match="does not match"):
+        aggregate_to_sentences(res.scores, enc, ["An unbelievably good fish.", "Bad."])
+    # case, accents and [UNK] are what the tokenizer makes of the text, not a mismatch
+    enc2 = tok(["CAFÉ \u2603 Naïve"], return_tensors="pt")
+    words2, _ = aggregate_to_words(_scores(enc2), enc2, texts=["CAFÉ \u2603 Naïve"])[0]
+    assert words2 == ["CAFÉ", "\u2603", "Naïve"]
+
+
+def test_word_labels_of_every_tokenizer_family(tok):
+    r"""Word labels are text, never Ġ / ▁ / ## / Ã© markers: from the texts, from the tokenizer, or
+    rebuilt from the token strings alone."""
+    from tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
+
+    text = "The keys are caf\u00e9 unbelievably"
+    want = ["The", "keys", "are", "caf\u00e9", "unbelievably"]
+    for t in (byte_level_bpe(), sentencepiece_bpe(), tok):
+        enc = t([text], return_tensors="pt")
+        s = _scores(enc)
+        expect = want if t is not tok else ["the", "keys", "are", "cafe", "unbelievably"]
+        assert aggregate_to_words(s, enc, texts=[text])[0][0] == want
+        assert aggregate_to_words(s, enc, tokenizer=t)[0][0] == expect, type(t)
+        assert aggregate_to_words(s, enc)[0][0] == expect, type(t)
+        res = AttributionResult("x", s, enc["attention_mask"])
+        assert res.words(enc, tokenizer=t)[0][0] == expect

@@ -140,3 +140,47 @@ def test_inference_mode_embeddings_input():
         ff = C.FFIntegratedDecomposition(model).attribute(emb_i)
     assert torch.allclose(got, ref, rtol=0, atol=1e-12)
     assert torch.allclose(ff, C.FFIntegratedDecomposition(model).attribute(emb), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Captum's infidelity on embeddings with the package's token scores (issue 27, item 18)
+# ---------------------------------------------------------------------------------------------
+def test_captum_infidelity_on_embeddings_with_broadcast_scores():
+    r"""``captum.metrics.infidelity`` refuses (B, T) scores for (B, T, D) embeddings; broadcast with
+    ``broadcast_to_embeddings`` the documented call runs, is finite, and equals the package's
+    ``token_presence_infidelity`` (same baseline, same drops, same seed)."""
+    from captum.metrics import infidelity
+
+    from captum_normattr.evaluation import metrics as M
+
+    model = make_model("bert")
+    ids = torch.tensor([[2, 11, 23, 35, 47, 3], [2, 15, 27, 3, 0, 0]])
+    mask = (ids != 0).long()
+    special = (ids == 2) | (ids == 3) | (mask == 0)
+    target = torch.tensor([1, 0])
+    scores = ALTIAttribution(model).decompose(ids, (mask,)).scores
+    emb = model.get_input_embeddings()
+    x = emb(ids).detach()
+    baseline = emb(torch.tensor([[4]])).detach()  # the "absent token" embedding ([MASK]-like id 4)
+
+    def forward(inputs_embeds, attention_mask):
+        return model(inputs_embeds=inputs_embeds, attention_mask=attention_mask).logits
+
+    perturb = M.token_drop_perturbation(~special, baseline, drop_prob=0.25, seed=0)
+    with pytest.raises(Exception):  # Captum needs attributions of the inputs' shape
+        infidelity(forward, perturb, x, scores, additional_forward_args=(mask,), target=target,
+                   n_perturb_samples=4)
+    attributions = M.broadcast_to_embeddings(scores, x, baseline)
+    assert attributions.shape == x.shape
+    assert torch.allclose((attributions * (x - baseline)).sum(-1), scores.to(x.dtype), rtol=1e-12, atol=0.0)
+    perturb = M.token_drop_perturbation(~special, baseline, drop_prob=0.25, seed=0)
+    value = infidelity(forward, perturb, x, attributions, additional_forward_args=(mask,), target=target,
+                       n_perturb_samples=10, normalize=True)
+    assert value.shape == (2,) and torch.isfinite(value).all()
+    ours = M.token_presence_infidelity(forward, emb, ids, mask, scores, special, target, replacement_id=4,
+                                       n_perturb_samples=10, drop_prob=0.25, seed=0)
+    assert torch.allclose(value.double(), ours.double(), rtol=1e-8, atol=1e-12 * float(value.abs().max()))
+    uniform = M.broadcast_to_embeddings(scores, x, mode="uniform")
+    assert torch.allclose(uniform.sum(-1), scores.to(x.dtype)) and torch.equal(uniform[0, 1, 0], uniform[0, 1, 5])
+    with pytest.raises(ValueError, match="do not fit"):
+        M.broadcast_to_embeddings(scores[:, :3], x)

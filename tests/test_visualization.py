@@ -315,3 +315,92 @@ def test_example_drops_pads_decompx():
                         ids, mask, "decompx")
     assert isinstance(res, DecompXResult)
     assert res.example(1)["class_scores"].shape == (3, 2)
+
+
+# ----------------------------------------------------------------- attention sink (issue 25, item 3)
+
+
+def _sink_result():
+    from captum_normattr.result import LogitDecompositionResult
+
+    scores = torch.tensor([[0.0, 8.0, 1.0, -3.0, 2.0], [9.0, 1.0, 4.0, 0.5, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])  # left pad in row 0, right pad in row 1
+    return LogitDecompositionResult(method="ALTI-Logit", scores=scores, attention_mask=mask,
+                                    explained_position=torch.tensor([4, 3]))
+
+
+def test_sink_share_and_rankings_leave_the_first_token_out_on_request():
+    res = _sink_result()
+    before = res.scores.clone()
+    assert res.sink_position().tolist() == [1, 0]
+    assert res.sink_share().tolist() == pytest.approx([8 / 14, 9 / 14.5])
+    assert [t.tolist() for t in res.top_k(2)] == [[0, 3], [0, 2]]  # positions over the real tokens
+    assert [t.tolist() for t in res.top_k(2, exclude_sink=True)] == [[3, 1], [2, 1]]
+    assert [t.tolist() for t in res.top_k(2, exclude_sink=True, absolute=True)] == [[2, 3], [2, 1]]
+    assert res.ranking(0, exclude_sink=True).tolist() == [3, 1, 2]
+    assert torch.equal(res.scores, before)  # the scores are never changed
+
+
+def test_normalisation_and_visualization_records_without_the_sink():
+    res = _sink_result()
+    n = V.normalize_scores(res.scores, res.attention_mask, exclude_sink=True)
+    assert n[0].tolist() == pytest.approx([0.0, 1.0, 1 / 3, -1.0, 2 / 3])  # max over |1|, |-3|, |2|; sink clipped
+    assert n[1].tolist() == pytest.approx([1.0, 0.25, 1.0, 0.125, 0.0])
+    assert V.normalize_scores([5.0], exclude_sink=True).tolist() == [1.0]  # one token: nothing to leave out
+    recs = V.to_visualization_records(res, [["a", "b", "c", "d"], ["e", "f", "g", "h"]], exclude_sink=True)
+    assert recs[0].word_attributions.tolist() == pytest.approx([1.0, 1 / 3, -1.0, 2 / 3])
+    assert recs[0].attr_score == pytest.approx(8.0)  # raw sum kept
+
+
+def test_plots_leave_the_sink_out_on_request():
+    res = _sink_result()
+    toks = ["<s>", "The", "keys", "are", "[pad]"]
+    fig = V.plot_rollout_row(res, toks, b=1, exclude_sink=True)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["The", "keys", "are"]
+    assert [p.get_height() for p in fig.axes[0].patches] == pytest.approx([1.0, 4.0, 0.5])
+    fig = V.plot_method_comparison({"a": res, "b": res}, toks, b=1, exclude_sink=True)
+    assert fig.axes[0].images[0].get_array().shape == (2, 3)
+    assert float(abs(fig.axes[0].images[0].get_array()).max()) == pytest.approx(1.0)
+    m = torch.rand(4, 4)
+    fig = V.plot_token_map(m, toks[:4], exclude_sink=True)
+    assert fig.axes[0].images[0].get_array().shape == (3, 3)
+    fig = V.plot_layer_grid(torch.rand(2, 4, 4), toks[:4], exclude_sink=True)
+    assert all(a.images[0].get_array().shape == (3, 3) for a in fig.axes if a.images)
+    fig = V.plot_component_maps({"ATB": m, "+FF": m}, toks[:4], exclude_sink=True)
+    assert all(a.images[0].get_array().shape == (3, 3) for a in fig.axes if a.images)
+    assert res.scores[1, 0] == 9.0
+
+
+def test_table_html_and_json_report_the_sink_share():
+    import json
+
+    from captum_normattr.report import TextExplanation, explanations_from_results, render_html, render_json, render_table
+    from captum_normattr.tokens import ReadableTokens
+
+    res = _sink_result()
+    toks = [ReadableTokens(["pad", "The", "keys", "are", "here"], ["<pad>", "The", "\u0120keys", "\u0120are", "\u0120here"]),
+            ReadableTokens(["<s>", "a", "b", "c", "pad"], ["<s>", "a", "\u0120b", "\u0120c", "<pad>"])]
+    exps = explanations_from_results(["The keys are here", "a b c"], toks, {"ALTI-Logit": res})
+    assert exps[0].sink_share["ALTI-Logit"] == pytest.approx(8 / 14)
+    assert exps[0].tokens == ["The", "keys", "are", "here"] and exps[0].raw_tokens[1] == "\u0120keys"
+    table = render_table(exps)
+    assert "sink share (first token 'The', |s_0| / sum |s|): ALTI-Logit 0.571" in table
+    assert "sink share (first token '<s>', |s_0| / sum |s|): ALTI-Logit 0.621" in table
+    # without the sink, the bars are scaled by the largest other score: "-3" fills its bar in row 0
+    plain = render_table(exps[:1], ascii_only=True)
+    no_sink = render_table(exps[:1], ascii_only=True, exclude_sink=True)
+    assert [ln.split()[-1] for ln in no_sink.splitlines() if "-3.0000" in ln] == ["-" * 12]
+    assert [ln.split()[-1] for ln in plain.splitlines() if "-3.0000" in ln] == ["-" * 4]
+    assert "s = the first token" in no_sink
+    page = render_html(exps)
+    assert "sink share (first token &#x27;The&#x27;" in page
+    doc = json.loads(render_json(exps))["results"][0]
+    assert doc["tokens"] == ["The", "\u0120keys", "\u0120are", "\u0120here"]  # raw, as before
+    assert doc["token_text"] == ["The", "keys", "are", "here"]
+    assert doc["sink_share"]["ALTI-Logit"] == pytest.approx(8 / 14)
+    # an aggregated explanation keeps the token-level share
+    from captum_normattr.aggregation import Span
+
+    agg = exps[0].aggregated([Span("The keys", (0, 1)), Span("are here", (2, 3))])
+    assert agg.sink_share == exps[0].sink_share and agg.raw_tokens is None
+    assert TextExplanation("x", ["a", "b"], {"m": [0.0, 0.0]}).sink_share["m"] != 0.0  # NaN: no mass at all

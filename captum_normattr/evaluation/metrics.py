@@ -16,7 +16,10 @@ Conventions (docs/design.md, section 15, faithfulness):
 - :func:`mask_aopc` — DecompX: replace the top K% non-special tokens by [MASK],
   K = 10..90, AOPC of the predicted class and accuracy against the gold label;
 - :func:`token_presence_infidelity` and :func:`token_substitution_sensitivity` — Captum's
-  ``infidelity`` and ``sensitivity_max`` through a float token-presence gate.
+  ``infidelity`` and ``sensitivity_max`` through a float token-presence gate;
+- :func:`broadcast_to_embeddings` and :func:`token_drop_perturbation` — for calling
+  ``captum.metrics.infidelity`` directly on (B, T, D) embeddings with the package's (B, T)
+  token scores (Captum needs attributions of the inputs' shape).
 
 The number of selected tokens for k% of n non-special tokens is ``ceil(k * n / 100)``
 by default (``rounding="floor"`` and ``"round"`` are available); ties in the scores are
@@ -45,6 +48,8 @@ __all__ = [
     "mask_aopc",
     "token_presence_infidelity",
     "token_substitution_sensitivity",
+    "broadcast_to_embeddings",
+    "token_drop_perturbation",
 ]
 
 
@@ -629,3 +634,105 @@ def token_substitution_sensitivity(
         additional_forward_args=(input_ids, attention_mask),
         target=target,
     )
+
+
+# --------------------------------------------------- Captum on embeddings, called directly
+def broadcast_to_embeddings(
+    scores: Tensor,
+    embeddings: Tensor,
+    baseline: Optional[Tensor] = None,
+    *,
+    mode: str = "direction",
+) -> Tensor:
+    r"""(B, T) token scores as (B, T, D) attributions of the embeddings, for Captum's metrics.
+
+    Captum's ``infidelity`` (and every metric that multiplies attributions with input
+    perturbations) needs attributions of the inputs' shape, and the package's methods
+    return one score per token. This spreads every token's score over its D embedding
+    coordinates without changing what it says about the token:
+
+    - ``mode="direction"`` (default): along the token's displacement from the baseline,
+      ``a[b, t] = s[b, t] * (x[b, t] - x0[b, t]) / ||x[b, t] - x0[b, t]||^2`` (0 where the
+      two coincide). Then ``sum_d a[b, t, d] * (x[b, t, d] - x0[b, t, d]) = s[b, t]``: a
+      perturbation that replaces token t by the baseline (``I = x - x0`` at the dropped
+      tokens, :func:`token_drop_perturbation`) is credited with exactly the scores of the
+      dropped tokens, and Captum's ``infidelity`` equals
+      :func:`token_presence_infidelity` with the same baseline, drops and seed.
+    - ``mode="uniform"``: ``a[b, t, d] = s[b, t] / D`` (the sum over d is the token's
+      score; meant for perturbations that move every coordinate alike).
+
+    Args:
+        scores: (B, T) token scores (pads should be 0).
+        embeddings: (B, T, D) the explained input embeddings.
+        baseline: (B, T, D), (1, 1, D) or (D,) embeddings that stand for an absent
+            token (e.g. the [MASK] embedding); default zeros.
+        mode: ``"direction"`` or ``"uniform"``.
+
+    Returns:
+        (B, T, D) attributions in the dtype of ``embeddings``.
+
+    Raises:
+        ValueError: for shapes that do not fit or an unknown mode.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([[[3.0, 4.0], [1.0, 0.0]]])
+        >>> a = broadcast_to_embeddings(torch.tensor([[2.0, 5.0]]), x)
+        >>> (a * x).sum(-1).tolist()
+        [[2.0, 5.0]]
+    """
+    if embeddings.dim() != 3:
+        raise ValueError(f"expected (B, T, D) embeddings, got shape {tuple(embeddings.shape)}")
+    if tuple(scores.shape) != tuple(embeddings.shape[:2]):
+        raise ValueError(f"scores of shape {tuple(scores.shape)} do not fit embeddings of shape "
+                         f"{tuple(embeddings.shape)}: expected ({embeddings.shape[0]}, {embeddings.shape[1]})")
+    s = scores.detach().to(embeddings.dtype)
+    if mode == "uniform":
+        return (s / embeddings.shape[-1])[..., None].expand_as(embeddings).clone()
+    if mode != "direction":
+        raise ValueError(f"mode must be 'direction' or 'uniform', got {mode!r}")
+    x0 = torch.zeros_like(embeddings) if baseline is None else baseline.to(embeddings)
+    diff = (embeddings - x0.expand_as(embeddings)).detach()
+    sq = (diff * diff).sum(-1, keepdim=True)
+    safe = torch.where(sq > 0, sq, torch.ones_like(sq))
+    return torch.where(sq > 0, s[..., None] * diff / safe, torch.zeros_like(diff))
+
+
+def token_drop_perturbation(
+    perturbable: Tensor,
+    baseline: Optional[Tensor] = None,
+    *,
+    drop_prob: float = 0.25,
+    seed: int = 0,
+) -> Callable[[Tensor], Tuple[Tensor, Tensor]]:
+    r"""A ``perturb_func`` for ``captum.metrics.infidelity`` on (B, T, D) embeddings: drop tokens.
+
+    Every perturbable token is replaced by the baseline independently with probability
+    ``drop_prob``; the perturbation is ``I = x - x_perturbed`` (``x - x0`` at the dropped
+    tokens, 0 elsewhere). The draws are those of :func:`token_presence_infidelity` with
+    the same ``seed``, so both give the same infidelity.
+
+    Args:
+        perturbable: (B, T) bool, True where a token may be dropped (no special tokens,
+            no pads).
+        baseline: the embedding of an absent token, broadcastable to (B, T, D); default zeros.
+        drop_prob: probability of dropping each perturbable token.
+        seed: seed of a local generator (the global RNG is untouched).
+
+    Returns:
+        ``perturb(x) -> (perturbation, perturbed x)`` for Captum.
+    """
+    if not 0.0 < drop_prob <= 1.0:
+        raise ValueError(f"drop_prob must lie in (0, 1], got {drop_prob}")
+    gen = torch.Generator().manual_seed(seed)
+    B = perturbable.shape[0]
+
+    def perturb(x: Tensor) -> Tuple[Tensor, Tensor]:
+        rep = x.shape[0] // B
+        pm = perturbable.to(x.device).repeat_interleave(rep, 0)
+        drop = (torch.rand(x.shape[:2], generator=gen, dtype=torch.float64) < drop_prob).to(x.device) & pm
+        x0 = torch.zeros_like(x) if baseline is None else baseline.to(x).expand_as(x)
+        perturbed = torch.where(drop[..., None], x0, x)
+        return x - perturbed, perturbed
+
+    return perturb
