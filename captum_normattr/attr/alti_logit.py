@@ -21,7 +21,7 @@ from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
-from captum_normattr.models.adapters import layer_modules
+from captum_normattr.models.adapters import layer_modules, unwrap_model
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.result import LogitDecompositionResult
 
@@ -120,6 +120,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
     ) -> None:
         super().__init__(model, explained_position, "raw")
+        self.model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside
         check_logit_model(self.adapter, "ALTILogitAttribution")
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
         self.output = NextTokenLogit(model, self.adapter, unembedding)

@@ -30,7 +30,7 @@ from captum_normattr.decompose.decompx import (
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, value_projection
+from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
 from captum_normattr.models.capture import Recorder
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_positive_int
@@ -240,6 +240,7 @@ class DecompXAttribution(Attribution):
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if algorithm == "adjoint" and bias_mode != "separate":
             raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
+        model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside, run eagerly
         self.adapter = get_adapter(model)
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         self.decoder = bool(self.adapter.pre_ln) and not self.vision

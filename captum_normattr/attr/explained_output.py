@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.adapters import ArchitectureAdapter, get_path
+from captum_normattr.models.adapters import ArchitectureAdapter, get_path, unwrap_model
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 from captum_normattr.models.weights import weight_and_bias
 
@@ -74,6 +74,7 @@ class NextTokenLogit:
     """
 
     def __init__(self, model: nn.Module, adapter: ArchitectureAdapter, unembedding: Optional[Tensor] = None) -> None:
+        model = unwrap_model(model)
         d = model.config.hidden_size
         if unembedding is not None:
             if not isinstance(unembedding, Tensor) or unembedding.dim() != 2 or unembedding.shape[1] != d:
@@ -183,8 +184,8 @@ class ClassLogit:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.head: HeadAdapter = get_head_adapter(model)
+        self.model = unwrap_model(model)
+        self.head: HeadAdapter = get_head_adapter(self.model)
 
     @property
     def position(self) -> int:
@@ -257,6 +258,7 @@ class ImageClassLogit(ClassLogit):
     def __init__(self, model: nn.Module) -> None:
         from captum_normattr.models.heads import VISION_HEADS, vision_head
 
+        model = unwrap_model(model)
         self.model = model
         self.head = None
         self._build = vision_head
