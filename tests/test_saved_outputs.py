@@ -83,6 +83,14 @@ def rebuild(rec: dict) -> torch.nn.Module:
     return model.eval()
 
 
+def current_call(kwargs: dict) -> dict:
+    r"""A saved call's kwargs in today's API: the contrast ``target=(t, f)`` of the logit classes is now ``target=t, foil=f``."""
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("target"), tuple) and len(kwargs["target"]) == 2:
+        kwargs["target"], kwargs["foil"] = kwargs["target"]
+    return kwargs
+
+
 def run(model: torch.nn.Module, batch: dict, spec: dict) -> dict:
     r"""Rerun one recorded call through the public API: {"decompose": result, "attribute": {...}}."""
     obj = getattr(captum_normattr, spec["cls"])(model, **spec["init"])
@@ -93,9 +101,9 @@ def run(model: torch.nn.Module, batch: dict, spec: dict) -> dict:
         afa = (batch["attention_mask"], batch["token_type_ids"])
     out = {}
     if spec["decompose"] is not None:
-        out["decompose"] = obj.decompose(inputs, additional_forward_args=afa, **spec["decompose"])
+        out["decompose"] = obj.decompose(inputs, additional_forward_args=afa, **current_call(spec["decompose"]))
     if spec["attribute"] is not None:
-        a = obj.attribute(inputs, additional_forward_args=afa, **spec["attribute"])
+        a = obj.attribute(inputs, additional_forward_args=afa, **current_call(spec["attribute"]))
         scores, delta = a if spec["attribute"].get("return_convergence_delta") else (a, None)
         if spec["tuple_inputs"]:
             assert isinstance(scores, tuple) and len(scores) == 1, "tuple inputs must give a 1-tuple of scores"

@@ -107,7 +107,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         >>> al = ALTILogitAttribution(model)
         >>> scores, delta = al.attribute(ids, target=tok(" Paris")["input_ids"][0],
         ...                              return_convergence_delta=True)
-        >>> res = al.decompose(ids, target=(paris_id, london_id))   # target minus foil
+        >>> res = al.decompose(ids, target=paris_id, foil=london_id)   # target minus foil
     """
 
     method_name = "ALTI-Logit"
@@ -126,17 +126,19 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         self.output = NextTokenLogit(model, self.adapter, unembedding)
 
     def decompose(  # type: ignore[override]
-        self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None
+        self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None,
+        foil: Any = None,
     ) -> ALTILogitResult:
         r"""All terms of the ALTI-Logit decomposition, layer by layer as the forward pass runs.
 
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple.
-            target: token id (int), per-example ids (list or (B,) tensor), or a tuple
-                (target, foil) of such (explains logit(target) - logit(foil)); a (B, 2) tensor
-                gives (target, foil) per example; None (default): the token the model predicts
-                at the explained position (argmax of its real logits).
+            target: token id (int, numpy integer, 0-d tensor) or per-example ids (list or (B,)
+                tensor); None (default): the token the model predicts at the explained position
+                (argmax of its real logits). A tuple raises a ValueError pointing to ``foil``
+                (it meant (target, foil) before).
             additional_forward_args: attention_mask (B, T) (left or right padding).
+            foil: None, or token id(s) of the same forms: explains logit(target) - logit(foil).
 
         Returns:
             :class:`ALTILogitResult`.
@@ -168,7 +170,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
         with torch.no_grad():
             f_in, f_out = f_in[bidx, pos], f_out[bidx, pos]
-            out = self.output.resolve(target, f_out)
+            out = self.output.resolve(target, f_out, foil)
             terms = alti_logit_terms(
                 kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
                 fparams, f_in, f_out, out.direction, out.bias, valid, pos,
@@ -198,22 +200,24 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         target: Any = None,
         additional_forward_args: Any = None,
         return_convergence_delta: bool = False,
+        foil: Any = None,
     ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
         r"""Signed token contributions to the target logit at the explained position.
 
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple of them.
-            target: token id, (B,) ids, or (target, foil) — see :meth:`decompose`; None (default):
-                the token the model predicts at the explained position.
+            target: token id or (B,) ids — see :meth:`decompose`; None (default): the token
+                the model predicts at the explained position.
             additional_forward_args: attention_mask (B, T).
             return_convergence_delta: also return delta (B,): the real logit minus token
                 scores minus the no-token terms.
+            foil: token id(s) whose logit is subtracted (see :meth:`decompose`).
 
         Returns:
             (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
             ``return_convergence_delta``, (scores, delta).
         """
-        res = self.decompose(inputs, target, additional_forward_args)
+        res = self.decompose(inputs, target, additional_forward_args, foil=foil)
         return format_output(inputs, res.scores, res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:

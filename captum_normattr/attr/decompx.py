@@ -177,8 +177,8 @@ class DecompXAttribution(Attribution):
     gradients along t (a, b) evaluated with ``nodes`` Gauss-Legendre nodes), then the final
     norm and the LM-head row of ``target``: the next-token logit at ``explained_position``
     is the sum of one signed score per input token plus a bias score. ``target``: a token
-    id, (B,) ids, or (target, foil) (explains the logit difference), as in
-    :class:`~captum_normattr.ALTILogitAttribution`; default: the predicted next token. Tokens
+    id or (B,) ids, default the predicted next token; ``foil=``: token id(s) whose logit is
+    subtracted (explains the logit difference), as in :class:`~captum_normattr.ALTILogitAttribution`. Tokens
     after the explained position get exactly 0.
 
     Args:
@@ -349,25 +349,37 @@ class DecompXAttribution(Attribution):
         target: Any = None,
         additional_forward_args: Any = None,
         layer_parts: bool = False,
+        foil: Any = None,
     ) -> DecompXResult:
         r"""Decompose every layer and the head; all classes at once.
 
         Args:
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple.
-            target: the explained class: None (predicted), an int, a list of ints or a
-                (B,) long tensor. Only ``scores`` and ``delta`` depend on it. Decoders: the
-                token id(s) whose next-token logit is explained (None: the predicted next
-                token), or (target, foil) for the logit difference (a (B, 2) tensor: per example).
+            target: the explained class: None (predicted), an int (or numpy integer, 0-d
+                tensor), a list of ints or a (B,) integer tensor (one class per example). Only
+                ``scores`` and ``delta`` depend on it. Decoders: the token id(s) whose
+                next-token logit is explained (None: the predicted next token). A tuple is
+                Captum's output index: ``(c,)`` for a classifier; the old ``(target, foil)``
+                form raises a ValueError pointing to ``foil``.
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
             layer_parts: run the ``"forward"`` algorithm whatever ``algorithm`` says, so that
                 the per-layer part norms and completeness errors are filled in.
+            foil: decoders: token id(s) (one, or one per example) whose logit is subtracted:
+                the explained quantity is logit(target) - logit(foil). For a classifier's
+                contrast of two classes use ``class_scores[..., a] - class_scores[..., b]``.
 
         Returns:
             :class:`DecompXResult`.
         """
-        return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False)
+        return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False, foil=foil)
 
-    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool) -> DecompXResult:
+    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool,
+                 foil: Any = None) -> DecompXResult:
+        if foil is not None and not self.decoder:
+            raise ValueError(
+                "foil= applies to the next-token logit of a decoder. A classifier explains every class at once: "
+                "decompose(...).class_scores[..., a] - class_scores[..., b] (and bias_scores) is the contrast of two classes"
+            )
         # The adjoint and the gate integrals differentiate the frozen layers, which autograd refuses
         # on inference tensors: leave inference mode for the call (its results are ordinary tensors).
         with torch.inference_mode(False):
@@ -377,7 +389,7 @@ class DecompXAttribution(Attribution):
             if self.vision:
                 return mark_non_finite(self._compute_image_classifier(prepared, target, algorithm, target_only), prepared.finite)
             if self.decoder:
-                return mark_non_finite(self._compute_decoder(prepared, target, algorithm), prepared.finite)
+                return mark_non_finite(self._compute_decoder(prepared, target, algorithm, foil), prepared.finite)
             return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
 
     # --- classifiers -----------------------------------------------------------------
@@ -512,7 +524,7 @@ class DecompXAttribution(Attribution):
         )
 
     # --- decoders --------------------------------------------------------------------
-    def _compute_decoder(self, prepared: PreparedInputs, target: Any, algorithm: str) -> DecompXResult:
+    def _compute_decoder(self, prepared: PreparedInputs, target: Any, algorithm: str, foil: Any = None) -> DecompXResult:
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
         dtype = compute_dtype(self.model)
@@ -539,7 +551,7 @@ class DecompXAttribution(Attribution):
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
-            out = self.output.resolve(target, f_out[ar, pos])
+            out = self.output.resolve(target, f_out[ar, pos], foil)
             u, ub = out.direction, out.bias
             logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
             if adj is not None:
@@ -573,23 +585,25 @@ class DecompXAttribution(Attribution):
         target: Any = None,
         additional_forward_args: Any = None,
         return_convergence_delta: bool = False,
+        foil: Any = None,
     ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
         r"""Signed token scores for the target class.
 
         Args:
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
             target: the explained class: None (the predicted class), an int, a list of ints
-                or a (B,) long tensor. Decoders: token id(s), or (target, foil); None: the
-                predicted next token (see :meth:`decompose`).
+                or a (B,) integer tensor. Decoders: token id(s); None: the predicted next
+                token (see :meth:`decompose`).
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
             return_convergence_delta: also return delta (B,) = |sum of the token scores +
                 bias score - real logit of the target class|.
+            foil: decoders: token id(s) whose logit is subtracted (see :meth:`decompose`).
 
         Returns:
             (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
             ``return_convergence_delta``, (scores, delta).
         """
-        res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True)
+        res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True, foil=foil)
         return format_output(inputs, pixel_attributions(inputs, res), res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:

@@ -5,7 +5,7 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 - :class:`NextTokenLogit`: the next-token logit of a decoder at the explained position,
   ``<FinalNorm(x_L,i), u> + u_bias`` with u = W_U[target] (or W_U[target] - W_U[foil]) from
   the LM head (or an explicit unembedding matrix). ``target``: a token id, per-example ids,
-  ``(target, foil)``, a (B, 2) tensor, or None for the token the model predicts.
+  or None for the token the model predicts; the contrast is the separate ``foil`` (same forms).
 - :class:`ClassLogit`: a class logit of a sequence classifier through its classification
   head, ``act(h_p W_d + b_d) W_c + b_c`` on the last layer's output at the head's token p.
   ``target``: a class index, per-example indices, or None for the predicted class.
@@ -29,19 +29,72 @@ from captum_normattr.models.weights import weight_and_bias
 VOCAB_BLOCK = 8192  # unembedding rows cast at a time for the predicted-token logits
 
 
+#: what a tuple target meant before version 3 for the logit classes, and what to write now
+CONTRAST_MOVED = (
+    "target={target!r}: a tuple target no longer means (target, foil). Pass the contrast explicitly: "
+    "target=<token id(s)>, foil=<token id(s)> (e.g. attribute(ids, target=7, foil=11); per example: lists or (B,) "
+    "tensors). In Captum a tuple target indexes the output's dimensions for every example, which this method does not "
+    "take; a list or a (B,) tensor gives one id per example."
+)
+
+
+def _plain_int(x: Any) -> Optional[int]:
+    r"""``x`` as an int if it is a Python or numpy integer (never a bool), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(x, np.integer):
+        return int(x)
+    return None
+
+
 def as_token_ids(x: Any, b: int, name: str, device) -> Tensor:
-    r"""(B,) long ids from an int, a list of ints, or a 0-d / (B,) integer tensor."""
-    if isinstance(x, int) and not isinstance(x, bool):
-        return torch.full((b,), x, dtype=torch.long, device=device)
-    if isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
-        x = torch.tensor(x, dtype=torch.long)
-    if isinstance(x, Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
-        if x.dim() == 0:
-            return torch.full((b,), int(x), dtype=torch.long, device=device)
+    r"""(B,) long ids (or class indices) from one id for every example or one id per example.
+
+    Accepted: a Python or numpy integer, a 0-d or (1,) integer tensor / numpy array (the same
+    id for every example), a list of B integers, a (B,) integer tensor or numpy array.
+
+    Raises:
+        TypeError: floats, bools, tuples and other types (the message says what to pass).
+        ValueError: a list or tensor whose length is not B.
+    """
+    v = _plain_int(x)
+    if v is not None:
+        return torch.full((b,), v, dtype=torch.long, device=device)
+    if isinstance(x, tuple):
+        raise TypeError(CONTRAST_MOVED.format(target=x) if name == "target" else
+                        f"{name} must be an id, a list of ids or a (B,) tensor, not a tuple ({x!r})")
+    if type(x).__module__ == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape"):
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integer ids; got a numpy array of dtype {x.dtype}")
+        x = torch.as_tensor(x)
+    if isinstance(x, list):
+        vals = [_plain_int(v) for v in x]
+        if any(v is None for v in vals):
+            raise TypeError(f"{name} list must hold integers (one per example); got {x!r}")
+        if len(vals) != b:
+            raise ValueError(f"{name} list must have one id per example ({b}); got {len(vals)}")
+        x = torch.tensor(vals, dtype=torch.long)
+    if isinstance(x, Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer ids; got a {x.dtype} tensor")
+        if x.dim() == 0 or tuple(x.shape) == (1,):
+            return x.reshape(1).expand(b).to(device=device, dtype=torch.long)
         if tuple(x.shape) == (b,):
             return x.to(device=device, dtype=torch.long)
-        raise ValueError(f"{name} must be an int or a ({b},) tensor of token ids; got shape {tuple(x.shape)}")
-    raise TypeError(f"{name} must be a token id (int), a list of ints or a ({b},) long tensor; got {type(x).__name__}")
+        hint = " (a (B, 2) tensor of (target, foil) rows is now target=t[:, 0], foil=t[:, 1])" if (
+            x.dim() == 2 and x.shape[-1] == 2) else ""
+        raise ValueError(f"{name} must be one id or a ({b},) tensor of ids (one per example); got shape "
+                         f"{tuple(x.shape)}{hint}")
+    raise TypeError(
+        f"{name} must be an integer id (int or numpy integer), a list of ints or a ({b},) integer tensor; "
+        f"got {type(x).__name__}"
+    )
 
 
 @dataclass
@@ -129,28 +182,25 @@ class NextTokenLogit:
             out = out + bias.detach().to(device=final_out.device, dtype=final_out.dtype)
         return out
 
-    def resolve(self, target: Any, final_out: Tensor) -> LogitDirection:
+    def resolve(self, target: Any, final_out: Tensor, foil: Any = None) -> LogitDirection:
         r"""The explained direction of every example.
 
         Args:
-            target: a token id, per-example ids (list or (B,) tensor), ``(target, foil)`` of
-                such, a (B, 2) tensor of (target, foil) rows, or None: the token the model
-                predicts (argmax of its real logits).
+            target: a token id (int, numpy integer, 0-d tensor), per-example ids (list or
+                (B,) tensor / array), or None: the token the model predicts (argmax of its
+                real logits). A tuple raises a ValueError pointing to ``foil``.
             final_out: (B, D) the real final-norm output at the explained positions.
+            foil: None, or token id(s) of the same forms: the explained quantity is then
+                logit(target) - logit(foil).
 
         Returns:
             :class:`LogitDirection` in ``final_out``'s dtype and device.
         """
         b, device, dtype = final_out.shape[0], final_out.device, final_out.dtype
+        if isinstance(target, tuple):
+            raise ValueError(CONTRAST_MOVED.format(target=target))
         if target is None:
             target = self.logits(final_out).argmax(-1)
-        foil = None
-        if isinstance(target, tuple):
-            if len(target) != 2:
-                raise ValueError("a tuple target must be (target, foil)")
-            target, foil = target
-        elif isinstance(target, Tensor) and target.dim() == 2 and tuple(target.shape) == (b, 2):
-            target, foil = target[:, 0], target[:, 1]
         t_ids = as_token_ids(target, b, "target", device)
         f_ids = None if foil is None else as_token_ids(foil, b, "foil", device)
         for ids, name in ((t_ids, "target"), (f_ids, "foil")):
@@ -200,8 +250,9 @@ class ClassLogit:
         r"""The explained class of every example.
 
         Args:
-            target: None (the predicted class, argmax of ``logits``), an int, a list of ints
-                (one per example) or a 0-d / (1,) / (B,) integer tensor.
+            target: None (the predicted class, argmax of ``logits``), an int or numpy
+                integer, a 1-tuple ``(c,)`` (Captum's output index), a list of ints (one per
+                example) or a 0-d / (1,) / (B,) integer tensor or numpy array.
             logits: (B, C) the model's real logits.
 
         Returns:
@@ -213,28 +264,15 @@ class ClassLogit:
         b, c = logits.shape
         if target is None:
             return logits.argmax(-1)
-        if isinstance(target, int) and not isinstance(target, bool):
-            t = torch.full((b,), target, dtype=torch.long, device=logits.device)
-        elif isinstance(target, Tensor):
-            if target.is_floating_point() or target.dtype == torch.bool:
-                raise TypeError(f"target must be an integer class index; got a {target.dtype} tensor")
-            if target.dim() == 0 or tuple(target.shape) == (1,):
-                t = target.reshape(1).expand(b).to(logits.device, torch.long)
-            elif tuple(target.shape) == (b,):
-                t = target.to(logits.device, torch.long)
-            else:
+        if isinstance(target, tuple):  # Captum: the index of the output's non-batch dimensions, for every example
+            if len(target) != 1:
                 raise ValueError(
-                    f"target tensor must have shape ({b},) (one class per example); got {tuple(target.shape)}"
+                    f"target={target!r}: in Captum a tuple target indexes the output's dimensions for every example; "
+                    f"the logits are (B, C), so it takes one index (target=(c,) or target=c). For one class per example "
+                    "pass a list or a (B,) tensor (target=[1, 0])."
                 )
-        elif isinstance(target, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in target):
-            if len(target) != b:
-                raise ValueError(f"target list must have one class per example ({b}); got {len(target)}")
-            t = torch.tensor(list(target), dtype=torch.long, device=logits.device)
-        else:
-            raise TypeError(
-                "target must be None (predicted class), an int, a list of ints or a (B,) long tensor of class indices; "
-                f"got {type(target).__name__}"
-            )
+            target = target[0]
+        t = as_token_ids(target, b, "target", logits.device)
         if bool(((t < 0) | (t >= c)).any()):
             raise ValueError(f"target class(es) {t.tolist()} out of range: the model has {c} classes (0..{c - 1})")
         return t
