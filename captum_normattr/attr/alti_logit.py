@@ -18,7 +18,7 @@ from captum_normattr.attr.base import (
 )
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
+from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at, logit_direction, residual_parts_sum
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
 from captum_normattr.models.adapters import layer_modules, unwrap_model
@@ -45,10 +45,16 @@ class ALTILogitResult(LogitDecompositionResult):
             zero (every part farther from the block output than the zero vector; large
             attention biases cause it). 0 when every real row sums to 1 (no token).
         logit: (B,) the model's real logit (target, or target minus foil); also ``logits``.
-        delta: (B,) ``logit`` minus (token scores + no-token terms): the completeness error.
+        delta: (B,) the completeness error, >= 0: |``logit`` - (token scores + no-token terms)|
+            plus, for every layer, the attention-block completeness error of the example (the
+            largest |sum_j h_{i<-j} + b_O - h_i| over its real tokens i, the parts the ALTI maps
+            are built from against the model's real h_i) times ||w||_1, w the logit direction at
+            the explained position: the logit an error vector of that size could carry. A wrong
+            attention decomposition anywhere (not only at the explained row) shows in it.
         target: (B,) token ids; foil: (B,) or None.
         attention_mask: (B, T); explained_position: (B,).
-        extras: ``"completeness_error"`` (L,) of the attention-block parts.
+        extras: ``"completeness_error"`` (L,) of the attention-block parts (largest over the
+            batch) and ``"example_completeness_error"`` (B, L).
     """
 
     TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {
@@ -148,7 +154,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         pos = explained_positions(self.explained_position, valid)
         bidx = torch.arange(valid.shape[0], device=valid.device)
         n_layers = len(layer_modules(self.model, self.adapter))
-        kept: Dict[str, Any] = {"errors": [], "biases": []}
+        kept: Dict[str, Any] = {"example_errors": [], "biases": []}
 
         def on_layer(layer: LayerTensors) -> None:
             layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
@@ -164,9 +170,12 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             kept["updates"][:, l] = attention_update_at(layer, pos)
             kept["ff"][:, l] = layer.ff_out[bidx, pos]
             kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
-            kept["errors"].append(self.kind.completeness_error(layer, valid))
+            err = ((residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1) * valid.to(layer.ln2_in.dtype)).amax(-1)
+            kept["example_errors"].append(err)  # (B,) largest |parts + b_O - real h_i| over the real tokens
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer) as (rec, _):
+        run, top_model, logits_kept = self.output.guarded_forward(self.model, prepared, pos)
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model) as (rec, model_out):
+            prepared.finite = run.finite
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
         with torch.no_grad():
             f_in, f_out = f_in[bidx, pos], f_out[bidx, pos]
@@ -175,13 +184,21 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
                 kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
                 fparams, f_in, f_out, out.direction, out.bias, valid, pos,
             )
+            # guard 1: the explained logit is the model's own output logit (after any scaling, cap or hook)
+            self.output.check_against_model(model_out if top_model else None, logits_kept, pos, out, f_out,
+                                            terms["logit"], getattr(self, "strict", None))
+            # guard 2: the delta also carries every layer's attention-block completeness error, as the logit an
+            # error vector of that size would have at the explained position (|e| . |w|, w the logit direction)
+            w1 = logit_direction(fparams, f_in, out.direction).abs().sum(-1)  # (B,)
+            block = torch.stack(kept["example_errors"], 1)  # (B, L)
+            delta = terms["delta"].abs() + w1 * block.sum(-1)
         return mark_non_finite(ALTILogitResult(
             method=self.get_name(),
             scores=terms["scores"],
             attention_mask=prepared.attention_mask,
             explained_position=pos,
-            delta=terms["delta"],
-            extras={"completeness_error": torch.stack(kept["errors"])},
+            delta=delta,
+            extras={"completeness_error": block.amax(0), "example_completeness_error": block},
             target=out.target,
             foil=out.foil,
             logits=terms["logit"],

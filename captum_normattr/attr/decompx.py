@@ -420,9 +420,11 @@ class DecompXAttribution(Attribution):
             rec,
             out,
         ):
-            logits = (out.logits if hasattr(out, "logits") else out[0]).detach().to(valid.device, dtype)
+            model_logits = (out.logits if hasattr(out, "logits") else out[0]).detach()
+            logits = model_logits.to(valid.device, dtype)
             tgt = self.output.resolve(target, logits)
             hp = self.output.params(dtype, kept["pooled"].device)
+            self.output.check_against_model(kept["pooled"], hp, model_logits, getattr(self, "strict", None))
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 slope = head_slope(kept["pooled"], hp)
@@ -487,8 +489,9 @@ class DecompXAttribution(Attribution):
         ):
             logits = out.logits.detach().to(dtype)
             tgt = self.output.resolve(target, logits)
-            fparams, f_in, _ = rec.final_norm_tensors()
+            fparams, f_in, f_out = rec.final_norm_tensors()
             f_rows = f_in[:, rows]
+            self.output.check_against_model(f_out[:, rows], head, out.logits, getattr(self, "strict", None))
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 cls_scores, bias_scores = adjoint_linear_head_scores(
@@ -549,11 +552,18 @@ class DecompXAttribution(Attribution):
             else:
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
+        run, top_model, kept = self.output.guarded_forward(self.model, prepared, pos)
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model, keep_calls=adj is not None) as (
+            rec,
+            model_out,
+        ):
+            prepared.finite = run.finite
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
             out = self.output.resolve(target, f_out[ar, pos], foil)
             u, ub = out.direction, out.bias
-            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
+            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the logit (difference) from the real final-norm output
+            self.output.check_against_model(  # ... and the model's own output logit: the same number
+                model_out if top_model else None, kept, pos, out, f_out[ar, pos], logit, getattr(self, "strict", None))
             if adj is not None:
                 frozen_at = self._rerun(rec, quad, vf)
                 scores, bias_score = adjoint_next_token_scores(adj, frozen_at, fparams, f_in, u, ub, pos)

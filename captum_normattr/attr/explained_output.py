@@ -15,6 +15,11 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 """
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -167,6 +172,81 @@ class NextTokenLogit:
     def vocab_size(self) -> int:
         return int((self._head.weight if self._head is not None else self._weights[0]).shape[0])  # meta has shapes
 
+    @property
+    def from_model_head(self) -> bool:
+        r"""True when the explained logit is the model's own (its LM head), False for an explicit ``unembedding``."""
+        return self._head is not None
+
+    def real_logit(self, model_logits: Tensor, kept: Optional[Tensor], position: Tensor, out: LogitDirection) -> Tensor:
+        r"""(B,) the explained logit (difference) read from the model's own output logits, in float64.
+
+        Args:
+            model_logits: the model's ``logits``: (B, K, V) at the positions ``kept`` (K,)
+                (``logits_to_keep``), or (B, T, V) when ``kept`` is None.
+            kept: sorted positions the logits were kept at, or None.
+            position: (B,) explained positions.
+            out: the resolved direction (its target and foil ids).
+        """
+        b = position.shape[0]
+        ar = torch.arange(b, device=model_logits.device)
+        idx = position.to(model_logits.device)
+        if kept is not None:
+            idx = torch.searchsorted(kept.to(model_logits.device), idx)
+        rows = model_logits.detach()[ar, idx]  # (B, V)
+        real = rows[ar, out.target.to(rows.device)].to(torch.float64)
+        if out.foil is not None:
+            real = real - rows[ar, out.foil.to(rows.device)].to(torch.float64)
+        return real
+
+    def guarded_forward(self, model: nn.Module, prepared: Any, position: Tensor):
+        r"""How to run the recorded forward so that the model's own logits come back for the guard.
+
+        Args:
+            model: the (unwrapped) causal LM.
+            prepared: the validated inputs.
+            position: (B,) explained positions.
+
+        Returns:
+            ``(inputs, top_model, kept)``: the inputs to run (a copy asking for
+            ``logits_to_keep=kept`` where the model takes it, so the LM head runs on the
+            explained rows only), whether to run the whole model, and the kept positions
+            (None: all). Without an LM head of the model (``unembedding=``) there is no
+            model logit to compare: ``(prepared, False, None)``.
+        """
+        if not self.from_model_head:
+            return prepared, False, None
+        if accepts_logits_to_keep(model):
+            kept = torch.unique(position)
+            return with_forward_kwargs(prepared, logits_to_keep=kept), True, kept
+        return prepared, True, None
+
+    def check_against_model(self, model_out: Any, kept: Optional[Tensor], position: Tensor, out: LogitDirection,
+                            final_out: Tensor, rebuilt: Tensor, strict: Optional[bool] = None) -> None:
+        r"""Guard: the explained logit (``rebuilt`` from the final-norm output) is the model's own output logit.
+
+        ``model_out``: the model's forward output (None: nothing to compare, e.g. ``unembedding=``).
+        See :func:`check_explained_logit`.
+        """
+        logits = getattr(model_out, "logits", None)
+        if logits is None:
+            return
+        real = self.real_logit(logits, kept, position, out)
+        check_explained_logit(rebuilt, real, self.magnitude(final_out, out), final_out.shape[-1],
+                              "next-token logit" + (" difference" if out.foil is not None else ""), strict, logits.dtype)
+
+    def magnitude(self, final_out: Tensor, out: LogitDirection) -> Tensor:
+        r"""(B,) sum of |terms| of the explained logit(s): |f| . |W_U[target]| (+ |f| . |W_U[foil]|) + |biases|."""
+        weight, bias = self._head_weights()
+        mag = torch.zeros(final_out.shape[0], dtype=final_out.dtype, device=final_out.device)
+        for ids in (out.target, out.foil):
+            if ids is None:
+                continue
+            w = weight.detach()[ids.to(weight.device)].to(device=final_out.device, dtype=final_out.dtype)
+            mag = mag + (final_out.abs() * w.abs()).sum(-1)
+            if bias is not None:
+                mag = mag + bias.detach()[ids.to(bias.device)].to(device=final_out.device, dtype=final_out.dtype).abs()
+        return mag
+
     def logits(self, final_out: Tensor) -> Tensor:
         r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D).
 
@@ -246,6 +326,23 @@ class ClassLogit:
         r"""The head's parameters as right-multiplied matrices in ``dtype`` (on ``device`` if given)."""
         return head_params(self.model, self.head, dtype, device)
 
+    def check_against_model(self, pooled: Tensor, params: HeadParams, model_logits: Tensor,
+                            strict: Optional[bool] = None) -> None:
+        r"""Guard: the head applied to the recorded last-layer output at its token gives the model's own logits.
+
+        Args:
+            pooled: (B, D) the last layer's real output at the head's token.
+            params: the head parameters the decomposition propagates through.
+            model_logits: (B, C) the model's forward output.
+            strict: see :func:`check_explained_logit`.
+        """
+        x = pooled.to(params.w_dense.dtype)
+        hidden = x @ params.w_dense + (params.b_dense if params.b_dense is not None else 0.0)
+        a = params.act(hidden)
+        rebuilt = a @ params.w_cls + (params.b_cls if params.b_cls is not None else 0.0)
+        magnitude = a.abs() @ params.w_cls.abs() + (params.b_cls.abs() if params.b_cls is not None else 0.0)
+        check_explained_logit(rebuilt, model_logits, magnitude, params.w_cls.shape[0], "class logits", strict)
+
     def resolve(self, target: Any, logits: Tensor) -> Tensor:
         r"""The explained class of every example.
 
@@ -308,9 +405,135 @@ class ImageClassLogit(ClassLogit):
     def position(self) -> int:
         return 0
 
+    def check_against_model(self, rows_out: Tensor, head: Any, model_logits: Tensor,  # type: ignore[override]
+                            strict: Optional[bool] = None) -> None:
+        r"""Guard: the linear head on the recorded final-norm rows (B, R, D) gives the model's own logits."""
+        x = rows_out.to(head.weight.dtype)
+        rebuilt = torch.einsum("brd,rdc->bc", x, head.weight)
+        magnitude = torch.einsum("brd,rdc->bc", x.abs(), head.weight.abs())
+        if head.bias is not None:
+            rebuilt, magnitude = rebuilt + head.bias, magnitude + head.bias.abs()
+        check_explained_logit(rebuilt, model_logits, magnitude, head.weight.shape[0] * head.weight.shape[1],
+                              "class logits", strict)
+
     def linear_head(self, num_tokens: int, num_prefix: int, dtype: torch.dtype, device: Optional[torch.device] = None):
         r"""The :class:`~captum_normattr.models.heads.LinearTokenHead` for inputs of ``num_tokens`` tokens (on ``device``)."""
         return self._build(self.model, num_tokens, num_prefix, dtype, device)
+
+
+# --------------------------------------------------------------------------------------
+# Guard: the explained logit is the model's own output logit
+# --------------------------------------------------------------------------------------
+class ExplainedOutputMismatchWarning(UserWarning):
+    r"""The logit a decomposition explains differs from the model's own output logit beyond rounding."""
+
+
+class ExplainedOutputMismatchError(RuntimeError):
+    r"""The logit a decomposition explains is not the model's own output logit (far beyond rounding)."""
+
+
+def logit_tolerances(real: Tensor, magnitude: Tensor, width: int, dtype: Optional[torch.dtype] = None):
+    r"""(tight, loose) bounds on |rebuilt - real| of an explained logit, (B,) each.
+
+    The rebuilt logit (the package's own product of the recorded head input with the head's
+    weights) and the model's logit are the same sum of ``width`` terms whose absolute values
+    add up to ``magnitude``; they differ by the accumulation order of the matmul (at most
+    ~sqrt(width) x eps of the accumulation dtype x magnitude, times a safety factor 8) and by
+    the rounding of the model's output to its dtype (4 eps x |logit|; half precision: also
+    4 eps x magnitude, for reduced-precision reductions). Beyond ``tight`` the logit is
+    suspicious; beyond ``loose`` = max(1e-3 (|logit| + magnitude), 64 tight) it is another
+    quantity (a scale, a cap, a hook the decomposition does not model). ``dtype``: the dtype
+    the model computed its logits in (default: ``real``'s).
+    """
+    dtype = real.dtype if dtype is None else dtype
+    out_eps = torch.finfo(dtype).eps
+    acc_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    mag = magnitude.to(torch.float64)
+    size = real.detach().to(torch.float64).abs()
+    tight = 4 * out_eps * size + 8 * math.sqrt(max(width, 1)) * acc_eps * mag
+    if dtype in (torch.float16, torch.bfloat16):
+        tight = tight + 4 * out_eps * mag
+    loose = torch.maximum(1e-3 * (size + mag), 64 * tight)
+    return tight, loose
+
+
+def check_explained_logit(
+    rebuilt: Tensor, real: Tensor, magnitude: Tensor, width: int, what: str, strict: Optional[bool] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> None:
+    r"""Compare the explained logit with the model's own output logit; warn or raise on a mismatch.
+
+    Args:
+        rebuilt: (B, ...) the logit as the decomposition explains it (from the recorded head
+            input and the head weights the package reads).
+        real: (B, ...) the same logits from the model's forward output (after every scaling,
+            cap and hook of the real model).
+        magnitude: (B, ...) the sum of the absolute terms of the rebuilt logit (its scale).
+        width: the number of terms (the head's input width).
+        what: a readable name of the explained output, for the message.
+        strict: True: raise beyond the tight tolerance; otherwise warn beyond the tight one
+            and raise beyond the loose one (:func:`logit_tolerances`).
+        dtype: the dtype the model computed ``real`` in (default: ``real``'s).
+
+    Raises:
+        ExplainedOutputMismatchError: see ``strict``.
+
+    Warns:
+        ExplainedOutputMismatchWarning: beyond the tight tolerance (not ``strict``).
+    """
+    diff = (rebuilt.detach().to(torch.float64) - real.detach().to(device=rebuilt.device, dtype=torch.float64)).abs()
+    tight, loose = logit_tolerances(real.to(rebuilt.device), magnitude.to(rebuilt.device), width, dtype)
+    over_tight = ~(diff <= tight)  # NaN counts as a mismatch only where the model's logit is finite
+    over_tight &= torch.isfinite(real.to(rebuilt.device))
+    if not bool(over_tight.any()):
+        return
+    b = diff.shape[0]
+    per_example = lambda t: t.reshape(b, -1).amax(-1)
+    bad = per_example(over_tight.to(torch.float64)).bool()
+    worst = float(diff[over_tight].max())
+    tol = float(tight[over_tight].max())
+    far = bool((over_tight & ~(diff <= loose)).any())
+    msg = (
+        f"the {what} that the decomposition explains differs from the model's own output by up to {worst:.3g} "
+        f"(rounding allows {tol:.3g}) for example(s) {bad.nonzero().flatten().tolist()}: the model changes its "
+        "logits after the head input the package reads (a logit scale or soft-cap, a hook on the head, a wrapped or "
+        "customised head, an adapter the package does not read). The scores explain the rebuilt logit, not the "
+        "model's; check the model, or merge adapters / remove the hook."
+    )
+    if far or strict:
+        raise ExplainedOutputMismatchError(msg)
+    warnings.warn(msg, ExplainedOutputMismatchWarning, stacklevel=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_extra_kwargs(cls: type) -> type:
+    def forward_kwargs(self) -> dict:
+        kw = cls.forward_kwargs(self)
+        kw.update(self.extra_forward_kwargs)
+        return kw
+
+    return type(cls.__name__, (cls,), {"forward_kwargs": forward_kwargs, "__doc__": cls.__doc__})
+
+
+def with_forward_kwargs(prepared: Any, **extra: Any) -> Any:
+    r"""A copy of validated inputs whose ``forward_kwargs()`` also pass ``extra`` to the model.
+
+    Used to ask a causal LM for the logits at the explained positions only
+    (``logits_to_keep``). The copy is what the recorded forward pass updates (its
+    ``finite``): read the results from it.
+    """
+    new = copy.copy(prepared)
+    new.__class__ = _with_extra_kwargs(type(prepared))
+    new.extra_forward_kwargs = dict(extra)
+    return new
+
+
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    r"""True when the model's forward takes transformers' ``logits_to_keep`` (the LM head on some rows only)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
@@ -322,5 +545,9 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
         )
 
 
-__all__ = ["ClassLogit", "ImageClassLogit", "NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
+__all__ = [
+    "ClassLogit", "ExplainedOutputMismatchError", "ExplainedOutputMismatchWarning", "ImageClassLogit", "LogitDirection",
+    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model",
+    "logit_tolerances", "with_forward_kwargs",
+]
 
