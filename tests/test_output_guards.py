@@ -126,3 +126,23 @@ def test_alti_logit_delta_carries_attention_completeness(monkeypatch):
     assert float(old_delta.max()) < 1e-12  # what the delta was before: blind to it
     assert not torch.allclose(res.scores, clean.scores, atol=1e-6)  # the scores did change
     assert float(res.delta.min()) > 1e-3 and float(res.extras["completeness_error"].max()) > 1e-3
+
+
+def test_many_positions_check_the_most_common_one(monkeypatch):
+    r"""Right padding puts the explained positions apart; past the logit budget only the most common
+    position's examples are compared (the LM head never runs on B x B rows of a large vocabulary)."""
+    import captum_normattr.attr.explained_output as eo
+
+    model = make_decoder("llama")
+    ids, mask = decoder_batch([6, 4, 4], seed=5, left=False)  # positions 5, 3, 3
+    monkeypatch.setattr(eo, "GUARD_LOGIT_ELEMENTS", 1)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
+    handle = scale_logits(model, 0.25)
+    try:
+        with pytest.raises(ExplainedOutputMismatchError, match=r"example\(s\) \[1, 2\]"):
+            ALTILogitAttribution(model).attribute(ids, target=5, additional_forward_args=mask)
+    finally:
+        handle.remove()
+        hook.remove()
+    assert seen == [(3, 1, model.config.vocab_size)]

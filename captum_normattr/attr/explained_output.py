@@ -32,6 +32,8 @@ from captum_normattr.models.weights import weight_and_bias
 
 
 VOCAB_BLOCK = 8192  # unembedding rows cast at a time for the predicted-token logits
+#: the most logits (B x kept positions x V) the output guard asks the model for (2**26: 256 MB in float32)
+GUARD_LOGIT_ELEMENTS = 2 ** 26
 
 
 #: what a tuple target meant before version 3 for the logit classes, and what to write now
@@ -217,6 +219,10 @@ class NextTokenLogit:
             return prepared, False, None
         if accepts_logits_to_keep(model):
             kept = torch.unique(position)
+            if position.shape[0] * kept.numel() * self.vocab_size > GUARD_LOGIT_ELEMENTS:
+                # many distinct positions (right padding) and a large vocabulary: the logits at every kept row
+                # of every example would be (B, K, V); check the examples at the most common position only
+                kept = position.mode().values.reshape(1)
             return with_forward_kwargs(prepared, logits_to_keep=kept), True, kept
         return prepared, True, None
 
@@ -230,9 +236,19 @@ class NextTokenLogit:
         logits = getattr(model_out, "logits", None)
         if logits is None:
             return
+        examples = None
+        if kept is not None:
+            rows = torch.isin(position, kept.to(position.device))
+            examples = rows.nonzero().flatten()
+            if not bool(rows.all()):  # only the examples at the kept positions (see guarded_forward)
+                out = LogitDirection(out.direction[rows], out.bias[rows], out.target[rows],
+                                     None if out.foil is None else out.foil[rows])
+                logits, position = logits[rows.to(logits.device)], position[rows]
+                final_out, rebuilt = final_out[rows], rebuilt[rows]
         real = self.real_logit(logits, kept, position, out)
         check_explained_logit(rebuilt, real, self.magnitude(final_out, out), final_out.shape[-1],
-                              "next-token logit" + (" difference" if out.foil is not None else ""), strict, logits.dtype)
+                              "next-token logit" + (" difference" if out.foil is not None else ""), strict, logits.dtype,
+                              examples)
 
     def magnitude(self, final_out: Tensor, out: LogitDirection) -> Tensor:
         r"""(B,) sum of |terms| of the explained logit(s): |f| . |W_U[target]| (+ |f| . |W_U[foil]|) + |biases|."""
@@ -459,7 +475,7 @@ def logit_tolerances(real: Tensor, magnitude: Tensor, width: int, dtype: Optiona
 
 def check_explained_logit(
     rebuilt: Tensor, real: Tensor, magnitude: Tensor, width: int, what: str, strict: Optional[bool] = None,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype] = None, examples: Optional[Tensor] = None,
 ) -> None:
     r"""Compare the explained logit with the model's own output logit; warn or raise on a mismatch.
 
@@ -474,6 +490,7 @@ def check_explained_logit(
         strict: True: raise beyond the tight tolerance; otherwise warn beyond the tight one
             and raise beyond the loose one (:func:`logit_tolerances`).
         dtype: the dtype the model computed ``real`` in (default: ``real``'s).
+        examples: (B,) the batch indices of the rows compared (default: 0..B-1), for the message.
 
     Raises:
         ExplainedOutputMismatchError: see ``strict``.
@@ -490,12 +507,13 @@ def check_explained_logit(
     b = diff.shape[0]
     per_example = lambda t: t.reshape(b, -1).amax(-1)
     bad = per_example(over_tight.to(torch.float64)).bool()
+    names = (bad.nonzero().flatten() if examples is None else examples.to(bad.device)[bad]).tolist()
     worst = float(diff[over_tight].max())
     tol = float(tight[over_tight].max())
     far = bool((over_tight & ~(diff <= loose)).any())
     msg = (
         f"the {what} that the decomposition explains differs from the model's own output by up to {worst:.3g} "
-        f"(rounding allows {tol:.3g}) for example(s) {bad.nonzero().flatten().tolist()}: the model changes its "
+        f"(rounding allows {tol:.3g}) for example(s) {names}: the model changes its "
         "logits after the head input the package reads (a logit scale or soft-cap, a hook on the head, a wrapped or "
         "customised head, an adapter the package does not read). The scores explain the rebuilt logit, not the "
         "model's; check the model, or merge adapters / remove the hook."
