@@ -65,7 +65,8 @@ def test_bert_lora_equals_merged(bert_lora, cls):
     ref = getattr(cn, cls)(plain).decompose(ids, additional_forward_args=(mask,))
     assert not close(getattr(cn, cls)(make_model("bert")).decompose(ids, additional_forward_args=(mask,)).scores,
                      ref.scores, 1e-3)  # the adapters change the scores: the comparison below means something
-    for model in (bert_lora, bert_lora.get_base_model()):  # the PeftModel wrapper and the LoRA-injected model
+    # the PeftModel wrapper, its LoraModel and the LoRA-injected transformers model
+    for model in (bert_lora, bert_lora.base_model, bert_lora.get_base_model()):
         res = getattr(cn, cls)(model).decompose(ids, additional_forward_args=(mask,))
         assert close(res.scores, ref.scores), cls
         if cls == "DecompXAttribution":

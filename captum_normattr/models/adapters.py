@@ -254,6 +254,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
                     "adapters are supported"
                 )
             inner = model.get_base_model()
+        elif type(model).__module__.startswith("peft.tuners") and isinstance(getattr(model, "model", None), nn.Module):
+            inner = model.model  # a tuner model (LoraModel, PeftModel.base_model): the transformers model it wraps
         if inner is model:
             return model
         model = inner
