@@ -98,7 +98,9 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
     Args:
         model: a GPT-2 / Llama / Mistral / Qwen2 model with its LM head
             (``GPT2LMHeadModel``, ``*ForCausalLM``), or a bare ``*Model`` together with
-            ``unembedding``.
+            ``unembedding``; also inside a peft ``PeftModel`` or a ``torch.compile`` wrapper.
+            The explained logit is compared with the model's own output logit on every call
+            (a mismatch beyond rounding warns, far beyond raises; docs/reliability.md).
         unembedding: optional (V, D) unembedding matrix (rows = tokens), used instead of the
             model's LM head (needed for a bare ``*Model``).
         explained_position: the position whose next-token logit is explained: ``"last"``

@@ -181,8 +181,15 @@ class DecompXAttribution(Attribution):
     subtracted (explains the logit difference), as in :class:`~captum_normattr.ALTILogitAttribution`. Tokens
     after the explained position get exactly 0.
 
+    Guard: the logit the scores explain (rebuilt from the recorded head input and the head's
+    weights) is compared with the model's own output logits on every call; a mismatch beyond
+    rounding warns, far beyond raises
+    (:func:`~captum_normattr.attr.explained_output.check_explained_logit`, docs/reliability.md).
+
     Args:
-        model: the sequence classifier.
+        model: the sequence classifier (or decoder), also inside a peft ``PeftModel`` (LoRA
+            layers are read as their effective weights) or a ``torch.compile`` wrapper (run
+            eagerly); see :func:`captum_normattr.models.adapters.unwrap_model`.
         bias_mode: ``"separate"`` (default; every bias in its own part, exact and
             bias-free token scores), ``"spread"`` (each bias distributed over tokens in
             proportion to |<part, bias>|, exactly as the official DecompX code does it:

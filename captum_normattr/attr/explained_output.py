@@ -234,6 +234,8 @@ class NextTokenLogit:
         See :func:`check_explained_logit`.
         """
         logits = getattr(model_out, "logits", None)
+        if logits is None and isinstance(model_out, tuple) and model_out and isinstance(model_out[0], Tensor):
+            logits = model_out[0]  # return_dict=False
         if logits is None:
             return
         examples = None
