@@ -167,7 +167,7 @@ def test_a_half_precision_lm_head_is_cast_by_rows_not_whole(monkeypatch):
     full = x @ w.float().T
     monkeypatch.setattr(explained_output, "VOCAB_BLOCK", 7)  # several blocks and a short last one
     assert torch.allclose(out.logits(x), full, rtol=1e-6, atol=1e-6)
-    d = out.resolve((torch.tensor([3, 5]), torch.tensor([1, 1])), x)
+    d = out.resolve(torch.tensor([3, 5]), x, foil=torch.tensor([1, 1]))
     assert d.direction.dtype == torch.float32
     assert torch.equal(d.direction, w[[3, 5]].float() - w[[1, 1]].float())
     assert torch.equal(out.resolve(None, x).target, full.argmax(-1))

@@ -1,4 +1,5 @@
 r"""ALTI-Logit: token terms + no-token terms = the model's real logit; a naive reference; Captum contract."""
+import numpy as np
 import pytest
 from layer_capture import capture_layers
 import torch
@@ -31,7 +32,7 @@ def test_sums_to_real_logit(family, tied):
     assert (res.logit - expect).abs().max() < 1e-10 and res.delta.abs().max() < 1e-10
     # (target, foil) and another explained position: the 4th real token (example 1 is left-padded by 2)
     al2 = ALTILogitAttribution(model, explained_position=3)
-    res2 = al2.decompose(ids, (t, 11), mask)
+    res2 = al2.decompose(ids, t, mask, foil=11)
     assert res2.explained_position.tolist() == [3, 5]
     expect2 = logits[[0, 1], [3, 5], t] - logits[[0, 1], [3, 5], 11]
     assert (res2.scores.sum(-1) + res2.no_token_total - expect2).abs().max() < 1e-8
@@ -110,8 +111,14 @@ def test_contract_and_errors():
     assert s.shape == ids.shape
     tup, delta = al.attribute((ids,), target=[1, 2], additional_forward_args=mask, return_convergence_delta=True)
     assert isinstance(tup, tuple) and torch.equal(tup[0], s) and delta.shape == (2,)
-    pair = al.attribute(ids, target=torch.tensor([[1, 3], [2, 3]]), additional_forward_args=mask)
-    assert torch.allclose(pair, al.attribute(ids, target=(torch.tensor([1, 2]), 3), additional_forward_args=mask))
+    pair = al.attribute(ids, target=torch.tensor([1, 2]), foil=[3, 3], additional_forward_args=mask)
+    assert torch.allclose(pair, al.attribute(ids, target=[1, 2], foil=np.int64(3), additional_forward_args=mask))
+    assert torch.allclose(pair, al.attribute(ids, target=np.array([1, 2]), foil=torch.tensor(3), additional_forward_args=mask))
+    for old in ((torch.tensor([1, 2]), 3), (1, 3)):  # the old contrast form: a clear error naming foil=
+        with pytest.raises(ValueError, match="foil="):
+            al.attribute(ids, target=old, additional_forward_args=mask)
+    with pytest.raises(ValueError, match="foil=t"):  # the old (B, 2) rows
+        al.attribute(ids, target=torch.tensor([[1, 3], [2, 3]]), additional_forward_args=mask)
     with torch.no_grad():
         assert torch.equal(al.attribute(ids, 1, mask), al.attribute(ids, torch.tensor(1), mask))
     # no target: the model's own prediction at the explained (last real) position

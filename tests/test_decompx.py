@@ -1,4 +1,5 @@
 r"""DecompX: completeness against the real tensors, a naive reference, padding, toy model, MiniLM."""
+import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, VOCAB, make_model, random_batch
@@ -176,6 +177,14 @@ def test_input_errors():
         dx.attribute(ids, target=torch.tensor([0, 1, 0]), additional_forward_args=(mask,))
     with pytest.raises(TypeError, match="integer"):
         dx.attribute(ids, target=torch.tensor([0.0, 1.0]), additional_forward_args=(mask,))
+    # Captum's target conventions: a tuple indexes the output's dimensions (one index for (B, C) logits)
+    with pytest.raises(ValueError, match="list"):
+        dx.attribute(ids, target=(1, 0), additional_forward_args=(mask,))
+    with pytest.raises(ValueError, match="foil= applies to the next-token logit"):
+        dx.attribute(ids, target=1, foil=0, additional_forward_args=(mask,))
+    one = dx.attribute(ids, target=1, additional_forward_args=(mask,))
+    for same in ((1,), np.int64(1), torch.tensor(1), np.array(1), [1, 1], np.array([1, 1])):
+        torch.testing.assert_close(dx.attribute(ids, target=same, additional_forward_args=(mask,)), one, rtol=0, atol=0)
     with pytest.raises(ValueError, match="separate"):
         DecompXAttribution(model, bias_mode="absdot")
     with pytest.raises(ValueError, match="auto"):

@@ -1,5 +1,6 @@
 r"""DecompX on decoders (GPT-2, Llama with GQA, Mistral, Qwen2 with qkv bias): completeness against the
 real tensors, a naive reference, adjoint == forward, quadrature convergence, padding, causality, contract."""
+import numpy as np
 import pytest
 import torch
 from conftest import make_model
@@ -210,12 +211,14 @@ def test_target_foil_is_the_difference():
     ids, mask = decoder_batch([6, 5], seed=6)
     for bias_mode in BIAS_MODES:
         dx = DecompXAttribution(model, bias_mode=bias_mode)
-        both = dx.decompose(ids, target=(torch.tensor([3, 4]), 7), additional_forward_args=mask)
+        both = dx.decompose(ids, target=torch.tensor([3, 4]), additional_forward_args=mask, foil=7)
         logits = real_logits(model, ids, mask)[:, -1]
         torch.testing.assert_close(both.logits[:, 0], logits[:, [3, 4]].diagonal() - logits[:, 7], rtol=0, atol=1e-12)
         assert both.delta.max() < TOL and both.foil.tolist() == [7, 7]
-        pair = dx.attribute(ids, target=torch.tensor([[3, 7], [4, 7]]), additional_forward_args=mask)
+        pair = dx.attribute(ids, target=np.array([3, 4]), additional_forward_args=mask, foil=[7, np.int32(7)])
         torch.testing.assert_close(pair, both.scores, rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="foil="):  # the old (target, foil) tuple: an error that says what to write
+            dx.attribute(ids, target=(3, 7), additional_forward_args=mask)
         if bias_mode == "separate":  # linear in the unembedding direction
             diff = dx.attribute(ids, target=[3, 4], additional_forward_args=mask) - dx.attribute(ids, 7, mask)
             torch.testing.assert_close(both.scores, diff, rtol=0, atol=1e-12)
@@ -437,7 +440,7 @@ def test_streaming_holds_one_layer_at_a_time(family, monkeypatch):
     else:
         model = make_decoder(family, layers=6)
         ids, mask = decoder_batch([7, 5], seed=11)
-        runs = [("adjoint", "decompose", 4), ("adjoint", "attribute", (4, 9)), ("forward", "decompose", 4)]
+        runs = [("adjoint", "decompose", 4), ("adjoint", "attribute", 4), ("forward", "decompose", 4)]
     n = 6
     for algorithm, call, target in runs:
         watch = LayerWatch(monkeypatch)
@@ -446,7 +449,9 @@ def test_streaming_holds_one_layer_at_a_time(family, monkeypatch):
             res = dx.decompose(ids, target=target, additional_forward_args=mask)
             assert res.algorithm == algorithm and res.delta.max() < TOL
         else:
-            _, delta = dx.attribute(ids, target=target, additional_forward_args=mask, return_convergence_delta=True)
+            foil = None if dx.output is None or not dx.decoder else 9  # a contrast on the decoder
+            _, delta = dx.attribute(ids, target=target, additional_forward_args=mask, return_convergence_delta=True,
+                                    foil=foil)
             assert delta.max() < TOL
         monkeypatch.undo()
         expect = list(range(n - 1, -1, -1)) if algorithm == "adjoint" else []

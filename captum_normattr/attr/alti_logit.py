@@ -18,10 +18,10 @@ from captum_normattr.attr.base import (
 )
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at
+from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at, logit_direction, residual_parts_sum
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
-from captum_normattr.models.adapters import layer_modules
+from captum_normattr.models.adapters import layer_modules, unwrap_model
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.result import LogitDecompositionResult
 
@@ -45,10 +45,16 @@ class ALTILogitResult(LogitDecompositionResult):
             zero (every part farther from the block output than the zero vector; large
             attention biases cause it). 0 when every real row sums to 1 (no token).
         logit: (B,) the model's real logit (target, or target minus foil); also ``logits``.
-        delta: (B,) ``logit`` minus (token scores + no-token terms): the completeness error.
+        delta: (B,) the completeness error, >= 0: |``logit`` - (token scores + no-token terms)|
+            plus, for every layer, the attention-block completeness error of the example (the
+            largest |sum_j h_{i<-j} + b_O - h_i| over its real tokens i, the parts the ALTI maps
+            are built from against the model's real h_i) times ||w||_1, w the logit direction at
+            the explained position: the logit an error vector of that size could carry. A wrong
+            attention decomposition anywhere (not only at the explained row) shows in it.
         target: (B,) token ids; foil: (B,) or None.
         attention_mask: (B, T); explained_position: (B,).
-        extras: ``"completeness_error"`` (L,) of the attention-block parts.
+        extras: ``"completeness_error"`` (L,) of the attention-block parts (largest over the
+            batch) and ``"example_completeness_error"`` (B, L).
     """
 
     TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {
@@ -92,7 +98,9 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
     Args:
         model: a GPT-2 / Llama / Mistral / Qwen2 model with its LM head
             (``GPT2LMHeadModel``, ``*ForCausalLM``), or a bare ``*Model`` together with
-            ``unembedding``.
+            ``unembedding``; also inside a peft ``PeftModel`` or a ``torch.compile`` wrapper.
+            The explained logit is compared with the model's own output logit on every call
+            (a mismatch beyond rounding warns, far beyond raises; docs/reliability.md).
         unembedding: optional (V, D) unembedding matrix (rows = tokens), used instead of the
             model's LM head (needed for a bare ``*Model``).
         explained_position: the position whose next-token logit is explained: ``"last"``
@@ -107,7 +115,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         >>> al = ALTILogitAttribution(model)
         >>> scores, delta = al.attribute(ids, target=tok(" Paris")["input_ids"][0],
         ...                              return_convergence_delta=True)
-        >>> res = al.decompose(ids, target=(paris_id, london_id))   # target minus foil
+        >>> res = al.decompose(ids, target=paris_id, foil=london_id)   # target minus foil
     """
 
     method_name = "ALTI-Logit"
@@ -120,22 +128,25 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
     ) -> None:
         super().__init__(model, explained_position, "raw")
+        self.model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside
         check_logit_model(self.adapter, "ALTILogitAttribution")
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
         self.output = NextTokenLogit(model, self.adapter, unembedding)
 
     def decompose(  # type: ignore[override]
-        self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None
+        self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None,
+        foil: Any = None,
     ) -> ALTILogitResult:
         r"""All terms of the ALTI-Logit decomposition, layer by layer as the forward pass runs.
 
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple.
-            target: token id (int), per-example ids (list or (B,) tensor), or a tuple
-                (target, foil) of such (explains logit(target) - logit(foil)); a (B, 2) tensor
-                gives (target, foil) per example; None (default): the token the model predicts
-                at the explained position (argmax of its real logits).
+            target: token id (int, numpy integer, 0-d tensor) or per-example ids (list or (B,)
+                tensor); None (default): the token the model predicts at the explained position
+                (argmax of its real logits). A tuple raises a ValueError pointing to ``foil``
+                (it meant (target, foil) before).
             additional_forward_args: attention_mask (B, T) (left or right padding).
+            foil: None, or token id(s) of the same forms: explains logit(target) - logit(foil).
 
         Returns:
             :class:`ALTILogitResult`.
@@ -145,7 +156,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         pos = explained_positions(self.explained_position, valid)
         bidx = torch.arange(valid.shape[0], device=valid.device)
         n_layers = len(layer_modules(self.model, self.adapter))
-        kept: Dict[str, Any] = {"errors": [], "biases": []}
+        kept: Dict[str, Any] = {"example_errors": [], "biases": []}
 
         def on_layer(layer: LayerTensors) -> None:
             layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
@@ -161,24 +172,35 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             kept["updates"][:, l] = attention_update_at(layer, pos)
             kept["ff"][:, l] = layer.ff_out[bidx, pos]
             kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
-            kept["errors"].append(self.kind.completeness_error(layer, valid))
+            err = ((residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1) * valid.to(layer.ln2_in.dtype)).amax(-1)
+            kept["example_errors"].append(err)  # (B,) largest |parts + b_O - real h_i| over the real tokens
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer) as (rec, _):
+        run, top_model, logits_kept = self.output.guarded_forward(self.model, prepared, pos)
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model) as (rec, model_out):
+            prepared.finite = run.finite
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
         with torch.no_grad():
             f_in, f_out = f_in[bidx, pos], f_out[bidx, pos]
-            out = self.output.resolve(target, f_out)
+            out = self.output.resolve(target, f_out, foil)
             terms = alti_logit_terms(
                 kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
                 fparams, f_in, f_out, out.direction, out.bias, valid, pos,
             )
+            # guard 1: the explained logit is the model's own output logit (after any scaling, cap or hook)
+            self.output.check_against_model(model_out if top_model else None, logits_kept, pos, out, f_out,
+                                            terms["logit"], getattr(self, "strict", None))
+            # guard 2: the delta also carries every layer's attention-block completeness error, as the logit an
+            # error vector of that size would have at the explained position (|e| . |w|, w the logit direction)
+            w1 = logit_direction(fparams, f_in, out.direction).abs().sum(-1)  # (B,)
+            block = torch.stack(kept["example_errors"], 1)  # (B, L)
+            delta = terms["delta"].abs() + w1 * block.sum(-1)
         return mark_non_finite(ALTILogitResult(
             method=self.get_name(),
             scores=terms["scores"],
             attention_mask=prepared.attention_mask,
             explained_position=pos,
-            delta=terms["delta"],
-            extras={"completeness_error": torch.stack(kept["errors"])},
+            delta=delta,
+            extras={"completeness_error": block.amax(0), "example_completeness_error": block},
             target=out.target,
             foil=out.foil,
             logits=terms["logit"],
@@ -197,22 +219,24 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         target: Any = None,
         additional_forward_args: Any = None,
         return_convergence_delta: bool = False,
+        foil: Any = None,
     ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
         r"""Signed token contributions to the target logit at the explained position.
 
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple of them.
-            target: token id, (B,) ids, or (target, foil) — see :meth:`decompose`; None (default):
-                the token the model predicts at the explained position.
+            target: token id or (B,) ids — see :meth:`decompose`; None (default): the token
+                the model predicts at the explained position.
             additional_forward_args: attention_mask (B, T).
             return_convergence_delta: also return delta (B,): the real logit minus token
                 scores minus the no-token terms.
+            foil: token id(s) whose logit is subtracted (see :meth:`decompose`).
 
         Returns:
             (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
             ``return_convergence_delta``, (scores, delta).
         """
-        res = self.decompose(inputs, target, additional_forward_args)
+        res = self.decompose(inputs, target, additional_forward_args, foil=foil)
         return format_output(inputs, res.scores, res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:

@@ -30,7 +30,7 @@ from captum_normattr.decompose.decompx import (
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, value_projection
+from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
 from captum_normattr.models.capture import Recorder
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_positive_int
@@ -177,12 +177,19 @@ class DecompXAttribution(Attribution):
     gradients along t (a, b) evaluated with ``nodes`` Gauss-Legendre nodes), then the final
     norm and the LM-head row of ``target``: the next-token logit at ``explained_position``
     is the sum of one signed score per input token plus a bias score. ``target``: a token
-    id, (B,) ids, or (target, foil) (explains the logit difference), as in
-    :class:`~captum_normattr.ALTILogitAttribution`; default: the predicted next token. Tokens
+    id or (B,) ids, default the predicted next token; ``foil=``: token id(s) whose logit is
+    subtracted (explains the logit difference), as in :class:`~captum_normattr.ALTILogitAttribution`. Tokens
     after the explained position get exactly 0.
 
+    Guard: the logit the scores explain (rebuilt from the recorded head input and the head's
+    weights) is compared with the model's own output logits on every call; a mismatch beyond
+    rounding warns, far beyond raises
+    (:func:`~captum_normattr.attr.explained_output.check_explained_logit`, docs/reliability.md).
+
     Args:
-        model: the sequence classifier.
+        model: the sequence classifier (or decoder), also inside a peft ``PeftModel`` (LoRA
+            layers are read as their effective weights) or a ``torch.compile`` wrapper (run
+            eagerly); see :func:`captum_normattr.models.adapters.unwrap_model`.
         bias_mode: ``"separate"`` (default; every bias in its own part, exact and
             bias-free token scores), ``"spread"`` (each bias distributed over tokens in
             proportion to |<part, bias>|, exactly as the official DecompX code does it:
@@ -240,6 +247,7 @@ class DecompXAttribution(Attribution):
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if algorithm == "adjoint" and bias_mode != "separate":
             raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
+        model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside, run eagerly
         self.adapter = get_adapter(model)
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         self.decoder = bool(self.adapter.pre_ln) and not self.vision
@@ -348,25 +356,37 @@ class DecompXAttribution(Attribution):
         target: Any = None,
         additional_forward_args: Any = None,
         layer_parts: bool = False,
+        foil: Any = None,
     ) -> DecompXResult:
         r"""Decompose every layer and the head; all classes at once.
 
         Args:
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple.
-            target: the explained class: None (predicted), an int, a list of ints or a
-                (B,) long tensor. Only ``scores`` and ``delta`` depend on it. Decoders: the
-                token id(s) whose next-token logit is explained (None: the predicted next
-                token), or (target, foil) for the logit difference (a (B, 2) tensor: per example).
+            target: the explained class: None (predicted), an int (or numpy integer, 0-d
+                tensor), a list of ints or a (B,) integer tensor (one class per example). Only
+                ``scores`` and ``delta`` depend on it. Decoders: the token id(s) whose
+                next-token logit is explained (None: the predicted next token). A tuple is
+                Captum's output index: ``(c,)`` for a classifier; the old ``(target, foil)``
+                form raises a ValueError pointing to ``foil``.
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
             layer_parts: run the ``"forward"`` algorithm whatever ``algorithm`` says, so that
                 the per-layer part norms and completeness errors are filled in.
+            foil: decoders: token id(s) (one, or one per example) whose logit is subtracted:
+                the explained quantity is logit(target) - logit(foil). For a classifier's
+                contrast of two classes use ``class_scores[..., a] - class_scores[..., b]``.
 
         Returns:
             :class:`DecompXResult`.
         """
-        return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False)
+        return self._compute(inputs, target, additional_forward_args, layer_parts, target_only=False, foil=foil)
 
-    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool) -> DecompXResult:
+    def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool,
+                 foil: Any = None) -> DecompXResult:
+        if foil is not None and not self.decoder:
+            raise ValueError(
+                "foil= applies to the next-token logit of a decoder. A classifier explains every class at once: "
+                "decompose(...).class_scores[..., a] - class_scores[..., b] (and bias_scores) is the contrast of two classes"
+            )
         # The adjoint and the gate integrals differentiate the frozen layers, which autograd refuses
         # on inference tensors: leave inference mode for the call (its results are ordinary tensors).
         with torch.inference_mode(False):
@@ -376,7 +396,7 @@ class DecompXAttribution(Attribution):
             if self.vision:
                 return mark_non_finite(self._compute_image_classifier(prepared, target, algorithm, target_only), prepared.finite)
             if self.decoder:
-                return mark_non_finite(self._compute_decoder(prepared, target, algorithm), prepared.finite)
+                return mark_non_finite(self._compute_decoder(prepared, target, algorithm, foil), prepared.finite)
             return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
 
     # --- classifiers -----------------------------------------------------------------
@@ -407,9 +427,11 @@ class DecompXAttribution(Attribution):
             rec,
             out,
         ):
-            logits = (out.logits if hasattr(out, "logits") else out[0]).detach().to(valid.device, dtype)
+            model_logits = (out.logits if hasattr(out, "logits") else out[0]).detach()
+            logits = model_logits.to(valid.device, dtype)
             tgt = self.output.resolve(target, logits)
             hp = self.output.params(dtype, kept["pooled"].device)
+            self.output.check_against_model(kept["pooled"], hp, model_logits, getattr(self, "strict", None))
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 slope = head_slope(kept["pooled"], hp)
@@ -474,8 +496,9 @@ class DecompXAttribution(Attribution):
         ):
             logits = out.logits.detach().to(dtype)
             tgt = self.output.resolve(target, logits)
-            fparams, f_in, _ = rec.final_norm_tensors()
+            fparams, f_in, f_out = rec.final_norm_tensors()
             f_rows = f_in[:, rows]
+            self.output.check_against_model(f_out[:, rows], head, out.logits, getattr(self, "strict", None))
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 cls_scores, bias_scores = adjoint_linear_head_scores(
@@ -511,7 +534,7 @@ class DecompXAttribution(Attribution):
         )
 
     # --- decoders --------------------------------------------------------------------
-    def _compute_decoder(self, prepared: PreparedInputs, target: Any, algorithm: str) -> DecompXResult:
+    def _compute_decoder(self, prepared: PreparedInputs, target: Any, algorithm: str, foil: Any = None) -> DecompXResult:
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
         dtype = compute_dtype(self.model)
@@ -536,11 +559,18 @@ class DecompXAttribution(Attribution):
             else:
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
+        run, top_model, kept = self.output.guarded_forward(self.model, prepared, pos)
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model, keep_calls=adj is not None) as (
+            rec,
+            model_out,
+        ):
+            prepared.finite = run.finite
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
-            out = self.output.resolve(target, f_out[ar, pos])
+            out = self.output.resolve(target, f_out[ar, pos], foil)
             u, ub = out.direction, out.bias
-            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the model's real logit (difference)
+            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the logit (difference) from the real final-norm output
+            self.output.check_against_model(  # ... and the model's own output logit: the same number
+                model_out if top_model else None, kept, pos, out, f_out[ar, pos], logit, getattr(self, "strict", None))
             if adj is not None:
                 frozen_at = self._rerun(rec, quad, vf)
                 scores, bias_score = adjoint_next_token_scores(adj, frozen_at, fparams, f_in, u, ub, pos)
@@ -572,23 +602,25 @@ class DecompXAttribution(Attribution):
         target: Any = None,
         additional_forward_args: Any = None,
         return_convergence_delta: bool = False,
+        foil: Any = None,
     ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
         r"""Signed token scores for the target class.
 
         Args:
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
             target: the explained class: None (the predicted class), an int, a list of ints
-                or a (B,) long tensor. Decoders: token id(s), or (target, foil); None: the
-                predicted next token (see :meth:`decompose`).
+                or a (B,) integer tensor. Decoders: token id(s); None: the predicted next
+                token (see :meth:`decompose`).
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
             return_convergence_delta: also return delta (B,) = |sum of the token scores +
                 bias score - real logit of the target class|.
+            foil: decoders: token id(s) whose logit is subtracted (see :meth:`decompose`).
 
         Returns:
             (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
             ``return_convergence_delta``, (scores, delta).
         """
-        res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True)
+        res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True, foil=foil)
         return format_output(inputs, pixel_attributions(inputs, res), res.delta, return_convergence_delta)
 
     def has_convergence_delta(self) -> bool:

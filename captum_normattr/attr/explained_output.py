@@ -5,7 +5,7 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 - :class:`NextTokenLogit`: the next-token logit of a decoder at the explained position,
   ``<FinalNorm(x_L,i), u> + u_bias`` with u = W_U[target] (or W_U[target] - W_U[foil]) from
   the LM head (or an explicit unembedding matrix). ``target``: a token id, per-example ids,
-  ``(target, foil)``, a (B, 2) tensor, or None for the token the model predicts.
+  or None for the token the model predicts; the contrast is the separate ``foil`` (same forms).
 - :class:`ClassLogit`: a class logit of a sequence classifier through its classification
   head, ``act(h_p W_d + b_d) W_c + b_c`` on the last layer's output at the head's token p.
   ``target``: a class index, per-example indices, or None for the predicted class.
@@ -15,33 +15,93 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 """
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.adapters import ArchitectureAdapter, get_path
+from captum_normattr.models.adapters import ArchitectureAdapter, get_path, unwrap_model
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 from captum_normattr.models.weights import weight_and_bias
 
 
 VOCAB_BLOCK = 8192  # unembedding rows cast at a time for the predicted-token logits
+#: the most logits (B x kept positions x V) the output guard asks the model for (2**26: 256 MB in float32)
+GUARD_LOGIT_ELEMENTS = 2 ** 26
+
+
+#: what a tuple target meant before version 3 for the logit classes, and what to write now
+CONTRAST_MOVED = (
+    "target={target!r}: a tuple target no longer means (target, foil). Pass the contrast explicitly: "
+    "target=<token id(s)>, foil=<token id(s)> (e.g. attribute(ids, target=7, foil=11); per example: lists or (B,) "
+    "tensors). In Captum a tuple target indexes the output's dimensions for every example, which this method does not "
+    "take; a list or a (B,) tensor gives one id per example."
+)
+
+
+def _plain_int(x: Any) -> Optional[int]:
+    r"""``x`` as an int if it is a Python or numpy integer (never a bool), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(x, np.integer):
+        return int(x)
+    return None
 
 
 def as_token_ids(x: Any, b: int, name: str, device) -> Tensor:
-    r"""(B,) long ids from an int, a list of ints, or a 0-d / (B,) integer tensor."""
-    if isinstance(x, int) and not isinstance(x, bool):
-        return torch.full((b,), x, dtype=torch.long, device=device)
-    if isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
-        x = torch.tensor(x, dtype=torch.long)
-    if isinstance(x, Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
-        if x.dim() == 0:
-            return torch.full((b,), int(x), dtype=torch.long, device=device)
+    r"""(B,) long ids (or class indices) from one id for every example or one id per example.
+
+    Accepted: a Python or numpy integer, a 0-d or (1,) integer tensor / numpy array (the same
+    id for every example), a list of B integers, a (B,) integer tensor or numpy array.
+
+    Raises:
+        TypeError: floats, bools, tuples and other types (the message says what to pass).
+        ValueError: a list or tensor whose length is not B.
+    """
+    v = _plain_int(x)
+    if v is not None:
+        return torch.full((b,), v, dtype=torch.long, device=device)
+    if isinstance(x, tuple):
+        raise TypeError(CONTRAST_MOVED.format(target=x) if name == "target" else
+                        f"{name} must be an id, a list of ids or a (B,) tensor, not a tuple ({x!r})")
+    if type(x).__module__ == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape"):
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integer ids; got a numpy array of dtype {x.dtype}")
+        x = torch.as_tensor(x)
+    if isinstance(x, list):
+        vals = [_plain_int(v) for v in x]
+        if any(v is None for v in vals):
+            raise TypeError(f"{name} list must hold integers (one per example); got {x!r}")
+        if len(vals) != b:
+            raise ValueError(f"{name} list must have one id per example ({b}); got {len(vals)}")
+        x = torch.tensor(vals, dtype=torch.long)
+    if isinstance(x, Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer ids; got a {x.dtype} tensor")
+        if x.dim() == 0 or tuple(x.shape) == (1,):
+            return x.reshape(1).expand(b).to(device=device, dtype=torch.long)
         if tuple(x.shape) == (b,):
             return x.to(device=device, dtype=torch.long)
-        raise ValueError(f"{name} must be an int or a ({b},) tensor of token ids; got shape {tuple(x.shape)}")
-    raise TypeError(f"{name} must be a token id (int), a list of ints or a ({b},) long tensor; got {type(x).__name__}")
+        hint = " (a (B, 2) tensor of (target, foil) rows is now target=t[:, 0], foil=t[:, 1])" if (
+            x.dim() == 2 and x.shape[-1] == 2) else ""
+        raise ValueError(f"{name} must be one id or a ({b},) tensor of ids (one per example); got shape "
+                         f"{tuple(x.shape)}{hint}")
+    raise TypeError(
+        f"{name} must be an integer id (int or numpy integer), a list of ints or a ({b},) integer tensor; "
+        f"got {type(x).__name__}"
+    )
 
 
 @dataclass
@@ -74,6 +134,7 @@ class NextTokenLogit:
     """
 
     def __init__(self, model: nn.Module, adapter: ArchitectureAdapter, unembedding: Optional[Tensor] = None) -> None:
+        model = unwrap_model(model)
         d = model.config.hidden_size
         if unembedding is not None:
             if not isinstance(unembedding, Tensor) or unembedding.dim() != 2 or unembedding.shape[1] != d:
@@ -113,6 +174,97 @@ class NextTokenLogit:
     def vocab_size(self) -> int:
         return int((self._head.weight if self._head is not None else self._weights[0]).shape[0])  # meta has shapes
 
+    @property
+    def from_model_head(self) -> bool:
+        r"""True when the explained logit is the model's own (its LM head), False for an explicit ``unembedding``."""
+        return self._head is not None
+
+    def real_logit(self, model_logits: Tensor, kept: Optional[Tensor], position: Tensor, out: LogitDirection) -> Tensor:
+        r"""(B,) the explained logit (difference) read from the model's own output logits, in float64.
+
+        Args:
+            model_logits: the model's ``logits``: (B, K, V) at the positions ``kept`` (K,)
+                (``logits_to_keep``), or (B, T, V) when ``kept`` is None.
+            kept: sorted positions the logits were kept at, or None.
+            position: (B,) explained positions.
+            out: the resolved direction (its target and foil ids).
+        """
+        b = position.shape[0]
+        ar = torch.arange(b, device=model_logits.device)
+        idx = position.to(model_logits.device)
+        if kept is not None:
+            idx = torch.searchsorted(kept.to(model_logits.device), idx)
+        rows = model_logits.detach()[ar, idx]  # (B, V)
+        real = rows[ar, out.target.to(rows.device)].to(torch.float64)
+        if out.foil is not None:
+            real = real - rows[ar, out.foil.to(rows.device)].to(torch.float64)
+        return real
+
+    def guarded_forward(self, model: nn.Module, prepared: Any, position: Tensor):
+        r"""How to run the recorded forward so that the model's own logits come back for the guard.
+
+        Args:
+            model: the (unwrapped) causal LM.
+            prepared: the validated inputs.
+            position: (B,) explained positions.
+
+        Returns:
+            ``(inputs, top_model, kept)``: the inputs to run (a copy asking for
+            ``logits_to_keep=kept`` where the model takes it, so the LM head runs on the
+            explained rows only), whether to run the whole model, and the kept positions
+            (None: all). Without an LM head of the model (``unembedding=``) there is no
+            model logit to compare: ``(prepared, False, None)``.
+        """
+        if not self.from_model_head:
+            return prepared, False, None
+        if accepts_logits_to_keep(model):
+            kept = torch.unique(position)
+            if position.shape[0] * kept.numel() * self.vocab_size > GUARD_LOGIT_ELEMENTS:
+                # many distinct positions (right padding) and a large vocabulary: the logits at every kept row
+                # of every example would be (B, K, V); check the examples at the most common position only
+                kept = position.mode().values.reshape(1)
+            return with_forward_kwargs(prepared, logits_to_keep=kept), True, kept
+        return prepared, True, None
+
+    def check_against_model(self, model_out: Any, kept: Optional[Tensor], position: Tensor, out: LogitDirection,
+                            final_out: Tensor, rebuilt: Tensor, strict: Optional[bool] = None) -> None:
+        r"""Guard: the explained logit (``rebuilt`` from the final-norm output) is the model's own output logit.
+
+        ``model_out``: the model's forward output (None: nothing to compare, e.g. ``unembedding=``).
+        See :func:`check_explained_logit`.
+        """
+        logits = getattr(model_out, "logits", None)
+        if logits is None and isinstance(model_out, tuple) and model_out and isinstance(model_out[0], Tensor):
+            logits = model_out[0]  # return_dict=False
+        if logits is None:
+            return
+        examples = None
+        if kept is not None:
+            rows = torch.isin(position, kept.to(position.device))
+            examples = rows.nonzero().flatten()
+            if not bool(rows.all()):  # only the examples at the kept positions (see guarded_forward)
+                out = LogitDirection(out.direction[rows], out.bias[rows], out.target[rows],
+                                     None if out.foil is None else out.foil[rows])
+                logits, position = logits[rows.to(logits.device)], position[rows]
+                final_out, rebuilt = final_out[rows], rebuilt[rows]
+        real = self.real_logit(logits, kept, position, out)
+        check_explained_logit(rebuilt, real, self.magnitude(final_out, out), final_out.shape[-1],
+                              "next-token logit" + (" difference" if out.foil is not None else ""), strict, logits.dtype,
+                              examples)
+
+    def magnitude(self, final_out: Tensor, out: LogitDirection) -> Tensor:
+        r"""(B,) sum of |terms| of the explained logit(s): |f| . |W_U[target]| (+ |f| . |W_U[foil]|) + |biases|."""
+        weight, bias = self._head_weights()
+        mag = torch.zeros(final_out.shape[0], dtype=final_out.dtype, device=final_out.device)
+        for ids in (out.target, out.foil):
+            if ids is None:
+                continue
+            w = weight.detach()[ids.to(weight.device)].to(device=final_out.device, dtype=final_out.dtype)
+            mag = mag + (final_out.abs() * w.abs()).sum(-1)
+            if bias is not None:
+                mag = mag + bias.detach()[ids.to(bias.device)].to(device=final_out.device, dtype=final_out.dtype).abs()
+        return mag
+
     def logits(self, final_out: Tensor) -> Tensor:
         r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D).
 
@@ -128,28 +280,25 @@ class NextTokenLogit:
             out = out + bias.detach().to(device=final_out.device, dtype=final_out.dtype)
         return out
 
-    def resolve(self, target: Any, final_out: Tensor) -> LogitDirection:
+    def resolve(self, target: Any, final_out: Tensor, foil: Any = None) -> LogitDirection:
         r"""The explained direction of every example.
 
         Args:
-            target: a token id, per-example ids (list or (B,) tensor), ``(target, foil)`` of
-                such, a (B, 2) tensor of (target, foil) rows, or None: the token the model
-                predicts (argmax of its real logits).
+            target: a token id (int, numpy integer, 0-d tensor), per-example ids (list or
+                (B,) tensor / array), or None: the token the model predicts (argmax of its
+                real logits). A tuple raises a ValueError pointing to ``foil``.
             final_out: (B, D) the real final-norm output at the explained positions.
+            foil: None, or token id(s) of the same forms: the explained quantity is then
+                logit(target) - logit(foil).
 
         Returns:
             :class:`LogitDirection` in ``final_out``'s dtype and device.
         """
         b, device, dtype = final_out.shape[0], final_out.device, final_out.dtype
+        if isinstance(target, tuple):
+            raise ValueError(CONTRAST_MOVED.format(target=target))
         if target is None:
             target = self.logits(final_out).argmax(-1)
-        foil = None
-        if isinstance(target, tuple):
-            if len(target) != 2:
-                raise ValueError("a tuple target must be (target, foil)")
-            target, foil = target
-        elif isinstance(target, Tensor) and target.dim() == 2 and tuple(target.shape) == (b, 2):
-            target, foil = target[:, 0], target[:, 1]
         t_ids = as_token_ids(target, b, "target", device)
         f_ids = None if foil is None else as_token_ids(foil, b, "foil", device)
         for ids, name in ((t_ids, "target"), (f_ids, "foil")):
@@ -183,8 +332,8 @@ class ClassLogit:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.head: HeadAdapter = get_head_adapter(model)
+        self.model = unwrap_model(model)
+        self.head: HeadAdapter = get_head_adapter(self.model)
 
     @property
     def position(self) -> int:
@@ -195,12 +344,30 @@ class ClassLogit:
         r"""The head's parameters as right-multiplied matrices in ``dtype`` (on ``device`` if given)."""
         return head_params(self.model, self.head, dtype, device)
 
+    def check_against_model(self, pooled: Tensor, params: HeadParams, model_logits: Tensor,
+                            strict: Optional[bool] = None) -> None:
+        r"""Guard: the head applied to the recorded last-layer output at its token gives the model's own logits.
+
+        Args:
+            pooled: (B, D) the last layer's real output at the head's token.
+            params: the head parameters the decomposition propagates through.
+            model_logits: (B, C) the model's forward output.
+            strict: see :func:`check_explained_logit`.
+        """
+        x = pooled.to(params.w_dense.dtype)
+        hidden = x @ params.w_dense + (params.b_dense if params.b_dense is not None else 0.0)
+        a = params.act(hidden)
+        rebuilt = a @ params.w_cls + (params.b_cls if params.b_cls is not None else 0.0)
+        magnitude = a.abs() @ params.w_cls.abs() + (params.b_cls.abs() if params.b_cls is not None else 0.0)
+        check_explained_logit(rebuilt, model_logits, magnitude, params.w_cls.shape[0], "class logits", strict)
+
     def resolve(self, target: Any, logits: Tensor) -> Tensor:
         r"""The explained class of every example.
 
         Args:
-            target: None (the predicted class, argmax of ``logits``), an int, a list of ints
-                (one per example) or a 0-d / (1,) / (B,) integer tensor.
+            target: None (the predicted class, argmax of ``logits``), an int or numpy
+                integer, a 1-tuple ``(c,)`` (Captum's output index), a list of ints (one per
+                example) or a 0-d / (1,) / (B,) integer tensor or numpy array.
             logits: (B, C) the model's real logits.
 
         Returns:
@@ -212,28 +379,15 @@ class ClassLogit:
         b, c = logits.shape
         if target is None:
             return logits.argmax(-1)
-        if isinstance(target, int) and not isinstance(target, bool):
-            t = torch.full((b,), target, dtype=torch.long, device=logits.device)
-        elif isinstance(target, Tensor):
-            if target.is_floating_point() or target.dtype == torch.bool:
-                raise TypeError(f"target must be an integer class index; got a {target.dtype} tensor")
-            if target.dim() == 0 or tuple(target.shape) == (1,):
-                t = target.reshape(1).expand(b).to(logits.device, torch.long)
-            elif tuple(target.shape) == (b,):
-                t = target.to(logits.device, torch.long)
-            else:
+        if isinstance(target, tuple):  # Captum: the index of the output's non-batch dimensions, for every example
+            if len(target) != 1:
                 raise ValueError(
-                    f"target tensor must have shape ({b},) (one class per example); got {tuple(target.shape)}"
+                    f"target={target!r}: in Captum a tuple target indexes the output's dimensions for every example; "
+                    f"the logits are (B, C), so it takes one index (target=(c,) or target=c). For one class per example "
+                    "pass a list or a (B,) tensor (target=[1, 0])."
                 )
-        elif isinstance(target, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in target):
-            if len(target) != b:
-                raise ValueError(f"target list must have one class per example ({b}); got {len(target)}")
-            t = torch.tensor(list(target), dtype=torch.long, device=logits.device)
-        else:
-            raise TypeError(
-                "target must be None (predicted class), an int, a list of ints or a (B,) long tensor of class indices; "
-                f"got {type(target).__name__}"
-            )
+            target = target[0]
+        t = as_token_ids(target, b, "target", logits.device)
         if bool(((t < 0) | (t >= c)).any()):
             raise ValueError(f"target class(es) {t.tolist()} out of range: the model has {c} classes (0..{c - 1})")
         return t
@@ -257,6 +411,7 @@ class ImageClassLogit(ClassLogit):
     def __init__(self, model: nn.Module) -> None:
         from captum_normattr.models.heads import VISION_HEADS, vision_head
 
+        model = unwrap_model(model)
         self.model = model
         self.head = None
         self._build = vision_head
@@ -268,9 +423,137 @@ class ImageClassLogit(ClassLogit):
     def position(self) -> int:
         return 0
 
+    def check_against_model(self, rows_out: Tensor, head: Any, model_logits: Tensor,  # type: ignore[override]
+                            strict: Optional[bool] = None) -> None:
+        r"""Guard: the linear head on the recorded final-norm rows (B, R, D) gives the model's own logits."""
+        x = rows_out.to(head.weight.dtype)
+        rebuilt = torch.einsum("brd,rdc->bc", x, head.weight)
+        magnitude = torch.einsum("brd,rdc->bc", x.abs(), head.weight.abs())
+        if head.bias is not None:
+            rebuilt, magnitude = rebuilt + head.bias, magnitude + head.bias.abs()
+        check_explained_logit(rebuilt, model_logits, magnitude, head.weight.shape[0] * head.weight.shape[1],
+                              "class logits", strict)
+
     def linear_head(self, num_tokens: int, num_prefix: int, dtype: torch.dtype, device: Optional[torch.device] = None):
         r"""The :class:`~captum_normattr.models.heads.LinearTokenHead` for inputs of ``num_tokens`` tokens (on ``device``)."""
         return self._build(self.model, num_tokens, num_prefix, dtype, device)
+
+
+# --------------------------------------------------------------------------------------
+# Guard: the explained logit is the model's own output logit
+# --------------------------------------------------------------------------------------
+class ExplainedOutputMismatchWarning(UserWarning):
+    r"""The logit a decomposition explains differs from the model's own output logit beyond rounding."""
+
+
+class ExplainedOutputMismatchError(RuntimeError):
+    r"""The logit a decomposition explains is not the model's own output logit (far beyond rounding)."""
+
+
+def logit_tolerances(real: Tensor, magnitude: Tensor, width: int, dtype: Optional[torch.dtype] = None):
+    r"""(tight, loose) bounds on |rebuilt - real| of an explained logit, (B,) each.
+
+    The rebuilt logit (the package's own product of the recorded head input with the head's
+    weights) and the model's logit are the same sum of ``width`` terms whose absolute values
+    add up to ``magnitude``; they differ by the accumulation order of the matmul (at most
+    ~sqrt(width) x eps of the accumulation dtype x magnitude, times a safety factor 8) and by
+    the rounding of the model's output to its dtype (4 eps x |logit|; half precision: also
+    4 eps x magnitude, for reduced-precision reductions). Beyond ``tight`` the logit is
+    suspicious; beyond ``loose`` = max(1e-3 (|logit| + magnitude), 64 tight) it is another
+    quantity (a scale, a cap, a hook the decomposition does not model). ``dtype``: the dtype
+    the model computed its logits in (default: ``real``'s).
+    """
+    dtype = real.dtype if dtype is None else dtype
+    out_eps = torch.finfo(dtype).eps
+    acc_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    mag = magnitude.to(torch.float64)
+    size = real.detach().to(torch.float64).abs()
+    tight = 4 * out_eps * size + 8 * math.sqrt(max(width, 1)) * acc_eps * mag
+    if dtype in (torch.float16, torch.bfloat16):
+        tight = tight + 4 * out_eps * mag
+    loose = torch.maximum(1e-3 * (size + mag), 64 * tight)
+    return tight, loose
+
+
+def check_explained_logit(
+    rebuilt: Tensor, real: Tensor, magnitude: Tensor, width: int, what: str, strict: Optional[bool] = None,
+    dtype: Optional[torch.dtype] = None, examples: Optional[Tensor] = None,
+) -> None:
+    r"""Compare the explained logit with the model's own output logit; warn or raise on a mismatch.
+
+    Args:
+        rebuilt: (B, ...) the logit as the decomposition explains it (from the recorded head
+            input and the head weights the package reads).
+        real: (B, ...) the same logits from the model's forward output (after every scaling,
+            cap and hook of the real model).
+        magnitude: (B, ...) the sum of the absolute terms of the rebuilt logit (its scale).
+        width: the number of terms (the head's input width).
+        what: a readable name of the explained output, for the message.
+        strict: True: raise beyond the tight tolerance; otherwise warn beyond the tight one
+            and raise beyond the loose one (:func:`logit_tolerances`).
+        dtype: the dtype the model computed ``real`` in (default: ``real``'s).
+        examples: (B,) the batch indices of the rows compared (default: 0..B-1), for the message.
+
+    Raises:
+        ExplainedOutputMismatchError: see ``strict``.
+
+    Warns:
+        ExplainedOutputMismatchWarning: beyond the tight tolerance (not ``strict``).
+    """
+    diff = (rebuilt.detach().to(torch.float64) - real.detach().to(device=rebuilt.device, dtype=torch.float64)).abs()
+    tight, loose = logit_tolerances(real.to(rebuilt.device), magnitude.to(rebuilt.device), width, dtype)
+    over_tight = ~(diff <= tight)  # NaN counts as a mismatch only where the model's logit is finite
+    over_tight &= torch.isfinite(real.to(rebuilt.device))
+    if not bool(over_tight.any()):
+        return
+    b = diff.shape[0]
+    per_example = lambda t: t.reshape(b, -1).amax(-1)
+    bad = per_example(over_tight.to(torch.float64)).bool()
+    names = (bad.nonzero().flatten() if examples is None else examples.to(bad.device)[bad]).tolist()
+    worst = float(diff[over_tight].max())
+    tol = float(tight[over_tight].max())
+    far = bool((over_tight & ~(diff <= loose)).any())
+    msg = (
+        f"the {what} that the decomposition explains differs from the model's own output by up to {worst:.3g} "
+        f"(rounding allows {tol:.3g}) for example(s) {names}: the model changes its "
+        "logits after the head input the package reads (a logit scale or soft-cap, a hook on the head, a wrapped or "
+        "customised head, an adapter the package does not read). The scores explain the rebuilt logit, not the "
+        "model's; check the model, or merge adapters / remove the hook."
+    )
+    if far or strict:
+        raise ExplainedOutputMismatchError(msg)
+    warnings.warn(msg, ExplainedOutputMismatchWarning, stacklevel=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_extra_kwargs(cls: type) -> type:
+    def forward_kwargs(self) -> dict:
+        kw = cls.forward_kwargs(self)
+        kw.update(self.extra_forward_kwargs)
+        return kw
+
+    return type(cls.__name__, (cls,), {"forward_kwargs": forward_kwargs, "__doc__": cls.__doc__})
+
+
+def with_forward_kwargs(prepared: Any, **extra: Any) -> Any:
+    r"""A copy of validated inputs whose ``forward_kwargs()`` also pass ``extra`` to the model.
+
+    Used to ask a causal LM for the logits at the explained positions only
+    (``logits_to_keep``). The copy is what the recorded forward pass updates (its
+    ``finite``): read the results from it.
+    """
+    new = copy.copy(prepared)
+    new.__class__ = _with_extra_kwargs(type(prepared))
+    new.extra_forward_kwargs = dict(extra)
+    return new
+
+
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    r"""True when the model's forward takes transformers' ``logits_to_keep`` (the LM head on some rows only)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
@@ -282,5 +565,9 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
         )
 
 
-__all__ = ["ClassLogit", "ImageClassLogit", "NextTokenLogit", "LogitDirection", "as_token_ids", "check_logit_model"]
+__all__ = [
+    "ClassLogit", "ExplainedOutputMismatchError", "ExplainedOutputMismatchWarning", "ImageClassLogit", "LogitDirection",
+    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model",
+    "logit_tolerances", "with_forward_kwargs",
+]
 

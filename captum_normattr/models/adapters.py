@@ -215,11 +215,59 @@ class UnsupportedModelError(ValueError):
     r"""Raised for a model whose architecture has no adapter."""
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    r"""The ``transformers`` model inside the wrappers that do not change what it computes.
+
+    - ``torch.compile(model)`` (an ``OptimizedModule``): its ``_orig_mod``. The package's
+      hooks run on the eager module; the numbers are those of the eager model.
+    - a peft ``PeftModel`` with LoRA-type adapters (``get_peft_model``,
+      ``PeftModel.from_pretrained``): ``get_base_model()``, the transformers model whose
+      projections peft replaced by tuner layers; their effective weights are read by
+      :func:`~captum_normattr.models.weights.module_tensor`.
+
+    Args:
+        model: any model.
+
+    Returns:
+        The innermost model (``model`` itself when it is not wrapped).
+
+    Raises:
+        UnsupportedModelError: a peft model with prompt-learning adapters (prefix / prompt /
+            p-tuning), whose virtual tokens live outside the transformers model.
+
+    Examples::
+
+        >>> unwrap_model(torch.compile(get_peft_model(model, LoraConfig(...)))) is model
+        True
+    """
+    for _ in range(8):  # wrappers of wrappers, bounded
+        inner = model
+        orig = getattr(model, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            inner = orig
+        elif type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+            config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", None))
+            if config is not None and getattr(config, "is_prompt_learning", False):
+                raise UnsupportedModelError(
+                    f"the peft adapter {model.active_adapter!r} is {type(config).__name__} (prompt learning: virtual "
+                    "tokens added outside the transformers model), which captum_normattr cannot attribute; LoRA-type "
+                    "adapters are supported"
+                )
+            inner = model.get_base_model()
+        elif type(model).__module__.startswith("peft.tuners") and isinstance(getattr(model, "model", None), nn.Module):
+            inner = model.model  # a tuner model (LoraModel, PeftModel.base_model): the transformers model it wraps
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
 def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     r"""The adapter for a Hugging Face model, from its ``config.model_type``.
 
     Args:
-        model: a ``transformers`` model (base model or a model with a head).
+        model: a ``transformers`` model (base model or a model with a head), also inside a
+            ``PeftModel`` or ``torch.compile`` wrapper (:func:`unwrap_model`).
 
     Returns:
         The matching :class:`ArchitectureAdapter`.
@@ -227,6 +275,7 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     Raises:
         UnsupportedModelError: naming the supported families.
     """
+    model = unwrap_model(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     for adapter in ADAPTERS.values():
@@ -254,7 +303,8 @@ def get_path(root: nn.Module, path: str):
 
 
 def base_model(model: nn.Module) -> nn.Module:
-    r"""The bare Transformer inside a model with a head (``model.base_model``)."""
+    r"""The bare Transformer inside a model with a head (``model.base_model``), wrappers removed (:func:`unwrap_model`)."""
+    model = unwrap_model(model)
     return getattr(model, "base_model", model)
 
 

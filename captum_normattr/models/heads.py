@@ -17,7 +17,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
+from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params, unwrap_model
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ def get_head_adapter(model: nn.Module) -> HeadAdapter:
         UnsupportedModelError: for a model without a supported classification head,
             naming the supported ones.
     """
+    model = unwrap_model(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     name = type(model).__name__
     for head in HEAD_ADAPTERS.values():
@@ -136,6 +137,7 @@ def head_params(
     Returns:
         :class:`HeadParams`.
     """
+    model = unwrap_model(model)
     cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
     w_d, b_d = linear_params(get_path(model, head.dense))
     w_c, b_c = linear_params(get_path(model, head.classifier))
@@ -202,6 +204,7 @@ def vision_head(
         UnsupportedModelError: for other models (a bare ``ViTModel`` has no classes) or a
             head without classes (``num_labels=0``).
     """
+    model = unwrap_model(model)
     name = type(model).__name__
     if name not in VISION_HEADS:
         raise UnsupportedModelError(
