@@ -466,3 +466,48 @@ def test_cli_asks_only_for_what_it_prints(tiny_model, monkeypatch):
     assert n < len(exps[0].tokens)
     assert maps[1]["GlobEnc (N_ENC)"]["layer_maps"].shape == (2, n, n)
     assert maps[1]["GlobEnc (N_ENC)"]["rollout"].shape == (n, n)
+
+
+# ----------------------------------------------------------------- issue 27: usage errors, tokenizers, lengths
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer_model(tmp_path_factory) -> str:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("no_tokenizer")
+    config = BertConfig(vocab_size=5 + len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(path)  # no tokenizer files
+    return str(path)
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused(capsys, no_tokenizer_model, tmp_path):
+    for extra in ([], ["--format", "jsonl", "-o", str(tmp_path / "out.jsonl")]):
+        code, out, err = run(capsys, "the film", "--model", no_tokenizer_model, *extra)
+        assert code == 2 and "has no tokenizer files" in err and "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--image", "x.png"], "--image needs --model DIR"),
+        (["--image", "x.png", "--model", "./no/such/vit"], "model folder not found"),
+        (["the film", "--format", "jsonl", "-o", "."], "is a directory"),
+        (["the film", "--format", "jsonl", "-o", "plain/out.jsonl"], "is not a folder"),
+        (["the film", "--format", "json", "-o", "plain/out.json"], "is not a folder"),
+        (["the film", "--format", "jsonl", "-o", "o.jsonl", "--aggregate", "word"], "--aggregate word does not apply"),
+        (["the film was great", "--max-length", "2"], "--max-length 2 leaves no room for text"),
+        (["the film was great", "--max-length", "2", "--format", "jsonl", "-o", "o.jsonl"], "leaves no room"),
+        (["the film was great", "--max-length", "65"], "give --max-length 64 or less"),
+    ],
+)
+def test_usage_errors_of_paths_and_lengths(capsys, tiny_model, tmp_path, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain").write_text("")
+    argv = extra if extra[0] == "--image" else extra + ["--model", tiny_model]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.jsonl").exists()
