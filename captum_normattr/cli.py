@@ -37,8 +37,14 @@ argument is the subcommand and is dropped (``captum-normattr explain explain`` e
 the word "explain"); elsewhere it is a text, with a note on stderr. Texts longer than the model's limit are truncated with a
 warning on stderr naming the text and the number of tokens cut.
 
-Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option),
-1 for an error raised while explaining, 130 on Ctrl-C.
+Model folders with their own code (``auto_map``) are refused unless ``--trust-remote-code``
+is given: every ``from_pretrained`` gets ``trust_remote_code`` explicitly, so transformers never
+prompts. ``-o`` may not be an input, a directory or unwritable; input lines end at ``\n`` /
+``\r\n`` only (:func:`split_lines`).
+
+Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option, bad ``-o``,
+a model with its own code, a folder without tokenizer), 1 for an error raised while explaining,
+130 on Ctrl-C.
 """
 from __future__ import annotations
 

@@ -25,7 +25,16 @@ r"""Dataset runs: explain every text of a corpus, one JSON Lines record per text
   (:mod:`captum_normattr.cpu_launch`).
 - **Resume.** A rerun with the same output skips the ids already in ``out.jsonl`` and in
   any shard left by a crashed run, and merges everything at the end; ``--overwrite``
-  starts afresh. A progress bar runs on the main process only (``-q`` turns it off).
+  starts afresh. It resumes only the same job from the same texts: ``out.jsonl.job.json``
+  holds :func:`job_fingerprint` (model, tokenizer, methods and options, position, target,
+  token limit), and every record its text; a mismatch is refused naming what differs
+  (:class:`OutputError`). A shard's torn last line is cut off before appending.
+- **One writer.** The main process holds an exclusive ``flock`` on ``out.jsonl.lock`` from
+  the first read to the merge (removed at the end, also after an error); a second run on the
+  same output is refused.
+- **Truncation.** Texts longer than the limit are cut with a warning; their records say
+  ``"truncated": true`` and ``"tokens_cut": N``.
+- A progress bar runs on the main process only (``-q`` turns it off).
 - **Notebooks:** :func:`explain_dataset` does the same from Python and returns the records.
 
 See ``docs/scale.md``.
