@@ -895,6 +895,8 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
                    target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device,
                    warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
     except OutputError as err:
+        if not state.is_main_process:
+            return 2  # every process stops; the main process says why, once
         raise CLIError(str(err)) from None
     counts = [len(new)]
     if state.num_processes > 1:
