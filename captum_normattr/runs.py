@@ -569,12 +569,12 @@ def _records(
             if isinstance(target, Tensor):
                 entry["target"] = int(target[i])
             methods[key] = entry
-        rec = {"id": item.id, "text": item.text, "tokens": tokenizer.convert_ids_to_tokens(real_ids),
-               "truncated": bool(cut and cut[i])}
+        out.append({
+            "id": item.id, "text": item.text, "tokens": tokenizer.convert_ids_to_tokens(real_ids), "methods": methods,
+        })
+        out[-1]["truncated"] = bool(cut and cut[i])
         if cut and cut[i]:
-            rec["tokens_cut"] = int(cut[i])
-        rec["methods"] = methods
-        out.append(rec)
+            out[-1]["tokens_cut"] = int(cut[i])
     return out
 
 
