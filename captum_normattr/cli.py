@@ -333,16 +333,6 @@ def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
 # --------------------------------------------------------------------------- paths
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    r"""True when ``a`` and ``b`` name one file (through symbolic links and hard links)."""
-    try:
-        if a.exists() and b.exists():
-            return os.path.samefile(a, b)
-    except OSError:
-        pass
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], model: Optional[str] = None) -> None:
     r"""Refuse an ``-o`` path that would destroy an input or cannot be written, before anything runs.
 
@@ -355,11 +345,13 @@ def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], 
         CLIError: when ``output`` is an input (also through symbolic or hard links), an existing
             file of the model folder, a directory, or cannot be created or written.
     """
+    from captum_normattr.runs import same_file
+
     if output is None:
         return
     out = Path(output).expanduser()
     for what, name in inputs:
-        if _same_file(out, Path(name).expanduser()):
+        if same_file(out, Path(name).expanduser()):
             raise CLIError(f"-o {output} is the {what} {name}: writing there would replace the input; "
                            "give another output path")
     if model is not None and out.exists():

@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from captum_normattr.cpu_launch import requested_cpu_processes, spawn_cpu_processes
 
 __all__ = ["InputError", "InputItem", "OutputError", "add_arguments", "explain_dataset", "job_fingerprint",
-           "read_inputs", "run_cli"]
+           "read_inputs", "run_cli", "same_file"]
 
 MISSING_DATASETS_MESSAGE = (
     "reading a saved Hugging Face dataset needs the `datasets` package: pip install datasets "
@@ -245,6 +245,16 @@ def read_inputs(
 
 
 # --------------------------------------------------------------------------- output files
+
+
+def same_file(a: Union[str, Path], b: Union[str, Path]) -> bool:
+    r"""True when ``a`` and ``b`` name one file (also through symbolic and hard links; ``a`` may not exist yet)."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _shards(output: Path) -> List[Path]:
@@ -810,6 +820,10 @@ def explain_dataset(
 
     from captum_normattr.registry import get_method
 
+    if output is not None and isinstance(source, (str, Path)) and same_file(Path(output).expanduser(),
+                                                                          Path(source).expanduser()):
+        raise OutputError(f"output {output} is the input {source}: writing there would replace the input; "
+                          "give another output path")
     items = read_inputs(source, column, id_column, split)
     if model is None:
         from captum_normattr import load_default_model

@@ -143,6 +143,9 @@ def test_an_output_that_is_an_input_is_refused_through_symlinks(model_dir, tmp_p
     assert data.read_bytes() == before
     code = cli.main(["--model", model_dir, "--file", str(data), "-o", str(data), "--format", "json", "-q"])
     assert code == 2 and data.read_bytes() == before
+    with pytest.raises(runs.OutputError, match="is the input"):  # the Python form too
+        runs.explain_dataset(str(data), output=tmp_path / "link.jsonl", progress=False)
+    assert data.read_bytes() == before
 
 
 # ----------------------------------------------------------------- 5: a torn shard loses no record
