@@ -261,8 +261,8 @@ def _shards(output: Path) -> List[Path]:
     return sorted(output.parent.glob(output.name + ".part-*"))
 
 
-def _read_records(path: Path) -> Iterable[Tuple[Any, str]]:
-    r"""(id, raw line) of every complete record of a JSON Lines output (a torn last line is skipped)."""
+def _parsed_records(path: Path) -> Iterable[Tuple[Dict[str, Any], str]]:
+    r"""(record, raw line) of every complete record of a JSON Lines output (a torn last line is skipped)."""
     if not path.exists():
         return
     with path.open(encoding="utf-8") as fh:
@@ -274,15 +274,21 @@ def _read_records(path: Path) -> Iterable[Tuple[Any, str]]:
             except json.JSONDecodeError:
                 continue
             if isinstance(rec, dict) and "id" in rec:
-                yield rec["id"], line
+                yield rec, line
+
+
+def _read_records(path: Path) -> Iterable[Tuple[Any, str]]:
+    r"""(id, raw line) of every complete record of a JSON Lines output (a torn last line is skipped)."""
+    for rec, line in _parsed_records(path):
+        yield rec["id"], line
 
 
 def _recorded_texts(output: Path) -> Dict[Any, Optional[str]]:
     r"""``key(id) -> text`` of every complete record of ``output`` and its shards (the first one of an id)."""
     texts: Dict[Any, Optional[str]] = {}
     for path in [output] + _shards(output):
-        for i, line in _read_records(path):
-            texts.setdefault(_key(i), json.loads(line).get("text"))
+        for rec, _ in _parsed_records(path):
+            texts.setdefault(_key(rec["id"]), rec.get("text"))
     return texts
 
 
