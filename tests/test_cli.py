@@ -494,6 +494,7 @@ def test_a_model_folder_without_tokenizer_files_is_refused(capsys, no_tokenizer_
     [
         (["--image", "x.png"], "--image needs --model DIR"),
         (["--image", "x.png", "--model", "./no/such/vit"], "model folder not found"),
+        (["--image", "x.png", "--model", "MODEL"], "--image needs an image classifier"),  # a text model
         (["the film", "--format", "jsonl", "-o", "."], "is a directory"),
         (["the film", "--format", "jsonl", "-o", "plain/out.jsonl"], "is not a folder"),
         (["the film", "--format", "json", "-o", "plain/out.json"], "is not a folder"),
@@ -504,9 +505,14 @@ def test_a_model_folder_without_tokenizer_files_is_refused(capsys, no_tokenizer_
     ],
 )
 def test_usage_errors_of_paths_and_lengths(capsys, tiny_model, tmp_path, monkeypatch, extra, message):
+    from PIL import Image
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plain").write_text("")
-    argv = extra if extra[0] == "--image" else extra + ["--model", tiny_model]
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    argv = [tiny_model if a == "MODEL" else a for a in extra]
+    if extra[0] != "--image":
+        argv += ["--model", tiny_model]
     code, out, err = run(capsys, *argv)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1

@@ -1,6 +1,5 @@
 r"""Security and data-loss cases of the command line, run as a user would: ``python -m captum_normattr`` in a
-subprocess (issue 27, items 1, 4, 5, 6, 7, 16; the other usage errors of item 16 are in
-tests/test_cli.py).
+subprocess (issue 27, items 1, 4, 5, 6, 7; the usage errors of item 16 are in tests/test_cli.py).
 
 Each case is one subprocess on a tiny random BERT saved to a temporary folder; the runs that
 only prepare a state (a finished output, a crashed run) call :func:`captum_normattr.cli.main`
@@ -232,13 +231,3 @@ def test_resume_refuses_another_job_or_other_texts_and_says_which(model_dir, tmp
     assert out.read_text() == before
     assert cli.main(base + ["-m", "alti", "--overwrite"]) == 0
     assert [r["text"] for r in _records(out)] == ["an inserted line"] + TEXTS[:4]
-
-
-# ----------------------------------------------------------------- 16: usage errors are one line, exit code 2
-
-
-def test_an_image_on_a_text_model_is_a_usage_error(model_dir, tmp_path):
-    from PIL import Image
-
-    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
-    _one_line_error(_cli("--image", tmp_path / "x.png", "--model", model_dir), "image classifier")
