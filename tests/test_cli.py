@@ -517,3 +517,32 @@ def test_usage_errors_of_paths_and_lengths(capsys, tiny_model, tmp_path, monkeyp
     assert code == 2 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_every_from_pretrained_gets_trust_remote_code_explicitly(capsys, tiny_model, monkeypatch):
+    import transformers
+
+    calls = []
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForSequenceClassification):
+        real = cls.from_pretrained
+
+        def record(*a, _real=real, _name=cls.__name__, **k):
+            calls.append((_name, k.get("trust_remote_code", "unset")))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(cls, "from_pretrained", record)
+    code, _, err = run(capsys, "the film", "--model", tiny_model)
+    assert code == 0, err
+    assert {name for name, _ in calls} == {"AutoConfig", "AutoModelForSequenceClassification", "AutoTokenizer"}
+    assert all(value is False for _, value in calls), calls  # explicit False: transformers never prompts
+    calls.clear()
+    assert run(capsys, "the film", "--model", tiny_model, "--trust-remote-code")[0] == 0
+    assert all(value is True for _, value in calls), calls
+
+    def hub_refuses(*a, **k):  # what transformers raises for a Hub model with custom code and trust_remote_code=False
+        raise ValueError("The repository org/custom contains custom code which must be executed to correctly load "
+                         "the model. Please pass the argument `trust_remote_code=True` to allow custom code to be run.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub_refuses)
+    code, _, err = run(capsys, "the film", "--model", "org/custom")
+    assert code == 2 and "--trust-remote-code" in err and "Traceback" not in err
