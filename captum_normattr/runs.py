@@ -848,6 +848,8 @@ def explain_dataset(
 
     device = None if is_dispatched(model) else next(model.parameters()).device
     path = None if output is None else Path(output).expanduser()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     new = _run(items, model, tokenizer, specs, ns, path, batch_size=batch_size, max_length=max_length,
                target=target, progress=progress, overwrite=overwrite, device=device)
     if path is not None:
