@@ -37,12 +37,20 @@ argument is the subcommand and is dropped (``captum-normattr explain explain`` e
 the word "explain"); elsewhere it is a text, with a note on stderr. Texts longer than the model's limit are truncated with a
 warning on stderr naming the text and the number of tokens cut.
 
-Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option),
-1 for an error raised while explaining, 130 on Ctrl-C.
+Model folders with their own code (``auto_map``) are refused unless ``--trust-remote-code``
+is given: every ``from_pretrained`` gets ``trust_remote_code`` explicitly, so transformers never
+prompts. ``-o`` may not be an input, a directory or unwritable; input lines end at ``\n`` /
+``\r\n`` only (:func:`split_lines`).
+
+Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option, bad ``-o``,
+a model with its own code, a folder without tokenizer), 1 for an error raised while explaining,
+130 on Ctrl-C.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -183,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=_positive_int, default=None,
                    help="truncate texts to this many tokens (default: the model's limit)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model folder (or Hub model) to run its own Python code (auto_map in its "
+                   "config.json); off by default: such a model is refused, and nothing ever prompts")
     p.add_argument("--format", choices=("table", "json", "html", "jsonl"), default=None,
                    help="output format (default: from the --output suffix, else table); jsonl: one record per "
                    "text, resumable, runs under accelerate launch (docs/scale.md)")
@@ -225,8 +236,54 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- inputs
 
 
+def split_lines(text: str) -> List[str]:
+    r"""The lines of ``text``, split at ``"\n"`` and ``"\r\n"`` only, a leading UTF-8 byte-order mark dropped.
+
+    Unlike ``str.splitlines()``, U+2028, U+2029, U+0085, form feed, vertical tab and a lone
+    ``"\r"`` do not end a line, so line numbers (the ids of dataset runs) are the numbers an
+    editor shows.
+
+    Args:
+        text: the text.
+
+    Returns:
+        Its lines, without line ends (no empty last line for a text that ends with a newline).
+
+    Examples:
+        >>> split_lines("\ufeffa\r\nb\u2028c\n")
+        ['a', 'b\u2028c']
+    """
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_utf8(path: Path) -> str:
+    r"""The text of a UTF-8 file, line ends untranslated (``newline=""``), a byte-order mark dropped.
+
+    Raises:
+        UnicodeDecodeError, OSError: as ``open`` and ``read`` do.
+    """
+    with open(path, encoding="utf-8-sig", newline="") as fh:
+        return fh.read()
+
+
+def read_stdin_lines() -> List[str]:
+    r"""The lines of standard input (UTF-8), split as :func:`split_lines` does."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a replaced sys.stdin (io.StringIO)
+        return split_lines(sys.stdin.read())
+    try:
+        return split_lines(buffer.read().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CLIError("standard input is not UTF-8 text") from None
+
+
 def read_text_lines(path: Path, file: str) -> List[str]:
-    r"""The lines of a UTF-8 text file, or a :class:`CLIError` naming ``file``.
+    r"""The lines of a UTF-8 text file (split by :func:`split_lines`), or a :class:`CLIError` naming ``file``.
 
     Args:
         path: the file.
@@ -236,7 +293,7 @@ def read_text_lines(path: Path, file: str) -> List[str]:
         Its lines, without line ends.
     """
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        return split_lines(read_utf8(path))
     except UnicodeDecodeError:
         raise CLIError(f"{file} is not a UTF-8 text file") from None
     except OSError as err:
@@ -259,7 +316,7 @@ def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
     out = [t for t in texts if t.strip()]
     if file is not None:
         if file == "-":
-            lines = sys.stdin.read().splitlines()
+            lines = read_stdin_lines()
         else:
             path = Path(file).expanduser()
             if not path.exists():
@@ -273,6 +330,45 @@ def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
     return out
 
 
+# --------------------------------------------------------------------------- paths
+
+
+def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], model: Optional[str] = None) -> None:
+    r"""Refuse an ``-o`` path that would destroy an input or cannot be written, before anything runs.
+
+    Args:
+        output: the ``-o`` path (None: stdout, nothing to check).
+        inputs: (what, path) of every input file (``--file``, ``--image``).
+        model: the ``--model`` value; an existing file inside a local model folder is refused too.
+
+    Raises:
+        CLIError: when ``output`` is an input (also through symbolic or hard links), an existing
+            file of the model folder, a directory, or cannot be created or written.
+    """
+    from captum_normattr.runs import same_file
+
+    if output is None:
+        return
+    out = Path(output).expanduser()
+    for what, name in inputs:
+        if same_file(out, Path(name).expanduser()):
+            raise CLIError(f"-o {output} is the {what} {name}: writing there would replace the input; "
+                           "give another output path")
+    if model is not None and out.exists():
+        folder = Path(model).expanduser()
+        if folder.is_dir() and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(folder)):
+            raise CLIError(f"-o {output} is a file of the model folder {model}; give another output path")
+    if out.is_dir():
+        raise CLIError(f"-o {output} is a directory; give a file path (e.g. {out / 'out.jsonl'})")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CLIError(f"cannot write -o {output}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise CLIError(f"cannot write -o {output}: permission denied")
+
+
 def _looks_like_path(name: str) -> bool:
     r"""True for strings that cannot be a Hub id (``name`` or ``org/name``)."""
     return (
@@ -283,22 +379,78 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
-def load_model(name_or_path: Optional[str], device: Any) -> Tuple[Any, Any, str]:
+def load_model(name_or_path: Optional[str], device: Any, trust_remote_code: bool = False) -> Tuple[Any, Any, str]:
     r"""Load a model and its tokenizer for explanation (see :func:`_load_model`),
     with transformers' "Loading weights" progress bars turned off meanwhile.
+
+    ``trust_remote_code`` (``--trust-remote-code``) is passed to every ``from_pretrained``;
+    without it a model with its own code is refused (:func:`check_remote_code`) and
+    transformers never prompts (a ``yes |`` on stdin cannot make it run code).
     """
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        return _load_model(name_or_path, device)
+        return _load_model(name_or_path, device, trust_remote_code)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
 
 
-def _load_model(name_or_path: Optional[str], device: Any) -> Tuple[Any, Any, str]:
+#: files of a model folder whose ``auto_map`` names Python code of the folder to import
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json",
+                     "processor_config.json", "feature_extractor_config.json", "image_processor_config.json")
+
+
+def check_remote_code(folder: Path, name: str, trust_remote_code: bool) -> None:
+    r"""Refuse a local model folder that asks to run its own Python code, unless ``--trust-remote-code``.
+
+    Raises:
+        CLIError: when one of :data:`REMOTE_CODE_FILES` has an ``auto_map`` and
+            ``trust_remote_code`` is False.
+    """
+    if trust_remote_code:
+        return
+    for fname in REMOTE_CODE_FILES:
+        try:
+            data = json.loads(read_utf8(folder / fname))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("auto_map"):
+            raise CLIError(f"model folder {name!r} asks to run its own Python code ({fname} has an 'auto_map'); "
+                           "it is never run without --trust-remote-code (pass it only for code you have read and trust)")
+
+
+def _remote_code_error(name: str, err: BaseException) -> Optional[CLIError]:
+    r"""The :class:`CLIError` for transformers' refusal of custom code (``trust_remote_code=False``), else None."""
+    if "trust_remote_code" not in str(err):
+        return None
+    return CLIError(f"model {name!r} needs to run its own Python code; it is never run without --trust-remote-code "
+                    "(pass it only for code you have read and trust)")
+
+
+def _tokenizer_problem(folder: Optional[Path], tok: Any) -> Optional[str]:
+    r"""Why ``tok`` is no real tokenizer of the model (None if it is).
+
+    transformers builds a default tokenizer holding nothing but its special tokens (BERT: 5)
+    for a folder without tokenizer files; every word would be ``[UNK]``.
+    """
+    if folder is not None:
+        names = [p.name.lower() for p in folder.iterdir() if p.is_file()]
+        looks = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens_map", "added_tokens")
+        if not any(n.startswith(looks) or n.endswith((".model", ".spm", ".tiktoken")) for n in names):
+            return "has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)"
+    try:
+        size, special = len(tok), len(set(getattr(tok, "all_special_tokens", []) or []))
+    except TypeError:
+        return None
+    if size <= special:
+        return f"has a tokenizer of {size} tokens, all of them special tokens"
+    return None
+
+
+def _load_model(name_or_path: Optional[str], device: Any, trust_remote_code: bool = False) -> Tuple[Any, Any, str]:
     r"""Load a model and its tokenizer for explanation.
 
     Classification checkpoints (``*ForSequenceClassification``) and causal LMs
@@ -339,14 +491,19 @@ def _load_model(name_or_path: Optional[str], device: Any) -> Tuple[Any, Any, str
             raise CLIError(f"model path {name_or_path!r} is a file; give a model folder (with config.json)")
         if not (local / "config.json").exists():
             raise CLIError(f"model folder {name_or_path!r} has no config.json")
+        check_remote_code(local, name_or_path, trust_remote_code)
         source = str(local)
     elif _looks_like_path(name_or_path):
         raise CLIError(f"model folder not found: {name_or_path}")
     else:
         source = name_or_path
+    trust = {"trust_remote_code": bool(trust_remote_code)}  # explicit: transformers never prompts
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **trust)
     except Exception as err:  # noqa: BLE001 - any failure here is a bad name or no network
+        refused = _remote_code_error(name_or_path, err)
+        if refused is not None:
+            raise refused from None
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CLIError(
             f"cannot load model {name_or_path!r}: {msg}\n"
@@ -365,16 +522,22 @@ def _load_model(name_or_path: Optional[str], device: Any) -> Tuple[Any, Any, str
     else:
         auto = transformers.AutoModel
     try:
-        model = auto.from_pretrained(source, attn_implementation="eager")
+        model = auto.from_pretrained(source, attn_implementation="eager", **trust)
     except Exception:  # noqa: BLE001 - retry without forcing eager attention
         try:
-            model = auto.from_pretrained(source)
+            model = auto.from_pretrained(source, **trust)
         except Exception as err:  # noqa: BLE001
-            raise CLIError(f"cannot load model weights of {name_or_path!r}: {err}") from None
+            raise _remote_code_error(name_or_path, err) or CLIError(
+                f"cannot load model weights of {name_or_path!r}: {err}") from None
     try:
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, **trust)
     except Exception as err:  # noqa: BLE001
-        raise CLIError(f"cannot load the tokenizer of {name_or_path!r}: {err}") from None
+        raise _remote_code_error(name_or_path, err) or CLIError(
+            f"cannot load the tokenizer of {name_or_path!r}: {err}") from None
+    problem = _tokenizer_problem(local if local.is_dir() else None, tok)
+    if problem is not None:
+        raise CLIError(f"model {name_or_path!r} {problem}: its texts cannot be tokenized (every word would be "
+                       "unknown); save the model's tokenizer into the folder (tokenizer.save_pretrained(DIR))")
     return model.to(device).eval(), tok, name_or_path
 
 
@@ -539,14 +702,46 @@ def _build_attributions(specs: Sequence[MethodSpec], model: Any, options: argpar
     return attrs
 
 
+def _position_limit(model: Any) -> Optional[int]:
+    r"""The longest input the model's position embeddings allow (None: unbounded or unknown)."""
+    from captum_normattr.models.adapters import get_adapter, max_positions
+
+    try:
+        limit = max_positions(model, get_adapter(model))
+    except Exception:  # noqa: BLE001 - no adapter (encoder-decoders, registered models): the config's number
+        limit = getattr(model.config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_max_length(tokenizer: Any, max_length: int, position_limit: Optional[int]) -> None:
+    r"""Refuse a ``--max-length`` that leaves no room for text or exceeds the model's positions.
+
+    Raises:
+        CLIError: naming ``--max-length`` and the values it may take.
+    """
+    try:
+        special = int(tokenizer.num_special_tokens_to_add(pair=False))
+    except Exception:  # noqa: BLE001 - a tokenizer without the method
+        special = 0
+    if max_length <= special:
+        raise CLIError(f"--max-length {max_length} leaves no room for text: the tokenizer adds {special} special "
+                       f"token(s) to every text; give --max-length {special + 1} or more")
+    if position_limit is not None and max_length > position_limit:
+        raise CLIError(f"--max-length {max_length} exceeds the model's limit of {position_limit} tokens (its "
+                       f"position embeddings); give --max-length {position_limit} or less, or leave it out (the "
+                       "model's limit is the default)")
+
+
 def _max_length(model: Any, tokenizer: Any, max_length: Optional[int]) -> Optional[int]:
-    r"""``max_length`` if given, else the smaller of the tokenizer's and the position embeddings' limits (or None)."""
+    r"""``max_length`` if given (checked by :func:`check_max_length`), else the smaller of the tokenizer's
+    and the position embeddings' limits (or None)."""
+    pos_limit = _position_limit(model)
     if max_length is not None:
+        check_max_length(tokenizer, max_length, pos_limit)
         return max_length
     limit = getattr(tokenizer, "model_max_length", None)
     out = limit if isinstance(limit, int) and 0 < limit < 100_000 else None
-    pos_limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(pos_limit, int) and pos_limit > 0:
+    if pos_limit is not None:
         out = min(out or pos_limit, pos_limit)
     return out
 
@@ -794,6 +989,18 @@ def _list_methods() -> str:
     return "\n".join(lines)
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    r"""Usage errors of the paths, before anything is loaded: ``--image`` without ``--model``, a missing
+    model folder, and an ``-o`` that is an input, a directory or unwritable (:func:`check_output_path`)."""
+    if args.image and not args.model:
+        raise CLIError("--image needs --model DIR: a local folder with an image classifier and its image processor")
+    if args.model and _looks_like_path(args.model) and not Path(args.model).expanduser().exists():
+        raise CLIError(f"model folder not found: {args.model}")
+    inputs = [("input file", args.file)] if args.file not in (None, "-") else []
+    inputs += [("input image", image) for image in (args.image or [])]
+    check_output_path(args.output, inputs, args.model)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.list_methods:
         print(_list_methods())
@@ -808,6 +1015,7 @@ def _run(args: argparse.Namespace) -> int:
     if fmt is None:
         suffix = Path(args.output).suffix.lower() if args.output else ""
         fmt = {".json": "json", ".html": "html", ".htm": "html", ".jsonl": "jsonl"}.get(suffix, "table")
+    _check_paths(args)
     if args.source or args.target_text or any(s.key == ALTI_PLUS for s in specs):  # encoder-decoders
         from captum_normattr.cli_seq2seq import run_seq2seq
 
@@ -836,7 +1044,7 @@ def _run(args: argparse.Namespace) -> int:
               f"recognised only as the first argument ({PROG} {SUBCOMMAND} [options] TEXT ...)", file=sys.stderr)
     texts = read_texts(given, args.file)
     device = _resolve_device(args.device)
-    model, tok, model_name = load_model(args.model, device)
+    model, tok, model_name = load_model(args.model, device, args.trust_remote_code)
     if tok.pad_token is None:
         if getattr(tok, "eos_token", None) is not None:
             tok.pad_token = tok.eos_token
@@ -913,8 +1121,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
+    from captum_normattr import cli as _cli  # the module the other modules import (its CLIError), not __main__
     from captum_normattr.cpu_launch import close_process_group
 
-    code = main()
+    code = _cli.main()
     close_process_group()
     sys.exit(code)

@@ -31,6 +31,7 @@ from captum_normattr.cli import (
     _resolve_device,
     _write,
     load_model,
+    read_stdin_lines,
     read_text_lines,
 )
 from captum_normattr.registry import MethodSpec
@@ -85,7 +86,7 @@ def read_pairs(sources: Sequence[str], targets: Optional[Sequence[str]], file: O
     if file is not None:
         name = "<stdin>" if file == "-" else file
         if file == "-":
-            lines = sys.stdin.read().splitlines()
+            lines = read_stdin_lines()
         else:
             path = Path(file).expanduser()
             if not path.is_file():
@@ -379,7 +380,7 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
     sources = list(args.source or []) + list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
     pairs = read_pairs(sources, args.target_text, args.file)
     device = _resolve_device(args.device)
-    model, tok, model_name = load_model(args.model, device)
+    model, tok, model_name = load_model(args.model, device, getattr(args, "trust_remote_code", False))
     if not _is_encoder_decoder(model):
         cfg = model.config
         kind = "a decoder-only model" if _is_decoder(model) or getattr(cfg, "is_decoder", False) else (

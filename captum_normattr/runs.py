@@ -25,7 +25,16 @@ r"""Dataset runs: explain every text of a corpus, one JSON Lines record per text
   (:mod:`captum_normattr.cpu_launch`).
 - **Resume.** A rerun with the same output skips the ids already in ``out.jsonl`` and in
   any shard left by a crashed run, and merges everything at the end; ``--overwrite``
-  starts afresh. A progress bar runs on the main process only (``-q`` turns it off).
+  starts afresh. It resumes only the same job from the same texts: ``out.jsonl.job.json``
+  holds :func:`job_fingerprint` (model, tokenizer, methods and options, position, target,
+  token limit), and every record its text; a mismatch is refused naming what differs
+  (:class:`OutputError`). A shard's torn last line is cut off before appending.
+- **One writer.** The main process holds an exclusive ``flock`` on ``out.jsonl.lock`` from
+  the first read to the merge (removed at the end, also after an error); a second run on the
+  same output is refused.
+- **Truncation.** Texts longer than the limit are cut with a warning; their records say
+  ``"truncated": true`` and ``"tokens_cut": N``.
+- A progress bar runs on the main process only (``-q`` turns it off).
 - **Notebooks:** :func:`explain_dataset` does the same from Python and returns the records.
 
 See ``docs/scale.md``.
@@ -39,11 +48,12 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from captum_normattr.cpu_launch import requested_cpu_processes, spawn_cpu_processes
 
-__all__ = ["InputError", "InputItem", "add_arguments", "explain_dataset", "read_inputs", "run_cli"]
+__all__ = ["InputError", "InputItem", "OutputError", "add_arguments", "explain_dataset", "job_fingerprint",
+           "read_inputs", "run_cli", "same_file"]
 
 MISSING_DATASETS_MESSAGE = (
     "reading a saved Hugging Face dataset needs the `datasets` package: pip install datasets "
@@ -53,6 +63,10 @@ MISSING_DATASETS_MESSAGE = (
 
 class InputError(ValueError):
     r"""A broken or unreadable input; the message names the file and line."""
+
+
+class OutputError(RuntimeError):
+    r"""The output cannot be written or resumed: another run writes it, or it holds another job's records."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +81,21 @@ class InputItem:
 # --------------------------------------------------------------------------- inputs
 
 
-def _text_file(path: Path) -> List[InputItem]:
-    out = []
+def _lines(path: Path) -> List[str]:
+    r"""The lines of a UTF-8 file, split at ``\n`` / ``\r\n`` only, a byte-order mark dropped (so ids are line numbers)."""
+    from captum_normattr.cli import read_utf8, split_lines
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return split_lines(read_utf8(path))
     except UnicodeDecodeError as err:
         raise InputError(f"{path} is not a UTF-8 text file ({err})") from None
-    for n, line in enumerate(lines, start=1):
+    except OSError as err:
+        raise InputError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _text_file(path: Path) -> List[InputItem]:
+    out = []
+    for n, line in enumerate(_lines(path), start=1):
         if line.strip():
             out.append(InputItem(n, line.strip(), f"{path} line {n}"))
     return out
@@ -95,31 +117,30 @@ def _check_id(value: Any, id_column: str, where: str) -> Any:
 
 def _jsonl_file(path: Path, column: str, id_column: Optional[str]) -> List[InputItem]:
     out = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict):
-                raise InputError(f"{where}: expected a JSON object with a {column!r} field, got {type(row).__name__}")
-            if column not in row:
-                raise InputError(f"{where}: no {column!r} field (fields: {', '.join(map(str, row)) or 'none'}); "
-                                 "name the text field with --column")
-            if id_column is not None and id_column not in row:
-                raise InputError(f"{where}: no id field {id_column!r}")
-            key = n if id_column is None else _check_id(row[id_column], id_column, where)
-            out.append(InputItem(key, _check_text(row[column], column, where), where))
+    for n, line in enumerate(_lines(path), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{where}: expected a JSON object with a {column!r} field, got {type(row).__name__}")
+        if column not in row:
+            raise InputError(f"{where}: no {column!r} field (fields: {', '.join(map(str, row)) or 'none'}); "
+                             "name the text field with --column")
+        if id_column is not None and id_column not in row:
+            raise InputError(f"{where}: no id field {id_column!r}")
+        key = n if id_column is None else _check_id(row[id_column], id_column, where)
+        out.append(InputItem(key, _check_text(row[column], column, where), where))
     return out
 
 
 def _csv_file(path: Path, column: str, id_column: Optional[str]) -> List[InputItem]:
     delimiter = "\t" if path.suffix.lower() in (".tsv", ".tab") else ","
     out = []
-    with path.open(encoding="utf-8", newline="") as fh:
+    with path.open(encoding="utf-8-sig", newline="") as fh:  # utf-8-sig: a byte-order mark is not in the header
         reader = csv.DictReader(fh, delimiter=delimiter)
         fields = reader.fieldnames or []
         for name in [column] + ([id_column] if id_column else []):
@@ -226,12 +247,22 @@ def read_inputs(
 # --------------------------------------------------------------------------- output files
 
 
+def same_file(a: Union[str, Path], b: Union[str, Path]) -> bool:
+    r"""True when ``a`` and ``b`` name one file (also through symbolic and hard links; ``a`` may not exist yet)."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _shards(output: Path) -> List[Path]:
     return sorted(output.parent.glob(output.name + ".part-*"))
 
 
-def _read_records(path: Path) -> Iterable[Tuple[Any, str]]:
-    r"""(id, raw line) of every complete record of a JSON Lines output (a torn last line is skipped)."""
+def _parsed_records(path: Path) -> Iterable[Tuple[Dict[str, Any], str]]:
+    r"""(record, raw line) of every complete record of a JSON Lines output (a torn last line is skipped)."""
     if not path.exists():
         return
     with path.open(encoding="utf-8") as fh:
@@ -243,14 +274,246 @@ def _read_records(path: Path) -> Iterable[Tuple[Any, str]]:
             except json.JSONDecodeError:
                 continue
             if isinstance(rec, dict) and "id" in rec:
-                yield rec["id"], line
+                yield rec, line
 
 
-def _done_ids(output: Path) -> set:
-    done = set()
+def _read_records(path: Path) -> Iterable[Tuple[Any, str]]:
+    r"""(id, raw line) of every complete record of a JSON Lines output (a torn last line is skipped)."""
+    for rec, line in _parsed_records(path):
+        yield rec["id"], line
+
+
+def _recorded_texts(output: Path) -> Dict[Any, Optional[str]]:
+    r"""``key(id) -> text`` of every complete record of ``output`` and its shards (the first one of an id)."""
+    texts: Dict[Any, Optional[str]] = {}
     for path in [output] + _shards(output):
-        done.update(_key(i) for i, _ in _read_records(path))
-    return done
+        for rec, _ in _parsed_records(path):
+            texts.setdefault(_key(rec["id"]), rec.get("text"))
+    return texts
+
+
+def _drop_torn_tail(path: Path) -> bool:
+    r"""Cut ``path`` back to its last complete line (a process killed mid-write, a full disk); True if it did.
+
+    Appending after a fragment would glue the next record onto it and lose both.
+    """
+    if not path.exists():
+        return False
+    with path.open("rb+") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if size == 0:
+            return False
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return False
+        keep, end = 0, size
+        while end > 0:
+            start = max(0, end - (1 << 16))
+            fh.seek(start)
+            k = fh.read(end - start).rfind(b"\n")
+            if k >= 0:
+                keep = start + k + 1
+                break
+            end = start
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
+
+
+def lock_path(output: Path) -> Path:
+    r"""The lock file of a run writing ``output``: ``<output>.lock`` (removed when the run ends)."""
+    return output.with_name(output.name + ".lock")
+
+
+def job_path(output: Path) -> Path:
+    r"""The job description of ``output`` (:func:`job_fingerprint`): ``<output>.job.json``, kept for resuming."""
+    return output.with_name(output.name + ".job.json")
+
+
+class _OutputLock:
+    r"""An exclusive, non-blocking ``flock`` on :func:`lock_path` (POSIX; elsewhere no lock is taken)."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.path = lock_path(output)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> Optional[str]:
+        r"""Take the lock: None, or why not (another process holds it)."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no flock
+            return None
+        for _ in range(5):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                try:
+                    holder = os.read(fd, 64).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+                who = f" (process {holder})" if holder.isdigit() else ""
+                return (f"{self.output} is being written by another run{who}, which holds {self.path.name}; "
+                        "wait for it to finish, or give another -o (two runs on one output would lose records)")
+            try:  # the holder before us may have removed the file after we opened it: lock the current file
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except OSError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                self.fd = fd
+                return None
+            os.close(fd)
+        return f"cannot lock {self.path}: it keeps being replaced"
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        import fcntl
+
+        try:
+            self.path.unlink()  # while still held: a process that opened it before cannot lock a removed file
+        except OSError:
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _sha(value: Any) -> str:
+    import hashlib
+
+    data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True, default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+#: configuration entries that say how a model runs, not what it computes (not part of its identity)
+_RUNTIME_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "attn_implementation", "output_attentions",
+                        "output_hidden_states", "return_dict", "use_cache", "torchscript")
+
+
+def _model_identity(model: Any) -> Dict[str, Any]:
+    r"""The model's class, a hash of its configuration, a hash of a sample of every weight tensor, its dtype."""
+    import torch
+
+    config = getattr(model, "config", None)
+    cfg = config.to_dict() if hasattr(config, "to_dict") else {}
+    cfg = {k: v for k, v in cfg.items()
+           if not k.startswith("_") and k not in _RUNTIME_CONFIG_KEYS}
+    h = []
+    dtype = None
+    for name, param in model.named_parameters():
+        dtype = dtype or str(param.dtype).replace("torch.", "")
+        if param.device.type == "meta":  # offloaded by accelerate: the name only
+            h.append(name)
+            continue
+        flat = param.detach().reshape(-1)
+        sample = flat if flat.numel() <= 32 else torch.cat([flat[:16], flat[-16:]])
+        h.append(name + ":" + _sha(sample.to("cpu", torch.float64).numpy().tobytes()))
+    return {"name": str(getattr(config, "_name_or_path", "") or type(model).__name__), "class": type(model).__name__,
+            "config": _sha(cfg), "weights": _sha(h), "dtype": dtype}
+
+
+def job_fingerprint(model: Any, tokenizer: Any, specs: Sequence[Any], options: Any, max_length: Optional[int],
+                    target: Optional[int]) -> Dict[str, Any]:
+    r"""What a dataset run's records depend on, stored next to its output (:func:`job_path`) for resuming.
+
+    ``model``: class, configuration hash, a hash of the first and last 16 values of every weight
+    tensor (catches another checkpoint with the same configuration) and dtype (its name is shown,
+    not compared); ``tokenizer``: class, vocabulary hash and truncation side; ``methods``: every
+    method with each of its options; ``explained_position``, ``target`` and ``max_length`` (the limit
+    the texts are cut to). Not compared: ``--batch-size``, ``--device``, the number of processes
+    (they change the last bits only). Each record holds its text, which a resume compares too.
+
+    Returns:
+        A JSON-ready dict.
+    """
+    try:
+        vocab = _sha(sorted(tokenizer.get_vocab().items()))
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab
+        vocab = None
+    methods = {spec.key: {opt.dest: getattr(options, opt.dest, opt.default) for opt in spec.options}
+               for spec in sorted(specs, key=lambda sp: sp.key)}
+    return _jsonable({
+        "model": _model_identity(model),
+        "tokenizer": {"class": type(tokenizer).__name__, "vocab": vocab,
+                      "truncation_side": getattr(tokenizer, "truncation_side", None)},
+        "methods": methods,
+        "explained_position": getattr(options, "position", None),
+        "target": target,
+        "max_length": max_length,
+    })
+
+
+def _job_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> List[str]:
+    r"""The parts of two :func:`job_fingerprint` dicts that differ, readably."""
+    out = []
+    for part in new:
+        a, b = old.get(part), new[part]
+        if part == "model" and isinstance(a, dict):
+            keys = [k for k in ("class", "config", "weights", "dtype") if a.get(k) != b.get(k)]
+            if keys:
+                out.append(f"model ({', '.join(keys)} differ): {a.get('name')!r} there, {b.get('name')!r} now")
+        elif part == "methods" and isinstance(a, dict):
+            if list(a) != list(b):
+                out.append(f"methods: {', '.join(a)} there, {', '.join(b)} now")
+            else:
+                for key in b:
+                    for dest, value in b[key].items():
+                        if a[key].get(dest) != value:
+                            out.append(f"{key} option {dest}: {a[key].get(dest)!r} there, {value!r} now")
+        elif a != b:
+            out.append(f"{part}: {a!r} there, {b!r} now")
+    return out
+
+
+def _resume_problem(output: Path, job: Mapping[str, Any], items: Sequence["InputItem"]) -> Optional[str]:
+    r"""Why the records of ``output`` (and its shards) cannot be resumed by this job, or None."""
+    recorded = _recorded_texts(output)
+    if not recorded:
+        return None
+    redo = "--overwrite (overwrite=True) starts afresh, or give another -o"
+    side = job_path(output)
+    try:
+        old = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return (f"{output} holds {len(recorded)} record(s) but no readable job description {side.name} (written by "
+                f"an older version or another program): cannot tell whether they match this run; {redo}")
+    diffs = _job_differences(old, job)
+    if diffs:
+        return f"{output} holds the records of another job: {'; '.join(diffs)}. {redo}"
+    changed = [it for it in items if _key(it.id) in recorded and recorded[_key(it.id)] != it.text]
+    if changed:
+        it = changed[0]
+        return (f"{len(changed)} record(s) of {output} were explained from other texts than the input holds now "
+                f"(was a line inserted or edited?), e.g. id {it.id!r}: {recorded[_key(it.id)]!r:.80} there, "
+                f"{it.text!r:.80} now at {it.where}. {redo}")
+    return None
+
+
+def _write_job(output: Path, job: Mapping[str, Any]) -> None:
+    side = job_path(output)
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(json.dumps(job, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, side)
+
+
+def _agree(state: Any, value: Any) -> Any:
+    r"""The main process's ``value`` on every process (so that all of them stop together)."""
+    if state.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 def _key(value: Any) -> Any:
@@ -296,7 +559,8 @@ def _completeness(res: Any, i: int) -> Optional[float]:
 
 
 def _records(
-    chunk: Sequence[InputItem], tokenizer: Any, ids: Any, mask: Any, results: Mapping[str, Any]
+    chunk: Sequence[InputItem], tokenizer: Any, ids: Any, mask: Any, results: Mapping[str, Any],
+    cut: Sequence[int] = (),
 ) -> List[Dict[str, Any]]:
     from torch import Tensor
 
@@ -327,6 +591,9 @@ def _records(
             "id": item.id, "text": item.text, "tokens": tokenizer.convert_ids_to_tokens(real_ids),
             "token_text": list(readable_tokens(tokenizer, real_ids)), "methods": methods,
         })
+        out[-1]["truncated"] = bool(cut and cut[i])
+        if cut and cut[i]:
+            out[-1]["tokens_cut"] = int(cut[i])
     return out
 
 
@@ -354,6 +621,46 @@ def _state():
     return state
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _truncation_warnings(share: Sequence[InputItem], cut: Sequence[int], limit: Optional[int], side: str,
+                         warn: Callable[[str], None], shown: int = 5) -> None:
+    r"""One warning per truncated text (the first ``shown``), then one for the rest."""
+    where = "first" if side == "left" else "last"
+    hit = [k for k, c in enumerate(cut) if c]
+    for k in hit[:shown]:
+        warn(f"{share[k].where} (id {share[k].id!r}) has {limit + cut[k]} tokens but the limit is {limit}: its "
+             f"{where} {cut[k]} token(s) were cut; its record says \"truncated\": true (see --max-length)")
+    if len(hit) > shown:
+        warn(f"{len(hit) - shown} more text(s) were cut to {limit} tokens; their records say \"truncated\": true")
+
+
+def _prepare_output(state: Any, output: Path, items: Sequence[InputItem], job: Optional[Mapping[str, Any]],
+                    overwrite: bool, warn: Callable[[str], None]) -> None:
+    r"""Main process (with the lock held): start afresh or check that the job and texts match; repair torn shards.
+
+    Raises:
+        OutputError: on every process, when the records there belong to another job or texts.
+    """
+    problem = None
+    if state.is_main_process:
+        if overwrite:
+            for path in [output, job_path(output)] + _shards(output):
+                path.unlink(missing_ok=True)
+        for path in _shards(output):
+            if _drop_torn_tail(path):
+                warn(f"{path.name}: dropped its incomplete last line (a run stopped while writing it); "
+                     "that text is explained again")
+        problem = _resume_problem(output, job, items) if job is not None else None
+        if problem is None and job is not None:
+            _write_job(output, job)
+    problem = _agree(state, problem)
+    if problem is not None:
+        raise OutputError(problem)
+
+
 def _run(
     items: Sequence[InputItem],
     model: Any,
@@ -368,27 +675,57 @@ def _run(
     progress: bool = True,
     overwrite: bool = False,
     device: Any = None,
+    warn: Callable[[str], None] = _warn,
 ) -> List[Dict[str, Any]]:
-    r"""The shared core of :func:`explain_dataset` and the command line; returns this process's new records."""
+    r"""The shared core of :func:`explain_dataset` and the command line; returns this process's new records.
+
+    With an ``output``, the main process holds an exclusive lock on it (:func:`lock_path`) from the
+    first read to the merge, released also after an error; a second run on the same output is
+    refused (:class:`OutputError`) on every process.
+    """
     from captum_normattr.cli import CLIError, _build_attributions, _explain_batch, _max_length
 
     state = _state()
-    if output is not None:
-        if overwrite and state.is_main_process:
-            for path in [output] + _shards(output):
-                path.unlink(missing_ok=True)
-        state.wait_for_everyone()
-        done = _done_ids(output)
-        state.wait_for_everyone()  # every process has read the done ids before any shard grows
-        todo = [it for it in items if _key(it.id) not in done]
-    else:
-        todo = list(items)
     attrs = _build_attributions(specs, model, options)
     limit = _max_length(model, tokenizer, max_length)
-    with state.split_between_processes(todo) as share:
+    lock = _OutputLock(output) if output is not None and state.is_main_process else None
+    try:
+        if output is not None:
+            busy = _agree(state, lock.acquire() if lock is not None else None)
+            if busy is not None:
+                raise OutputError(busy)
+            job = job_fingerprint(model, tokenizer, specs, options, limit, target) if state.is_main_process else None
+            _prepare_output(state, output, items, job, overwrite, warn)
+            state.wait_for_everyone()
+            done = set(_recorded_texts(output))
+            state.wait_for_everyone()  # every process has read the done ids before any shard grows
+            todo = [it for it in items if _key(it.id) not in done]
+        else:
+            todo = list(items)
+        new = _explain_share(state, todo, tokenizer, attrs, output, limit, batch_size, target, progress, device,
+                             warn, CLIError, _explain_batch)
+        if output is not None:
+            state.wait_for_everyone()
+            if state.is_main_process:
+                _merge(output, items)
+            state.wait_for_everyone()
+    finally:
+        if lock is not None:
+            lock.release()
+    return new
+
+
+def _explain_share(state: Any, todo: Sequence[InputItem], tokenizer: Any, attrs: Sequence[Any],
+                   output: Optional[Path], limit: Optional[int], batch_size: int, target: Optional[int],
+                   progress: bool, device: Any, warn: Callable[[str], None], cli_error: Any,
+                   explain_batch: Callable[..., Any]) -> List[Dict[str, Any]]:
+    r"""This process's share of ``todo``, sorted by length, in batches; each batch appended to its shard."""
+    with state.split_between_processes(list(todo)) as share:
         share = list(share)
-    lengths = [len(tokenizer(it.text, truncation=limit is not None, max_length=limit)["input_ids"]) for it in share]
-    order = sorted(range(len(share)), key=lambda k: (lengths[k], k))
+    full = [len(tokenizer(it.text, truncation=False, verbose=False)["input_ids"]) for it in share]
+    cut = [max(0, n - limit) if limit is not None else 0 for n in full]
+    _truncation_warnings(share, cut, limit, getattr(tokenizer, "truncation_side", "right"), warn)
+    order = sorted(range(len(share)), key=lambda k: (full[k] - cut[k], k))
     shard = None if output is None else output.with_name(f"{output.name}.part-{state.process_index}")
     bar = None
     if progress and state.is_main_process and share:
@@ -399,17 +736,18 @@ def _run(
     new: List[Dict[str, Any]] = []
     try:
         for start in range(0, len(order), batch_size):
-            chunk = [share[k] for k in order[start:start + batch_size]]
+            ks = order[start:start + batch_size]
+            chunk = [share[k] for k in ks]
             enc = tokenizer([it.text for it in chunk], return_tensors="pt", padding=True,
                             truncation=limit is not None, max_length=limit)
             ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
             results: Dict[str, Any] = {}
             for spec, attr in attrs:
                 try:
-                    results[spec.key] = _explain_batch(spec, attr, ids, mask, target, False)
+                    results[spec.key] = explain_batch(spec, attr, ids, mask, target, False)
                 except (ValueError, TypeError, NotImplementedError) as err:
-                    raise CLIError(f"{spec.key} on {chunk[0].where}...: {err}") from None
-            recs = _records(chunk, tokenizer, ids, mask, results)
+                    raise cli_error(f"{spec.key} on {chunk[0].where}...: {err}") from None
+            recs = _records(chunk, tokenizer, ids, mask, results, [cut[k] for k in ks])
             if shard is not None:
                 with shard.open("a", encoding="utf-8") as fh:
                     fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
@@ -421,11 +759,6 @@ def _run(
     finally:
         if bar is not None:
             bar.close()
-    if output is not None:
-        state.wait_for_everyone()
-        if state.is_main_process:
-            _merge(output, items)
-        state.wait_for_everyone()
     return new
 
 
@@ -460,7 +793,10 @@ def explain_dataset(
         model, tokenizer: the model (on its device, or dispatched by accelerate) and its
             tokenizer; both None: the packaged MiniLM.
         methods: registry keys (:data:`captum_normattr.registry.METHODS`).
-        output: a ``.jsonl`` path to write (and resume: ids already there are skipped), or None.
+        output: a ``.jsonl`` path to write (and resume: ids already there are skipped, after checking
+            that they were explained by the same job from the same texts), or None. While the run
+            writes it, ``<output>.lock`` is held (a second run on it is refused); ``<output>.job.json``
+            keeps the job's description (:func:`job_fingerprint`) for resuming.
         column, id_column, split: see :func:`read_inputs`.
         batch_size: texts per batch (texts are sorted by length first).
         max_length: truncate to this many tokens (default: the model's limit).
@@ -476,6 +812,12 @@ def explain_dataset(
 
     Raises:
         InputError: for broken inputs (file and line named).
+        OutputError: when another run writes ``output``, or its records belong to another job
+            (another model, methods, options, ``max_length``, ``target``) or to other texts
+            (the message says which part differs); ``overwrite=True`` starts afresh.
+
+    Texts longer than ``max_length`` are cut with a warning and their records say
+    ``"truncated": true`` (and ``"tokens_cut"``).
 
     Examples::
 
@@ -487,6 +829,10 @@ def explain_dataset(
 
     from captum_normattr.registry import get_method
 
+    if output is not None and isinstance(source, (str, Path)) and same_file(Path(output).expanduser(),
+                                                                          Path(source).expanduser()):
+        raise OutputError(f"output {output} is the input {source}: writing there would replace the input; "
+                          "give another output path")
     items = read_inputs(source, column, id_column, split)
     if model is None:
         from captum_normattr import load_default_model
@@ -505,6 +851,8 @@ def explain_dataset(
 
     device = None if is_dispatched(model) else next(model.parameters()).device
     path = None if output is None else Path(output).expanduser()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     new = _run(items, model, tokenizer, specs, ns, path, batch_size=batch_size, max_length=max_length,
                target=target, progress=progress, overwrite=overwrite, device=device)
     if path is not None:
@@ -535,6 +883,10 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
         raise CLIError("--format jsonl needs --output PATH (records are appended and resumed there)")
     if args.html_maps or args.plots:
         raise CLIError("--html-maps and --plots do not apply to --format jsonl")
+    if args.aggregate:
+        raise CLIError(f"--aggregate {args.aggregate} does not apply to --format jsonl: the records hold token scores "
+                       "(with their tokens); sum them into words or sentences afterwards with "
+                       "captum_normattr.aggregation, or use --format json")
     if args.file is not None and args.texts:
         raise CLIError("give either TEXT arguments or --file with --format jsonl, not both")
     if args.file == "-":
@@ -554,7 +906,7 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
     device = _resolve_device(args.device)
     if state.num_processes > 1 and state.device.type != "cpu":
         device = state.device  # accelerate launch on several GPUs: one device per process
-    model, tok, _ = load_model(args.model, device)
+    model, tok, _ = load_model(args.model, device, getattr(args, "trust_remote_code", False))
     try:
         _pad_token(tok)
     except InputError as err:
@@ -563,8 +915,14 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
         args.position = "last" if _is_decoder(model) else 0
     output = Path(args.output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
-    new = _run(items, model, tok, specs, args, output, batch_size=args.batch_size, max_length=args.max_length,
-               target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device)
+    try:
+        new = _run(items, model, tok, specs, args, output, batch_size=args.batch_size, max_length=args.max_length,
+                   target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device,
+                   warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
+    except OutputError as err:
+        if not state.is_main_process:
+            return 2  # every process stops; the main process says why, once
+        raise CLIError(str(err)) from None
     counts = [len(new)]
     if state.num_processes > 1:
         from accelerate.utils import gather_object

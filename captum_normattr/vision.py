@@ -115,6 +115,40 @@ def layer_patch_rows(
     return fig
 
 
+def _load_image_model(name: Optional[str], trust_remote_code: bool) -> Tuple[Any, Any]:
+    r"""The image classifier and its image processor of a local folder, or a ``CLIError`` saying what is wrong.
+
+    ``trust_remote_code`` (``--trust-remote-code``) is passed explicitly: a folder with its own code
+    (``auto_map``) is refused without it, and transformers never prompts.
+    """
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    from captum_normattr.cli import CLIError, check_remote_code
+
+    if not name:
+        raise CLIError("--image needs --model DIR: a local folder with an image classifier and its image processor")
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise CLIError(f"model folder not found: {name}" if not folder.exists() else
+                       f"model path {name!r} is a file; give a model folder (with config.json)")
+    if not (folder / "config.json").exists():
+        raise CLIError(f"model folder {name!r} has no config.json")
+    check_remote_code(folder, name, trust_remote_code)
+    kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForImageClassification.from_pretrained(str(folder), **kwargs).eval()
+    except Exception as err:  # noqa: BLE001 - a text model, broken weights ...: one line, exit code 2
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CLIError(f"--image needs an image classifier (ViT, DeiT, DINOv2 ...); cannot load {name!r} as one: "
+                       f"{first}") from None
+    try:
+        processor = AutoImageProcessor.from_pretrained(str(folder), **kwargs)
+    except Exception as err:  # noqa: BLE001
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CLIError(f"cannot load the image processor of {name!r} (preprocessor_config.json): {first}") from None
+    return model, processor
+
+
 def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     r"""``captum-normattr --image PATH [PATH ...] --model DIR -m METHOD ...``.
 
@@ -127,17 +161,17 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     Returns:
         The exit code (0).
     """
-    from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageClassification
+    from PIL import Image, UnidentifiedImageError
 
     from captum_normattr.attr.images import token_names
+    from captum_normattr.cli import CLIError
     from captum_normattr.models.adapters import get_adapter
 
-    if not args.model:
-        raise ValueError("--image needs --model DIR: a local folder with the model and its image processor")
-    model = AutoModelForImageClassification.from_pretrained(args.model, local_files_only=True).eval()
-    processor = AutoImageProcessor.from_pretrained(args.model, local_files_only=True)
-    adapter = get_adapter(model)
+    model, processor = _load_image_model(args.model, bool(getattr(args, "trust_remote_code", False)))
+    try:
+        adapter = get_adapter(model)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        raise CLIError(f"--image: the model {args.model!r} cannot be explained: {err}") from None
     plots = Path(args.plots).expanduser() if getattr(args, "plots", None) else None
     if plots is not None:
         import matplotlib
@@ -147,15 +181,21 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     labels = getattr(model.config, "id2label", {}) or {}
     out = sys.stdout
     for path in args.image:
-        image = Image.open(path).convert("RGB" if getattr(model.config, "num_channels", 3) == 3 else "L")
+        try:
+            image = Image.open(path).convert("RGB" if getattr(model.config, "num_channels", 3) == 3 else "L")
+        except (OSError, UnidentifiedImageError) as err:
+            raise CLIError(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}") from None
         x = processor(images=image, return_tensors="pt")["pixel_values"]
         with torch.no_grad():
             pred = int(model(pixel_values=x).logits.argmax(-1))
         target = args.target if args.target is not None else pred
         print(f"{path}: predicted {pred} ({labels.get(pred, pred)}), explained class {target}", file=out)
         for spec in specs:
-            attr = spec.build(model, args)
-            res = attr.decompose(x, target=target) if spec.uses_target else attr.decompose(x)
+            try:
+                attr = spec.build(model, args)
+                res = attr.decompose(x, target=target) if spec.uses_target else attr.decompose(x)
+            except (ValueError, TypeError, NotImplementedError) as err:
+                raise CLIError(f"method {spec.key!r} cannot explain {path}: {err}") from None
             grid = res.extras["patch_grid"][0]
             prefix = int(res.extras["num_prefix_tokens"])
             names = token_names(model, adapter, tuple(grid.shape))

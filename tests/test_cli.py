@@ -466,3 +466,83 @@ def test_cli_asks_only_for_what_it_prints(tiny_model, monkeypatch):
     assert n < len(exps[0].tokens)
     assert maps[1]["GlobEnc (N_ENC)"]["layer_maps"].shape == (2, n, n)
     assert maps[1]["GlobEnc (N_ENC)"]["rollout"].shape == (n, n)
+
+
+# ----------------------------------------------------------------- issue 27: usage errors, tokenizers, lengths
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer_model(tmp_path_factory) -> str:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("no_tokenizer")
+    config = BertConfig(vocab_size=5 + len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(path)  # no tokenizer files
+    return str(path)
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused(capsys, no_tokenizer_model, tmp_path):
+    for extra in ([], ["--format", "jsonl", "-o", str(tmp_path / "out.jsonl")]):
+        code, out, err = run(capsys, "the film", "--model", no_tokenizer_model, *extra)
+        assert code == 2 and "has no tokenizer files" in err and "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--image", "x.png"], "--image needs --model DIR"),
+        (["--image", "x.png", "--model", "./no/such/vit"], "model folder not found"),
+        (["--image", "x.png", "--model", "MODEL"], "--image needs an image classifier"),  # a text model
+        (["the film", "--format", "jsonl", "-o", "."], "is a directory"),
+        (["the film", "--format", "jsonl", "-o", "plain/out.jsonl"], "is not a folder"),
+        (["the film", "--format", "json", "-o", "plain/out.json"], "is not a folder"),
+        (["the film", "--format", "jsonl", "-o", "o.jsonl", "--aggregate", "word"], "--aggregate word does not apply"),
+        (["the film was great", "--max-length", "2"], "--max-length 2 leaves no room for text"),
+        (["the film was great", "--max-length", "2", "--format", "jsonl", "-o", "o.jsonl"], "leaves no room"),
+        (["the film was great", "--max-length", "65"], "give --max-length 64 or less"),
+    ],
+)
+def test_usage_errors_of_paths_and_lengths(capsys, tiny_model, tmp_path, monkeypatch, extra, message):
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain").write_text("")
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    argv = [tiny_model if a == "MODEL" else a for a in extra]
+    if extra[0] != "--image":
+        argv += ["--model", tiny_model]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_every_from_pretrained_gets_trust_remote_code_explicitly(capsys, tiny_model, monkeypatch):
+    import transformers
+
+    calls = []
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForSequenceClassification):
+        real = cls.from_pretrained
+
+        def record(*a, _real=real, _name=cls.__name__, **k):
+            calls.append((_name, k.get("trust_remote_code", "unset")))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(cls, "from_pretrained", record)
+    code, _, err = run(capsys, "the film", "--model", tiny_model)
+    assert code == 0, err
+    assert {name for name, _ in calls} == {"AutoConfig", "AutoModelForSequenceClassification", "AutoTokenizer"}
+    assert all(value is False for _, value in calls), calls  # explicit False: transformers never prompts
+    calls.clear()
+    assert run(capsys, "the film", "--model", tiny_model, "--trust-remote-code")[0] == 0
+    assert all(value is True for _, value in calls), calls
+
+    def hub_refuses(*a, **k):  # what transformers raises for a Hub model with custom code and trust_remote_code=False
+        raise ValueError("The repository org/custom contains custom code which must be executed to correctly load "
+                         "the model. Please pass the argument `trust_remote_code=True` to allow custom code to be run.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub_refuses)
+    code, _, err = run(capsys, "the film", "--model", "org/custom")
+    assert code == 2 and "--trust-remote-code" in err and "Traceback" not in err

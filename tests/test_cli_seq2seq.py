@@ -237,3 +237,19 @@ def test_usage_errors(capsys, marian, tmp_path):
     assert code == 2 and "does not apply to alti-plus" in err
     code, _, err = run(capsys, "--model", marian, "-m", "alti-plus", "--file", tmp_path / "p.jsonl")
     assert code == 2 and "a pairs file is plain text" in err
+
+
+def test_pairs_split_only_at_newlines_and_a_byte_order_mark_is_dropped(tmp_path, monkeypatch):
+    from captum_normattr.cli_seq2seq import read_pairs
+
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("\ufeffein\u2028Haus\ta house\r\nzw\x85ei\ttw\x0co\n".encode("utf-8"))
+    want = [(1, "ein\u2028Haus", "a house"), (2, "zw\x85ei", "tw\x0co")]
+    assert [(p.id, p.source, p.target) for p in read_pairs([], None, str(path))] == want
+    import io
+
+    class Stdin(io.StringIO):
+        buffer = io.BytesIO(path.read_bytes())
+
+    monkeypatch.setattr("sys.stdin", Stdin())
+    assert [(p.id, p.source, p.target) for p in read_pairs([], None, "-")] == want

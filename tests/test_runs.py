@@ -203,3 +203,31 @@ def test_close_process_group_tears_down_a_started_group(tmp_path):
     assert dist.is_initialized()
     close_process_group()
     assert not dist.is_initialized()
+
+
+def test_lines_split_only_at_newlines_and_a_byte_order_mark_is_dropped(tmp_path):
+    odd = ["a\u2028b", "c\x85d", "e\x0cf", "g\rh"]  # str.splitlines() splits each of these
+    (tmp_path / "t.txt").write_bytes(("\ufeff" + "\r\n".join(odd) + "\r\n").encode("utf-8"))
+    items = runs.read_inputs(tmp_path / "t.txt")
+    assert [(it.id, it.text) for it in items] == list(enumerate(odd, start=1))
+    (tmp_path / "t.jsonl").write_bytes(("\ufeff" + "\n".join(json.dumps({"text": t}, ensure_ascii=False)
+                                                             for t in odd) + "\n").encode("utf-8"))
+    assert [(it.id, it.text) for it in runs.read_inputs(tmp_path / "t.jsonl")] == list(enumerate(odd, start=1))
+    (tmp_path / "t.csv").write_bytes("\ufefftext,id\r\nfirst,7\r\nsecond,8\r\n".encode("utf-8"))
+    items = runs.read_inputs(tmp_path / "t.csv", id_column="id")
+    assert [(it.id, it.text) for it in items] == [("7", "first"), ("8", "second")]
+
+
+def test_truncated_texts_warn_and_flag_their_records(model_dir, tmp_path, capsys):
+    long = " ".join(["boring"] * 30)
+    (tmp_path / "t.txt").write_text(f"{TEXTS[0]}\n{long}\n")
+    out = tmp_path / "out.jsonl"
+    assert _cli(model_dir, "--file", tmp_path / "t.txt", "-o", out, "--max-length", "8") == 0
+    err = capsys.readouterr().err
+    assert "line 2 (id 2) has 32 tokens but the limit is 8: its last 24 token(s) were cut" in err
+    short, cut = _records(out)
+    assert short["truncated"] is False and "tokens_cut" not in short
+    assert cut["truncated"] is True and cut["tokens_cut"] == 24 and len(cut["tokens"]) == 8
+    with pytest.warns(UserWarning, match="were cut"):
+        recs = runs.explain_dataset([long], *_load(model_dir), max_length=8, progress=False)
+    assert recs[0]["truncated"] is True
