@@ -224,13 +224,19 @@ def warn_if_padded(ids: Tensor, config) -> None:
 
 
 def _takes_use_cache(model: nn.Module) -> bool:
-    r"""True when the model's base and top forward both accept ``use_cache`` by name."""
+    r"""True when the base model's forward names ``use_cache`` and the top model's passes it on.
+
+    (The top model names it too or takes ``**kwargs``, as ``BertForSequenceClassification``.)
+    """
     from captum_normattr.models.adapters import base_model
 
     try:
-        return all("use_cache" in inspect.signature(m.forward).parameters for m in {id(x): x for x in (model, base_model(model))}.values())
+        base = inspect.signature(base_model(model).forward).parameters
+        top = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+    passes_on = "use_cache" in top or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in top.values())
+    return "use_cache" in base and passes_on
 
 
 def _check_token_types(token_types: Tensor, model: nn.Module, adapter: ArchitectureAdapter, shape, mask: Tensor) -> Tensor:
