@@ -147,14 +147,15 @@ class ConsistencyGuard:
         self.failures: List[str] = []
         self.tolerance = 0.0
 
-    def check(self, layer: LayerTensors, completeness: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> None:
+    def check(self, layer: LayerTensors, completeness: Optional[Tensor] = None) -> None:
         r"""Judge one layer's checks; ``completeness``: its absolute completeness error (0-dim), or None."""
         names, values = list(layer.checks), list(layer.checks.values())
         if completeness is not None:
-            real = layer.ln2_in if layer.pre_ln else layer.ln1_out  # the attention block's real output
-            if valid is not None:
-                real = real * valid.to(device=real.device, dtype=real.dtype)[..., None]
-            scale = real.abs().amax().clamp_min(torch.finfo(real.dtype).tiny)
+            # the attention block's real output; its scale over every token (pads are computed like real
+            # tokens, so this is at least the scale at the real ones: never a stricter tolerance)
+            real = layer.ln2_in if layer.pre_ln else layer.ln1_out
+            lo, hi = torch.aminmax(real)
+            scale = torch.maximum(hi, -lo).clamp_min(torch.finfo(real.dtype).tiny)
             names.append("completeness of the attention block")
             values.append(completeness.to(scale.dtype) / scale)
         if not values:
@@ -383,7 +384,7 @@ class LayerDecompositionAttribution(Attribution):
             dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
             c = self.layer_contribution(layer, valid.to(dev), return_layer_maps)
             if self.guards_completeness and "completeness_error" in c.errors:
-                guard.check(replace(layer, checks={}), c.errors["completeness_error"], valid.to(dev))
+                guard.check(replace(layer, checks={}), c.errors["completeness_error"])
             collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard):

@@ -17,16 +17,24 @@ from torch.nn import functional as F
 from captum_normattr.decompose.records import NormParams
 
 
-def relative_difference(real: Tensor, expected: Tensor) -> Tensor:
+def relative_difference(real: Tensor, expected: Tensor, temporary: bool = False) -> Tensor:
     r"""max |real - expected| / max |real|, a 0-dim tensor (in the dtype of ``real``).
 
     Both are compared in the dtype of ``real`` (``expected`` is cast and reshaped to it). A
     real tensor that is exactly 0 everywhere gives the absolute difference divided by the
     smallest normal number (any difference is then far above every tolerance).
+    ``temporary``: ``expected`` is a temporary of the caller's, overwritten with the difference.
     """
-    expected = expected.to(dtype=real.dtype, device=real.device).reshape(real.shape)
-    scale = real.abs().amax().clamp_min(torch.finfo(real.dtype).tiny)
-    return (real - expected).abs_().amax() / scale
+    cast = expected.to(dtype=real.dtype, device=real.device)
+    owned = temporary or cast.data_ptr() != expected.data_ptr()  # a copy made here may be overwritten
+    cast = cast.reshape(real.shape)
+    diff = cast.sub_(real) if owned else cast - real
+    return _abs_max(diff) / _abs_max(real).clamp_min(torch.finfo(real.dtype).tiny)
+
+
+def _abs_max(x: Tensor) -> Tensor:
+    lo, hi = torch.aminmax(x)  # one pass, no temporary (abs().amax() allocates one; vector_norm(inf) is slow on CPU)
+    return torch.maximum(hi, -lo)
 
 
 def rebuild_norm(x: Tensor, params: NormParams) -> Tensor:
@@ -44,7 +52,7 @@ def rebuild_norm(x: Tensor, params: NormParams) -> Tensor:
 
 def norm_rebuild_error(real_in: Tensor, real_out: Tensor, params: NormParams) -> Tensor:
     r"""Relative difference between a norm's real output and its output rebuilt from its real input."""
-    return relative_difference(real_out, rebuild_norm(real_in, params))
+    return relative_difference(real_out, rebuild_norm(real_in, params), temporary=True)
 
 
 #: the relative difference tolerated between a real tensor and the assumed one, by the dtype

@@ -607,10 +607,10 @@ class Recorder(AttentionRecords):
         checks["second norm rebuilt from its input"] = norm_rebuild_error(t.ln2_in, t.ln2_out, t.ln2)
         if t.pre_ln:
             checks["layer output vs the residual stream plus the feed-forward output"] = relative_difference(
-                t.layer_out, t.ln2_in + t.ff_out)
+                t.layer_out, t.ln2_in + t.ff_out, temporary=True)
         else:
             checks["second norm input vs the first norm's output plus the feed-forward output"] = relative_difference(
-                t.ln2_in, t.ln1_out + t.ff_out)
+                t.ln2_in, t.ln1_out + t.ff_out, temporary=True)
         return checks
 
     # --- what the recorded tensors become ---------------------------------------
