@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.adapters import ArchitectureAdapter, max_positions
+from captum_normattr.models.adapters import ArchitectureAdapter, base_model, max_positions
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
@@ -228,8 +228,6 @@ def _takes_use_cache(model: nn.Module) -> bool:
 
     (The top model names it too or takes ``**kwargs``, as ``BertForSequenceClassification``.)
     """
-    from captum_normattr.models.adapters import base_model
-
     try:
         base = inspect.signature(base_model(model).forward).parameters
         top = inspect.signature(model.forward).parameters
