@@ -227,3 +227,144 @@ def test_threads_attributing_and_plain_forward_passes():
     assert not errors, errors[:5]
     assert model.config._attn_implementation == "sdpa"
     assert not capture._SWITCHED and not capture._FLAGS
+
+
+def test_flags_saved_per_module_for_models_sharing_a_submodule():
+    r"""Two classifiers share one encoder; A's call starts, B's call starts, A's ends, B's ends
+    (the order pinned with events in hooks). B must run in eval mode throughout, and every
+    module must get its own flag back (issue 27 item 10)."""
+    a = make_model("bert")
+    b = make_model("bert", seed=1)
+    b.bert = a.bert
+    a.train()
+    b.train()
+    before = (_flags(a), _flags(b))
+    b_started, a_done = threading.Event(), threading.Event()
+    seen_by_b, errors = [], []
+
+    def hook(module, args):
+        if threading.current_thread().name == "A":
+            assert b_started.wait(10), "B did not start"
+        elif threading.current_thread().name == "B" and not b_started.is_set():
+            b_started.set()
+            assert a_done.wait(10), "A did not finish"
+            seen_by_b.append(sorted(name for name, m in a.bert.named_modules() if m.training))
+
+    a.bert.encoder.layer[0].register_forward_pre_hook(hook)
+    ids, mask = random_batch([6, 4])
+
+    def run(model, name):
+        try:
+            GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(f"{name}: {e!r}")
+        finally:
+            if name == "A":
+                a_done.set()
+
+    threads = [threading.Thread(target=run, args=(m, n), name=n) for m, n in ((a, "A"), (b, "B"))]
+    threads[0].start()
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert seen_by_b == [[]], f"modules in training mode during B's call: {seen_by_b}"
+    assert (_flags(a), _flags(b)) == before
+    assert not capture._FLAGS and not capture._SESSIONS
+
+
+def test_hooks_never_seen_half_registered_by_other_threads():
+    r"""torch adds and removes a with_kwargs pre-hook in two steps, and a forward pass calls the
+    hooks it listed when it started: a plain forward pass P that listed an attribution's hook
+    calls it without kwargs once the attribution removed it (issue 27 item 11: `pre_hook()
+    missing 1 required positional argument: 'kwargs'`). Pinned with events, then a short stress
+    run with a tiny switch interval."""
+    import sys
+
+    model = make_model("bert")
+    ids, mask = random_batch([5, 3])
+    expected = GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+    errors = []
+    registered, removed = threading.Event(), threading.Event()
+
+    def user_hook(module, args):
+        if threading.current_thread().name == "A":
+            registered.set()  # the attribution's hooks are in place
+        elif threading.current_thread().name == "P":
+            assert removed.wait(10), "the attribution did not end"
+
+    handle = model.bert.encoder.layer[1].register_forward_pre_hook(user_hook)
+
+    def attribution():
+        try:
+            GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+        finally:
+            registered.set()
+            removed.set()
+
+    def plain():
+        try:
+            assert registered.wait(10)
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=plain, name="P"), threading.Thread(target=attribution, name="A")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    handle.remove()
+    assert not errors, errors
+
+    stop = threading.Event()
+
+    def attribute_many():
+        try:
+            for _ in range(10):
+                got = GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+                if not torch.allclose(got, expected, atol=1e-12, rtol=0):
+                    errors.append("attribution differs")
+        except Exception as e:
+            errors.append(repr(e))
+
+    def forward_many():
+        try:
+            with torch.no_grad():
+                while not stop.is_set():
+                    model(input_ids=ids, attention_mask=mask)
+        except Exception as e:
+            errors.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=attribute_many) for _ in range(3)]
+        plains = [threading.Thread(target=forward_many) for _ in range(2)]
+        for t in workers + plains:
+            t.start()
+        for t in workers:
+            t.join(60)
+        stop.set()
+        for t in plains:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert not capture._SWITCHED and not capture._FLAGS
+
+
+def test_reentrant_attribution_gives_a_clear_error():
+    model = make_model("bert")
+    ids, mask = random_batch([5])
+    inner = GlobEncAttribution(model)
+    handle = model.bert.encoder.layer[1].register_forward_hook(
+        lambda m, a, out: inner.attribute(ids, additional_forward_args=(mask,)) and None)
+    with pytest.raises(RuntimeError, match="while one of its own recorded forward passes is running"):
+        GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+    handle.remove()
+    assert not capture._SWITCHED and not capture._FLAGS
+    GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))

@@ -311,3 +311,48 @@ def test_cli_warns_when_it_truncates(capsys, tiny_model):  # noqa: F811
     assert "text 1" not in err
     code, out, err = run(capsys, long_text, "--model", tiny_model, "-m", "alti", "--max-length", "10", "-q")
     assert "its last 62 token(s) were cut" in err
+
+
+# --- issue 27 items 13 and 17 (engine parts) -----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int8, torch.uint8, torch.bool, torch.float32])
+def test_masks_of_every_integer_dtype_and_bool_accepted(dtype):
+    model = make_model("bert")
+    ids, mask = random_batch([6, 4])
+    expected = GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+    got = GlobEncAttribution(model).attribute(ids.to(torch.int16), additional_forward_args=(mask.to(dtype),))
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="only 0"):
+        GlobEncAttribution(model).attribute(ids, additional_forward_args=((2 * mask).to(torch.int16),))
+
+
+def test_padded_ids_without_a_mask_warn():
+    model = make_model("bert")  # pad_token_id 0
+    ids, mask = random_batch([6, 4])
+    with pytest.warns(UserWarning, match="pad token"):
+        GlobEncAttribution(model).attribute(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+        GlobEncAttribution(model).attribute(ids[1:, :4])  # no pad in the ids: no warning
+
+
+def test_bert_as_decoder_runs_the_decompx_adjoint():
+    r"""``is_decoder=True`` makes BERT build a key/value cache by default; the adjoint's rerun of
+    a layer then appended to it (scores of 16 keys against a mask of 8). The engine passes
+    ``use_cache=False``."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from conftest import VOCAB, _perturb
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, vocab_size=VOCAB,
+                     max_position_embeddings=24, num_labels=2, is_decoder=True)
+    model = _perturb(BertForSequenceClassification(cfg).double().eval(), 0)
+    ids, mask = random_batch([8, 6])
+    adjoint = DecompXAttribution(model, algorithm="adjoint")
+    scores, delta = adjoint.attribute(ids, additional_forward_args=(mask,), return_convergence_delta=True)
+    forward = DecompXAttribution(model, algorithm="forward").attribute(ids, additional_forward_args=(mask,))
+    assert float(delta.abs().max()) < 1e-10
+    torch.testing.assert_close(scores, forward, rtol=0, atol=1e-10)

@@ -26,6 +26,10 @@ class ALTIAttribution(LayerDecompositionAttribution):
         explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
         memory_budget_mb: memory for the explicit parts of one chunk of rows.
+        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` instead of warning
+            (:class:`~captum_normattr.attr.base.ConsistencyWarning`, once per call) when the
+            model's real tensors disagree with what the decomposition assumes, or the attention
+            block's completeness error is large (docs/reliability.md, "Consistency guards").
 
     Examples::
 
@@ -41,8 +45,9 @@ class ALTIAttribution(LayerDecompositionAttribution):
         explained_position: Union[int, str, Tensor, None] = None,
         rollout: str = "raw",
         memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
+        strict: bool = False,
     ) -> None:
-        super().__init__(model, explained_position, rollout)
+        super().__init__(model, explained_position, rollout, strict=strict)
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
     def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:

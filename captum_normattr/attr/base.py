@@ -19,11 +19,12 @@ from torch import Tensor, nn
 
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
+from captum_normattr.decompose.guards import guard_tolerance
 from captum_normattr.decompose.layer_kinds import LayerKind, layer_kind
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
-from captum_normattr.models.capture import Recorder, recording
+from captum_normattr.models.capture import Recorder, RecordedTensorModifiedError, recording
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401  (re-exported)
 from captum_normattr.result import AttributionResult, DecompositionResult
@@ -116,6 +117,76 @@ def mark_non_finite(result: R, finite: Optional[Tensor]) -> R:
     return replace(result, **updates)
 
 
+class ConsistencyWarning(RuntimeWarning):
+    r"""The model's real tensors disagree with what the decomposition assumes (see :class:`ConsistencyGuard`)."""
+
+
+class ConsistencyError(RuntimeError):
+    r"""Raised instead of :class:`ConsistencyWarning` by ``strict=True`` attributions."""
+
+
+class ConsistencyGuard:
+    r"""Judges the consistency checks of every layer of one call: warns once, or raises when strict.
+
+    Each layer's :attr:`~captum_normattr.decompose.records.LayerTensors.checks` (relative
+    differences between the model's real tensors and the assumed ones, filled by the capture)
+    and, for the methods without a delta (GlobEnc, ALTI), the attention block's completeness
+    error relative to the scale of the tensor it is measured on, are compared with
+    :func:`~captum_normattr.decompose.guards.guard_tolerance` of the dtype the model computed
+    in. ``docs/reliability.md``, "Consistency guards".
+
+    Args:
+        method: the method's name, for the message.
+        strict: raise :class:`ConsistencyError` at the first layer that fails a check,
+            instead of one :class:`ConsistencyWarning` per call after the forward pass.
+    """
+
+    def __init__(self, method: str, strict: bool = False):
+        self.method = method
+        self.strict = bool(strict)
+        self.failures: List[str] = []
+        self.tolerance = 0.0
+
+    def check(self, layer: LayerTensors, completeness: Optional[Tensor] = None) -> None:
+        r"""Judge one layer's checks; ``completeness``: its absolute completeness error (0-dim), or None."""
+        names, values = list(layer.checks), list(layer.checks.values())
+        if completeness is not None:
+            # the attention block's real output; its scale over every token (pads are computed like real
+            # tokens, so this is at least the scale at the real ones: never a stricter tolerance)
+            real = layer.ln2_in if layer.pre_ln else layer.ln1_out
+            lo, hi = torch.aminmax(real)
+            scale = torch.maximum(hi, -lo).clamp_min(torch.finfo(real.dtype).tiny)
+            names.append("completeness of the attention block")
+            values.append(completeness.to(scale.dtype) / scale)
+        if not values:
+            return
+        rel = torch.stack([v.detach().to(device=values[0].device, dtype=torch.float64) for v in values]).tolist()
+        tol = guard_tolerance(layer.source_dtype or layer.hidden_in.dtype)
+        self.tolerance = max(self.tolerance, tol)
+        bad = [f"{n}: {r:.3g}" for n, r in zip(names, rel) if not r <= tol and r == r]  # NaN: the non-finite rule
+        if not bad:
+            return
+        msg = f"layer {layer.index} ({'; '.join(bad)})"
+        if self.strict:
+            raise ConsistencyError(self._message([msg], tol))
+        self.failures.append(msg)
+
+    def _message(self, failures: List[str], tol: float) -> str:
+        return (
+            f"{self.method}: the model's real tensors disagree with what the decomposition assumes, relative "
+            f"differences above {tol:g} at {', '.join(failures)}. A hook or patched module that changes hidden states, "
+            "attention inputs or outputs, or a norm or layer that the architecture description does not match, makes "
+            "the scores a decomposition of another computation. Remove the hook (or describe the architecture "
+            "correctly); see docs/reliability.md, 'Consistency guards'."
+        )
+
+    def finish(self, stacklevel: int = 4) -> None:
+        r"""Warn once for the call if any layer failed (strict guards raised already)."""
+        if self.failures:
+            failures, self.failures = self.failures, []
+            warnings.warn(self._message(failures, self.tolerance), ConsistencyWarning, stacklevel=stacklevel)
+
+
 @contextlib.contextmanager
 def streamed_forward(
     model: nn.Module,
@@ -124,6 +195,7 @@ def streamed_forward(
     on_layer: Callable[[LayerTensors], None],
     top_model: bool = False,
     keep_calls: bool = False,
+    guard: Optional[ConsistencyGuard] = None,
 ) -> Iterator[Tuple[Recorder, Any]]:
     r"""Run one recorded forward pass, handing every layer to ``on_layer`` as it is produced.
 
@@ -135,6 +207,12 @@ def streamed_forward(
             ``prepared.finite`` is updated with the layer's finiteness (:func:`layer_finite`).
         top_model: run the whole model (heads included) instead of the bare Transformer.
         keep_calls: allow :meth:`Recorder.rerun_layer` inside the block.
+        guard: judges every layer's consistency checks before ``on_layer`` runs, and warns
+            (once) when the block ends; None: a non-strict :class:`ConsistencyGuard`.
+
+    A forward pass that changes a recorded tensor in place before any layer was handed over
+    (:class:`~captum_normattr.models.capture.RecordedTensorModifiedError`) is run once more,
+    with those tensors recorded as copies.
 
     Yields:
         (recorder, model output). The hooks stay in place until the block ends, so that
@@ -143,8 +221,10 @@ def streamed_forward(
     # the last layer output checked, kept alive: while it lives, no other tensor can have its
     # memory, so the same address, shape, strides and dtype mean the same elements
     checked: List[Optional[Tensor]] = [None]
+    guard = ConsistencyGuard(adapter.family) if guard is None else guard
 
     def checked_on_layer(layer: LayerTensors) -> None:
+        guard.check(layer)
         if prepared.finite is not None:
             last, x = checked[0], layer.hidden_in
             same_input = last is not None and (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == (
@@ -153,14 +233,18 @@ def streamed_forward(
             checked[0] = layer.layer_out
         on_layer(layer)
 
-    with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls) as rec:
-        out = (model if top_model else base_model(model))(**prepared.forward_kwargs())
-        if rec.layers_done != len(rec.layers):
-            raise RuntimeError(
-                f"the forward pass reached {rec.layers_done} of {len(rec.layers)} layers; the model's structure does not "
-                f"match the {adapter.family} adapter"
-            )
-        yield rec, out
+    for attempt in range(2):
+        with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls) as rec:
+            try:
+                out = (model if top_model else base_model(model))(**prepared.forward_kwargs())
+            except RecordedTensorModifiedError as e:
+                if attempt or not e.retry:
+                    raise
+                continue  # the changed tensors are recorded as copies in the next pass
+            rec.check_complete()
+            yield rec, out
+            guard.finish()
+            return
 
 
 @dataclass
@@ -227,12 +311,22 @@ class LayerDecompositionAttribution(Attribution):
             :func:`captum_normattr.options.check_explained_position`.
         rollout: ``"raw"`` (default; the convention of the published figures) or
             ``"row_normalized"``.
+        strict: raise :class:`ConsistencyError` when the model's real tensors disagree
+            with what the decomposition assumes (a hook that changes hidden states, a norm
+            the architecture description does not match, ...), instead of one
+            :class:`ConsistencyWarning` per call (``docs/reliability.md``, "Consistency guards").
     """
 
     method_name = "decomposition"
+    #: judge the attention block's completeness error (methods without a delta: GlobEnc, ALTI)
+    guards_completeness = True
 
     def __init__(
-        self, model: nn.Module, explained_position: Union[int, str, Tensor, None] = None, rollout: str = "raw"
+        self,
+        model: nn.Module,
+        explained_position: Union[int, str, Tensor, None] = None,
+        rollout: str = "raw",
+        strict: bool = False,
     ) -> None:
         self.adapter = get_adapter(model)
         self.kind: LayerKind = layer_kind(self.adapter.pre_ln)
@@ -246,6 +340,9 @@ class LayerDecompositionAttribution(Attribution):
         self.model = model
         self.explained_position = explained_position
         self.rollout_convention = rollout
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        self.strict = strict
 
     # --- to implement -------------------------------------------------------------
     def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:
@@ -281,13 +378,16 @@ class LayerDecompositionAttribution(Attribution):
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
         collector = _MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, return_layer_maps or return_rollout)
+        guard = ConsistencyGuard(self.get_name(), self.strict)
 
         def on_layer(layer: LayerTensors) -> None:
             dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
             c = self.layer_contribution(layer, valid.to(dev), return_layer_maps)
+            if self.guards_completeness and "completeness_error" in c.errors:
+                guard.check(replace(layer, checks={}), c.errors["completeness_error"])
             collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer):
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard):
             pass
         with torch.no_grad():
             maps = collector.store.dense()

@@ -51,6 +51,8 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         ignore_low_gamma: share of LayerNorm dimensions with the lowest gamma ignored in the
             norms of the LN-output scopes ATB and LN2 (Kobayashi et al. 2023 use 0.01);
             0 (default) ignores none; ``"norm"`` contribution and post-LN models only.
+        strict: raise instead of warning when the model's real tensors disagree with what
+            the decomposition assumes (see :class:`~captum_normattr.attr.base.ConsistencyGuard`).
 
     Examples::
 
@@ -75,6 +77,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         memory_budget_mb: float = 128.0,
         ignore_low_gamma: float = 0.0,
         nodes: Optional[int] = None,
+        strict: bool = False,
     ) -> None:
         if scope is not None and scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
@@ -89,13 +92,15 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         ignore_low_gamma = check_fraction("ignore_low_gamma", ignore_low_gamma)
         if ignore_low_gamma and contribution != "norm":
             raise ValueError("ignore_low_gamma acts on the norms of LayerNorm-output parts: use contribution='norm'")
-        super().__init__(model, explained_position, rollout)
+        super().__init__(model, explained_position, rollout, strict=strict)
         self.options = FFOptions(method, steps, nodes, contribution, ignore_low_gamma, chunk_rows, memory_budget_mb)
         self.kind.check_ff_options(self.options, self.adapter.family)
         if scope is None:
             scope = self.kind.whole_layer_scope
         self.scope, self.method, self.steps, self.chunk_rows, self.nodes = scope, method, steps, chunk_rows, nodes
         self.contribution, self.memory_budget_mb, self.ignore_low_gamma = contribution, memory_budget_mb, ignore_low_gamma
+
+    guards_completeness = False  # the FF completeness is the delta (and a Riemann sum's error is expected)
 
     def _map_key(self) -> str:
         return f"{self.scope}_ablated" if self.ignore_low_gamma and self.scope in LN_SCOPES else self.scope

@@ -32,6 +32,10 @@ class GlobEncAttribution(LayerDecompositionAttribution):
             for post-LN encoders, ``"N_RESLN"`` for pre-LN decoders.
         explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
+        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` instead of warning
+            (:class:`~captum_normattr.attr.base.ConsistencyWarning`, once per call) when the
+            model's real tensors disagree with what the decomposition assumes, or the attention
+            block's completeness error is large (docs/reliability.md, "Consistency guards").
 
     Examples::
 
@@ -47,10 +51,11 @@ class GlobEncAttribution(LayerDecompositionAttribution):
         map_name: Optional[str] = None,
         explained_position: Union[int, str, Tensor, None] = None,
         rollout: str = "raw",
+        strict: bool = False,
     ) -> None:
         if map_name is not None and map_name not in GLOBENC_MAPS:
             raise ValueError(f"unknown map_name {map_name!r}; choose from {GLOBENC_MAPS}")
-        super().__init__(model, explained_position, rollout)
+        super().__init__(model, explained_position, rollout, strict=strict)
         if map_name is None:
             map_name = self.kind.default_map
         try:

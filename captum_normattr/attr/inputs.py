@@ -1,13 +1,15 @@
 r"""Validation of what users pass to ``attribute``/``decompose``: clear errors, never silent numbers."""
 from __future__ import annotations
 
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.adapters import ArchitectureAdapter, max_positions
+from captum_normattr.models.adapters import ArchitectureAdapter, base_model, max_positions
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
@@ -22,6 +24,9 @@ class PreparedInputs:
     token_type_ids: Optional[Tensor]
     is_tuple: bool
     causal: bool = False
+    #: pass ``use_cache=False`` (the model's forward takes it): no key/value cache is built, so a
+    #: recorded layer call can be run again (e.g. BERT with ``is_decoder=True``)
+    no_cache: bool = False
     #: (B,) bool: False for an example whose input or recorded forward tensors hold a
     #: non-finite value at a real token (updated layer by layer by ``streamed_forward``)
     finite: Optional[Tensor] = None
@@ -45,6 +50,7 @@ class PreparedInputs:
             kw["token_type_ids"] = self.token_type_ids
         if self.causal:
             kw["position_ids"] = self.position_ids
+        if self.causal or self.no_cache:
             kw["use_cache"] = False
         return kw
 
@@ -144,7 +150,7 @@ def prepare_inputs(
         if inputs.shape[-1] != hidden:
             raise ValueError(f"input embeddings must have {hidden} features, got {inputs.shape[-1]}")
         ids, embeds = None, inputs.to(device=device, dtype=next(model.parameters()).dtype)
-    elif inputs.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+    elif is_integer(inputs):
         if inputs.dim() == 1:
             raise ValueError(f"token ids must be a batch (B, T); got shape {tuple(inputs.shape)} — use ids.unsqueeze(0)")
         if inputs.dim() != 2:
@@ -167,15 +173,18 @@ def prepare_inputs(
 
     mask, token_types = _split_extras(additional_forward_args)
     if mask is None:
+        if ids is not None:
+            warn_if_padded(ids, config)
         mask = torch.ones(b, t, dtype=torch.long, device=device)
     else:
         if tuple(mask.shape) != (b, t):
             raise ValueError(f"attention_mask must have the shape of the token ids {(b, t)}; got {tuple(mask.shape)}")
-        if mask.is_floating_point() or mask.dtype == torch.bool or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8):
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
-        else:
-            raise TypeError(f"attention_mask has unsupported dtype {mask.dtype}")
+        if not (mask.is_floating_point() or mask.dtype == torch.bool or is_integer(mask)):
+            raise TypeError(f"attention_mask must be an integer, bool or float tensor of 0s and 1s; got dtype {mask.dtype}")
+        if not mask.is_floating_point():
+            mask = mask.to(torch.long)  # any integer dtype or bool: compare in one dtype
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
         mask = mask.to(device=device, dtype=torch.long)
         empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
         if empty:
@@ -187,7 +196,45 @@ def prepare_inputs(
     finite = torch.ones(b, dtype=torch.bool, device=device)
     if embeds is not None:
         finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
-    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, finite)
+    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite)
+
+
+def is_integer(t: Tensor) -> bool:
+    r"""True for a tensor of any integer dtype (signed or unsigned; not bool, float or complex)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def warn_if_padded(ids: Tensor, config) -> None:
+    r"""Warn, as transformers does, when ids without an attention mask start or end with the pad token.
+
+    The package builds an all-ones mask when none is given, which hides transformers' own
+    warning; the pads are then attended to as tokens.
+    """
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None or ids.numel() == 0:
+        return
+    if bool((ids[:, [0, -1]] == int(pad)).any()):
+        warnings.warn(
+            f"the token ids contain the pad token ({int(pad)}) at an end but no attention_mask was given: every "
+            "position is treated as a real token. Pass the tokenizer's attention_mask (additional_forward_args=(mask,)); "
+            "ignore this if the pad token is also a real token of your input (e.g. it equals BOS/EOS/SEP).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    r"""True when the base model's forward names ``use_cache`` and the top model's passes it on.
+
+    (The top model names it too or takes ``**kwargs``, as ``BertForSequenceClassification``.)
+    """
+    try:
+        base = inspect.signature(base_model(model).forward).parameters
+        top = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    passes_on = "use_cache" in top or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in top.values())
+    return "use_cache" in base and passes_on
 
 
 def _check_token_types(token_types: Tensor, model: nn.Module, adapter: ArchitectureAdapter, shape, mask: Tensor) -> Tensor:

@@ -1,9 +1,10 @@
 r"""Plain data records that flow from tensor capture into the decomposition math."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
+import torch
 from torch import Tensor
 
 
@@ -84,6 +85,12 @@ class LayerTensors:
         context: the attention context sum_j alpha^h_ij v^h_j that the recording attention
             computed, (B, T, H, Dh) (query-major, as it enters W_O), or None (then it is
             recomputed from ``probs`` and ``values`` where needed).
+        checks: relative differences (0-dim tensors) between the model's real tensors and the
+            ones the decomposition assumes, by check name (attention input, norm rebuilt from
+            its input, residual joins, ...; :mod:`captum_normattr.decompose.guards`), filled by
+            the capture and judged by :class:`captum_normattr.attr.base.ConsistencyGuard`.
+        source_dtype: the dtype the model computed the recorded tensors in (before the cast
+            to the compute dtype); sets the tolerance of the checks. None: the compute dtype.
     """
 
     hidden_in: Tensor
@@ -104,6 +111,8 @@ class LayerTensors:
     causal: bool = False
     index: int = 0
     context: Optional[Tensor] = None
+    checks: Dict[str, Tensor] = field(default_factory=dict)
+    source_dtype: Optional[torch.dtype] = None
 
     @property
     def num_heads(self) -> int:

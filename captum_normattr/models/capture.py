@@ -13,9 +13,18 @@ call does not grow with depth (see ``docs/design.md``, "Streaming engine").
 Recording is scoped to the calling thread: the hooks and the attention function record
 only for recorders that the current thread opened, and a forward pass that no recorder of
 its thread watches (another thread's plain forward pass, say) runs the attention
-implementation the model had before. The switch of the implementation, the hooks and the
-per-module training flags are reference-counted per model under a lock and restored when
+implementation the model had before. The switch of the implementation is reference-counted
+per config and the training flags per module (two models sharing a submodule, attributed at
+once, give it back its own flag when the last of them ends), under a lock, and restored when
 the last call ends, also when it raises. No modeling file is copied or edited.
+
+Guards (``docs/reliability.md``, "Consistency guards"): every point where a user's hook can
+change the computation is compared with what the decomposition assumes (the attention
+module's real inputs, the feed-forward input, the output projection's input, the residual
+joins, each norm rebuilt from its input and parameters, one layer's output against the next
+layer's input); each layer module must run exactly once per forward pass, in order; and a
+recorded tensor that the model changes in place afterwards is detected at hand-over (its
+version counter), after which that tensor is recorded as a copy.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.decompose.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import (
     ArchitectureAdapter,
@@ -51,8 +61,43 @@ _MIN_BLOCK_ROWS = 16
 _LOCAL = threading.local()  # .stack: the recorders opened by this thread, innermost last
 _LOCK = threading.RLock()
 _SWITCHED: Dict[int, list] = {}  # id(config) -> [config, original implementation, users]
-_FLAGS: Dict[int, list] = {}  # id(model) -> [{module: training}, users]
+_FLAGS: Dict[int, list] = {}  # id(module) -> [module, its own training flag, users]
+_SESSIONS: Dict[int, List[List[nn.Module]]] = {}  # id(model) -> the module lists of its open sessions
+_CLONE_KEYS: Dict[type, frozenset] = {}  # layer class -> recorded keys its forward changes in place
 _REGISTERED = False
+
+
+class RecordedTensorModifiedError(RuntimeError):
+    r"""A recorded tensor was changed in place by the forward pass after it was recorded.
+
+    Attributes:
+        layer: the layer index. keys: the recorded tensors that changed.
+        retry: True when nothing of the pass had been handed over yet, so that the caller
+            can run it again (the keys are then recorded as copies).
+    """
+
+    def __init__(self, message: str, layer: int, keys: Tuple[str, ...], retry: bool):
+        super().__init__(message)
+        self.layer, self.keys, self.retry = layer, keys, retry
+
+
+class LayerRunError(RuntimeError):
+    r"""A layer module ran more or fewer times than once per forward pass, or out of order."""
+
+
+def _version(t: Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return None
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    r"""True when ``a`` and ``b`` are the same elements (same memory, shape, strides and dtype)."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _active() -> List["Recorder"]:
@@ -304,6 +349,10 @@ class AttentionRecords:
             rec["values"] = values.detach()
             if context is not None and self.keeps_context:
                 rec["context"] = context.detach()
+            self._recorded(key, rec, ("probs", "values", "context"))
+
+    def _recorded(self, key: Any, rec: Dict[str, Tensor], names: Tuple[str, ...]) -> None:
+        r"""Called after ``names`` were stored in ``rec`` (a subclass keeps their versions)."""
 
 
 class Recorder(AttentionRecords):
@@ -317,6 +366,11 @@ class Recorder(AttentionRecords):
             run; the recorder keeps nothing of it afterwards.
         keep_calls: keep each layer's call arguments (masks and position embeddings, shared
             between layers) so that :meth:`rerun_layer` can recompute a layer later.
+        clone_keys: recorded tensors kept as copies (None: those that the forward pass of
+            this layer class was seen to change in place, :class:`RecordedTensorModifiedError`).
+
+    Raises:
+        LayerRunError: the model's layer list holds one module more than once (shared layers).
     """
 
     def __init__(
@@ -326,6 +380,7 @@ class Recorder(AttentionRecords):
         dtype: torch.dtype,
         on_layer: Callable[[LayerTensors], None],
         keep_calls: bool = False,
+        clone_keys: Optional[frozenset] = None,
     ):
         self.model = model
         self.adapter = adapter
@@ -333,12 +388,81 @@ class Recorder(AttentionRecords):
         self.on_layer = on_layer
         self.keep_calls = keep_calls
         self.layers = layer_modules(model, adapter)
+        if len({id(m) for m in self.layers}) != len(self.layers):
+            raise LayerRunError(
+                f"the {adapter.family} model's layer list holds the same module more than once (shared layers, as in "
+                "ALBERT): a layer that runs several times per forward pass is not supported"
+            )
         self.base = base_model(model)
         self._attn_keys = {id(get_path(layer, adapter.attention)): i for i, layer in enumerate(self.layers)}
         self.records: Dict[int, Dict[str, Tensor]] = {}
+        self.versions: Dict[int, Dict[str, Optional[int]]] = {}
+        self.checks: Dict[int, Dict[str, Tensor]] = {}
         self.calls: Dict[int, Tuple[tuple, dict, bool]] = {}
         self.final: Dict[str, Tensor] = {}
+        self.final_versions: Dict[str, Optional[int]] = {}
         self.layers_done = 0
+        self.handed_over = 0
+        self.clone_keys = _CLONE_KEYS.get(type(self.layers[0]), frozenset()) if clone_keys is None else clone_keys
+        self._ran = [False] * len(self.layers)
+        self._rerunning = False
+        self._last_out: Optional[Tuple[int, Tensor]] = None  # (index, raw output) of the last layer that ran
+
+    # --- recording --------------------------------------------------------------
+    def _keep(self, idx: int, key: str, t: Tensor) -> None:
+        t = t.detach()
+        if key in self.clone_keys:
+            t = t.clone()
+        rec = self.records.setdefault(idx, {})
+        rec[key] = t
+        self.versions.setdefault(idx, {})[key] = _version(t)
+
+    def _recorded(self, key: Any, rec: Dict[str, Tensor], names: Tuple[str, ...]) -> None:
+        versions = self.versions.setdefault(key, {})
+        for name in names:
+            if name in rec:
+                if name in self.clone_keys:
+                    rec[name] = rec[name].clone()
+                versions[name] = _version(rec[name])
+
+    def _check(self, idx: int, name: str, real: Tensor, expected: Optional[Tensor]) -> None:
+        r"""Keep the relative difference of a real tensor from the assumed one (0 when they are the same memory)."""
+        if expected is None or _same(real, expected):
+            return
+        rel = relative_difference(real.detach().to(self.dtype), expected.detach())
+        checks = self.checks.setdefault(idx, {})
+        checks[name] = torch.maximum(checks[name], rel) if name in checks else rel
+
+    def _start_layer(self, idx: int, x: Tensor) -> None:
+        r"""Guard the order of the layers (each once per pass) and the hand-over of the stream."""
+        if self._rerunning:
+            return
+        if idx == 0 and all(self._ran):  # a new forward pass inside the same recording
+            self._ran = [False] * len(self._ran)
+            self._last_out = None
+        if self._ran[idx]:
+            raise LayerRunError(
+                f"layer {idx} ({type(self.layers[idx]).__name__}) ran twice in one forward pass (a shared layer, as in "
+                "ALBERT, or a wrapper calling it again): its tensors would be decomposed once; this is not supported"
+            )
+        skipped = [j for j in range(idx) if not self._ran[j]]
+        if skipped:
+            raise LayerRunError(
+                f"layer {idx} ran before layer(s) {skipped} in one forward pass: the layers must run once each, in order"
+            )
+        self._ran[idx] = True
+        if self._last_out is not None and self._last_out[0] == idx - 1:
+            self._check(idx, "layer input vs the previous layer's output", x, self._last_out[1])
+        self._last_out = None
+
+    def check_complete(self) -> None:
+        r"""Raise :class:`LayerRunError` if the last forward pass did not run every layer."""
+        missing = [i for i, ran in enumerate(self._ran) if not ran]
+        if missing:
+            raise LayerRunError(
+                f"the forward pass ran {len(self._ran) - len(missing)} of {len(self._ran)} layers (not layer(s) "
+                f"{missing}); the model's structure does not match the {self.adapter.family} adapter"
+            )
 
     def _hooks(self) -> list:
         a = self.adapter
@@ -348,49 +472,108 @@ class Recorder(AttentionRecords):
             def hook(module, args, output):
                 if not self._mine():
                     return
-                rec = self.records.setdefault(idx, {})
                 if what in ("in", "both"):
-                    rec[key + "_in"] = _first_tensor(args).detach()
+                    self._keep(idx, key + "_in", _first_tensor(args))
                 if what in ("out", "both"):
-                    rec[key + "_out"] = _first_tensor(output).detach()
+                    self._keep(idx, key + "_out", _first_tensor(output))
 
             return hook
 
-        for i, layer in enumerate(self.layers):
-
-            def pre_hook(module, args, kwargs, idx=i):
+        def compare_inputs(idx: int, name: str, assumed_key: str, all_tensors: bool):
+            # kwargs=None: torch adds a with_kwargs hook in two steps, so another thread's forward pass may call
+            # it without kwargs in between; it is not that thread's recording, so the hook does nothing then
+            def pre_hook(module, args, kwargs=None):
                 if not self._mine():
                     return
-                from_args = bool(args)
-                x = args[0] if from_args else kwargs.get("hidden_states")
-                self.records.setdefault(idx, {})["hidden_in"] = x.detach()
-                if self.keep_calls:
-                    rest = args[1:] if from_args else args
-                    kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-                    self.calls[idx] = (rest, kw, from_args)
-
-            def post_hook(module, args, output, idx=i):
-                if not self._mine():
+                rec = self.records.get(idx, {})
+                assumed = rec.get(assumed_key)
+                if assumed is None:
                     return
-                self.records.setdefault(idx, {})["layer_out"] = _first_tensor(output).detach()
-                self._finish_layer(idx)
+                given = list(args) + (list((kwargs or {}).values()) if all_tensors else [])
+                for x in given:
+                    if isinstance(x, Tensor) and x.shape == assumed.shape:
+                        self._check(idx, name, x, assumed)
 
-            handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
-            handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
-            ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
-            handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
-            handles.append(layer.register_forward_hook(post_hook))
-        if a.final_norm is not None:
+            return pre_hook
 
-            def final_hook(module, args, output):
-                if not self._mine():
+        def context_check(idx: int):
+            def pre_hook(module, args):
+                if not self._mine() or not args or not isinstance(args[0], Tensor):
                     return
-                self.final["in"] = _first_tensor(args).detach()
-                self.final["out"] = _first_tensor(output).detach()
+                ctx = self.records.get(idx, {}).get("context")
+                if ctx is not None and args[0].numel() == ctx.numel():
+                    x = args[0]
+                    if not (x.data_ptr() == ctx.data_ptr() and x.is_contiguous() and ctx.is_contiguous()):
+                        self._check(idx, "output projection input vs the attention context", x, ctx)
 
-            handles.append(get_path(self.base, a.final_norm).register_forward_hook(final_hook))
+            return pre_hook
+
+        attention_input = "ln1_out" if a.pre_ln else "hidden_in"
+        ff_input = "ln2_out" if a.pre_ln else "ln1_out"
+        with _LOCK:
+            for i, layer in enumerate(self.layers):
+
+                def pre_hook(module, args, kwargs=None, idx=i):  # kwargs=None: see compare_inputs
+                    if not self._mine() or kwargs is None:
+                        return
+                    from_args = bool(args)
+                    x = args[0] if from_args else kwargs.get("hidden_states")
+                    self._start_layer(idx, x)
+                    self._keep(idx, "hidden_in", x)
+                    if self.keep_calls:
+                        rest = args[1:] if from_args else args
+                        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                        self.calls[idx] = (rest, kw, from_args)
+
+                def post_hook(module, args, output, idx=i):
+                    if not self._mine():
+                        return
+                    self._keep(idx, "layer_out", _first_tensor(output))
+                    self._finish_layer(idx)
+
+                handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
+                handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
+                ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
+                handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
+                handles.append(get_path(layer, a.attention).register_forward_pre_hook(
+                    compare_inputs(i, "attention input vs " + ("the first norm's output" if a.pre_ln else "the layer input"),
+                                   attention_input, True), with_kwargs=True))
+                for path in (a.ff_in, a.ff_gate):
+                    if path is not None:
+                        handles.append(get_path(layer, path).register_forward_pre_hook(compare_inputs(
+                            i, "feed-forward input vs " + ("the second norm's output" if a.pre_ln else "the first norm's output"),
+                            ff_input, False)))
+                handles.append(get_path(layer, a.attn_out).register_forward_pre_hook(context_check(i)))
+                handles.append(layer.register_forward_hook(post_hook))
+            if a.final_norm is not None:
+
+                def final_hook(module, args, output):
+                    if not self._mine():
+                        return
+                    for key, t in (("in", _first_tensor(args)), ("out", _first_tensor(output))):
+                        t = t.detach()
+                        self.final[key] = t.clone() if "final_" + key in self.clone_keys else t
+                        self.final_versions[key] = _version(self.final[key])
+
+                handles.append(get_path(self.base, a.final_norm).register_forward_hook(final_hook))
         return handles
+
+    def _changed_in_place(self, idx: int, rec: Dict[str, Tensor]) -> None:
+        versions = self.versions.pop(idx, {})
+        changed = tuple(k for k, v in versions.items() if v is not None and k in rec and _version(rec[k]) != v)
+        if not changed:
+            return
+        layer_type = type(self.layers[idx])
+        with _LOCK:
+            _CLONE_KEYS[layer_type] = _CLONE_KEYS.get(layer_type, frozenset()) | frozenset(changed)
+        retry = self.handed_over == 0 and not self._rerunning
+        raise RecordedTensorModifiedError(
+            f"layer {idx}: the forward pass changed the recorded tensor(s) {list(changed)} in place after they were "
+            f"recorded (an in-place operation of the model's code or of a hook, such as `mlp_output += attention_output`); "
+            + ("they are recorded as copies from now on: run the call again" if not retry else "retrying with copies"),
+            idx, changed, retry,
+        )
 
     def _finish_layer(self, idx: int) -> None:
         rec = self.records.pop(idx, {})
@@ -400,10 +583,35 @@ class Recorder(AttentionRecords):
                 f"layer {idx}: the forward pass recorded no {missing}; the model's structure does not match the "
                 f"{self.adapter.family} adapter"
             )
+        self._changed_in_place(idx, rec)
         tensors = self.layer_tensors(idx, rec)
+        self._last_out = (idx, rec["layer_out"])
         del rec
         self.layers_done = max(self.layers_done, idx + 1)
+        if not self._rerunning:
+            self.handed_over += 1
         self.on_layer(tensors)
+
+    def _layer_checks(self, idx: int, rec: Dict[str, Tensor], t: LayerTensors) -> Dict[str, Tensor]:
+        r"""The layer's consistency checks: those of its hooks, the norms rebuilt, the residual joins.
+
+        ``rec``: the raw recorded tensors (identical memory needs no arithmetic); ``t``: the
+        same in the compute dtype.
+        """
+        if t.pre_ln:
+            self._check(idx, "first norm input vs the layer input", rec["ln1_in"], rec["hidden_in"])
+        else:
+            self._check(idx, "layer output vs the second norm's output", rec["layer_out"], rec["ln2_out"])
+        checks = self.checks.pop(idx, {})
+        checks["first norm rebuilt from its input"] = norm_rebuild_error(t.ln1_in, t.ln1_out, t.ln1)
+        checks["second norm rebuilt from its input"] = norm_rebuild_error(t.ln2_in, t.ln2_out, t.ln2)
+        if t.pre_ln:
+            checks["layer output vs the residual stream plus the feed-forward output"] = relative_difference(
+                t.layer_out, t.ln2_in + t.ff_out, temporary=True)
+        else:
+            checks["second norm input vs the first norm's output plus the feed-forward output"] = relative_difference(
+                t.ln2_in, t.ln1_out + t.ff_out, temporary=True)
+        return checks
 
     # --- what the recorded tensors become ---------------------------------------
     def layer_tensors(self, idx: int, rec: Dict[str, Tensor]) -> LayerTensors:
@@ -427,7 +635,7 @@ class Recorder(AttentionRecords):
         if a.ff_gate is not None:
             w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
         ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
-        return LayerTensors(
+        tensors = LayerTensors(
             hidden_in=cast(rec["hidden_in"]),
             probs=cast(rec["probs"]),
             values=cast(rec["values"]),
@@ -446,7 +654,10 @@ class Recorder(AttentionRecords):
             ff=ff,
             causal=a.causal,
             index=idx,
+            source_dtype=rec["layer_out"].dtype,
         )
+        tensors.checks = self._layer_checks(idx, rec, tensors)
+        return tensors
 
     def final_norm_tensors(self) -> Tuple[NormParams, Tensor, Tensor]:
         r"""The final norm of a pre-LN model: (parameters, real input, real output), in the compute dtype.
@@ -456,6 +667,14 @@ class Recorder(AttentionRecords):
         """
         if self.adapter.final_norm is None or "in" not in self.final:
             raise RuntimeError(f"the forward pass recorded no final norm for the {self.adapter.family} adapter")
+        changed = [k for k, v in self.final_versions.items() if v is not None and _version(self.final[k]) != v]
+        if changed:
+            with _LOCK:
+                layer_type = type(self.layers[0])
+                _CLONE_KEYS[layer_type] = _CLONE_KEYS.get(layer_type, frozenset()) | {"final_" + k for k in changed}
+            raise RecordedTensorModifiedError(
+                f"the forward pass changed the recorded final norm {changed} in place after it was recorded; it is "
+                "recorded as a copy from now on: run the call again", len(self.layers), tuple(changed), False)
         device = self.final["out"].device
         p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind, self.dtype, device)
         return p, self.final["in"].to(device=device, dtype=self.dtype), self.final["out"].to(self.dtype)
@@ -473,6 +692,7 @@ class Recorder(AttentionRecords):
         got: List[LayerTensors] = []
         saved = self.on_layer
         self.on_layer = got.append
+        self._rerunning = True
         try:
             x = hidden_in.to(next(self.layers[idx].parameters()).dtype)
             if from_args:
@@ -481,10 +701,17 @@ class Recorder(AttentionRecords):
                 self.layers[idx](*rest, hidden_states=x, **kw)
         finally:
             self.on_layer = saved
+            self._rerunning = False
         return got[0]
 
 
 def _switch_on(model: nn.Module, configs) -> None:
+    r"""Switch the attention of ``configs`` to the recording function and ``model`` to eval mode.
+
+    Reference-counted under the lock: the implementation per config, the training flag per
+    module (a submodule shared by two models keeps its own flag until the last call that
+    holds it through either model ends). Undone by :func:`_switch_off`.
+    """
     with _LOCK:
         for cfg in configs:
             entry = _SWITCHED.get(id(cfg))
@@ -493,15 +720,19 @@ def _switch_on(model: nn.Module, configs) -> None:
                 cfg.__dict__["_attn_implementation_internal"] = ATTENTION_NAME
             else:
                 entry[2] += 1
-        flags = _FLAGS.get(id(model))
-        if flags is None:
-            _FLAGS[id(model)] = [{m: m.training for m in model.modules()}, 1]
-        else:
-            flags[1] += 1
+        modules = list(model.modules())
+        for m in modules:
+            entry = _FLAGS.get(id(m))
+            if entry is None:
+                _FLAGS[id(m)] = [m, m.training, 1]
+            else:
+                entry[2] += 1
+        _SESSIONS.setdefault(id(model), []).append(modules)
         model.eval()
 
 
 def _switch_off(model: nn.Module, configs) -> None:
+    r"""Undo one :func:`_switch_on` of ``model``: the last holder of a config or module restores it."""
     with _LOCK:
         for cfg in configs:
             entry = _SWITCHED.get(id(cfg))
@@ -511,13 +742,20 @@ def _switch_off(model: nn.Module, configs) -> None:
             if entry[2] == 0:
                 cfg.__dict__["_attn_implementation_internal"] = entry[1]
                 del _SWITCHED[id(cfg)]
-        flags = _FLAGS.get(id(model))
-        if flags is not None:
-            flags[1] -= 1
-            if flags[1] == 0:
-                for m, training in flags[0].items():
-                    m.training = training
-                del _FLAGS[id(model)]
+        sessions = _SESSIONS.get(id(model))
+        if not sessions:
+            return
+        modules = sessions.pop()
+        if not sessions:
+            del _SESSIONS[id(model)]
+        for m in modules:
+            entry = _FLAGS.get(id(m))
+            if entry is None:
+                continue
+            entry[2] -= 1
+            if entry[2] == 0:
+                m.training = entry[1]
+                del _FLAGS[id(m)]
 
 
 @contextlib.contextmanager
@@ -558,6 +796,8 @@ def recording(
         finally:
             recorder.records.clear()
             recorder.calls.clear()
+            recorder.versions.clear()
+            recorder.checks.clear()
 
 
 @contextlib.contextmanager
@@ -578,9 +818,15 @@ def recorder_session(model: nn.Module, recorder: Any, install_hooks: Callable[[]
         ``recorder``.
     """
     _register()
+    stack = _active()
+    if any(getattr(r, "model", None) is model for r in stack):
+        raise RuntimeError(
+            "an attribution of this model was started while one of its own recorded forward passes is running (from a "
+            "forward hook or a module of the model?): nested attributions of one model are not supported; run the "
+            "second attribution after the first call returns (e.g. collect the inputs in the hook, attribute them after)"
+        )
     configs = _configs(model)
     handles: list = []
-    stack = _active()
     _switch_on(model, configs)
     try:
         handles = install_hooks()
