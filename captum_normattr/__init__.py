@@ -16,6 +16,10 @@ from captum_normattr.decompose.rollout import rollout
 from captum_normattr.models.adapters import UnsupportedModelError, supported_families
 from captum_normattr.models.loading import default_model_path, load_default_model
 from captum_normattr.result import DecompositionResult
+from captum_normattr.attr.base import ConsistencyError, ConsistencyWarning
+from captum_normattr.attr.explained_output import ExplainedOutputMismatchError, ExplainedOutputMismatchWarning
+from captum_normattr.models.capture import LayerRunError, RecordedTensorModifiedError
+from captum_normattr.models.weights import UnsupportedAdapterLayerError
 
 __version__ = "0.1.0"
 
@@ -39,6 +43,13 @@ __all__ = [
     "GLOBENC_MAPS",
     "rollout",
     "UnsupportedModelError",
+    "UnsupportedAdapterLayerError",
+    "ConsistencyWarning",
+    "ConsistencyError",
+    "ExplainedOutputMismatchWarning",
+    "ExplainedOutputMismatchError",
+    "LayerRunError",
+    "RecordedTensorModifiedError",
     "supported_families",
     "default_model_path",
     "load_default_model",

@@ -158,3 +158,22 @@ def test_recorded_tensor_changed_in_place_is_recorded_as_a_copy(monkeypatch):
     # attributions retry by themselves; the doubled FF output then shows at the residual join
     monkeypatch.setattr(capture, "_CLONE_KEYS", {})
     _fires(GlobEncAttribution, model, "second norm input vs the first norm's output plus the feed-forward output")
+
+
+@pytest.mark.parametrize("name", ["decompx", "alti-logit"])
+def test_strict_logit_methods_raise_on_a_steering_vector(name):
+    r"""DecompX and ALTI-Logit judge the same checks: a warning by default, ConsistencyError with strict."""
+    from captum_normattr import ALTILogitAttribution
+
+    cls = DecompXAttribution if name == "decompx" else ALTILogitAttribution
+    model = make_decoder("llama", exact_norms=False)
+    v = 0.5 * torch.randn(model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    model.model.layers[0].register_forward_hook(
+        lambda m, a, out: (out[0] + v,) + tuple(out[1:]) if isinstance(out, tuple) else out + v)
+    ids, mask = _batch(True)
+    with pytest.warns(ConsistencyWarning, match="layer 0"):
+        cls(model).attribute(ids, target=3, additional_forward_args=(mask,))
+    with pytest.raises(ConsistencyError, match="layer 0"):
+        cls(model, strict=True).attribute(ids, target=3, additional_forward_args=(mask,))
+    with pytest.raises(TypeError, match="strict"):
+        cls(model, strict="yes")

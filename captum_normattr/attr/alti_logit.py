@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from captum_normattr.attr.alti import ALTI_MEMORY_BUDGET_MB
 from captum_normattr.attr.base import (
+    ConsistencyGuard,
     LayerDecompositionAttribution,
     check_memory_budget,
     format_output,
@@ -107,6 +108,10 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             (default), an int (k >= 0 counts from the first real token, negative from the
             last) or a (B,) integer tensor of padded positions.
         memory_budget_mb: memory for the explicit parts of the ALTI maps, per chunk of rows.
+        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` (and
+            :class:`~captum_normattr.attr.explained_output.ExplainedOutputMismatchError`)
+            instead of warning when the model's real tensors or logits disagree with the
+            decomposition (docs/reliability.md).
 
     Examples::
 
@@ -126,8 +131,9 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         unembedding: Optional[Tensor] = None,
         explained_position: Union[int, str, Tensor, None] = "last",
         memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
+        strict: bool = False,
     ) -> None:
-        super().__init__(model, explained_position, "raw")
+        super().__init__(model, explained_position, "raw", strict=strict)
         self.model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside
         check_logit_model(self.adapter, "ALTILogitAttribution")
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
@@ -176,7 +182,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             kept["example_errors"].append(err)  # (B,) largest |parts + b_O - real h_i| over the real tokens
 
         run, top_model, logits_kept = self.output.guarded_forward(self.model, prepared, pos)
-        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model) as (rec, model_out):
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model,
+                              guard=ConsistencyGuard(self.get_name(), self.strict)) as (rec, model_out):
             prepared.finite = run.finite
             fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
         with torch.no_grad():
@@ -188,7 +195,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             )
             # guard 1: the explained logit is the model's own output logit (after any scaling, cap or hook)
             self.output.check_against_model(model_out if top_model else None, logits_kept, pos, out, f_out,
-                                            terms["logit"], getattr(self, "strict", None))
+                                            terms["logit"], self.strict)
             # guard 2: the delta also carries every layer's attention-block completeness error, as the logit an
             # error vector of that size would have at the explained position (|e| . |w|, w the logit direction)
             w1 = logit_direction(fparams, f_in, out.direction).abs().sum(-1)  # (B,)

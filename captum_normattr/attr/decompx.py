@@ -11,7 +11,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import check_memory_budget, compute_dtype, format_output, mark_non_finite, streamed_forward
+from captum_normattr.attr.base import ConsistencyGuard, check_memory_budget, compute_dtype, format_output, mark_non_finite, streamed_forward
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
@@ -210,6 +210,10 @@ class DecompXAttribution(Attribution):
         unembedding: decoders only: a (V, D) unembedding matrix used instead of the LM head
             (needed for a bare ``GPT2Model`` / ``LlamaModel`` ...).
         nodes: decoders with a gated FF: Gauss-Legendre nodes of the gate integrals.
+        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` (and
+            :class:`~captum_normattr.attr.explained_output.ExplainedOutputMismatchError`)
+            instead of warning when the model's real tensors or logits disagree with the
+            decomposition (docs/reliability.md).
 
     Examples::
 
@@ -238,8 +242,12 @@ class DecompXAttribution(Attribution):
         explained_position: Union[int, str, Tensor, None] = None,
         unembedding: Optional[Tensor] = None,
         nodes: int = DEFAULT_NODES,
+        strict: bool = False,
     ) -> None:
         check_bias_mode(bias_mode)
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        self.strict = strict
         nodes = check_positive_int("nodes", nodes)
         memory_budget_mb = check_memory_budget(memory_budget_mb)
         explained_position = check_explained_position(explained_position)
@@ -423,7 +431,8 @@ class DecompXAttribution(Attribution):
             if layer.index == n - 1:
                 kept["pooled"] = layer.layer_out[:, pos]  # the head's real input
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None) as (
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
+                             guard=ConsistencyGuard(self.get_name(), self.strict)) as (
             rec,
             out,
         ):
@@ -431,7 +440,7 @@ class DecompXAttribution(Attribution):
             logits = model_logits.to(valid.device, dtype)
             tgt = self.output.resolve(target, logits)
             hp = self.output.params(dtype, kept["pooled"].device)
-            self.output.check_against_model(kept["pooled"], hp, model_logits, getattr(self, "strict", None))
+            self.output.check_against_model(kept["pooled"], hp, model_logits, self.strict)
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 slope = head_slope(kept["pooled"], hp)
@@ -490,7 +499,8 @@ class DecompXAttribution(Attribution):
             else:
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None) as (
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
+                             guard=ConsistencyGuard(self.get_name(), self.strict)) as (
             rec,
             out,
         ):
@@ -498,7 +508,7 @@ class DecompXAttribution(Attribution):
             tgt = self.output.resolve(target, logits)
             fparams, f_in, f_out = rec.final_norm_tensors()
             f_rows = f_in[:, rows]
-            self.output.check_against_model(f_out[:, rows], head, out.logits, getattr(self, "strict", None))
+            self.output.check_against_model(f_out[:, rows], head, out.logits, self.strict)
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 cls_scores, bias_scores = adjoint_linear_head_scores(
@@ -560,7 +570,8 @@ class DecompXAttribution(Attribution):
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         run, top_model, kept = self.output.guarded_forward(self.model, prepared, pos)
-        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model, keep_calls=adj is not None) as (
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model, keep_calls=adj is not None,
+                             guard=ConsistencyGuard(self.get_name(), self.strict)) as (
             rec,
             model_out,
         ):
@@ -570,7 +581,7 @@ class DecompXAttribution(Attribution):
             u, ub = out.direction, out.bias
             logit = (f_out[ar, pos] * u).sum(-1) + ub  # the logit (difference) from the real final-norm output
             self.output.check_against_model(  # ... and the model's own output logit: the same number
-                model_out if top_model else None, kept, pos, out, f_out[ar, pos], logit, getattr(self, "strict", None))
+                model_out if top_model else None, kept, pos, out, f_out[ar, pos], logit, self.strict)
             if adj is not None:
                 frozen_at = self._rerun(rec, quad, vf)
                 scores, bias_score = adjoint_next_token_scores(adj, frozen_at, fparams, f_in, u, ub, pos)
