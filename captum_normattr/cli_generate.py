@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     p.add_argument("--model", required=True, help="a local model folder (config.json) or a Hub name of a causal LM")
     p.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (greedy; default 20)")
-    p.add_argument("--target-text", default=None, help="explain this continuation instead of generating (teacher forcing)")
+    p.add_argument("--target-text", default=None,
+                   help="explain this continuation instead of generating (teacher forcing)")
     p.add_argument("-m", "--method", nargs="+", default=["alti-logit"], choices=GENERATE_METHODS,
                    help="method(s) (default alti-logit)")
     p.add_argument("--quantity", default="logit", choices=sorted(QUANTITY_NAMES),
@@ -51,14 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="table", choices=("table", "json", "html"))
     p.add_argument("-o", "--output", default=None, help="write here instead of standard output")
     p.add_argument("--top", type=int, default=5, help="input tokens shown per generated token in the table (default 5)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the tokenizer's chat template")
-    p.add_argument("--skip-special", action="store_true", help="leave the tokenizer's special tokens out of the features")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the tokenizer's chat template")
+    p.add_argument("--skip-special", action="store_true",
+                   help="leave the tokenizer's special tokens out of the features")
     p.add_argument("--exclude-sink", action="store_true",
                    help="leave the attention sink (the first token) out of the table, plots and colour scales")
     p.add_argument("--dtype", default=None, choices=("float32", "float64"), help="cast the model (default: as saved)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the model folder's own Python code to run (transformers' trust_remote_code; off by default)")
+                   help="allow the model folder's own Python code to run (transformers' trust_remote_code; "
+                        "off by default)")
     return p
 
 
@@ -195,7 +199,7 @@ def render_html(record: Dict[str, Any], title: str = "") -> str:
 
 
 def simple_html_table(record: Dict[str, Any], title: str = "") -> str:
-    r"""A self-contained HTML page: per method, a table of generated tokens x input features, cells coloured by score."""
+    r"""A self-contained HTML page: per method, generated tokens x input features, cells coloured by score."""
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title or 'generation')}</title>",
              "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin-bottom:2em}"

@@ -189,7 +189,8 @@ def _explain_alti_logit(
         store.put(l, attr.kind.alti_map(layer, valid, attr.memory_budget_mb))
         kept["updates"][l] = attention_logit_updates(layer, positions, w_unscaled.to(layer.hidden_in.dtype))
         kept["ff"][l] = layer.ff_out[:, positions]
-        kept["biases"][l] = layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1])
+        zero = layer.hidden_in.new_zeros(layer.hidden_in.shape[-1])
+        kept["biases"][l] = layer.out_bias if layer.out_bias is not None else zero
 
     with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
         fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), dev)
@@ -271,7 +272,8 @@ def _explain_decompx(
                 res = prop.result()
                 idx = torch.searchsorted(res.rows, positions)
                 got = [
-                    logit_scores(res.parts[:, int(idx[k])], res.bias[:, int(idx[k])], fparams, f_in[:, int(positions[k])],
+                    logit_scores(res.parts[:, int(idx[k])], res.bias[:, int(idx[k])], fparams,
+                                 f_in[:, int(positions[k])],
                                  u[:, k], ub[:, k], attr.bias_mode, fallback=positions[k:k + 1])
                     for k in range(positions.shape[0])
                 ]
@@ -290,7 +292,9 @@ def _explain_decompx(
     )
 
 
-def _explain_rollout(attr: LayerDecompositionAttribution, ids: Tensor, positions: Tensor, target: Optional[Tensor]) -> PositionExplanation:
+def _explain_rollout(
+    attr: LayerDecompositionAttribution, ids: Tensor, positions: Tensor, target: Optional[Tensor]
+) -> PositionExplanation:
     model, adapter = attr.model, attr.adapter
     prepared = prepare_inputs(model, adapter, ids.unsqueeze(0), None)
     valid = prepared.valid
@@ -307,7 +311,8 @@ def _explain_rollout(attr: LayerDecompositionAttribution, ids: Tensor, positions
         f_out = rec.final_norm_tensors()[2] if (output is not None and adapter.final_norm is not None) else None
     with torch.no_grad():
         scores = rollout_rows_at(store, positions, attr.rollout_convention)[0] * valid[0].to(store.dense().dtype)
-        log_probs = None if f_out is None else _log_probs(output, f_out[0, positions.to(f_out.device)].to(valid.device), target)
+        f_rows = None if f_out is None else f_out[0, positions.to(f_out.device)].to(valid.device)
+        log_probs = None if f_rows is None else _log_probs(output, f_rows, target)
     if _warn_non_finite(prepared):
         scores = torch.full_like(scores, float("nan"))
     return PositionExplanation(method=attr.get_name(), scores=scores, positions=positions, signed=False, target=target,
@@ -614,7 +619,9 @@ def _pretty_tokens(ids: Tensor, tokenizer: Any) -> List[str]:
     return [tokenizer.decode([int(i)]) for i in ids.tolist()]
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+def chat_prompt(
+    tokenizer: Any, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+) -> str:
     r"""A chat conversation rendered with the tokenizer's chat template, as text.
 
     Args:
@@ -731,7 +738,11 @@ class DecompositionLLMAttribution(Attribution):
     SUPPORTED_INPUTS = (TextTemplateInput, TextTokenInput)
 
     def __init__(
-        self, attr_method: Union[Attribution, str], tokenizer: Any, model: Optional[nn.Module] = None, **method_kwargs: Any
+        self,
+        attr_method: Union[Attribution, str],
+        tokenizer: Any,
+        model: Optional[nn.Module] = None,
+        **method_kwargs: Any,
     ) -> None:
         if isinstance(attr_method, str):
             attr_method = _method_from_name(attr_method, model, **method_kwargs)
@@ -879,7 +890,8 @@ class DecompositionLLMAttribution(Attribution):
             (features,), ``output_probs`` (n,) the target probabilities.
         """
         if kwargs:
-            warnings.warn(f"ignored (they mean nothing for a decomposition): {sorted(kwargs)}", UserWarning, stacklevel=2)
+            warnings.warn(f"ignored (they mean nothing for a decomposition): {sorted(kwargs)}", UserWarning,
+                          stacklevel=2)
         return self.decompose(inp, target, gen_args, quantity, foil).to_captum(exclude_sink)
 
     def has_convergence_delta(self) -> bool:
