@@ -2,7 +2,7 @@ r"""Explaining a generation: every generated token from one pass, against Captum
 
 Usage:
     nice python benchmarks/llm_generation.py --tokenizer DIR [--prompt-tokens 512] [--new-tokens 32]
-        [--methods alti-logit decompx alti globenc] [--decompx-targets K] [--fa-features 16] [--lig-prompt-tokens 64]
+        [--model TRAINED_DIR] [--methods alti-logit decompx alti globenc] [--decompx-targets K] [--fa-features 16] [--lig-prompt-tokens 64]
         [--lig-targets 8] [--lig-steps 8] [--threads 2] [--repeats 1] [--out results/llm_generation.json]
 
 Model: the ~100M Llama-family config of the decoder benchmarks (hidden 768, 12 layers, 12 heads,
@@ -26,6 +26,10 @@ caches it in, ``~/.cache/captum_normattr/smollm2-135m-instruct``, if it exists).
    agreement is the Spearman correlation of every ``token_attr`` row with Captum's (median
    over rows). Captum explains the log-probability, ours the logit: they differ by the
    logsumexp, which a random-weight model's near-uniform distribution keeps nearly constant.
+
+With ``--model DIR`` a trained causal LM is used instead (e.g. the packaged SmolLM2-135M-Instruct
+on a short prompt): on random weights the log-probabilities that Captum's methods explain barely
+depend on the prompt, so only a trained model says anything about agreement.
 
 The last line of the output is the JSON of all numbers (also written to ``--out``).
 """
@@ -79,6 +83,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_tok = Path("~/.cache/captum_normattr/smollm2-135m-instruct").expanduser()
     ap.add_argument("--tokenizer", default=str(default_tok) if default_tok.exists() else None)
+    ap.add_argument("--model", default=None,
+                    help="a local trained causal LM folder instead of the random ~100M Llama (its tokenizer by default)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -93,6 +99,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed calls of ours (the minimum is kept)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "llm_generation.json"))
     args = ap.parse_args()
+    if args.model is not None and args.tokenizer is None:
+        args.tokenizer = args.model
     if args.tokenizer is None:
         ap.error("give --tokenizer DIR (a local Hugging Face tokenizer folder)")
     torch.set_num_threads(args.threads)
@@ -106,9 +114,16 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{**LLAMA_100M, "vocab_size": len(tok)})
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).eval()
+    if args.model is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        config = {"model": Path(args.model).name}
+    else:
+        cfg = LlamaConfig(**{**LLAMA_100M, "vocab_size": len(tok)})
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg).eval()
+        config = {**LLAMA_100M, "vocab_size": len(tok)}
     n_params = sum(p.numel() for p in model.parameters())
     text = prompt_text(tok, args.prompt_tokens)
     inp = TextTokenInput(text, tok)
@@ -119,7 +134,7 @@ def main() -> None:
                                                   do_sample=False))
     targets = gen[0, p:]
     n = int(targets.shape[0])
-    out = {"config": {**LLAMA_100M, "vocab_size": len(tok), "parameters": n_params, "dtype": "float32",
+    out = {"config": {**config, "parameters": n_params, "dtype": "float32",
                       "threads": args.threads, "prompt_tokens": p, "new_tokens": n}, "generate_s": gen_s,
            "ours": {}, "captum": {}}
     print(f"model {n_params / 1e6:.1f}M parameters, prompt {p} tokens, {n} generated ({gen_s:.1f} s)", flush=True)
