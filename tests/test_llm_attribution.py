@@ -148,6 +148,27 @@ def test_template_features_are_sums_of_token_scores(models, tok):
     assert llm.decompose(named, target="today").feature_of_token.tolist() == [-1, 0, 0, -1, -1, 1, 1]
 
 
+def test_template_tokens_with_a_leading_space_belong_to_their_value():
+    from captum_normattr.attr.llm import template_token_features
+
+    class ByteLevelLike:  # offsets as a byte-level BPE gives them: " sad" starts at the space
+        def __init__(self, offsets):
+            self.offsets = offsets
+
+        def __call__(self, text, return_offsets_mapping=True):
+            return {"offset_mapping": self.offsets}
+
+    inp = TextTemplateInput("{} feels {} ok", values=["he", "sad!"])
+    text = inp.to_model_input()  # "he feels sad! ok": "he", " feels", " sad", "!", " ok"
+    tok = ByteLevelLike([(0, 2), (2, 8), (8, 12), (12, 13), (13, 16)])
+    with _no_warning():
+        assert template_token_features(inp, tok, text, 5) == [0, -1, 1, 1, -1]
+    with pytest.warns(UserWarning, match="spans a value"):  # "hex": the value "he" and template text
+        feats = template_token_features(TextTemplateInput("{}x feels", values=["he"]),
+                                         ByteLevelLike([(0, 3), (3, 9)]), "hex feels", 2)
+    assert feats == [0, -1]
+
+
 class _no_warning:
     def __enter__(self):
         import warnings

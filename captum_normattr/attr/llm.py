@@ -402,7 +402,7 @@ def explain_positions(
 # ----------------------------------------------------------------------------------------
 # Captum's inputs: token features and template features
 # ----------------------------------------------------------------------------------------
-def _template_value_spans(inp: TextTemplateInput, text: str) -> List[Tuple[int, int]]:
+def template_value_spans(inp: TextTemplateInput, text: str) -> List[Tuple[int, int]]:
     r"""Character span of every value of a ``TextTemplateInput`` in its rendered text."""
     values = list(inp.values)
     if isinstance(inp.template, str):
@@ -441,9 +441,9 @@ def _template_value_spans(inp: TextTemplateInput, text: str) -> List[Tuple[int, 
     return spans
 
 
-def _template_token_features(inp: TextTemplateInput, tokenizer: Any, text: str, n_tokens: int) -> List[int]:
+def template_token_features(inp: TextTemplateInput, tokenizer: Any, text: str, n_tokens: int) -> List[int]:
     r"""For every token of the encoded template text, its interpretable feature index (or -1)."""
-    spans = _template_value_spans(inp, text)
+    spans = template_value_spans(inp, text)
     try:
         enc = tokenizer(text, return_offsets_mapping=True)
         offsets = list(enc["offset_mapping"])
@@ -456,6 +456,9 @@ def _template_token_features(inp: TextTemplateInput, tokenizer: Any, text: str, 
     feats = []
     straddle = False
     for s, e in offsets:
+        piece = text[s:e]
+        if piece.strip():  # a byte-level BPE token carries the space before a word: whitespace does not decide
+            s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
         best, best_len = -1, 0
         for i, (vs, ve) in enumerate(spans):
             ov = min(e, ve) - max(s, vs)
@@ -808,7 +811,7 @@ class DecompositionLLMAttribution(Attribution):
             feat = torch.full((p,), -1, dtype=torch.long)
             feat[mask] = torch.arange(int(mask.sum()))
             return feat
-        return torch.tensor(_template_token_features(inp, self.tokenizer, inp.to_model_input(), p), dtype=torch.long)
+        return torch.tensor(template_token_features(inp, self.tokenizer, inp.to_model_input(), p), dtype=torch.long)
 
     # --- the API ---------------------------------------------------------------------
     def decompose(
@@ -912,4 +915,6 @@ __all__ = [
     "chat_token_input",
     "explain_positions",
     "explained_directions",
+    "template_token_features",
+    "template_value_spans",
 ]
