@@ -8,7 +8,6 @@ from captum_normattr.aggregation import aggregate_map, aggregate_map_to_words, a
 from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution, ALTIPlusResult, explain_generation
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
-from captum_normattr.attr.llm import DecompositionLLMAttribution, GenerationExplanation, chat_token_input
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
 from captum_normattr.decompose.feed_forward import contextualization_change
@@ -31,9 +30,6 @@ __all__ = [
     "FFIntegratedDecomposition",
     "DecompXAttribution",
     "DecompXResult",
-    "DecompositionLLMAttribution",
-    "GenerationExplanation",
-    "chat_token_input",
     "FF_SCOPES",
     "contextualization_change",
     "scope_contextualization_changes",
