@@ -1098,6 +1098,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "generate":  # `captum-normattr generate ...` (captum_normattr/cli_generate.py)
+        from captum_normattr.cli_generate import generate_main
+
+        return generate_main(argv[1:])
     if argv and argv[0] == SUBCOMMAND:  # `captum-normattr explain ...`: the one subcommand
         argv = argv[1:]
     try:
