@@ -19,21 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from captum_normattr.cli import (
+from captum_normattr.cli_common import (
     ALTI_PLUS,
     PROG,
     CLIError,
-    _can_print_blocks,
-    _is_decoder,
-    _is_encoder_decoder,
-    _max_length,
-    _progress,
-    _resolve_device,
-    _write,
+    can_print_blocks,
+    is_decoder,
+    is_encoder_decoder,
     load_model,
     read_stdin_lines,
     read_text_lines,
+    resolve_device,
+    resolve_max_length,
+    write_output,
 )
+from captum_normattr.progress import progress_bar
 from captum_normattr.registry import MethodSpec
 from captum_normattr.tokens import display_token, readable_tokens, visible_text
 
@@ -266,10 +266,10 @@ def explain_pairs(pairs: Sequence[SourcePair], model: Any, tokenizer: Any, optio
     except UnsupportedModelError as err:
         raise CLIError(f"method {ALTI_PLUS!r} cannot explain this model: {err}") from None
     device = next(model.parameters()).device
-    max_len = _max_length(model, tokenizer, options.max_length)
+    max_len = resolve_max_length(model, tokenizer, options.max_length)
     groups = [[p for p in pairs if p.target is not None], [p for p in pairs if p.target is None]]
     chunks = [g[k:k + options.batch_size] for g in groups for k in range(0, len(g), options.batch_size)]
-    bar = _progress(len(chunks), progress)
+    bar = progress_bar(len(chunks), enabled=progress)
     done: Dict[int, Dict[str, Any]] = {}
     try:
         for chunk in chunks:
@@ -379,11 +379,11 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
         matplotlib.use("Agg")
     sources = list(args.source or []) + list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
     pairs = read_pairs(sources, args.target_text, args.file)
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     model, tok, model_name = load_model(args.model, device, getattr(args, "trust_remote_code", False))
-    if not _is_encoder_decoder(model):
+    if not is_encoder_decoder(model):
         cfg = model.config
-        kind = "a decoder-only model" if _is_decoder(model) or getattr(cfg, "is_decoder", False) else (
+        kind = "a decoder-only model" if is_decoder(model) or getattr(cfg, "is_decoder", False) else (
             "not an encoder-decoder" if getattr(cfg, "is_encoder_decoder", False) else "an encoder-only model")
         need = "--source needs" if args.source and not args.method else f"-m {ALTI_PLUS} needs"
         raise CLIError(
@@ -411,8 +411,8 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
             meta["max_new_tokens"] = args.max_new_tokens
         text = json.dumps({"meta": meta, "pairs": records}, indent=2, ensure_ascii=False, allow_nan=False)
     else:
-        text = render_seq2seq_table(records, top=args.top, ascii_only=args.ascii or not _can_print_blocks())
-    _write(text, args.output)
+        text = render_seq2seq_table(records, top=args.top, ascii_only=args.ascii or not can_print_blocks())
+    write_output(text, args.output)
     if args.output and not args.quiet:
         print(f"{PROG}: wrote {args.output} ({len(records)} pair{'s' if len(records) != 1 else ''})", file=sys.stderr)
     return 0

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from captum_normattr.cpu_launch import requested_cpu_processes, spawn_cpu_processes
+from captum_normattr.progress import progress_bar
 
 __all__ = ["InputError", "InputItem", "OutputError", "add_arguments", "explain_dataset", "job_fingerprint",
            "read_inputs", "run_cli", "same_file"]
@@ -83,7 +84,7 @@ class InputItem:
 
 def _lines(path: Path) -> List[str]:
     r"""The lines of a UTF-8 file, split at ``\n`` / ``\r\n`` only, a byte-order mark dropped (so ids are line numbers)."""
-    from captum_normattr.cli import read_utf8, split_lines
+    from captum_normattr.cli_common import read_utf8, split_lines
 
     try:
         return split_lines(read_utf8(path))
@@ -683,11 +684,11 @@ def _run(
     first read to the merge, released also after an error; a second run on the same output is
     refused (:class:`OutputError`) on every process.
     """
-    from captum_normattr.cli import CLIError, _build_attributions, _explain_batch, _max_length
+    from captum_normattr import cli_common  # explain_batch looked up at run time (tests replace it)
 
     state = _state()
-    attrs = _build_attributions(specs, model, options)
-    limit = _max_length(model, tokenizer, max_length)
+    attrs = cli_common.build_attributions(specs, model, options)
+    limit = cli_common.resolve_max_length(model, tokenizer, max_length)
     lock = _OutputLock(output) if output is not None and state.is_main_process else None
     try:
         if output is not None:
@@ -703,7 +704,7 @@ def _run(
         else:
             todo = list(items)
         new = _explain_share(state, todo, tokenizer, attrs, output, limit, batch_size, target, progress, device,
-                             warn, CLIError, _explain_batch)
+                             warn, cli_common.CLIError, cli_common.explain_batch)
         if output is not None:
             state.wait_for_everyone()
             if state.is_main_process:
@@ -727,12 +728,8 @@ def _explain_share(state: Any, todo: Sequence[InputItem], tokenizer: Any, attrs:
     _truncation_warnings(share, cut, limit, getattr(tokenizer, "truncation_side", "right"), warn)
     order = sorted(range(len(share)), key=lambda k: (full[k] - cut[k], k))
     shard = None if output is None else output.with_name(f"{output.name}.part-{state.process_index}")
-    bar = None
-    if progress and state.is_main_process and share:
-        from tqdm.auto import tqdm
-
-        desc = "captum-normattr" + (f" (process 0 of {state.num_processes})" if state.num_processes > 1 else "")
-        bar = tqdm(total=len(share), unit="text", desc=desc, file=sys.stderr, leave=False)
+    desc = "captum-normattr" + (f" (process 0 of {state.num_processes})" if state.num_processes > 1 else "")
+    bar = progress_bar(len(share), enabled=progress and state.is_main_process, desc=desc, unit="text", min_total=1)
     new: List[Dict[str, Any]] = []
     try:
         for start in range(0, len(order), batch_size):
@@ -754,11 +751,9 @@ def _explain_share(state: Any, todo: Sequence[InputItem], tokenizer: Any, attrs:
                     fh.flush()
                     os.fsync(fh.fileno())
             new.extend(recs)
-            if bar is not None:
-                bar.update(len(chunk))
+            bar.update(len(chunk))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return new
 
 
@@ -844,9 +839,9 @@ def explain_dataset(
     specs = [get_method(m) for m in dict.fromkeys(methods)]
     ns = argparse.Namespace(**dict(options or {}))
     if getattr(ns, "position", None) is None:
-        from captum_normattr.cli import _is_decoder
+        from captum_normattr.cli_common import is_decoder
 
-        ns.position = "last" if _is_decoder(model) else 0
+        ns.position = "last" if is_decoder(model) else 0
     from captum_normattr.models.weights import is_dispatched
 
     device = None if is_dispatched(model) else next(model.parameters()).device
@@ -877,7 +872,7 @@ def add_arguments(parser: Any) -> None:
 
 def run_cli(args: Any, specs: Sequence[Any]) -> int:
     r"""``--format jsonl``: explain ``--file`` (and TEXT arguments) into ``--output``, resumable, multi-process."""
-    from captum_normattr.cli import PROG, CLIError, _is_decoder, _resolve_device, load_model
+    from captum_normattr.cli_common import PROG, CLIError, is_decoder, load_model, resolve_device
 
     if args.output is None:
         raise CLIError("--format jsonl needs --output PATH (records are appended and resumed there)")
@@ -903,7 +898,7 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
                   f"launcher is mpirun); starting {n} CPU processes joined over gloo", file=sys.stderr)
         return spawn_cpu_processes(n, ["-m", "captum_normattr", *getattr(args, "_argv", sys.argv[1:])])
     state = _state()
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     if state.num_processes > 1 and state.device.type != "cpu":
         device = state.device  # accelerate launch on several GPUs: one device per process
     model, tok, _ = load_model(args.model, device, getattr(args, "trust_remote_code", False))
@@ -912,7 +907,7 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
     except InputError as err:
         raise CLIError(str(err)) from None
     if args.position is None:
-        args.position = "last" if _is_decoder(model) else 0
+        args.position = "last" if is_decoder(model) else 0
     output = Path(args.output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -123,7 +123,7 @@ def _load_image_model(name: Optional[str], trust_remote_code: bool) -> Tuple[Any
     """
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from captum_normattr.cli import CLIError, check_remote_code
+    from captum_normattr.cli_common import CLIError, check_remote_code
 
     if not name:
         raise CLIError("--image needs --model DIR: a local folder with an image classifier and its image processor")
@@ -164,7 +164,7 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     from PIL import Image, UnidentifiedImageError
 
     from captum_normattr.attr.images import token_names
-    from captum_normattr.cli import CLIError
+    from captum_normattr.cli_common import CLIError
     from captum_normattr.models.adapters import get_adapter
 
     model, processor = _load_image_model(args.model, bool(getattr(args, "trust_remote_code", False)))

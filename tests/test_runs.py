@@ -108,9 +108,9 @@ def test_resume_skips_finished_ids_and_a_crash_loses_nothing(model_dir, tmp_path
     assert _cli(model_dir, "-m", "alti", "--file", path, "-o", out) == 0
     first = _records(out)
     path.write_text("\n".join(TEXTS) + "\n")  # four more texts
-    from captum_normattr import cli
+    from captum_normattr import cli_common
 
-    seen, real = [], cli._explain_batch
+    seen, real = [], cli_common.explain_batch
 
     def crash_on_second_batch(spec, attr, ids, mask, *a):
         seen.append(int(ids.shape[0]))
@@ -118,13 +118,13 @@ def test_resume_skips_finished_ids_and_a_crash_loses_nothing(model_dir, tmp_path
             raise KeyboardInterrupt  # the process dies mid-run
         return real(spec, attr, ids, mask, *a)
 
-    monkeypatch.setattr(cli, "_explain_batch", crash_on_second_batch)
+    monkeypatch.setattr(cli_common, "explain_batch", crash_on_second_batch)
     assert _cli(model_dir, "-m", "alti", "--file", path, "-o", out) == 130
     assert seen == [2, 2]  # only the four new texts were taken up
     assert _records(out) == first  # the output is untouched; the finished batch waits in a shard
     assert len(_records(str(out) + ".part-0")) == 2
     seen.clear()
-    monkeypatch.setattr(cli, "_explain_batch", lambda *a: (seen.append(int(a[2].shape[0])), real(*a))[1])
+    monkeypatch.setattr(cli_common, "explain_batch", lambda *a: (seen.append(int(a[2].shape[0])), real(*a))[1])
     assert _cli(model_dir, "-m", "alti", "--file", path, "-o", out) == 0
     assert seen == [2]  # only the last two texts ran
     recs = _records(out)

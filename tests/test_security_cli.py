@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from captum_normattr import cli, runs
+from captum_normattr import cli, cli_common, runs
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "film", "was", "great", "bad", "a", "movie", "not", "fun", "plot", "very", "boring"]
@@ -195,7 +195,7 @@ def test_a_second_writer_is_refused_and_the_lock_is_released(model_dir, tmp_path
     def crash(*a, **k):
         raise ValueError("boom")
 
-    monkeypatch.setattr(cli, "_explain_batch", crash)
+    monkeypatch.setattr(cli_common, "explain_batch", crash)
     assert cli.main(["--model", model_dir, "--file", str(texts), "-o", str(out), "-q", "--overwrite"]) == 2
     capsys.readouterr()
     assert not lock.exists()  # released after an error
