@@ -327,20 +327,23 @@ def _save_seq2seq_plots(records: Sequence[Dict[str, Any]], folder: Path, fmt: st
 
     from captum_normattr import visualization_seq2seq as VS
 
+    def text(rec: Dict[str, Any], key: str) -> List[str]:  # the readable labels (" le", not "▁le")
+        return list(rec.get(f"{key}_token_text") or rec[f"{key}_tokens"])
+
     written = []
     for n, rec in enumerate(records, start=1):
         src = torch.tensor(rec["source_contributions"], dtype=torch.float64).reshape(len(rec["target_tokens"]), -1)
         tgt = torch.tensor(rec["target_contributions"], dtype=torch.float64).reshape(len(rec["target_tokens"]), -1)
         title = f"{rec['source'][:60]} ({rec['mode']})"
         path = folder / f"pair{n:03d}_alti_plus_matrix.{fmt}"
-        fig = VS.plot_contribution_matrix((src, tgt), source_tokens=rec["source_tokens"],
-                                          target_tokens=rec["decoder_input_tokens"], row_labels=rec["target_tokens"],
+        fig = VS.plot_contribution_matrix((src, tgt), source_tokens=text(rec, "source"),
+                                          target_tokens=text(rec, "decoder_input"), row_labels=text(rec, "target"),
                                           title=f"ALTI+ — {title}", path=path)
         plt.close(fig)
         written.append(path)
         path = folder / f"pair{n:03d}_alti_plus_source_share.{fmt}"
         fig = VS.plot_source_share(torch.tensor(rec["source_share"], dtype=torch.float64),
-                                   target_tokens=rec["target_tokens"], title=f"Source share — {title}", path=path)
+                                   target_tokens=text(rec, "target"), title=f"Source share — {title}", path=path)
         plt.close(fig)
         written.append(path)
     return written
