@@ -77,7 +77,7 @@ from captum_normattr.cli_common import (  # noqa: F401 - PROG ... read_utf8 are 
 )
 from captum_normattr.progress import progress_bar
 from captum_normattr.registry import METHODS, MethodSpec, OptionSpec, get_method, register_method
-from captum_normattr.tokens import visible_text
+from captum_normattr.tokens import json_for_terminal, terminal_lines, visible_text
 
 __all__ = ["CLIError", "METHODS", "MethodSpec", "build_parser", "explain", "main", "method_options", "register_method"]
 
@@ -164,13 +164,20 @@ class _MethodsAction(argparse.Action):
         namespace.trailing_texts = texts
 
 
+class _Parser(argparse.ArgumentParser):
+    r"""argparse's parser; a usage error echoes the user's arguments neutralised (:func:`terminal_lines`)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(terminal_lines(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
     r"""The argument parser of ``captum-normattr``.
 
     Returns:
         An ``argparse.ArgumentParser``.
     """
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG,
         description="Explain texts with layer-decomposition attributions (GlobEnc, ALTI, ...) "
         "of a Hugging Face Transformer. Without --model the packaged pretrained "
@@ -594,7 +601,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_methods:
-        print(_list_methods())
+        print(terminal_lines(_list_methods()))  # registered descriptions are anyone's text
         return 0
     default = [ALTI_PLUS] if (args.source or args.target_text) else ["globenc"]
     names = [m.strip().lower() for arg in (args.method or default) for m in arg.split(",") if m.strip()]
@@ -655,11 +662,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.plots:
         written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format)
         if not args.quiet:
-            print(f"{PROG}: wrote {len(written)} pictures to {args.plots}", file=sys.stderr)
+            print(f"{PROG}: wrote {len(written)} pictures to {visible_text(args.plots)}", file=sys.stderr)
     from captum_normattr import report
 
     if fmt == "json":
         text = report.render_json(exps, meta)
+        if args.output is None:  # the same JSON, with bidi overrides and C1 controls as \u escapes
+            text = json_for_terminal(text)
     elif fmt == "html":
         if args.html_maps:
             _embed_maps(exps, maps)
@@ -668,7 +677,7 @@ def _run(args: argparse.Namespace) -> int:
         text = report.render_table(exps, ascii_only=args.ascii or not can_print_blocks(), shares=not args.raw)
     write_output(text, args.output)
     if args.output and not args.quiet:
-        print(f"{PROG}: wrote {args.output}", file=sys.stderr)
+        print(f"{PROG}: wrote {visible_text(args.output)}", file=sys.stderr)
     return 0
 
 
@@ -699,7 +708,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _run(args)
     except CLIError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {terminal_lines(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -35,7 +35,7 @@ from captum_normattr.cli_common import (
 )
 from captum_normattr.progress import progress_bar
 from captum_normattr.registry import MethodSpec
-from captum_normattr.tokens import display_token, readable_tokens, visible_text
+from captum_normattr.tokens import display_token, json_for_terminal, readable_tokens, visible_text
 
 __all__ = ["SourcePair", "explain_pairs", "read_pairs", "render_seq2seq_table", "run_seq2seq"]
 
@@ -143,7 +143,7 @@ def _token_ids(tokenizer: Any, texts: Sequence[str], pairs: Sequence[SourcePair]
     cut = tokenizer(**{key: list(texts)}, truncation=True, max_length=max_len)["input_ids"]
     for p, a, b in zip(pairs, full, cut):
         if len(a) > len(b):
-            print(f"{PROG}: warning: {p.where}: the {side} has {len(a)} tokens but the limit is {max_len}: "
+            print(f"{PROG}: warning: {visible_text(p.where)}: the {side} has {len(a)} tokens but the limit is {max_len}: "
                   f"{len(a) - len(b)} token(s) were cut (see --max-length)", file=sys.stderr)
     return [list(x) for x in cut]
 
@@ -401,7 +401,7 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
     if args.plots:
         written = _save_seq2seq_plots(records, Path(args.plots).expanduser(), args.plot_format)
         if not args.quiet:
-            print(f"{PROG}: wrote {len(written)} pictures to {args.plots}", file=sys.stderr)
+            print(f"{PROG}: wrote {len(written)} pictures to {visible_text(args.plots)}", file=sys.stderr)
     if fmt == "jsonl":
         text = "\n".join(json.dumps(r, ensure_ascii=False, allow_nan=False) for r in records)
     elif fmt == "json":
@@ -415,8 +415,10 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
         text = json.dumps({"meta": meta, "pairs": records}, indent=2, ensure_ascii=False, allow_nan=False)
     else:
         text = render_seq2seq_table(records, top=args.top, ascii_only=args.ascii or not can_print_blocks())
+    if fmt in ("json", "jsonl") and args.output is None:  # the same JSON, bidi overrides as \u escapes
+        text = json_for_terminal(text)
     write_output(text, args.output)
     if args.output and not args.quiet:
-        print(f"{PROG}: wrote {args.output} ({len(records)} pair{'s' if len(records) != 1 else ''})", file=sys.stderr)
+        print(f"{PROG}: wrote {visible_text(args.output)} ({len(records)} pair{'s' if len(records) != 1 else ''})", file=sys.stderr)
     return 0
 

@@ -873,6 +873,7 @@ def add_arguments(parser: Any) -> None:
 def run_cli(args: Any, specs: Sequence[Any]) -> int:
     r"""``--format jsonl``: explain ``--file`` (and TEXT arguments) into ``--output``, resumable, multi-process."""
     from captum_normattr.cli_common import PROG, CLIError, is_decoder, load_model, resolve_device
+    from captum_normattr.tokens import terminal_lines, visible_text
 
     if args.output is None:
         raise CLIError("--format jsonl needs --output PATH (records are appended and resumed there)")
@@ -913,7 +914,7 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
     try:
         new = _run(items, model, tok, specs, args, output, batch_size=args.batch_size, max_length=args.max_length,
                    target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device,
-                   warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
+                   warn=lambda msg: print(f"{PROG}: warning: {terminal_lines(msg)}", file=sys.stderr))
     except OutputError as err:
         if not state.is_main_process:
             return 2  # every process stops; the main process says why, once
@@ -926,6 +927,6 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
     if state.is_main_process and not args.quiet:
         n = sum(1 for _ in _read_records(output))
         per = f": {' + '.join(map(str, counts))} explained now" if state.num_processes > 1 else ""
-        print(f"{PROG}: wrote {args.output} ({n} records, {state.num_processes} process"
+        print(f"{PROG}: wrote {visible_text(args.output)} ({n} records, {state.num_processes} process"
               f"{'es' if state.num_processes > 1 else ''}{per})", file=sys.stderr)
     return 0
