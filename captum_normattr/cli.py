@@ -228,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregate", choices=("word", "sentence"), default=None,
                    help="show words or sentences instead of tokens: the sum of their token scores "
                    "(special tokens dropped; needs a fast tokenizer), in the table, JSON, HTML and --plots")
+    p.add_argument("--exclude-sink", action="store_true",
+                   help="leave the first token (where attention sinks sit: [CLS], BOS, the first word of a decoder "
+                   "prompt) out of the table's bar scale and shares, the HTML colours and --plots; the scores are "
+                   "unchanged, and every text reports the first token's share (sink_share)")
     p.add_argument("--raw", action="store_true",
                    help="table: raw scores for every method (default: unsigned methods, whose raw rollout rows "
                    "can sum to e.g. 1e5, as shares of their row)")
@@ -527,40 +531,47 @@ def _component_maps(res: Any, b: int) -> Dict[str, Any]:
     return out
 
 
-def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str) -> List[Path]:
+def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str,
+                exclude_sink: bool = False) -> List[Path]:
+    r"""``--plots``: per text and method the layer grid, rollout map, score bars and component maps, and a
+    comparison of the methods; ``exclude_sink`` leaves the first token out of every picture."""
     from captum_normattr import visualization as V
+
+    sink = {"exclude_sink": exclude_sink}
 
     written = []
     for n, (ex, per_method) in enumerate(zip(exps, maps), start=1):
         for label, m in per_method.items():
             stem = _slug(label)
             toks = m["tokens"]
-            written.append(V.save_figure(V.plot_layer_grid(m["layer_maps"], toks, title=f"{label} — layer maps"),
+            written.append(V.save_figure(V.plot_layer_grid(m["layer_maps"], toks, title=f"{label} — layer maps", **sink),
                                          folder / f"text{n:03d}_{stem}_layers.{fmt}"))
-            written.append(V.save_figure(V.plot_token_map(m["rollout"], toks, title=f"{label} — rollout"),
+            written.append(V.save_figure(V.plot_token_map(m["rollout"], toks, title=f"{label} — rollout", **sink),
                                          folder / f"text{n:03d}_{stem}_rollout.{fmt}"))
             written.append(V.save_figure(V.plot_rollout_row(m["scores"], toks, title=label,
-                                                            explained_position=m["explained_position"]),
+                                                            explained_position=m["explained_position"], **sink),
                                          folder / f"text{n:03d}_{stem}_scores.{fmt}"))
             if m.get("components"):
-                fig = V.plot_component_maps(m["components"], toks, title=f"{label} — last layer, component scopes")
+                fig = V.plot_component_maps(m["components"], toks, title=f"{label} — last layer, component scopes",
+                                            **sink)
                 written.append(V.save_figure(fig, folder / f"text{n:03d}_{stem}_components.{fmt}"))
         if len(ex.scores) > 1:
-            written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80]),
+            written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80], **sink),
                                          folder / f"text{n:03d}_comparison.{fmt}"))
     return written
 
 
-def _embed_maps(exps: Sequence[Any], maps: Sequence[Dict[str, Any]]) -> None:
+def _embed_maps(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], exclude_sink: bool = False) -> None:
+    r"""``--html-maps``: the layer grid and rollout map of every text and method, as PNG data in the report."""
     from captum_normattr import visualization as V
     from captum_normattr.report import figure_to_data_uri
 
     for ex, per_method in zip(exps, maps):
         for label, m in per_method.items():
-            fig = V.plot_layer_grid(m["layer_maps"], m["tokens"], title=f"{label} — layer maps")
+            fig = V.plot_layer_grid(m["layer_maps"], m["tokens"], title=f"{label} — layer maps", exclude_sink=exclude_sink)
             ex.figures[label] = figure_to_data_uri(fig, "png")
             ex.figures[f"{label} — rollout"] = figure_to_data_uri(
-                V.plot_token_map(m["rollout"], m["tokens"], title=f"{label} — rollout"), "png")
+                V.plot_token_map(m["rollout"], m["tokens"], title=f"{label} — rollout", exclude_sink=exclude_sink), "png")
 
 
 def _slug(s: str) -> str:
@@ -619,6 +630,9 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_seq2seq(args, specs, fmt)
     if args.image:  # Vision Transformers: see captum_normattr/vision.py
+        if args.exclude_sink:
+            raise CLIError("--exclude-sink does not apply to --image: the [CLS] and other prefix tokens are shown "
+                           "apart from the top patches already")
         from captum_normattr.vision import run_image_cli
 
         return run_image_cli(args, specs)
@@ -628,6 +642,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_cli(args, specs)
     if args.html_maps and fmt != "html":
         raise CLIError("--html-maps needs --format html (or an --output ending in .html)")
+    if args.exclude_sink and args.aggregate:
+        raise CLIError(f"--exclude-sink leaves the first token out, --aggregate {args.aggregate} shows "
+                       f"{args.aggregate}s without the special tokens: use one of them (the first token's share, "
+                       "sink_share, is reported either way)")
     if (args.html_maps or args.plots):
         try:
             import matplotlib
@@ -656,11 +674,11 @@ def _run(args: argparse.Namespace) -> int:
     for opt, _ in method_options(specs).values():  # the options of the methods that ran
         meta[opt.meta_key or opt.dest] = getattr(args, opt.dest)
     meta.update(explained_position=args.position, target=args.target, device=str(device), texts=len(texts),
-                aggregate=args.aggregate,
+                aggregate=args.aggregate, exclude_sink=args.exclude_sink or None,
                 scores="raw attributions as computed (not shares); row_totals: their sum over the tokens of the text")
     meta = {k: v for k, v in meta.items() if v is not None}
     if args.plots:
-        written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format)
+        written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format, args.exclude_sink)
         if not args.quiet:
             print(f"{PROG}: wrote {len(written)} pictures to {visible_text(args.plots)}", file=sys.stderr)
     from captum_normattr import report
@@ -671,10 +689,11 @@ def _run(args: argparse.Namespace) -> int:
             text = json_for_terminal(text)
     elif fmt == "html":
         if args.html_maps:
-            _embed_maps(exps, maps)
-        text = report.render_html(exps, meta, title=f"{PROG}: {model_name}")
+            _embed_maps(exps, maps, args.exclude_sink)
+        text = report.render_html(exps, meta, title=f"{PROG}: {model_name}", exclude_sink=args.exclude_sink)
     else:
-        text = report.render_table(exps, ascii_only=args.ascii or not can_print_blocks(), shares=not args.raw)
+        text = report.render_table(exps, ascii_only=args.ascii or not can_print_blocks(), shares=not args.raw,
+                                   exclude_sink=args.exclude_sink)
     write_output(text, args.output)
     if args.output and not args.quiet:
         print(f"{PROG}: wrote {visible_text(args.output)}", file=sys.stderr)

@@ -369,7 +369,7 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
                        f"method(s) {', '.join(others)} explain encoder-only and decoder-only models: give their texts "
                        "as TEXT arguments")
     for flag, bad in (("--image", args.image), ("--html-maps", args.html_maps), ("--aggregate", args.aggregate),
-                      ("--format html", fmt == "html")):
+                      ("--exclude-sink", getattr(args, "exclude_sink", False)), ("--format html", fmt == "html")):
         if bad:
             raise CLIError(f"{flag} does not apply to {ALTI_PLUS}: use --format table, json or jsonl, and --plots DIR")
     if args.plots:

@@ -5,7 +5,10 @@ r"""Dataset runs: explain every text of a corpus, one JSON Lines record per text
 
     {"id": 3, "text": "...", "tokens": ["[CLS]", ...],
      "methods": {"alti": {"method": "ALTI", "scores": [...], "completeness_error": 1e-7,
-                          "explained_position": 0}}}
+                          "sink_share": 0.31, "explained_position": 0}}}
+
+  ``sink_share``: the first token's share ``|s_0| / sum_t |s_t|`` of the method's scores (where
+  attention sinks sit; ``null`` when every score is 0); the scores themselves are unchanged.
 
 - **Inputs** (:func:`read_inputs`): a text file (one text per line, blank lines skipped; the
   id is the line number), JSON Lines or CSV/TSV (the text in ``--column``, default
@@ -551,6 +554,15 @@ def _to_list(t: Any) -> List[float]:
     return [float(x) for x in t.detach().cpu().double().tolist()]
 
 
+def _sink_share(scores: Sequence[float]) -> Optional[float]:
+    r"""The first real token's share of the absolute scores (:func:`captum_normattr.report.first_token_share`);
+    None (JSON ``null``) where it is undefined (all scores 0)."""
+    from captum_normattr.report import first_token_share
+
+    share = first_token_share(scores)
+    return share if share == share else None
+
+
 def _completeness(res: Any, i: int) -> Optional[float]:
     r"""The example's completeness error: its delta, else the largest per-layer error of its batch."""
     if getattr(res, "delta", None) is not None:
@@ -575,12 +587,16 @@ def _records(
         methods: Dict[str, Any] = {}
         for key, res in results.items():
             if isinstance(res, Tensor):
-                methods[key] = {"method": key, "scores": _to_list(res[i].cpu()[keep]), "completeness_error": None}
+                scores = _to_list(res[i].cpu()[keep])
+                methods[key] = {"method": key, "scores": scores, "completeness_error": None,
+                                "sink_share": _sink_share(scores)}
                 continue
+            scores = _to_list(res.scores[i].cpu()[keep])
             entry: Dict[str, Any] = {
                 "method": res.method,
-                "scores": _to_list(res.scores[i].cpu()[keep]),
+                "scores": scores,
                 "completeness_error": _completeness(res, i),
+                "sink_share": _sink_share(scores),
             }
             if getattr(res, "explained_position", None) is not None:
                 entry["explained_position"] = int(res.explained_position[i]) - first
@@ -883,6 +899,10 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
         raise CLIError(f"--aggregate {args.aggregate} does not apply to --format jsonl: the records hold token scores "
                        "(with their tokens); sum them into words or sentences afterwards with "
                        "captum_normattr.aggregation, or use --format json")
+    if getattr(args, "exclude_sink", False):
+        raise CLIError("--exclude-sink does not apply to --format jsonl: the records hold the scores unchanged and "
+                       "every method's sink_share (the first token's share); leave the first token out when reading "
+                       "them, or use --format table, html or json")
     if args.file is not None and args.texts:
         raise CLIError("give either TEXT arguments or --file with --format jsonl, not both")
     if args.file == "-":

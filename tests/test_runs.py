@@ -61,6 +61,9 @@ def test_records_hold_tokens_scores_and_completeness_per_method(model_dir, tmp_p
         assert len(alti["scores"]) == len(r["tokens"]) == len(dx["scores"])  # pads dropped
         assert alti["completeness_error"] < 1e-4 and dx["completeness_error"] < 1e-4
         assert alti["explained_position"] == 0 and isinstance(dx["target"], int)
+        for entry in (alti, dx):  # the first token's share of the absolute scores, the scores unchanged
+            total = sum(abs(v) for v in entry["scores"])
+            assert entry["sink_share"] == pytest.approx(abs(entry["scores"][0]) / total, rel=1e-12)
     # a batch of one text gives the same record as the batch it ran in
     alone = runs.explain_dataset([TEXTS[2]], *_load(model_dir), methods=["alti", "decompx"], progress=False)
     _same([dict(recs[2], id=1)], alone)
