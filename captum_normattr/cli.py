@@ -12,6 +12,7 @@ Examples (shell)::
     accelerate launch --num_processes 4 -m captum_normattr --file texts.txt -m alti -o out.jsonl
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
     captum-normattr "An unbelievably good film. Dull ending." --aggregate sentence
+    captum-normattr --model DIR "The keys to the cabinet" -m alti-logit --exclude-sink   # rank without the sink
     captum-normattr --list-methods
     captum-normattr --model DIR -m alti-plus --source "source text" --target-text "reference"  # encoder-decoders
     captum-normattr --model DIR --file pairs.tsv -m alti-plus --format jsonl -o out.jsonl        # source<TAB>target
@@ -20,6 +21,10 @@ Encoder-decoders (``-m alti-plus``, implied by ``--source``) take their own inpu
 (:mod:`captum_normattr.cli_seq2seq`; docs/cli.md): teacher-forced
 targets or greedy generation, a table per target token, JSON / JSON Lines records with the
 T x S source and T x T target contributions, and the contribution-matrix and source-share plots.
+
+What the command-line modules share (errors, input files, model loading, limits, one batch)
+is in :mod:`captum_normattr.cli_common`; ``--exclude-sink`` leaves the first token out of the
+table's scale, the HTML colours and the pictures, never out of the scores (docs/cli.md).
 
 Methods come from the registry, :data:`captum_normattr.registry.METHODS` (re-exported
 here as :data:`METHODS`): its keys are the ``-m`` choices, and every option a method

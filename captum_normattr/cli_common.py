@@ -30,8 +30,8 @@ ALTI_PLUS = "alti-plus"
 __all__ = [
     "ALTI_PLUS", "PROG", "REMOTE_CODE_FILES", "CLIError", "build_attributions", "can_print_blocks", "check_max_length",
     "check_remote_code", "explain_batch", "is_decoder", "is_encoder_decoder", "load_model", "looks_like_path",
-    "read_stdin_lines", "read_text_lines", "read_utf8", "resolve_device", "resolve_max_length", "split_lines",
-    "write_output",
+    "position_limit", "read_stdin_lines", "read_text_lines", "read_utf8", "resolve_device", "resolve_max_length",
+    "split_lines", "write_output",
 ]
 
 
