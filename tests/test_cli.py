@@ -618,3 +618,20 @@ def test_exclude_sink_where_it_does_not_apply(capsys, tiny_model, tmp_path, monk
     code, _, err = run(capsys, "--model", tiny_model, "--exclude-sink", *extra, *([] if "--source" in extra or
                                                                                 "--image" in extra else [TEXTS[0]]))
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_the_one_progress_bar(capsys):
+    r"""captum_normattr.progress: what the CLI, dataset runs and the harness share."""
+    from captum_normattr.progress import NullBar, progress_bar, progress_iter
+
+    assert isinstance(progress_bar(5, enabled=False), NullBar)
+    assert isinstance(progress_bar(1), NullBar)  # one batch: no bar (the CLI's rule)
+    assert not isinstance(progress_bar(1, min_total=1), NullBar)
+    bar = progress_bar(3, unit="text")
+    bar.update(3)
+    bar.close()
+    assert "text" in capsys.readouterr().err
+    it = progress_iter(range(4), 4, min_total=1)
+    assert next(it) == 0
+    it.close()  # a loop left early closes its bar
+    assert list(progress_iter([1, 2], 2, enabled=False)) == [1, 2]
