@@ -263,3 +263,6 @@ def test_json_on_stdout_escapes_overrides_and_keeps_the_data(model_dir, capsys):
     out = capsys.readouterr().out
     _clean(out)
     assert json.loads(out)["results"][0]["text"] == text
+    assert cli.main(["--model", model_dir, "--format", "html", "-q", text]) == 0
+    page = capsys.readouterr().out
+    _clean(page)  # the HTML report shows such characters visibly already (report.render_html)
