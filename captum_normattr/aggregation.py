@@ -526,10 +526,8 @@ def aggregate_map(
 
 
 def _rows(scores: Any, n: int) -> Tensor:
-    from captum_normattr.result import AttributionResult
-
-    if isinstance(scores, AttributionResult):
-        scores = scores.scores
+    if not isinstance(scores, Tensor) and isinstance(getattr(scores, "scores", None), Tensor):
+        scores = scores.scores  # a result object (AttributionResult); not imported: result imports this module
     s = torch.as_tensor(scores).detach()
     if s.dim() == 1:
         s = s.unsqueeze(0)

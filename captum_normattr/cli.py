@@ -12,6 +12,7 @@ Examples (shell)::
     accelerate launch --num_processes 4 -m captum_normattr --file texts.txt -m alti -o out.jsonl
     captum-normattr "the film was a delight" -m ff --scope RES2 --plots pics/
     captum-normattr "An unbelievably good film. Dull ending." --aggregate sentence
+    captum-normattr --model DIR "The keys to the cabinet" -m alti-logit --exclude-sink   # rank without the sink
     captum-normattr --list-methods
     captum-normattr --model DIR -m alti-plus --source "source text" --target-text "reference"  # encoder-decoders
     captum-normattr --model DIR --file pairs.tsv -m alti-plus --format jsonl -o out.jsonl        # source<TAB>target
@@ -20,6 +21,10 @@ Encoder-decoders (``-m alti-plus``, implied by ``--source``) take their own inpu
 (:mod:`captum_normattr.cli_seq2seq`; docs/cli.md): teacher-forced
 targets or greedy generation, a table per target token, JSON / JSON Lines records with the
 T x S source and T x T target contributions, and the contribution-matrix and source-share plots.
+
+What the command-line modules share (errors, input files, model loading, limits, one batch)
+is in :mod:`captum_normattr.cli_common`; ``--exclude-sink`` leaves the first token out of the
+table's scale, the HTML colours and the pictures, never out of the scores (docs/cli.md).
 
 Methods come from the registry, :data:`captum_normattr.registry.METHODS` (re-exported
 here as :data:`METHODS`): its keys are the ``-m`` choices, and every option a method
@@ -49,23 +54,37 @@ a model with its own code, a folder without tokenizer), 1 for an error raised wh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from captum_normattr.cli_common import (  # noqa: F401 - PROG ... read_utf8 are public here as before
+    ALTI_PLUS,
+    PROG,
+    REMOTE_CODE_FILES,
+    CLIError,
+    build_attributions,
+    can_print_blocks,
+    check_max_length,
+    check_remote_code,
+    explain_batch,
+    is_decoder,
+    load_model,
+    looks_like_path,
+    read_stdin_lines,
+    read_text_lines,
+    read_utf8,
+    resolve_device,
+    resolve_max_length,
+    split_lines,
+    write_output,
+)
+from captum_normattr.progress import progress_bar
 from captum_normattr.registry import METHODS, MethodSpec, OptionSpec, get_method, register_method
-
-PROG = "captum-normattr"
-#: the registry key of the encoder-decoder method, which has its own input and output (:mod:`captum_normattr.cli_seq2seq`)
-ALTI_PLUS = "alti-plus"
+from captum_normattr.tokens import json_for_terminal, terminal_lines, visible_text
 
 __all__ = ["CLIError", "METHODS", "MethodSpec", "build_parser", "explain", "main", "method_options", "register_method"]
-
-
-class CLIError(Exception):
-    r"""A user error: printed as ``captum-normattr: error: <message>``, exit code 2."""
 
 
 # --------------------------------------------------------------------------- parsing
@@ -150,13 +169,20 @@ class _MethodsAction(argparse.Action):
         namespace.trailing_texts = texts
 
 
+class _Parser(argparse.ArgumentParser):
+    r"""argparse's parser; a usage error echoes the user's arguments neutralised (:func:`terminal_lines`)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(terminal_lines(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
     r"""The argument parser of ``captum-normattr``.
 
     Returns:
         An ``argparse.ArgumentParser``.
     """
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG,
         description="Explain texts with layer-decomposition attributions (GlobEnc, ALTI, ...) "
         "of a Hugging Face Transformer. Without --model the packaged pretrained "
@@ -207,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregate", choices=("word", "sentence"), default=None,
                    help="show words or sentences instead of tokens: the sum of their token scores "
                    "(special tokens dropped; needs a fast tokenizer), in the table, JSON, HTML and --plots")
+    p.add_argument("--exclude-sink", action="store_true",
+                   help="leave the first token (where attention sinks sit: [CLS], BOS, the first word of a decoder "
+                   "prompt) out of the table's bar scale and shares, the HTML colours and --plots; the scores are "
+                   "unchanged, and every text reports the first token's share (sink_share)")
     p.add_argument("--raw", action="store_true",
                    help="table: raw scores for every method (default: unsigned methods, whose raw rollout rows "
                    "can sum to e.g. 1e5, as shares of their row)")
@@ -234,70 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def split_lines(text: str) -> List[str]:
-    r"""The lines of ``text``, split at ``"\n"`` and ``"\r\n"`` only, a leading UTF-8 byte-order mark dropped.
-
-    Unlike ``str.splitlines()``, U+2028, U+2029, U+0085, form feed, vertical tab and a lone
-    ``"\r"`` do not end a line, so line numbers (the ids of dataset runs) are the numbers an
-    editor shows.
-
-    Args:
-        text: the text.
-
-    Returns:
-        Its lines, without line ends (no empty last line for a text that ends with a newline).
-
-    Examples:
-        >>> split_lines("\ufeffa\r\nb\u2028c\n")
-        ['a', 'b\u2028c']
-    """
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def read_utf8(path: Path) -> str:
-    r"""The text of a UTF-8 file, line ends untranslated (``newline=""``), a byte-order mark dropped.
-
-    Raises:
-        UnicodeDecodeError, OSError: as ``open`` and ``read`` do.
-    """
-    with open(path, encoding="utf-8-sig", newline="") as fh:
-        return fh.read()
-
-
-def read_stdin_lines() -> List[str]:
-    r"""The lines of standard input (UTF-8), split as :func:`split_lines` does."""
-    buffer = getattr(sys.stdin, "buffer", None)
-    if buffer is None:  # a replaced sys.stdin (io.StringIO)
-        return split_lines(sys.stdin.read())
-    try:
-        return split_lines(buffer.read().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise CLIError("standard input is not UTF-8 text") from None
-
-
-def read_text_lines(path: Path, file: str) -> List[str]:
-    r"""The lines of a UTF-8 text file (split by :func:`split_lines`), or a :class:`CLIError` naming ``file``.
-
-    Args:
-        path: the file.
-        file: its name as the user gave it (for the message).
-
-    Returns:
-        Its lines, without line ends.
-    """
-    try:
-        return split_lines(read_utf8(path))
-    except UnicodeDecodeError:
-        raise CLIError(f"{file} is not a UTF-8 text file") from None
-    except OSError as err:
-        raise CLIError(f"cannot read {file}: {err.strerror or err}") from None
 
 
 def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
@@ -369,280 +335,11 @@ def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], 
         raise CLIError(f"cannot write -o {output}: permission denied")
 
 
-def _looks_like_path(name: str) -> bool:
-    r"""True for strings that cannot be a Hub id (``name`` or ``org/name``)."""
-    return (
-        name.startswith((".", "~", "/", "\\"))
-        or name.endswith(("/", "\\"))
-        or name.count("/") > 1
-        or "\\" in name
-    )
-
-
-def load_model(name_or_path: Optional[str], device: Any, trust_remote_code: bool = False) -> Tuple[Any, Any, str]:
-    r"""Load a model and its tokenizer for explanation (see :func:`_load_model`),
-    with transformers' "Loading weights" progress bars turned off meanwhile.
-
-    ``trust_remote_code`` (``--trust-remote-code``) is passed to every ``from_pretrained``;
-    without it a model with its own code is refused (:func:`check_remote_code`) and
-    transformers never prompts (a ``yes |`` on stdin cannot make it run code).
-    """
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        return _load_model(name_or_path, device, trust_remote_code)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-#: files of a model folder whose ``auto_map`` names Python code of the folder to import
-REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json",
-                     "processor_config.json", "feature_extractor_config.json", "image_processor_config.json")
-
-
-def check_remote_code(folder: Path, name: str, trust_remote_code: bool) -> None:
-    r"""Refuse a local model folder that asks to run its own Python code, unless ``--trust-remote-code``.
-
-    Raises:
-        CLIError: when one of :data:`REMOTE_CODE_FILES` has an ``auto_map`` and
-            ``trust_remote_code`` is False.
-    """
-    if trust_remote_code:
-        return
-    for fname in REMOTE_CODE_FILES:
-        try:
-            data = json.loads(read_utf8(folder / fname))
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("auto_map"):
-            raise CLIError(f"model folder {name!r} asks to run its own Python code ({fname} has an 'auto_map'); "
-                           "it is never run without --trust-remote-code (pass it only for code you have read and trust)")
-
-
-def _remote_code_error(name: str, err: BaseException) -> Optional[CLIError]:
-    r"""The :class:`CLIError` for transformers' refusal of custom code (``trust_remote_code=False``), else None."""
-    if "trust_remote_code" not in str(err):
-        return None
-    return CLIError(f"model {name!r} needs to run its own Python code; it is never run without --trust-remote-code "
-                    "(pass it only for code you have read and trust)")
-
-
-def _tokenizer_problem(folder: Optional[Path], tok: Any) -> Optional[str]:
-    r"""Why ``tok`` is no real tokenizer of the model (None if it is).
-
-    transformers builds a default tokenizer holding nothing but its special tokens (BERT: 5)
-    for a folder without tokenizer files; every word would be ``[UNK]``.
-    """
-    if folder is not None:
-        names = [p.name.lower() for p in folder.iterdir() if p.is_file()]
-        looks = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens_map", "added_tokens")
-        if not any(n.startswith(looks) or n.endswith((".model", ".spm", ".tiktoken")) for n in names):
-            return "has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)"
-    try:
-        size, special = len(tok), len(set(getattr(tok, "all_special_tokens", []) or []))
-    except TypeError:
-        return None
-    if size <= special:
-        return f"has a tokenizer of {size} tokens, all of them special tokens"
-    return None
-
-
-def _load_model(name_or_path: Optional[str], device: Any, trust_remote_code: bool = False) -> Tuple[Any, Any, str]:
-    r"""Load a model and its tokenizer for explanation.
-
-    Classification checkpoints (``*ForSequenceClassification``) and causal LMs
-    (``*ForCausalLM``, ``*LMHeadModel``) are loaded with their heads, so that the
-    report can show predictions; anything else as the base model.
-
-    Args:
-        name_or_path: Hub name or local folder; None for the packaged MiniLM.
-        device: torch device.
-
-    Returns:
-        (model in eval mode on ``device``, tokenizer, readable model name).
-
-    Raises:
-        CLIError: when the model or tokenizer cannot be loaded.
-    """
-    if name_or_path is None:
-        try:
-            from captum_normattr import load_default_model
-        except ImportError:
-            load_default_model = None  # type: ignore[assignment]
-        if load_default_model is not None:
-            try:
-                model, tok = load_default_model()
-            except ImportError as err:
-                raise CLIError(str(err)) from None
-            return model.to(device).eval(), tok, "all-MiniLM-L6-v2 (packaged)"
-        from captum_normattr.models.loading import default_model_path
-
-        name_or_path = default_model_path()
-
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
-
-    local = Path(name_or_path).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise CLIError(f"model path {name_or_path!r} is a file; give a model folder (with config.json)")
-        if not (local / "config.json").exists():
-            raise CLIError(f"model folder {name_or_path!r} has no config.json")
-        check_remote_code(local, name_or_path, trust_remote_code)
-        source = str(local)
-    elif _looks_like_path(name_or_path):
-        raise CLIError(f"model folder not found: {name_or_path}")
-    else:
-        source = name_or_path
-    trust = {"trust_remote_code": bool(trust_remote_code)}  # explicit: transformers never prompts
-    try:
-        config = AutoConfig.from_pretrained(source, **trust)
-    except Exception as err:  # noqa: BLE001 - any failure here is a bad name or no network
-        refused = _remote_code_error(name_or_path, err)
-        if refused is not None:
-            raise refused from None
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CLIError(
-            f"cannot load model {name_or_path!r}: {msg}\n"
-            "  (a Hub name needs internet access or a local cache; a local model is a folder with config.json)"
-        ) from None
-    archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else ""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-
-    if arch.endswith("ForSequenceClassification"):
-        auto = transformers.AutoModelForSequenceClassification
-    elif arch in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values():  # encoder-decoder with its LM head
-        auto = transformers.AutoModelForSeq2SeqLM
-    elif arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
-        auto = transformers.AutoModelForCausalLM
-    else:
-        auto = transformers.AutoModel
-    try:
-        model = auto.from_pretrained(source, attn_implementation="eager", **trust)
-    except Exception:  # noqa: BLE001 - retry without forcing eager attention
-        try:
-            model = auto.from_pretrained(source, **trust)
-        except Exception as err:  # noqa: BLE001
-            raise _remote_code_error(name_or_path, err) or CLIError(
-                f"cannot load model weights of {name_or_path!r}: {err}") from None
-    try:
-        tok = AutoTokenizer.from_pretrained(source, **trust)
-    except Exception as err:  # noqa: BLE001
-        raise _remote_code_error(name_or_path, err) or CLIError(
-            f"cannot load the tokenizer of {name_or_path!r}: {err}") from None
-    problem = _tokenizer_problem(local if local.is_dir() else None, tok)
-    if problem is not None:
-        raise CLIError(f"model {name_or_path!r} {problem}: its texts cannot be tokenized (every word would be "
-                       "unknown); save the model's tokenizer into the folder (tokenizer.save_pretrained(DIR))")
-    return model.to(device).eval(), tok, name_or_path
-
-
-def _resolve_device(name: str) -> Any:
-    import torch
-
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise CLIError(f"unknown device {name!r} (use e.g. cpu, cuda, cuda:0, mps)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"device {name!r} requested but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise CLIError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise CLIError(f"device {name!r} requested but MPS is not available")
-    return dev
-
-
-def _is_encoder_decoder(model: Any) -> bool:
-    r"""True for an encoder-decoder with both stacks (not e.g. ``T5EncoderModel``, whose config says encoder-decoder)."""
-    from captum_normattr.models.adapters import UnsupportedModelError
-    from captum_normattr.models.seq2seq import is_seq2seq, seq2seq_base
-
-    if not is_seq2seq(model):
-        return False
-    try:
-        seq2seq_base(model)
-    except UnsupportedModelError:
-        return False
-    return True
-
-
-def _is_decoder(model: Any) -> bool:
-    cfg = getattr(model, "config", None)
-    return bool(getattr(cfg, "is_decoder", False)) or any(
-        a.endswith(("ForCausalLM", "LMHeadModel")) for a in (getattr(cfg, "architectures", None) or [])
-    )
-
-
-# --------------------------------------------------------------------------- running
 
 
 def _batches(items: Sequence[str], size: int) -> Iterator[Tuple[int, Sequence[str]]]:
     for start in range(0, len(items), size):
         yield start, items[start:start + size]
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    r"""A tqdm progress bar on stderr (or a no-op) for ``total`` batches."""
-
-    class _Null:
-        def update(self, n: int = 1) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    if not enabled or total <= 1:
-        return _Null()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with transformers
-
-        class _Simple(_Null):
-            def __init__(self) -> None:
-                self.n = 0
-
-            def update(self, n: int = 1) -> None:
-                self.n += n
-                print(f"\rbatch {self.n}/{total}", end="", file=sys.stderr, flush=True)
-
-            def close(self) -> None:
-                print(file=sys.stderr)
-
-        return _Simple()
-    return tqdm(total=total, unit="batch", desc=PROG, file=sys.stderr, leave=False)
-
-
-def _explain_batch(spec: MethodSpec, attr: Any, input_ids: Any, mask: Any, target: Optional[int],
-                   keep_maps: bool) -> Any:
-    r"""Run one method on a batch: an :class:`~captum_normattr.result.AttributionResult`, or (B, T)
-    scores from a registered method that has only ``attribute``.
-
-    The registry says what to pass: ``target`` to the methods that use it, and to the map
-    methods whether to keep the layer maps and form the full rollout (only for pictures).
-    """
-    from torch import Tensor
-
-    from captum_normattr.result import AttributionResult
-
-    kwargs: Dict[str, Any] = {"additional_forward_args": (mask,)}
-    if spec.uses_target and target is not None:
-        kwargs["target"] = target
-    if spec.maps:
-        kwargs.update(return_layer_maps=keep_maps, return_rollout=keep_maps)
-    if spec.cls is not None or hasattr(attr, "decompose"):
-        res = attr.decompose(input_ids, **kwargs)
-    else:  # a registered factory's object with only attribute(): (B, T) scores
-        res = attr.attribute(input_ids, **kwargs)
-        if isinstance(res, tuple) and len(res) == 1:
-            res = res[0]
-    if not isinstance(res, (AttributionResult, Tensor)):
-        raise CLIError(f"method {spec.key!r} returned {type(res).__name__}; expected an AttributionResult or (B, T) scores")
-    return res
 
 
 def _predictions(model: Any, tok: Any, enc: Dict[str, Any], positions: Any) -> Optional[List[str]]:
@@ -682,70 +379,6 @@ def _method_label(res: Any, spec: MethodSpec, taken: Dict[str, Any]) -> str:
     return label
 
 
-def _build_attributions(specs: Sequence[MethodSpec], model: Any, options: argparse.Namespace) -> List[Tuple[MethodSpec, Any]]:
-    r"""Every method of ``specs`` built for ``model``; a :class:`CLIError` names one that cannot explain it."""
-    attrs = []
-    if _is_encoder_decoder(model):
-        for spec in specs:
-            if spec.key != ALTI_PLUS:
-                raise CLIError(
-                    f"method {spec.key!r} cannot explain this model: {type(model).__name__} "
-                    f"({getattr(model.config, 'model_type', '?')}) is an encoder-decoder; the method for "
-                    f"encoder-decoders is {ALTI_PLUS!r}: {PROG} --model PATH -m {ALTI_PLUS} --source TEXT "
-                    "[--target-text TEXT] (docs/seq2seq.md)"
-                )
-    for spec in specs:
-        try:
-            attrs.append((spec, spec.build(model, options)))
-        except (ValueError, TypeError, NotImplementedError) as err:
-            raise CLIError(f"method {spec.key!r} cannot explain this model: {err}") from None
-    return attrs
-
-
-def _position_limit(model: Any) -> Optional[int]:
-    r"""The longest input the model's position embeddings allow (None: unbounded or unknown)."""
-    from captum_normattr.models.adapters import get_adapter, max_positions
-
-    try:
-        limit = max_positions(model, get_adapter(model))
-    except Exception:  # noqa: BLE001 - no adapter (encoder-decoders, registered models): the config's number
-        limit = getattr(model.config, "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
-
-
-def check_max_length(tokenizer: Any, max_length: int, position_limit: Optional[int]) -> None:
-    r"""Refuse a ``--max-length`` that leaves no room for text or exceeds the model's positions.
-
-    Raises:
-        CLIError: naming ``--max-length`` and the values it may take.
-    """
-    try:
-        special = int(tokenizer.num_special_tokens_to_add(pair=False))
-    except Exception:  # noqa: BLE001 - a tokenizer without the method
-        special = 0
-    if max_length <= special:
-        raise CLIError(f"--max-length {max_length} leaves no room for text: the tokenizer adds {special} special "
-                       f"token(s) to every text; give --max-length {special + 1} or more")
-    if position_limit is not None and max_length > position_limit:
-        raise CLIError(f"--max-length {max_length} exceeds the model's limit of {position_limit} tokens (its "
-                       f"position embeddings); give --max-length {position_limit} or less, or leave it out (the "
-                       "model's limit is the default)")
-
-
-def _max_length(model: Any, tokenizer: Any, max_length: Optional[int]) -> Optional[int]:
-    r"""``max_length`` if given (checked by :func:`check_max_length`), else the smaller of the tokenizer's
-    and the position embeddings' limits (or None)."""
-    pos_limit = _position_limit(model)
-    if max_length is not None:
-        check_max_length(tokenizer, max_length, pos_limit)
-        return max_length
-    limit = getattr(tokenizer, "model_max_length", None)
-    out = limit if isinstance(limit, int) and 0 < limit < 100_000 else None
-    if pos_limit is not None:
-        out = min(out or pos_limit, pos_limit)
-    return out
-
-
 def explain(
     texts: Sequence[str],
     model: Any,
@@ -781,13 +414,13 @@ def explain(
     from captum_normattr.visualization import example_from_result
 
     device = next(model.parameters()).device
-    attrs = _build_attributions(specs, model, options)
-    max_len = _max_length(model, tokenizer, options.max_length)
+    attrs = build_attributions(specs, model, options)
+    max_len = resolve_max_length(model, tokenizer, options.max_length)
     side = getattr(tokenizer, "truncation_side", "right")
     all_exps: List[Any] = []
     all_maps: List[Dict[str, Any]] = []
     n_batches = (len(texts) + options.batch_size - 1) // options.batch_size
-    bar = _progress(n_batches, progress)
+    bar = progress_bar(n_batches, enabled=progress)
     try:
         for start, chunk in _batches(texts, options.batch_size):
             if max_len is not None:
@@ -799,7 +432,7 @@ def explain(
             results: Dict[str, Any] = {}
             for spec, attr in attrs:
                 try:
-                    res = _explain_batch(spec, attr, ids, mask, options.target, keep_maps)
+                    res = explain_batch(spec, attr, ids, mask, options.target, keep_maps)
                 except (ValueError, TypeError, NotImplementedError) as err:
                     raise CLIError(f"{spec.key}: {err}") from None
                 results[_method_label(res, spec, results)] = res
@@ -903,40 +536,47 @@ def _component_maps(res: Any, b: int) -> Dict[str, Any]:
     return out
 
 
-def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str) -> List[Path]:
+def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str,
+                exclude_sink: bool = False) -> List[Path]:
+    r"""``--plots``: per text and method the layer grid, rollout map, score bars and component maps, and a
+    comparison of the methods; ``exclude_sink`` leaves the first token out of every picture."""
     from captum_normattr import visualization as V
+
+    sink = {"exclude_sink": exclude_sink}
 
     written = []
     for n, (ex, per_method) in enumerate(zip(exps, maps), start=1):
         for label, m in per_method.items():
             stem = _slug(label)
             toks = m["tokens"]
-            written.append(V.save_figure(V.plot_layer_grid(m["layer_maps"], toks, title=f"{label} — layer maps"),
+            written.append(V.save_figure(V.plot_layer_grid(m["layer_maps"], toks, title=f"{label} — layer maps", **sink),
                                          folder / f"text{n:03d}_{stem}_layers.{fmt}"))
-            written.append(V.save_figure(V.plot_token_map(m["rollout"], toks, title=f"{label} — rollout"),
+            written.append(V.save_figure(V.plot_token_map(m["rollout"], toks, title=f"{label} — rollout", **sink),
                                          folder / f"text{n:03d}_{stem}_rollout.{fmt}"))
             written.append(V.save_figure(V.plot_rollout_row(m["scores"], toks, title=label,
-                                                            explained_position=m["explained_position"]),
+                                                            explained_position=m["explained_position"], **sink),
                                          folder / f"text{n:03d}_{stem}_scores.{fmt}"))
             if m.get("components"):
-                fig = V.plot_component_maps(m["components"], toks, title=f"{label} — last layer, component scopes")
+                fig = V.plot_component_maps(m["components"], toks, title=f"{label} — last layer, component scopes",
+                                            **sink)
                 written.append(V.save_figure(fig, folder / f"text{n:03d}_{stem}_components.{fmt}"))
         if len(ex.scores) > 1:
-            written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80]),
+            written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80], **sink),
                                          folder / f"text{n:03d}_comparison.{fmt}"))
     return written
 
 
-def _embed_maps(exps: Sequence[Any], maps: Sequence[Dict[str, Any]]) -> None:
+def _embed_maps(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], exclude_sink: bool = False) -> None:
+    r"""``--html-maps``: the layer grid and rollout map of every text and method, as PNG data in the report."""
     from captum_normattr import visualization as V
     from captum_normattr.report import figure_to_data_uri
 
     for ex, per_method in zip(exps, maps):
         for label, m in per_method.items():
-            fig = V.plot_layer_grid(m["layer_maps"], m["tokens"], title=f"{label} — layer maps")
+            fig = V.plot_layer_grid(m["layer_maps"], m["tokens"], title=f"{label} — layer maps", exclude_sink=exclude_sink)
             ex.figures[label] = figure_to_data_uri(fig, "png")
             ex.figures[f"{label} — rollout"] = figure_to_data_uri(
-                V.plot_token_map(m["rollout"], m["tokens"], title=f"{label} — rollout"), "png")
+                V.plot_token_map(m["rollout"], m["tokens"], title=f"{label} — rollout", exclude_sink=exclude_sink), "png")
 
 
 def _slug(s: str) -> str:
@@ -944,32 +584,6 @@ def _slug(s: str) -> str:
     while "__" in out:
         out = out.replace("__", "_")
     return out or "method"
-
-
-def _write(text: str, output: Optional[str]) -> None:
-    if output is None:
-        try:
-            sys.stdout.write(text if text.endswith("\n") else text + "\n")
-        except UnicodeEncodeError:
-            enc = sys.stdout.encoding or "ascii"
-            sys.stdout.write(text.encode(enc, "replace").decode(enc) + "\n")
-        sys.stdout.flush()
-        return
-    path = Path(output).expanduser()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
-    except OSError as err:
-        raise CLIError(f"cannot write {output}: {err.strerror or err}") from None
-
-
-def _can_print_blocks() -> bool:
-    enc = getattr(sys.stdout, "encoding", None) or "ascii"
-    try:
-        "\u2588\u2591\u258f".encode(enc)
-    except (UnicodeEncodeError, LookupError):
-        return False
-    return True
 
 
 def _list_methods() -> str:
@@ -994,7 +608,7 @@ def _check_paths(args: argparse.Namespace) -> None:
     model folder, and an ``-o`` that is an input, a directory or unwritable (:func:`check_output_path`)."""
     if args.image and not args.model:
         raise CLIError("--image needs --model DIR: a local folder with an image classifier and its image processor")
-    if args.model and _looks_like_path(args.model) and not Path(args.model).expanduser().exists():
+    if args.model and looks_like_path(args.model) and not Path(args.model).expanduser().exists():
         raise CLIError(f"model folder not found: {args.model}")
     inputs = [("input file", args.file)] if args.file not in (None, "-") else []
     inputs += [("input image", image) for image in (args.image or [])]
@@ -1003,7 +617,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_methods:
-        print(_list_methods())
+        print(terminal_lines(_list_methods()))  # registered descriptions are anyone's text
         return 0
     default = [ALTI_PLUS] if (args.source or args.target_text) else ["globenc"]
     names = [m.strip().lower() for arg in (args.method or default) for m in arg.split(",") if m.strip()]
@@ -1021,6 +635,9 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_seq2seq(args, specs, fmt)
     if args.image:  # Vision Transformers: see captum_normattr/vision.py
+        if args.exclude_sink:
+            raise CLIError("--exclude-sink does not apply to --image: the [CLS] and other prefix tokens are shown "
+                           "apart from the top patches already")
         from captum_normattr.vision import run_image_cli
 
         return run_image_cli(args, specs)
@@ -1030,6 +647,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_cli(args, specs)
     if args.html_maps and fmt != "html":
         raise CLIError("--html-maps needs --format html (or an --output ending in .html)")
+    if args.exclude_sink and args.aggregate:
+        raise CLIError(f"--exclude-sink leaves the first token out, --aggregate {args.aggregate} shows "
+                       f"{args.aggregate}s without the special tokens: use one of them (the first token's share, "
+                       "sink_share, is reported either way)")
     if (args.html_maps or args.plots):
         try:
             import matplotlib
@@ -1043,7 +664,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{PROG}: note: explaining the word {SUBCOMMAND!r} as a text; the subcommand {SUBCOMMAND!r} is "
               f"recognised only as the first argument ({PROG} {SUBCOMMAND} [options] TEXT ...)", file=sys.stderr)
     texts = read_texts(given, args.file)
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     model, tok, model_name = load_model(args.model, device, args.trust_remote_code)
     if tok.pad_token is None:
         if getattr(tok, "eos_token", None) is not None:
@@ -1051,33 +672,36 @@ def _run(args: argparse.Namespace) -> int:
         else:
             raise CLIError("the tokenizer has no pad token and no end-of-sequence token to pad with")
     if args.position is None:
-        args.position = "last" if _is_decoder(model) else 0
+        args.position = "last" if is_decoder(model) else 0
     exps, maps = explain(texts, model, tok, specs, args, progress=not args.quiet,
                          keep_maps=bool(args.html_maps or args.plots))
     meta: Dict[str, Any] = {"model": model_name, "methods": [s.key for s in specs]}
     for opt, _ in method_options(specs).values():  # the options of the methods that ran
         meta[opt.meta_key or opt.dest] = getattr(args, opt.dest)
     meta.update(explained_position=args.position, target=args.target, device=str(device), texts=len(texts),
-                aggregate=args.aggregate,
+                aggregate=args.aggregate, exclude_sink=args.exclude_sink or None,
                 scores="raw attributions as computed (not shares); row_totals: their sum over the tokens of the text")
     meta = {k: v for k, v in meta.items() if v is not None}
     if args.plots:
-        written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format)
+        written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format, args.exclude_sink)
         if not args.quiet:
-            print(f"{PROG}: wrote {len(written)} pictures to {args.plots}", file=sys.stderr)
+            print(f"{PROG}: wrote {len(written)} pictures to {visible_text(args.plots)}", file=sys.stderr)
     from captum_normattr import report
 
     if fmt == "json":
         text = report.render_json(exps, meta)
+        if args.output is None:  # the same JSON, with bidi overrides and C1 controls as \u escapes
+            text = json_for_terminal(text)
     elif fmt == "html":
         if args.html_maps:
-            _embed_maps(exps, maps)
-        text = report.render_html(exps, meta, title=f"{PROG}: {model_name}")
+            _embed_maps(exps, maps, args.exclude_sink)
+        text = report.render_html(exps, meta, title=f"{PROG}: {model_name}", exclude_sink=args.exclude_sink)
     else:
-        text = report.render_table(exps, ascii_only=args.ascii or not _can_print_blocks(), shares=not args.raw)
-    _write(text, args.output)
+        text = report.render_table(exps, ascii_only=args.ascii or not can_print_blocks(), shares=not args.raw,
+                                   exclude_sink=args.exclude_sink)
+    write_output(text, args.output)
     if args.output and not args.quiet:
-        print(f"{PROG}: wrote {args.output}", file=sys.stderr)
+        print(f"{PROG}: wrote {visible_text(args.output)}", file=sys.stderr)
     return 0
 
 
@@ -1112,7 +736,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _run(args)
     except CLIError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {terminal_lines(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -1125,9 +749,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from captum_normattr import cli as _cli  # the module the other modules import (its CLIError), not __main__
     from captum_normattr.cpu_launch import close_process_group
 
-    code = _cli.main()
+    code = main()
     close_process_group()
     sys.exit(code)

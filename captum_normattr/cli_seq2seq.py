@@ -19,23 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from captum_normattr.cli import (
+from captum_normattr.cli_common import (
     ALTI_PLUS,
     PROG,
     CLIError,
-    _can_print_blocks,
-    _is_decoder,
-    _is_encoder_decoder,
-    _max_length,
-    _progress,
-    _resolve_device,
-    _write,
+    can_print_blocks,
+    is_decoder,
+    is_encoder_decoder,
     load_model,
     read_stdin_lines,
     read_text_lines,
+    resolve_device,
+    resolve_max_length,
+    write_output,
 )
+from captum_normattr.progress import progress_bar
 from captum_normattr.registry import MethodSpec
-from captum_normattr.tokens import display_token, readable_tokens, visible_text
+from captum_normattr.tokens import display_token, json_for_terminal, readable_tokens, visible_text
 
 __all__ = ["SourcePair", "explain_pairs", "read_pairs", "render_seq2seq_table", "run_seq2seq"]
 
@@ -143,7 +143,7 @@ def _token_ids(tokenizer: Any, texts: Sequence[str], pairs: Sequence[SourcePair]
     cut = tokenizer(**{key: list(texts)}, truncation=True, max_length=max_len)["input_ids"]
     for p, a, b in zip(pairs, full, cut):
         if len(a) > len(b):
-            print(f"{PROG}: warning: {p.where}: the {side} has {len(a)} tokens but the limit is {max_len}: "
+            print(f"{PROG}: warning: {visible_text(p.where)}: the {side} has {len(a)} tokens but the limit is {max_len}: "
                   f"{len(a) - len(b)} token(s) were cut (see --max-length)", file=sys.stderr)
     return [list(x) for x in cut]
 
@@ -266,10 +266,10 @@ def explain_pairs(pairs: Sequence[SourcePair], model: Any, tokenizer: Any, optio
     except UnsupportedModelError as err:
         raise CLIError(f"method {ALTI_PLUS!r} cannot explain this model: {err}") from None
     device = next(model.parameters()).device
-    max_len = _max_length(model, tokenizer, options.max_length)
+    max_len = resolve_max_length(model, tokenizer, options.max_length)
     groups = [[p for p in pairs if p.target is not None], [p for p in pairs if p.target is None]]
     chunks = [g[k:k + options.batch_size] for g in groups for k in range(0, len(g), options.batch_size)]
-    bar = _progress(len(chunks), progress)
+    bar = progress_bar(len(chunks), enabled=progress)
     done: Dict[int, Dict[str, Any]] = {}
     try:
         for chunk in chunks:
@@ -327,20 +327,23 @@ def _save_seq2seq_plots(records: Sequence[Dict[str, Any]], folder: Path, fmt: st
 
     from captum_normattr import visualization_seq2seq as VS
 
+    def text(rec: Dict[str, Any], key: str) -> List[str]:  # the readable labels (" le", not "▁le")
+        return list(rec.get(f"{key}_token_text") or rec[f"{key}_tokens"])
+
     written = []
     for n, rec in enumerate(records, start=1):
         src = torch.tensor(rec["source_contributions"], dtype=torch.float64).reshape(len(rec["target_tokens"]), -1)
         tgt = torch.tensor(rec["target_contributions"], dtype=torch.float64).reshape(len(rec["target_tokens"]), -1)
         title = f"{rec['source'][:60]} ({rec['mode']})"
         path = folder / f"pair{n:03d}_alti_plus_matrix.{fmt}"
-        fig = VS.plot_contribution_matrix((src, tgt), source_tokens=rec["source_tokens"],
-                                          target_tokens=rec["decoder_input_tokens"], row_labels=rec["target_tokens"],
+        fig = VS.plot_contribution_matrix((src, tgt), source_tokens=text(rec, "source"),
+                                          target_tokens=text(rec, "decoder_input"), row_labels=text(rec, "target"),
                                           title=f"ALTI+ — {title}", path=path)
         plt.close(fig)
         written.append(path)
         path = folder / f"pair{n:03d}_alti_plus_source_share.{fmt}"
         fig = VS.plot_source_share(torch.tensor(rec["source_share"], dtype=torch.float64),
-                                   target_tokens=rec["target_tokens"], title=f"Source share — {title}", path=path)
+                                   target_tokens=text(rec, "target"), title=f"Source share — {title}", path=path)
         plt.close(fig)
         written.append(path)
     return written
@@ -366,7 +369,7 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
                        f"method(s) {', '.join(others)} explain encoder-only and decoder-only models: give their texts "
                        "as TEXT arguments")
     for flag, bad in (("--image", args.image), ("--html-maps", args.html_maps), ("--aggregate", args.aggregate),
-                      ("--format html", fmt == "html")):
+                      ("--exclude-sink", getattr(args, "exclude_sink", False)), ("--format html", fmt == "html")):
         if bad:
             raise CLIError(f"{flag} does not apply to {ALTI_PLUS}: use --format table, json or jsonl, and --plots DIR")
     if args.plots:
@@ -379,11 +382,11 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
         matplotlib.use("Agg")
     sources = list(args.source or []) + list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
     pairs = read_pairs(sources, args.target_text, args.file)
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     model, tok, model_name = load_model(args.model, device, getattr(args, "trust_remote_code", False))
-    if not _is_encoder_decoder(model):
+    if not is_encoder_decoder(model):
         cfg = model.config
-        kind = "a decoder-only model" if _is_decoder(model) or getattr(cfg, "is_decoder", False) else (
+        kind = "a decoder-only model" if is_decoder(model) or getattr(cfg, "is_decoder", False) else (
             "not an encoder-decoder" if getattr(cfg, "is_encoder_decoder", False) else "an encoder-only model")
         need = "--source needs" if args.source and not args.method else f"-m {ALTI_PLUS} needs"
         raise CLIError(
@@ -398,7 +401,7 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
     if args.plots:
         written = _save_seq2seq_plots(records, Path(args.plots).expanduser(), args.plot_format)
         if not args.quiet:
-            print(f"{PROG}: wrote {len(written)} pictures to {args.plots}", file=sys.stderr)
+            print(f"{PROG}: wrote {len(written)} pictures to {visible_text(args.plots)}", file=sys.stderr)
     if fmt == "jsonl":
         text = "\n".join(json.dumps(r, ensure_ascii=False, allow_nan=False) for r in records)
     elif fmt == "json":
@@ -411,9 +414,11 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
             meta["max_new_tokens"] = args.max_new_tokens
         text = json.dumps({"meta": meta, "pairs": records}, indent=2, ensure_ascii=False, allow_nan=False)
     else:
-        text = render_seq2seq_table(records, top=args.top, ascii_only=args.ascii or not _can_print_blocks())
-    _write(text, args.output)
+        text = render_seq2seq_table(records, top=args.top, ascii_only=args.ascii or not can_print_blocks())
+    if fmt in ("json", "jsonl") and args.output is None:  # the same JSON, bidi overrides as \u escapes
+        text = json_for_terminal(text)
+    write_output(text, args.output)
     if args.output and not args.quiet:
-        print(f"{PROG}: wrote {args.output} ({len(records)} pair{'s' if len(records) != 1 else ''})", file=sys.stderr)
+        print(f"{PROG}: wrote {visible_text(args.output)} ({len(records)} pair{'s' if len(records) != 1 else ''})", file=sys.stderr)
     return 0
 

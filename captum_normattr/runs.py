@@ -5,7 +5,10 @@ r"""Dataset runs: explain every text of a corpus, one JSON Lines record per text
 
     {"id": 3, "text": "...", "tokens": ["[CLS]", ...],
      "methods": {"alti": {"method": "ALTI", "scores": [...], "completeness_error": 1e-7,
-                          "explained_position": 0}}}
+                          "sink_share": 0.31, "explained_position": 0}}}
+
+  ``sink_share``: the first token's share ``|s_0| / sum_t |s_t|`` of the method's scores (where
+  attention sinks sit; ``null`` when every score is 0); the scores themselves are unchanged.
 
 - **Inputs** (:func:`read_inputs`): a text file (one text per line, blank lines skipped; the
   id is the line number), JSON Lines or CSV/TSV (the text in ``--column``, default
@@ -51,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from captum_normattr.cpu_launch import requested_cpu_processes, spawn_cpu_processes
+from captum_normattr.progress import progress_bar
 
 __all__ = ["InputError", "InputItem", "OutputError", "add_arguments", "explain_dataset", "job_fingerprint",
            "read_inputs", "run_cli", "same_file"]
@@ -83,7 +87,7 @@ class InputItem:
 
 def _lines(path: Path) -> List[str]:
     r"""The lines of a UTF-8 file, split at ``\n`` / ``\r\n`` only, a byte-order mark dropped (so ids are line numbers)."""
-    from captum_normattr.cli import read_utf8, split_lines
+    from captum_normattr.cli_common import read_utf8, split_lines
 
     try:
         return split_lines(read_utf8(path))
@@ -550,6 +554,15 @@ def _to_list(t: Any) -> List[float]:
     return [float(x) for x in t.detach().cpu().double().tolist()]
 
 
+def _sink_share(scores: Sequence[float]) -> Optional[float]:
+    r"""The first real token's share of the absolute scores (:func:`captum_normattr.report.first_token_share`);
+    None (JSON ``null``) where it is undefined (all scores 0)."""
+    from captum_normattr.report import first_token_share
+
+    share = first_token_share(scores)
+    return share if share == share else None
+
+
 def _completeness(res: Any, i: int) -> Optional[float]:
     r"""The example's completeness error: its delta, else the largest per-layer error of its batch."""
     if getattr(res, "delta", None) is not None:
@@ -574,12 +587,16 @@ def _records(
         methods: Dict[str, Any] = {}
         for key, res in results.items():
             if isinstance(res, Tensor):
-                methods[key] = {"method": key, "scores": _to_list(res[i].cpu()[keep]), "completeness_error": None}
+                scores = _to_list(res[i].cpu()[keep])
+                methods[key] = {"method": key, "scores": scores, "completeness_error": None,
+                                "sink_share": _sink_share(scores)}
                 continue
+            scores = _to_list(res.scores[i].cpu()[keep])
             entry: Dict[str, Any] = {
                 "method": res.method,
-                "scores": _to_list(res.scores[i].cpu()[keep]),
+                "scores": scores,
                 "completeness_error": _completeness(res, i),
+                "sink_share": _sink_share(scores),
             }
             if getattr(res, "explained_position", None) is not None:
                 entry["explained_position"] = int(res.explained_position[i]) - first
@@ -683,11 +700,11 @@ def _run(
     first read to the merge, released also after an error; a second run on the same output is
     refused (:class:`OutputError`) on every process.
     """
-    from captum_normattr.cli import CLIError, _build_attributions, _explain_batch, _max_length
+    from captum_normattr import cli_common  # explain_batch looked up at run time (tests replace it)
 
     state = _state()
-    attrs = _build_attributions(specs, model, options)
-    limit = _max_length(model, tokenizer, max_length)
+    attrs = cli_common.build_attributions(specs, model, options)
+    limit = cli_common.resolve_max_length(model, tokenizer, max_length)
     lock = _OutputLock(output) if output is not None and state.is_main_process else None
     try:
         if output is not None:
@@ -703,7 +720,7 @@ def _run(
         else:
             todo = list(items)
         new = _explain_share(state, todo, tokenizer, attrs, output, limit, batch_size, target, progress, device,
-                             warn, CLIError, _explain_batch)
+                             warn, cli_common.CLIError, cli_common.explain_batch)
         if output is not None:
             state.wait_for_everyone()
             if state.is_main_process:
@@ -727,12 +744,8 @@ def _explain_share(state: Any, todo: Sequence[InputItem], tokenizer: Any, attrs:
     _truncation_warnings(share, cut, limit, getattr(tokenizer, "truncation_side", "right"), warn)
     order = sorted(range(len(share)), key=lambda k: (full[k] - cut[k], k))
     shard = None if output is None else output.with_name(f"{output.name}.part-{state.process_index}")
-    bar = None
-    if progress and state.is_main_process and share:
-        from tqdm.auto import tqdm
-
-        desc = "captum-normattr" + (f" (process 0 of {state.num_processes})" if state.num_processes > 1 else "")
-        bar = tqdm(total=len(share), unit="text", desc=desc, file=sys.stderr, leave=False)
+    desc = "captum-normattr" + (f" (process 0 of {state.num_processes})" if state.num_processes > 1 else "")
+    bar = progress_bar(len(share), enabled=progress and state.is_main_process, desc=desc, unit="text", min_total=1)
     new: List[Dict[str, Any]] = []
     try:
         for start in range(0, len(order), batch_size):
@@ -754,11 +767,9 @@ def _explain_share(state: Any, todo: Sequence[InputItem], tokenizer: Any, attrs:
                     fh.flush()
                     os.fsync(fh.fileno())
             new.extend(recs)
-            if bar is not None:
-                bar.update(len(chunk))
+            bar.update(len(chunk))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return new
 
 
@@ -844,9 +855,9 @@ def explain_dataset(
     specs = [get_method(m) for m in dict.fromkeys(methods)]
     ns = argparse.Namespace(**dict(options or {}))
     if getattr(ns, "position", None) is None:
-        from captum_normattr.cli import _is_decoder
+        from captum_normattr.cli_common import is_decoder
 
-        ns.position = "last" if _is_decoder(model) else 0
+        ns.position = "last" if is_decoder(model) else 0
     from captum_normattr.models.weights import is_dispatched
 
     device = None if is_dispatched(model) else next(model.parameters()).device
@@ -877,7 +888,8 @@ def add_arguments(parser: Any) -> None:
 
 def run_cli(args: Any, specs: Sequence[Any]) -> int:
     r"""``--format jsonl``: explain ``--file`` (and TEXT arguments) into ``--output``, resumable, multi-process."""
-    from captum_normattr.cli import PROG, CLIError, _is_decoder, _resolve_device, load_model
+    from captum_normattr.cli_common import PROG, CLIError, is_decoder, load_model, resolve_device
+    from captum_normattr.tokens import terminal_lines, visible_text
 
     if args.output is None:
         raise CLIError("--format jsonl needs --output PATH (records are appended and resumed there)")
@@ -887,6 +899,10 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
         raise CLIError(f"--aggregate {args.aggregate} does not apply to --format jsonl: the records hold token scores "
                        "(with their tokens); sum them into words or sentences afterwards with "
                        "captum_normattr.aggregation, or use --format json")
+    if getattr(args, "exclude_sink", False):
+        raise CLIError("--exclude-sink does not apply to --format jsonl: the records hold the scores unchanged and "
+                       "every method's sink_share (the first token's share); leave the first token out when reading "
+                       "them, or use --format table, html or json")
     if args.file is not None and args.texts:
         raise CLIError("give either TEXT arguments or --file with --format jsonl, not both")
     if args.file == "-":
@@ -903,7 +919,7 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
                   f"launcher is mpirun); starting {n} CPU processes joined over gloo", file=sys.stderr)
         return spawn_cpu_processes(n, ["-m", "captum_normattr", *getattr(args, "_argv", sys.argv[1:])])
     state = _state()
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     if state.num_processes > 1 and state.device.type != "cpu":
         device = state.device  # accelerate launch on several GPUs: one device per process
     model, tok, _ = load_model(args.model, device, getattr(args, "trust_remote_code", False))
@@ -912,13 +928,13 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
     except InputError as err:
         raise CLIError(str(err)) from None
     if args.position is None:
-        args.position = "last" if _is_decoder(model) else 0
+        args.position = "last" if is_decoder(model) else 0
     output = Path(args.output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         new = _run(items, model, tok, specs, args, output, batch_size=args.batch_size, max_length=args.max_length,
                    target=args.target, progress=not args.quiet, overwrite=args.overwrite, device=device,
-                   warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
+                   warn=lambda msg: print(f"{PROG}: warning: {terminal_lines(msg)}", file=sys.stderr))
     except OutputError as err:
         if not state.is_main_process:
             return 2  # every process stops; the main process says why, once
@@ -931,6 +947,6 @@ def run_cli(args: Any, specs: Sequence[Any]) -> int:
     if state.is_main_process and not args.quiet:
         n = sum(1 for _ in _read_records(output))
         per = f": {' + '.join(map(str, counts))} explained now" if state.num_processes > 1 else ""
-        print(f"{PROG}: wrote {args.output} ({n} records, {state.num_processes} process"
+        print(f"{PROG}: wrote {visible_text(args.output)} ({n} records, {state.num_processes} process"
               f"{'es' if state.num_processes > 1 else ''}{per})", file=sys.stderr)
     return 0

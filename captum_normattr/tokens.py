@@ -38,7 +38,8 @@ import re
 import unicodedata
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["ReadableTokens", "byte_level_decode", "display_token", "readable_tokens", "tokens_text", "visible_text"]
+__all__ = ["ReadableTokens", "byte_level_decode", "display_token", "json_for_terminal", "readable_tokens",
+           "terminal_lines", "tokens_text", "visible_text"]
 
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -88,6 +89,38 @@ def visible_text(text: Any) -> str:
             cp = ord(ch)
             out.append(f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}" if cp < 0x10000 else f"\\U{cp:08x}")
     return "".join(out)
+
+
+def terminal_lines(text: Any) -> str:
+    r"""``text`` for a terminal, line by line: :func:`visible_text` of every line, the line breaks kept.
+
+    For messages that are several lines on purpose (an error and its advice) but hold
+    names, paths or texts a user or a model gave: escape sequences and bidirectional
+    overrides inside them are shown, never sent to the terminal.
+
+    Examples:
+        >>> terminal_lines("bad file a\x1b[31m.txt\n  (give another)")
+        'bad file a\\x1b[31m.txt\n  (give another)'
+    """
+    return "\n".join(visible_text(line) for line in str(text).split("\n"))
+
+
+def json_for_terminal(text: str) -> str:
+    r"""Serialised JSON with every control and format character written as a ``\uXXXX`` escape.
+
+    ``json.dumps(..., ensure_ascii=False)`` keeps characters such as U+202E (right-to-left
+    override) or C1 controls raw; printed on a terminal they reorder or recolour what
+    follows. Such characters can only stand inside JSON strings, so escaping them leaves
+    the same JSON value (``json.loads`` gives back the same data); line breaks and tabs
+    between JSON tokens are kept.
+
+    Examples:
+        >>> json_for_terminal('{"t": "a\u202eb"}')
+        '{"t": "a\\u202eb"}'
+    """
+    if text.isprintable():
+        return text
+    return "".join(json.dumps(ch)[1:-1] if ch not in "\n\r\t" and _needs_escape(ch) else ch for ch in text)
 
 
 def display_token(label: Any, ascii_only: bool = False) -> str:

@@ -123,7 +123,7 @@ def _load_image_model(name: Optional[str], trust_remote_code: bool) -> Tuple[Any
     """
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from captum_normattr.cli import CLIError, check_remote_code
+    from captum_normattr.cli_common import CLIError, check_remote_code
 
     if not name:
         raise CLIError("--image needs --model DIR: a local folder with an image classifier and its image processor")
@@ -164,8 +164,9 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     from PIL import Image, UnidentifiedImageError
 
     from captum_normattr.attr.images import token_names
-    from captum_normattr.cli import CLIError
+    from captum_normattr.cli_common import CLIError
     from captum_normattr.models.adapters import get_adapter
+    from captum_normattr.tokens import visible_text
 
     model, processor = _load_image_model(args.model, bool(getattr(args, "trust_remote_code", False)))
     try:
@@ -189,7 +190,8 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
         with torch.no_grad():
             pred = int(model(pixel_values=x).logits.argmax(-1))
         target = args.target if args.target is not None else pred
-        print(f"{path}: predicted {pred} ({labels.get(pred, pred)}), explained class {target}", file=out)
+        label = labels.get(pred, labels.get(str(pred), pred))  # the model config's text: neutralised for the terminal
+        print(visible_text(f"{path}: predicted {pred} ({label}), explained class {target}"), file=out)
         for spec in specs:
             try:
                 attr = spec.build(model, args)
@@ -203,7 +205,7 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
             top = torch.argsort(s[prefix:], descending=True)[:5] + prefix
             pre = ", ".join(f"{names[i]} {float(s[i]):+.4f}" for i in range(prefix))
             best = ", ".join(f"{names[i]} {float(s[i]):+.4f}" for i in top.tolist())
-            print(f"  {attr.get_name():12s} {pre}; top patches: {best}", file=out)
+            print(visible_text(f"  {attr.get_name():12s} {pre}; top patches: {best}"), file=out)
             if plots is not None:
                 import matplotlib.pyplot as plt
 

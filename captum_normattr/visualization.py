@@ -42,14 +42,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from captum_normattr.figures import (  # noqa: F401 - MISSING_MATPLOTLIB_MESSAGE, plot_label, save_figure: public here
+    MISSING_MATPLOTLIB_MESSAGE,
+    ArrayLike,
+    check_tokens,
+    finish_figure,
+    new_figure,
+    plot_label,
+    require_matplotlib,
+    save_figure,
+    short_label,
+    tick_fontsize,
+    to_numpy,
+)
 from captum_normattr.result import AttributionResult
 from captum_normattr.tokens import display_token, visible_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-ArrayLike = Union[Tensor, np.ndarray, Sequence[float], Sequence[Sequence[float]]]
 
 __all__ = [
     "MISSING_MATPLOTLIB_MESSAGE",
@@ -66,49 +77,7 @@ __all__ = [
     "to_visualization_records",
 ]
 
-MISSING_MATPLOTLIB_MESSAGE = (
-    "captum_normattr's plots need matplotlib, which is not installed. "
-    "Install it with `pip install matplotlib` or `pip install captum_normattr[viz]`."
-)
-
-SAVE_FORMATS = ("png", "svg", "pdf")
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _require_matplotlib() -> Any:
-    r"""Import matplotlib lazily, with a clear message when it is missing.
-
-    Returns:
-        The ``matplotlib`` module.
-
-    Raises:
-        ImportError: with installation instructions when matplotlib is missing.
-    """
-    try:
-        import matplotlib
-    except ImportError as err:  # pragma: no cover - exercised with matplotlib absent
-        raise ImportError(MISSING_MATPLOTLIB_MESSAGE) from err
-    return matplotlib
-
-
-def _new_figure(figsize: Tuple[float, float], layout: Optional[str] = "constrained") -> "Figure":
-    r"""A figure outside pyplot's registry, with an Agg canvas (for text measurement)."""
-    _require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, layout=layout)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _to_numpy(x: ArrayLike) -> np.ndarray:
-    r"""Tensor / array / nested list -> float64 numpy array on the CPU."""
-    if isinstance(x, Tensor):
-        return x.detach().to("cpu", torch.float64).numpy()
-    return np.asarray(x, dtype=np.float64)
 
 
 def _is_result(obj: Any) -> bool:
@@ -128,37 +97,6 @@ def _unpadded_tokens(tokens: Optional[Sequence[str]], keep: Tensor, t_len: int) 
     raise ValueError(f"got {len(tokens)} tokens; expected {t_len} (padded) or {keep.numel()} (unpadded)")
 
 
-def _check_tokens(tokens: Optional[Sequence[str]], n: int) -> List[str]:
-    r"""Default token labels ``0..n-1``; otherwise check that there are ``n`` of them."""
-    if tokens is None:
-        return [str(i) for i in range(n)]
-    tokens = [str(t) for t in tokens]
-    if len(tokens) != n:
-        raise ValueError(f"got {len(tokens)} tokens for data of length {n}")
-    return tokens
-
-
-def plot_label(text: Any) -> str:
-    r"""A string for a matplotlib label, drawn literally.
-
-    Control and format characters are shown visibly
-    (:func:`~captum_normattr.tokens.visible_text`) and every ``$`` is escaped, so that
-    matplotlib never reads the text as mathtext (a token ``$x`` or ``a$b$c`` would
-    otherwise be typeset as a formula, or crash the drawing with a parse error).
-
-    Examples:
-        >>> plot_label("5$")
-        '5\\$'
-    """
-    return visible_text(text).replace("$", "\\$")
-
-
-def _shorten(token: str, width: int = 14) -> str:
-    token = display_token(token)
-    short = token if len(token) <= width else token[: width - 1] + "\u2026"
-    return short.replace("$", "\\$")
-
-
 def _auto_cmap(values: np.ndarray, cmap: Optional[str]) -> Tuple[str, Optional[float], Optional[float]]:
     r"""Sequential colormap for non-negative data, diverging (centered at 0) for signed."""
     finite = values[np.isfinite(values)]
@@ -166,44 +104,6 @@ def _auto_cmap(values: np.ndarray, cmap: Optional[str]) -> Tuple[str, Optional[f
         m = float(np.abs(finite).max()) or 1.0
         return cmap or "RdBu_r", -m, m
     return cmap or "Blues", 0.0, (float(finite.max()) if finite.size and finite.max() > 0 else 1.0)
-
-
-def _tick_fontsize(n: int) -> float:
-    return float(np.clip(11 - 0.12 * n, 5, 10))
-
-
-def save_figure(fig: "Figure", path: Union[str, Path], dpi: int = 150) -> Path:
-    r"""Save a figure as PNG, SVG or PDF; the format comes from the suffix of ``path``.
-
-    Args:
-        fig: the matplotlib figure.
-        path: output file, ending in ``.png``, ``.svg`` or ``.pdf``. Parent folders
-            are created.
-        dpi: resolution for PNG.
-
-    Returns:
-        The path written, as a ``Path``.
-
-    Raises:
-        ValueError: for another suffix.
-
-    Examples:
-        >>> fig = plot_rollout_row([0.1, 0.7, 0.2], ["[CLS]", "hi", "[SEP]"])
-        >>> save_figure(fig, "row.svg")  # doctest: +SKIP
-    """
-    path = Path(path)
-    fmt = path.suffix.lower().lstrip(".")
-    if fmt not in SAVE_FORMATS:
-        raise ValueError(f"cannot save a figure as {path.name!r}: use one of .png, .svg, .pdf")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format=fmt, dpi=dpi, bbox_inches="tight", facecolor="white")
-    return path
-
-
-def _finish(fig: "Figure", path: Optional[Union[str, Path]]) -> "Figure":
-    if path is not None:
-        save_figure(fig, path)
-    return fig
 
 
 def example_from_result(
@@ -263,11 +163,11 @@ def _scores_and_tokens(
     if _is_result(scores):
         ex = example_from_result(scores, b, tokens)
         vals = ex["scores"].numpy()
-        return vals, _check_tokens(ex["tokens"], len(vals)), ex["explained_position"], ex["method"]
-    vals = _to_numpy(scores)
+        return vals, check_tokens(ex["tokens"], len(vals)), ex["explained_position"], ex["method"]
+    vals = to_numpy(scores)
     if vals.ndim != 1:
         raise ValueError(f"expected a 1-D score vector (T,), got shape {tuple(vals.shape)}")
-    return vals, _check_tokens(tokens, len(vals)), None, ""
+    return vals, check_tokens(tokens, len(vals)), None, ""
 
 
 # --------------------------------------------------------------------------- maps
@@ -290,8 +190,8 @@ def _draw_map(
     hi = hi if vmax is None else vmax
     im = ax.imshow(matrix, cmap=cm, vmin=lo, vmax=hi, aspect="equal", interpolation="nearest")
     n = len(tokens)
-    fs = _tick_fontsize(n)
-    short = [_shorten(t) for t in tokens]
+    fs = tick_fontsize(n)
+    short = [short_label(t) for t in tokens]
     ax.set_xticks(range(n))
     ax.set_yticks(range(n))
     ax.set_xticklabels(short if labels else [], rotation=90, fontsize=fs)
@@ -351,15 +251,15 @@ def plot_token_map(
         >>> fig.axes[0].get_title()
         'identity'
     """
-    m = _to_numpy(matrix)
+    m = to_numpy(matrix)
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"expected a square (T, T) map, got shape {tuple(m.shape)}")
-    toks = _check_tokens(tokens, m.shape[0])
+    toks = check_tokens(tokens, m.shape[0])
     if exclude_sink and len(toks) > 1:
         m, toks = m[1:, 1:], toks[1:]
     if ax is None:
         side = float(np.clip(0.35 * len(toks) + 2.0, 3.5, 14.0))
-        fig = _new_figure((side + (1.0 if colorbar else 0.0), side))
+        fig = new_figure((side + (1.0 if colorbar else 0.0), side))
         ax = fig.add_subplot(1, 1, 1)
     else:
         fig = ax.figure
@@ -370,7 +270,7 @@ def plot_token_map(
         ax.set_title(plot_label(title), fontsize=10)
     if colorbar:
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 def plot_layer_grid(
@@ -416,10 +316,10 @@ def plot_layer_grid(
         ex = example_from_result(layer_maps, b, tokens)
         maps, tokens, method = _require(ex, "layer_maps", "layer maps").numpy(), ex["tokens"], ex["method"]
     else:
-        maps = _to_numpy(layer_maps)
+        maps = to_numpy(layer_maps)
     if maps.ndim != 3 or maps.shape[1] != maps.shape[2]:
         raise ValueError(f"expected (L, T, T) layer maps, got shape {tuple(maps.shape)}")
-    toks = _check_tokens(tokens, maps.shape[1])
+    toks = check_tokens(tokens, maps.shape[1])
     if exclude_sink and len(toks) > 1:
         maps, toks = maps[:, 1:, 1:], toks[1:]
     n_layers, n = maps.shape[0], maps.shape[1]
@@ -429,7 +329,7 @@ def plot_layer_grid(
     ncols = ncols or min(4, n_layers)
     nrows = math.ceil(n_layers / ncols)
     side = float(np.clip(0.22 * n + 1.8, 2.6, 6.0))
-    fig = _new_figure((side * ncols + 0.8, side * nrows + 0.6))
+    fig = new_figure((side * ncols + 0.8, side * nrows + 0.6))
     lo = hi = None
     if share_scale:
         _, lo, hi = _auto_cmap(maps, cmap)
@@ -444,7 +344,7 @@ def plot_layer_grid(
         fig.colorbar(im, ax=fig.axes[:n_layers], fraction=0.02, pad=0.02)
     if title or method:
         fig.suptitle(plot_label(title or method), fontsize=11)
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 def plot_component_maps(
@@ -483,20 +383,20 @@ def plot_component_maps(
     """
     if not maps:
         raise ValueError("no maps to plot")
-    arrays = {str(k): _to_numpy(v) for k, v in maps.items()}
+    arrays = {str(k): to_numpy(v) for k, v in maps.items()}
     shapes = {a.shape for a in arrays.values()}
     if len(shapes) != 1:
         raise ValueError(f"all maps must have the same shape, got {sorted(shapes)}")
     shape = shapes.pop()
     if len(shape) != 2 or shape[0] != shape[1]:
         raise ValueError(f"expected square (T, T) maps, got shape {shape}")
-    toks = _check_tokens(tokens, shape[0])
+    toks = check_tokens(tokens, shape[0])
     if exclude_sink and len(toks) > 1:
         arrays = {name: a[1:, 1:] for name, a in arrays.items()}
         shape, toks = (shape[0] - 1, shape[1] - 1), toks[1:]
     k = len(arrays)
     side = float(np.clip(0.3 * shape[0] + 1.8, 3.0, 7.0))
-    fig = _new_figure((side * k + 0.8, side + 0.6))
+    fig = new_figure((side * k + 0.8, side + 0.6))
     lo = hi = None
     if share_scale:
         _, lo, hi = _auto_cmap(np.stack(list(arrays.values())), cmap)
@@ -513,7 +413,7 @@ def plot_component_maps(
         fig.colorbar(im, ax=axes, fraction=0.02, pad=0.02)
     if title:
         fig.suptitle(plot_label(title), fontsize=11)
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- rows
@@ -521,7 +421,7 @@ def plot_component_maps(
 
 def _text_colors(values: np.ndarray) -> List[Tuple[float, float, float, float]]:
     r"""Background colors for colored text: green positive, red negative (as Captum)."""
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib import colormaps
 
     m = float(np.abs(values).max()) or 1.0
@@ -575,7 +475,7 @@ def plot_rollout_row(
     n = len(vals)
     if kind == "bar":
         if ax is None:
-            fig = _new_figure((float(np.clip(0.45 * n + 1.5, 4.0, 18.0)), 3.2))
+            fig = new_figure((float(np.clip(0.45 * n + 1.5, 4.0, 18.0)), 3.2))
             ax = fig.add_subplot(1, 1, 1)
         else:
             fig = ax.figure
@@ -583,7 +483,7 @@ def plot_rollout_row(
         ax.bar(range(n), vals, color=colors)
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_xticks(range(n))
-        ax.set_xticklabels([_shorten(t) for t in toks], rotation=90, fontsize=_tick_fontsize(n))
+        ax.set_xticklabels([short_label(t) for t in toks], rotation=90, fontsize=tick_fontsize(n))
         ax.set_xlim(-0.6, n - 0.4)
         ax.set_ylabel("attribution")
         if pos is not None and 0 <= pos < n:
@@ -591,13 +491,13 @@ def plot_rollout_row(
             ax.get_xticklabels()[pos].set_color("tab:blue")
         if title:
             ax.set_title(plot_label(title), fontsize=10)
-        return _finish(fig, path)
+        return finish_figure(fig, path)
 
     # colored text, wrapped into lines; widths measured with the Agg renderer, then
     # placed in axes coordinates (the axes spans the whole figure when we make it).
     own = ax is None
     if own:
-        fig = _new_figure((8.0, 1.0), layout=None)
+        fig = new_figure((8.0, 1.0), layout=None)
         ax = fig.add_axes((0.0, 0.0, 1.0, 1.0))
     else:
         fig = ax.figure
@@ -629,7 +529,7 @@ def plot_rollout_row(
     if title:
         ax.text(pad_px / ax_w_px, 1.0 - 0.6 * line_h_px / ax_h_px, plot_label(title), fontsize=10,
                 va="center", transform=ax.transAxes)
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 def plot_method_comparison(
@@ -686,16 +586,16 @@ def plot_method_comparison(
     n, k = data.shape[1], data.shape[0]
     if kind not in ("heatmap", "bar"):
         raise ValueError(f"kind must be 'heatmap' or 'bar', got {kind!r}")
-    fig = _new_figure((float(np.clip(0.55 * n + 2.5, 5.0, 20.0)), (0.5 * k + 1.8) if kind == "heatmap" else 3.6))
+    fig = new_figure((float(np.clip(0.55 * n + 2.5, 5.0, 20.0)), (0.5 * k + 1.8) if kind == "heatmap" else 3.6))
     ax = fig.add_subplot(1, 1, 1)
-    short = [_shorten(t) for t in toks]
+    short = [short_label(t) for t in toks]
     if kind == "heatmap":
         cm, lo, hi = _auto_cmap(data, None)
         im = ax.imshow(data, cmap=cm, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
         ax.set_yticks(range(k))
         ax.set_yticklabels([plot_label(nm) for nm in names], fontsize=9)
         ax.set_xticks(range(n))
-        ax.set_xticklabels(short, rotation=90, fontsize=_tick_fontsize(n))
+        ax.set_xticklabels(short, rotation=90, fontsize=tick_fontsize(n))
         ax.tick_params(length=0)
         if n <= 40:
             for i in range(k):
@@ -712,13 +612,13 @@ def plot_method_comparison(
             ax.bar(x - 0.4 + width * (i + 0.5), data[i], width=width, label=plot_label(name))
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_xticks(x)
-        ax.set_xticklabels(short, rotation=90, fontsize=_tick_fontsize(n))
+        ax.set_xticklabels(short, rotation=90, fontsize=tick_fontsize(n))
         ax.set_xlim(-0.6, n - 0.4)
         ax.set_ylabel("attribution" + (" / max |attribution|" if normalize else ""))
         ax.legend(fontsize=8)
     if title:
         ax.set_title(plot_label(title), fontsize=10)
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- Captum
@@ -754,11 +654,11 @@ def normalize_scores(scores: ArrayLike, mask: Optional[ArrayLike] = None, *, exc
         >>> normalize_scores([8.0, 1.0, 2.0], exclude_sink=True).tolist()
         [1.0, 0.5, 1.0]
     """
-    s = torch.as_tensor(_to_numpy(scores))
+    s = torch.as_tensor(to_numpy(scores))
     squeeze = s.dim() == 1
     if squeeze:
         s = s.unsqueeze(0)
-    m = (torch.as_tensor(_to_numpy(mask)).reshape(s.shape) != 0) if mask is not None else torch.ones(s.shape, dtype=torch.bool)
+    m = (torch.as_tensor(to_numpy(mask)).reshape(s.shape) != 0) if mask is not None else torch.ones(s.shape, dtype=torch.bool)
     if mask is not None:
         s = torch.where(m, s, torch.zeros_like(s))
     counted = torch.isfinite(s) & m
@@ -844,12 +744,12 @@ def to_visualization_records(
 
     if _is_result(scores):
         result = scores if attention_mask is None else replace(
-            scores, attention_mask=torch.as_tensor(_to_numpy(attention_mask)).reshape(scores.attention_mask.shape))
+            scores, attention_mask=torch.as_tensor(to_numpy(attention_mask)).reshape(scores.attention_mask.shape))
     else:  # plain scores: the same per-example accessor, through a bare result
-        s = torch.as_tensor(_to_numpy(scores))
+        s = torch.as_tensor(to_numpy(scores))
         if s.dim() == 1:
             s = s.unsqueeze(0)
-        mask = (torch.as_tensor(_to_numpy(attention_mask)).reshape(s.shape) if attention_mask is not None
+        mask = (torch.as_tensor(to_numpy(attention_mask)).reshape(s.shape) if attention_mask is not None
                 else torch.ones(s.shape, dtype=torch.long))
         result = AttributionResult(method="", scores=s, attention_mask=mask)
     method = result.method
@@ -924,7 +824,7 @@ def to_llm_attribution_result(
     if _is_result(source):
         roll = _require(example_from_result(source, b), "rollout", "full rollout")
     else:
-        roll = torch.as_tensor(_to_numpy(source))
+        roll = torch.as_tensor(to_numpy(source))
     tokens = [str(t) for t in tokens]
     if roll.dim() != 2 or roll.shape[0] != roll.shape[1]:
         raise ValueError(f"expected a (T, T) rollout, got shape {tuple(roll.shape)}")

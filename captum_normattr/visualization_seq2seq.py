@@ -20,15 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from torch import Tensor
 
-from captum_normattr.visualization import (
-    _check_tokens,
-    _finish,
-    _new_figure,
-    _shorten,
-    _tick_fontsize,
-    _to_numpy,
-    plot_label,
-)
+from captum_normattr.figures import check_tokens, finish_figure, new_figure, plot_label, short_label, tick_fontsize, to_numpy
 
 __all__ = ["generation_to_llm_attribution_result", "plot_contribution_matrix", "plot_source_share"]
 
@@ -38,11 +30,11 @@ def _matrices(source: Any, index: int) -> Tuple[np.ndarray, np.ndarray]:
 
     if isinstance(source, ALTIPlusResult):
         ex = source.example(index)
-        return _to_numpy(ex["source_contributions"]), _to_numpy(ex["target_contributions"])
+        return to_numpy(ex["source_contributions"]), to_numpy(ex["target_contributions"])
     if isinstance(source, GeneratedTokenExplanation):
-        return _to_numpy(source.source), _to_numpy(source.prefix)
+        return to_numpy(source.source), to_numpy(source.prefix)
     if isinstance(source, (tuple, list)) and len(source) == 2:
-        src, tgt = _to_numpy(source[0]), _to_numpy(source[1])
+        src, tgt = to_numpy(source[0]), to_numpy(source[1])
         if src.ndim != 2 or tgt.ndim != 2 or src.shape[0] != tgt.shape[0] or tgt.shape[0] != tgt.shape[1]:
             raise ValueError(f"expected (T, S) and (T, T) matrices, got shapes {src.shape} and {tgt.shape}")
         return src, tgt
@@ -94,19 +86,19 @@ def plot_contribution_matrix(
         tgt_keep = source.target_attention_mask[index].bool()
         source_tokens = _real(source_tokens, src_keep)
         target_tokens = _real(target_tokens, tgt_keep)
-    src_labels = _check_tokens(source_tokens, s)
-    tgt_labels = _check_tokens(target_tokens, t)
-    rows = _check_tokens(row_labels, t) if row_labels is not None else tgt_labels
+    src_labels = check_tokens(source_tokens, s)
+    tgt_labels = check_tokens(target_tokens, t)
+    rows = check_tokens(row_labels, t) if row_labels is not None else tgt_labels
     data = np.concatenate([src, tgt], axis=1)
-    fig = _new_figure((max(4.0, 0.45 * (s + t) + 2.0), max(3.0, 0.4 * t + 1.5)))
+    fig = new_figure((max(4.0, 0.45 * (s + t) + 2.0), max(3.0, 0.4 * t + 1.5)))
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=max(float(np.nanmax(data)) if data.size else 1.0, 1e-12), aspect="auto")
     ax.axvline(s - 0.5, color="black", linewidth=1.5)
-    fs = _tick_fontsize(s + t)
+    fs = tick_fontsize(s + t)
     ax.set_xticks(range(s + t))
-    ax.set_xticklabels([_shorten(x) for x in src_labels + tgt_labels], rotation=90, fontsize=fs)
+    ax.set_xticklabels([short_label(x) for x in src_labels + tgt_labels], rotation=90, fontsize=fs)
     ax.set_yticks(range(t))
-    ax.set_yticklabels([_shorten(x) for x in rows], fontsize=fs)
+    ax.set_yticklabels([short_label(x) for x in rows], fontsize=fs)
     ax.set_xlabel("source tokens | target prefix")
     ax.set_ylabel("decoder position")
     if annotate is None:
@@ -119,7 +111,7 @@ def plot_contribution_matrix(
     if title:
         ax.set_title(plot_label(title))
     fig.colorbar(im, ax=ax, fraction=0.04)
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 def _real(tokens: Optional[Sequence[str]], keep: Tensor) -> Optional[List[str]]:
@@ -160,27 +152,27 @@ def plot_source_share(
 
     if isinstance(source, ALTIPlusResult):
         idx = range(source.source_share.shape[0]) if index is None else [index]
-        series = [_to_numpy(source.example(i)["source_share"]) for i in idx]
+        series = [to_numpy(source.example(i)["source_share"]) for i in idx]
         if index is not None and target_tokens is not None:
             target_tokens = _real(target_tokens, source.target_attention_mask[index].bool())
     elif isinstance(source, GeneratedTokenExplanation):
-        series = [_to_numpy(source.source_share)]
-    elif isinstance(source, (list, tuple)) and source and not np.isscalar(source[0]) and np.ndim(_to_numpy(source[0])) == 1:
-        series = [_to_numpy(x) for x in source]
+        series = [to_numpy(source.source_share)]
+    elif isinstance(source, (list, tuple)) and source and not np.isscalar(source[0]) and np.ndim(to_numpy(source[0])) == 1:
+        series = [to_numpy(x) for x in source]
     else:
-        series = [_to_numpy(source)]
+        series = [to_numpy(source)]
     if any(x.ndim != 1 for x in series):
         raise ValueError("source shares must be 1-D (one value per decoder position)")
     start = 1 if skip_first else 0
-    fig = _new_figure((max(4.0, 0.35 * max(len(x) for x in series) + 2.0), 3.2))
+    fig = new_figure((max(4.0, 0.35 * max(len(x) for x in series) + 2.0), 3.2))
     ax = fig.add_subplot(1, 1, 1)
     if len(series) == 1:
         values = series[0][start:]
-        labels = _check_tokens(target_tokens, len(series[0]))[start:] if target_tokens is not None else None
+        labels = check_tokens(target_tokens, len(series[0]))[start:] if target_tokens is not None else None
         ax.bar(range(start, start + len(values)), values, color="#4C72B0")
         if labels is not None:
             ax.set_xticks(range(start, start + len(values)))
-            ax.set_xticklabels([_shorten(x) for x in labels], rotation=90, fontsize=_tick_fontsize(len(values)))
+            ax.set_xticklabels([short_label(x) for x in labels], rotation=90, fontsize=tick_fontsize(len(values)))
     else:
         for k, x in enumerate(series):
             ax.plot(range(start, len(x)), x[start:], marker="o", markersize=3, label=f"example {k}")
@@ -190,7 +182,7 @@ def plot_source_share(
     ax.set_ylabel("source share")
     if title:
         ax.set_title(plot_label(title))
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 def generation_to_llm_attribution_result(

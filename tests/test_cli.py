@@ -546,3 +546,92 @@ def test_every_from_pretrained_gets_trust_remote_code_explicitly(capsys, tiny_mo
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub_refuses)
     code, _, err = run(capsys, "the film", "--model", "org/custom")
     assert code == 2 and "--trust-remote-code" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------- the first token (attention sinks)
+
+
+def _number_rows(table: str):
+    r"""Per token row of a table: the token and its numbers (bars dropped)."""
+    rows = []
+    for line in table.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].lstrip("*s").isdigit():
+            nums = []
+            for p in parts[2:]:
+                try:
+                    nums.append(float(p))
+                except ValueError:
+                    pass
+            rows.append((parts[1], nums))
+    return rows
+
+
+def test_exclude_sink_changes_the_presentation_not_the_scores(capsys, tiny_model, tmp_path, monkeypatch):
+    base = [TEXTS[0], "--model", tiny_model, "-m", "globenc", "alti", "-q"]
+    code, plain, err = run(capsys, *base, "--raw")
+    assert code == 0, err
+    code, out, err = run(capsys, *base, "--raw", "--exclude-sink")
+    assert code == 0, err
+    assert _number_rows(out) == _number_rows(plain) and _number_rows(out)  # the same scores
+    assert "s = the first token, left out of the bar scale" in out and "left out" not in plain
+    assert out != plain  # the bars are scaled by the other tokens
+    code, shares, _ = run(capsys, *base, "--exclude-sink")
+    assert "over all tokens of the text but the first" in shares
+    # JSON: the scores unchanged, every method's sink_share, the flag in meta
+    code, js_plain, _ = run(capsys, *base, "--format", "json")
+    code, js, _ = run(capsys, *base, "--format", "json", "--exclude-sink")
+    doc, doc_plain = json.loads(js), json.loads(js_plain)
+    assert doc["meta"]["exclude_sink"] is True and "exclude_sink" not in doc_plain["meta"]
+    r = doc["results"][0]
+    assert r["attributions"] == doc_plain["results"][0]["attributions"]
+    for name, scores in r["attributions"].items():
+        assert r["sink_share"][name] == pytest.approx(abs(scores[0]) / sum(abs(s) for s in scores), rel=1e-12)
+    # HTML: the colours are scaled without the first token
+    page_plain, page = tmp_path / "a.html", tmp_path / "b.html"
+    assert run(capsys, *base, "-o", page_plain)[0] == 0 and run(capsys, *base, "-o", page, "--exclude-sink")[0] == 0
+    assert page.read_text(encoding="utf-8") != page_plain.read_text(encoding="utf-8")
+    # --plots and --html-maps: every picture leaves the first token out
+    from captum_normattr import visualization as V
+
+    calls = []
+    for name in ("plot_layer_grid", "plot_token_map", "plot_rollout_row", "plot_component_maps",
+                 "plot_method_comparison"):
+        def spy(*a, _real=getattr(V, name), _name=name, **k):
+            calls.append((_name, k.get("exclude_sink")))
+            return _real(*a, **k)
+        monkeypatch.setattr(V, name, spy)
+    code, _, err = run(capsys, *base, "--exclude-sink", "--plots", tmp_path / "p", "--html-maps", "--format", "html",
+                       "-o", tmp_path / "c.html")
+    assert code == 0, err
+    assert len(calls) == 2 * 3 + 1 + 2 * 2 and all(flag is True for _, flag in calls), calls
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--aggregate", "word"], "use one of them"),
+    (["--format", "jsonl", "-o", "out.jsonl"], "does not apply to --format jsonl"),
+    (["--source", "the film"], "does not apply to alti-plus"),
+    (["--image", "x.png"], "does not apply to --image"),
+])
+def test_exclude_sink_where_it_does_not_apply(capsys, tiny_model, tmp_path, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "--model", tiny_model, "--exclude-sink", *extra, *([] if "--source" in extra or
+                                                                                "--image" in extra else [TEXTS[0]]))
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_the_one_progress_bar(capsys):
+    r"""captum_normattr.progress: what the CLI, dataset runs and the harness share."""
+    from captum_normattr.progress import NullBar, progress_bar, progress_iter
+
+    assert isinstance(progress_bar(5, enabled=False), NullBar)
+    assert isinstance(progress_bar(1), NullBar)  # one batch: no bar (the CLI's rule)
+    assert not isinstance(progress_bar(1, min_total=1), NullBar)
+    bar = progress_bar(3, unit="text")
+    bar.update(3)
+    bar.close()
+    assert "text" in capsys.readouterr().err
+    it = progress_iter(range(4), 4, min_total=1)
+    assert next(it) == 0
+    it.close()  # a loop left early closes its bar
+    assert list(progress_iter([1, 2], 2, enabled=False)) == [1, 2]

@@ -253,3 +253,32 @@ def test_pairs_split_only_at_newlines_and_a_byte_order_mark_is_dropped(tmp_path,
 
     monkeypatch.setattr("sys.stdin", Stdin())
     assert [(p.id, p.source, p.target) for p in read_pairs([], None, "-")] == want
+
+
+def test_plots_label_tokens_with_their_readable_text(tmp_path, monkeypatch):
+    r"""``--plots`` draws the readable labels (``source_token_text`` ...), not the tokenizer's ``\u2581le`` pieces."""
+    from captum_normattr import cli_seq2seq, visualization_seq2seq as VS
+
+    seen = {}
+
+    def capture(name):
+        def plot(*args, **kwargs):
+            seen[name] = kwargs
+            import matplotlib.pyplot as plt
+
+            return plt.figure()
+        return plot
+
+    monkeypatch.setattr(VS, "plot_contribution_matrix", capture("matrix"))
+    monkeypatch.setattr(VS, "plot_source_share", capture("share"))
+    rec = {"source": "the cat", "mode": "teacher-forced", "source_share": [0.6, 0.5],
+           "source_tokens": ["\u2581the", "\u2581cat"], "source_token_text": [" the", " cat"],
+           "target_tokens": ["\u2581le", "</s>"], "target_token_text": [" le", "</s>"],
+           "decoder_input_tokens": ["<pad>", "\u2581le"], "decoder_input_token_text": ["<pad>", " le"],
+           "source_contributions": [[0.3, 0.3], [0.2, 0.3]], "target_contributions": [[0.4, 0.0], [0.2, 0.3]]}
+    written = cli_seq2seq._save_seq2seq_plots([rec], tmp_path, "png")
+    assert len(written) == 2
+    assert seen["matrix"]["source_tokens"] == [" the", " cat"]
+    assert seen["matrix"]["target_tokens"] == ["<pad>", " le"]
+    assert seen["matrix"]["row_labels"] == [" le", "</s>"]
+    assert seen["share"]["target_tokens"] == [" le", "</s>"]

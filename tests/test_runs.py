@@ -61,6 +61,9 @@ def test_records_hold_tokens_scores_and_completeness_per_method(model_dir, tmp_p
         assert len(alti["scores"]) == len(r["tokens"]) == len(dx["scores"])  # pads dropped
         assert alti["completeness_error"] < 1e-4 and dx["completeness_error"] < 1e-4
         assert alti["explained_position"] == 0 and isinstance(dx["target"], int)
+        for entry in (alti, dx):  # the first token's share of the absolute scores, the scores unchanged
+            total = sum(abs(v) for v in entry["scores"])
+            assert entry["sink_share"] == pytest.approx(abs(entry["scores"][0]) / total, rel=1e-12)
     # a batch of one text gives the same record as the batch it ran in
     alone = runs.explain_dataset([TEXTS[2]], *_load(model_dir), methods=["alti", "decompx"], progress=False)
     _same([dict(recs[2], id=1)], alone)
@@ -108,9 +111,9 @@ def test_resume_skips_finished_ids_and_a_crash_loses_nothing(model_dir, tmp_path
     assert _cli(model_dir, "-m", "alti", "--file", path, "-o", out) == 0
     first = _records(out)
     path.write_text("\n".join(TEXTS) + "\n")  # four more texts
-    from captum_normattr import cli
+    from captum_normattr import cli_common
 
-    seen, real = [], cli._explain_batch
+    seen, real = [], cli_common.explain_batch
 
     def crash_on_second_batch(spec, attr, ids, mask, *a):
         seen.append(int(ids.shape[0]))
@@ -118,13 +121,13 @@ def test_resume_skips_finished_ids_and_a_crash_loses_nothing(model_dir, tmp_path
             raise KeyboardInterrupt  # the process dies mid-run
         return real(spec, attr, ids, mask, *a)
 
-    monkeypatch.setattr(cli, "_explain_batch", crash_on_second_batch)
+    monkeypatch.setattr(cli_common, "explain_batch", crash_on_second_batch)
     assert _cli(model_dir, "-m", "alti", "--file", path, "-o", out) == 130
     assert seen == [2, 2]  # only the four new texts were taken up
     assert _records(out) == first  # the output is untouched; the finished batch waits in a shard
     assert len(_records(str(out) + ".part-0")) == 2
     seen.clear()
-    monkeypatch.setattr(cli, "_explain_batch", lambda *a: (seen.append(int(a[2].shape[0])), real(*a))[1])
+    monkeypatch.setattr(cli_common, "explain_batch", lambda *a: (seen.append(int(a[2].shape[0])), real(*a))[1])
     assert _cli(model_dir, "-m", "alti", "--file", path, "-o", out) == 0
     assert seen == [2]  # only the last two texts ran
     recs = _records(out)

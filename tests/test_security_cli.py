@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from captum_normattr import cli, runs
+from captum_normattr import cli, cli_common, runs
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "film", "was", "great", "bad", "a", "movie", "not", "fun", "plot", "very", "boring"]
@@ -195,7 +195,7 @@ def test_a_second_writer_is_refused_and_the_lock_is_released(model_dir, tmp_path
     def crash(*a, **k):
         raise ValueError("boom")
 
-    monkeypatch.setattr(cli, "_explain_batch", crash)
+    monkeypatch.setattr(cli_common, "explain_batch", crash)
     assert cli.main(["--model", model_dir, "--file", str(texts), "-o", str(out), "-q", "--overwrite"]) == 2
     capsys.readouterr()
     assert not lock.exists()  # released after an error
@@ -231,3 +231,38 @@ def test_resume_refuses_another_job_or_other_texts_and_says_which(model_dir, tmp
     assert out.read_text() == before
     assert cli.main(base + ["-m", "alti", "--overwrite"]) == 0
     assert [r["text"] for r in _records(out)] == ["an inserted line"] + TEXTS[:4]
+
+
+ESC, RLO = "\x1b[31m", "\u202e"  # an escape sequence (red) and a right-to-left override
+
+
+def _clean(stream: str) -> None:
+    assert "\x1b" not in stream and RLO not in stream, stream[-2000:]
+
+
+def test_messages_echo_names_and_texts_neutralised(model_dir, tmp_path, capsys):
+    r"""Usage errors, argparse errors, warnings and notes show escape codes and overrides, never send them."""
+    assert cli.main(["--model", model_dir, "--file", f"no{ESC}such{RLO}.txt"]) == 2
+    err = capsys.readouterr().err
+    _clean(err)
+    assert "no\\x1b[31msuch\\u202e.txt" in err
+    assert cli.main(["--model", model_dir, f"--bogus{ESC}"]) == 2  # argparse's own message
+    _clean(capsys.readouterr().err)
+    src = tmp_path / f"in{RLO}.txt"
+    src.write_text("the film was great great great great\n", encoding="utf-8")
+    out = tmp_path / f"out{ESC}.jsonl"
+    assert cli.main(["--model", model_dir, "--file", str(src), "-o", str(out), "--max-length", "4"]) == 0
+    err = capsys.readouterr().err  # the truncation warning names the file; "wrote ..." names the output
+    _clean(err)
+    assert "in\\u202e.txt line 1" in err and "out\\x1b[31m.jsonl" in err
+
+
+def test_json_on_stdout_escapes_overrides_and_keeps_the_data(model_dir, capsys):
+    text = f"the film {RLO}was great"
+    assert cli.main(["--model", model_dir, "--format", "json", "-q", text]) == 0
+    out = capsys.readouterr().out
+    _clean(out)
+    assert json.loads(out)["results"][0]["text"] == text
+    assert cli.main(["--model", model_dir, "--format", "html", "-q", text]) == 0
+    page = capsys.readouterr().out
+    _clean(page)  # the HTML report shows such characters visibly already (report.render_html)

@@ -308,6 +308,28 @@ def test_pictures_and_cli(tmp_path, capsys):
     ]
 
 
+
+def test_image_cli_neutralises_label_names_and_paths(tmp_path, capsys):
+    r"""The model config's label names and the image's file name reach the terminal neutralised."""
+    import numpy as np
+    from PIL import Image
+    from transformers import ViTImageProcessor
+
+    from captum_normattr.cli import main
+
+    model = make_vision("vit").float()
+    evil = "cat\x1b[31m red \u202eevil"
+    model.config.id2label = {i: evil for i in range(model.config.num_labels)}
+    model.config.label2id = {evil: 0}
+    model.save_pretrained(tmp_path / "m")
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(tmp_path / "m")
+    png = tmp_path / "a\u202egnp.png"
+    Image.fromarray((np.random.default_rng(0).random((20, 20, 3)) * 255).astype("uint8")).save(png)
+    assert main(["--image", str(png), "--model", str(tmp_path / "m"), "-m", "globenc", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out
+    assert "cat\\x1b[31m red \\u202eevil" in out and "a\\u202egnp.png" in out
+
 @pytest.mark.parametrize("mode", ["cpu_offload", "disk_offload"])
 def test_dinov2_under_accelerate_equals_the_plain_model(mode, tmp_path):
     r"""DINOv2's layer scales are read through the accelerate-safe weight reader like every other weight."""

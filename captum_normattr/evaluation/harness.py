@@ -35,6 +35,7 @@ from torch import Tensor
 from . import metrics as M
 from .baselines import Method, gradient_x_input_embedding_output
 from .classifier import SequenceClassifier
+from ..progress import progress_iter
 
 __all__ = [
     "MetricInfo",
@@ -118,7 +119,7 @@ class BatchContext:
             s = base.clone()
             if differ.any():
                 rows = torch.nonzero(differ).view(-1)
-                ids, mask = M._trim(self.input_ids[rows], self.attention_mask[rows])
+                ids, mask = M.trim_pad_columns(self.input_ids[rows], self.attention_mask[rows])
                 sub = method(ids, mask, self.labels[rows])
                 s[rows] = 0.0
                 s[rows, : sub.shape[1]] = sub.to(s.dtype)
@@ -227,7 +228,7 @@ class EraserAOPC(Preset):
     def __init__(self, percents: Sequence[float] = (0, 1, 5, 10, 20, 50), rounding: str = "ceil", **kwargs) -> None:
         super().__init__(**kwargs)
         self.percents = tuple(float(k) for k in percents)
-        M._check_percents(self.percents, allow_zero=True)
+        M.check_percents(self.percents, allow_zero=True)
         self.rounding = rounding
 
     @property
@@ -263,7 +264,7 @@ class DecompXMaskAOPC(Preset):
     def __init__(self, percents: Sequence[float] = tuple(range(10, 100, 10)), rounding: str = "ceil", **kwargs) -> None:
         super().__init__(**kwargs)
         self.percents = tuple(float(k) for k in percents)
-        M._check_percents(self.percents, allow_zero=False)
+        M.check_percents(self.percents, allow_zero=False)
         self.rounding = rounding
 
     @property
@@ -355,7 +356,7 @@ class CaptumSensitivity(Preset):
         if not rows.any():
             return {"sensitivity_max": out}
         idx = torch.nonzero(rows).view(-1)
-        ids, mask = M._trim(ctx.input_ids[idx], ctx.attention_mask[idx])
+        ids, mask = M.trim_pad_columns(ctx.input_ids[idx], ctx.attention_mask[idx])
         rep = clf.mask_token_id if clf.mask_token_id is not None else clf.pad_token_id
         v = M.token_substitution_sensitivity(
             method, ids, mask, clf.special_mask(ids, mask), ctx.target(self.target)[idx],
@@ -565,16 +566,6 @@ def encode(tokenizer, sentences: Sequence[str], max_length: int = 128) -> Tuple[
     return enc["input_ids"], enc["attention_mask"]
 
 
-def _progress(iterable, total: int, enabled: bool, desc: str):
-    if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm ships with transformers
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="batch")
-
-
 class FaithfulnessHarness:
     r"""Run attribution methods on the same padded batches and score them with every preset.
 
@@ -687,14 +678,15 @@ class FaithfulnessHarness:
 
         if self.warmup:
             b = batches[0][:2]
-            ids, mask = M._trim(input_ids[b], attention_mask[b])
+            ids, mask = M.trim_pad_columns(input_ids[b], attention_mask[b])
             with torch.no_grad():
                 pred = self.clf.logits(ids, mask).argmax(-1)
             for m in self.methods:
                 m(ids, mask, pred)
 
-        for bi, b in enumerate(_progress(batches, len(batches), self.progress, "faithfulness")):
-            ids, mask = M._trim(input_ids[b], attention_mask[b])
+        for bi, b in enumerate(progress_iter(batches, len(batches), enabled=self.progress, desc="faithfulness",
+                                             min_total=1, leave=True)):
+            ids, mask = M.trim_pad_columns(input_ids[b], attention_mask[b])
             lab = None if labels is None else labels[b]
             with torch.no_grad():
                 t0 = time.perf_counter()

@@ -44,6 +44,8 @@ __all__ = [
     "top_k_mask",
     "delete_tokens",
     "predicted_probability",
+    "trim_pad_columns",
+    "check_percents",
     "eraser_aopc",
     "mask_aopc",
     "token_presence_infidelity",
@@ -97,7 +99,8 @@ def check_token_inputs(
             raise TypeError(f"special_mask must be a bool tensor, got {special_mask.dtype}")
 
 
-def _check_percents(percents: Iterable[float], allow_zero: bool) -> Tuple[float, ...]:
+def check_percents(percents: Iterable[float], allow_zero: bool) -> Tuple[float, ...]:
+    r"""The percents as floats, or a ``ValueError`` for an empty list or a value outside (0, 100] ([0, 100] with ``allow_zero``)."""
     out = tuple(float(k) for k in percents)
     if not out:
         raise ValueError("percents must not be empty")
@@ -272,7 +275,7 @@ def _forward_unique(forward: ForwardFn, ids: Tensor, mask: Tensor, max_batch: Op
     chunks = []
     for i in range(0, len(order), step):
         rows = order[i : i + step]
-        ci, cm = _trim(u_ids[rows], u_mask[rows])
+        ci, cm = trim_pad_columns(u_ids[rows], u_mask[rows])
         chunks.append(forward(ci, cm))
     logits = torch.cat(chunks)
     back = torch.empty_like(logits)
@@ -280,13 +283,22 @@ def _forward_unique(forward: ForwardFn, ids: Tensor, mask: Tensor, max_batch: Op
     return back[inverse]
 
 
-def _trim(ids: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
-    r"""Drop all-pad columns at the right end (after masking, lengths do not change)."""
+def trim_pad_columns(ids: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""Drop all-pad columns at the right end (after masking, lengths do not change).
+
+    Examples:
+        >>> ids, mask = trim_pad_columns(torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]]))
+        >>> ids.tolist()
+        [[5, 6]]
+    """
     cols = mask.bool().any(0)
     if not cols.any():
         return ids[:, :1], mask[:, :1]
     last = int(torch.nonzero(cols)[-1]) + 1
     return ids[:, :last], mask[:, :last]
+
+
+_trim = trim_pad_columns  # the former name (tests/test_evaluation.py uses it)
 
 
 def predicted_probability(logits: Tensor, target: Tensor) -> Tensor:
@@ -347,7 +359,7 @@ def eraser_aopc(
         0.482
     """
     check_token_inputs(input_ids, attention_mask, scores, special_mask)
-    ks = _check_percents(percents, allow_zero=True)
+    ks = check_percents(percents, allow_zero=True)
     special_mask = special_mask | ~attention_mask.bool()
     full = forward(input_ids, attention_mask)
     if target is None:
@@ -432,7 +444,7 @@ def mask_aopc(
         0.0
     """
     check_token_inputs(input_ids, attention_mask, scores, special_mask)
-    ks = _check_percents(percents, allow_zero=False)
+    ks = check_percents(percents, allow_zero=False)
     special_mask = special_mask | ~attention_mask.bool()
     full = forward(input_ids, attention_mask)
     if target is None:
