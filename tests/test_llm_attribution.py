@@ -73,7 +73,7 @@ def test_foil_and_mean_logit(models, cls):
     ex = explain_positions(cls(model), ids, pos, tgt, foil=torch.tensor(7))
     assert ex.quantity == "logit_minus_foil"
     for k in (0, 5):
-        single = cls(model, explained_position=int(pos[k])).attribute(ids[None], target=(int(tgt[k]), 7))[0]
+        single = cls(model, explained_position=int(pos[k])).attribute(ids[None], target=int(tgt[k]), foil=7)[0]
         assert _rel(ex.scores[k], single) < 1e-12
     logits = model(input_ids=ids[None]).logits[0, pos]
     mean = explain_positions(cls(model), ids, pos, tgt, quantity="logit_minus_mean")

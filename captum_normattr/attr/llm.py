@@ -137,7 +137,7 @@ def explained_directions(
     if quantity == "logit_minus_foil":
         if foil is None:
             raise ValueError("quantity='logit_minus_foil' needs foil= (a token id, a string of one token, or n ids)")
-        got = output.resolve((target.to(device), foil.to(device)), probe)
+        got = output.resolve(target.to(device), probe, foil=foil.to(device))
         return got.direction, got.bias
     got = output.resolve(target.to(device), probe)
     if quantity == "logit_minus_mean":
