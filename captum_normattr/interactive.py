@@ -212,6 +212,11 @@ var rowLabel = document.getElementById("row-label");
 var spans = [];
 var cache = {};
 var state = {key: null, row: -1, layer: 0};
+function visible(s){  // control characters made visible, as the report's own tokens
+  return s.replace(/[\u0000-\u001f\u007f-\u009f]/g, function(c){
+    if (c === "\n") { return "\u21b5"; } if (c === "\t") { return "\u21e5"; } if (c === "\r") { return "\u240d"; }
+    var h = c.charCodeAt(0).toString(16); return "\\x" + (h.length < 2 ? "0" + h : h); });
+}
 
 function decode(enc){
   if (enc.values) { return {get: function(r){ return enc.values.slice(r*T, (r+1)*T); }}; }
@@ -314,7 +319,8 @@ if (G) {
   var xOf = function(p){ return left + col[p] * dx + dx / 2; };
   var svg = svgEl("svg", {width: width, height: height, viewBox: "0 0 " + width + " " + height, id: "routes-svg"});
   for (var l = 0; l <= L; l++) {
-    var lab = svgEl("text", {x: 4, y: yOf("x", l) + 4}); lab.textContent = l === L ? "out" : "L" + l; svg.appendChild(lab);
+    var lab = svgEl("text", {x: 4, y: yOf("x", l) + 4}); lab.textContent = l === 0 ? "emb" : (l === L ? "out" : "x" + l); svg.appendChild(lab);
+    if (l < L) { var la = svgEl("text", {x: 4, y: yOf("m", l) + 4, fill: "#999"}); la.textContent = "L" + l + " attn"; svg.appendChild(la); }
   }
   var H = Math.max(1, G.num_heads);
   G.edges.forEach(function(e){
@@ -340,7 +346,7 @@ if (G) {
   });
   positions.forEach(function(p){
     var txt = svgEl("text", {x: xOf(p), y: height - 30, "text-anchor": "middle"});
-    var s = (G.tokens && G.tokens[p] !== undefined && G.tokens[p] !== null) ? String(G.tokens[p]) : (p < T ? D.tokens[p] : String(p));
+    var s = (G.tokens && G.tokens[p] !== undefined && G.tokens[p] !== null) ? visible(String(G.tokens[p])) : (p < T ? D.tokens[p] : String(p));
     txt.textContent = s.length > 12 ? s.slice(0, 11) + "\u2026" : s;
     svg.appendChild(txt);
     var num = svgEl("text", {x: xOf(p), y: height - 14, "text-anchor": "middle", fill: "#888"}); num.textContent = String(p); svg.appendChild(num);
