@@ -208,7 +208,11 @@ class InformationFlowRoutes:
             :class:`RouteGraph`, positions counted over the real tokens (0 = first real token).
 
         Raises:
-            ValueError: for a batch of more than one example, or a threshold outside [0, 1].
+            ValueError: for a batch of more than one example, a threshold outside [0, 1], or a
+                forward pass with NaN or infinite values.
+
+        The graph explains the final residual state at ``position`` (what every logit there is
+        read from), so it does not depend on a target token.
         """
         if not 0.0 <= float(threshold) <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
@@ -240,6 +244,8 @@ class InformationFlowRoutes:
                 top["layer"] = layer
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=True) as (rec, _):
+            if prepared.finite is not None and not bool(prepared.finite.all()):
+                raise ValueError("the forward pass holds NaN or infinite values at real tokens; no route graph is defined")
 
             def attention(l: int, rows: Tensor) -> Tuple[Tensor, Tensor]:
                 layer = top.pop("layer", None) if l == n_layers - 1 else None
