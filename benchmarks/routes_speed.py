@@ -1,7 +1,7 @@
 r"""Information-flow routes of one prediction vs ALTI-Logit for that prediction (target: <= 2x).
 
 Usage:
-    nice python benchmarks/routes_speed.py [--tokens 1024] [--layers 6] [--thresholds 0.04 0.01]
+    nice python benchmarks/routes_speed.py [--tokens 1024] [--layers 6] [--thresholds 0.04 0.005]
                                            [--repeats 2] [--threads 2]
 
 Config: the ~100M Llama-family model of the decoder benchmarks (hidden 768, 12 heads, 4
@@ -34,7 +34,8 @@ def kept_rows_cost(model, ids, counts) -> dict:
 
     Random weights attend almost uniformly, so their graphs keep few rows; a trained model at
     a low threshold keeps more. This prices them: the routes cost = recorded forward + one
-    rerun per layer + this per layer.
+    rerun per layer + this per layer. Eager and compiled kernels (the compiled one is bought
+    by default once the eager one has cost 10 s in a process; its warm-up includes the compilation).
     """
     import time
 
@@ -53,13 +54,23 @@ def kept_rows_cost(model, ids, counts) -> dict:
 
     with streamed_forward(model, adapter, prepared, on_layer):
         pass
+    from captum_normattr.decompose.compiled import use_compiled_kernels
+
     layer, t = got["layer"], ids.shape[1]
     out = {}
-    for k in counts:
-        rows = torch.arange(t - k, t)
-        t0 = time.perf_counter()
-        attention_edge_importances(layer, rows, prepared.valid)
-        out[str(k)] = round(time.perf_counter() - t0, 3)
+    try:
+        for kernel, setting in (("eager", False), ("compiled", True)):
+            use_compiled_kernels(setting)
+            t0 = time.perf_counter()
+            attention_edge_importances(layer, torch.arange(t - 1, t), prepared.valid)  # warm-up (compiles once)
+            out[f"{kernel}_warm_up"] = round(time.perf_counter() - t0, 3)
+            for k in counts:
+                rows = torch.arange(t - k, t)
+                t0 = time.perf_counter()
+                attention_edge_importances(layer, rows, prepared.valid)
+                out[f"{kernel}_{k}"] = round(time.perf_counter() - t0, 3)
+    finally:
+        use_compiled_kernels(None)
     return out
 
 
@@ -67,7 +78,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--thresholds", type=float, nargs="+", default=[0.04, 0.01])
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.04, 0.005])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64],
