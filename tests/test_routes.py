@@ -157,6 +157,10 @@ def test_importances_are_normalised_and_threshold_monotone():
         r.attribute(ids.repeat(2, 1))
     with pytest.raises(ValueError, match="threshold"):
         r.attribute(ids, threshold=1.5)
+    from conftest import make_model
+
+    with pytest.raises(NotImplementedError, match="post-LN"):
+        InformationFlowRoutes(make_model("bert"))
     with torch.no_grad():
         model.transformer.wte.weight[ids[0, 2]] = float("nan")
     with pytest.raises(ValueError, match="NaN"):

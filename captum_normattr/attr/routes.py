@@ -178,10 +178,10 @@ class InformationFlowRoutes:
     def __init__(self, model: nn.Module, memory_budget_mb: float = ROUTES_MEMORY_BUDGET_MB) -> None:
         self.model = model
         self.adapter = get_adapter(model)
-        if not self.adapter.pre_ln:
+        if not (self.adapter.pre_ln and self.adapter.causal):
             raise NotImplementedError(
-                f"information-flow routes are defined here for pre-LN layers (GPT-2, Llama, Mistral, Qwen2); "
-                f"the {self.adapter.family} family is post-LN"
+                f"information-flow routes are implemented for pre-LN causal decoders (GPT-2, Llama, Mistral, Qwen2); "
+                f"the {self.adapter.family} family is {'post-LN' if not self.adapter.pre_ln else 'bidirectional'}"
             )
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
