@@ -328,7 +328,7 @@ if (G) {
     var sk = e.source.charAt(0), tk = e.target.charAt(0);
     var sl = sk === "x" ? e.layer : e.layer, tl = tk === "x" ? e.layer + 1 : e.layer;
     var x1 = xOf(sp), y1 = yOf(sk, sl), x2 = xOf(tp), y2 = yOf(tk, tl);
-    var colr = e.kind === "head" ? "hsl(" + Math.round(360 * e.head / H) + ",70%,45%)" : (e.kind === "ff" ? "#e08a00" : "#888");
+    var colr = e.kind === "head" ? "hsl(" + Math.round(360 * e.head / H) + ",70%,45%)" : (e.kind === "ff" ? "#e08a00" : (e.kind === "attention" ? "#2457c5" : "#888"));
     if (e.kind === "ff") { x1 += 12; x2 += 12; }
     var line = svgEl("line", {x1: x1, y1: y1, x2: x2, y2: y2, stroke: colr, "stroke-width": (0.6 + 7 * e.importance).toFixed(2),
       "stroke-opacity": (0.35 + 0.6 * e.importance).toFixed(2), "class": "edge edge-" + e.kind});
@@ -353,7 +353,7 @@ if (G) {
   });
   document.getElementById("routes").appendChild(svg);
   document.getElementById("routes-info").textContent = "prediction at position " + G.position + ", threshold " + G.threshold +
-    ": " + G.nodes.length + " nodes, " + G.edges.length + " edges (grey: residual, orange: FF, colours: heads; width: importance)";
+    ": " + G.nodes.length + " nodes, " + G.edges.length + " edges (grey: residual, orange: FF, blue: attention (heads summed), other colours: heads; width: importance)";
 }
 window.__report = {state: state, rows: function(){ return state.key ? rowsOf(state.key) : 0; }};
 })();

@@ -65,7 +65,7 @@ def _l1prox(c, y):
     return max(0.0, float(y.abs().sum() - (y - c).abs().sum()))
 
 
-def naive_graph(model, ids, position, tau):
+def naive_graph(model, ids, position, tau, granularity="head"):
     rec, layers = _capture(model, ids)
     n_layers, t = len(layers), ids.shape[1]
     edges = {}
@@ -90,8 +90,14 @@ def naive_graph(model, ids, position, tau):
                 for j in range(k + 1):
                     prox[("head", hh, j)] = _l1prox(r["probs"][hh, k, j] * f[hh, j], y)
             s = sum(prox.values())
-            for (kind, hh, j), p in prox.items():
-                w = p / s if s > 0 else 0.0
+            weights = {key: (p / s if s > 0 else 0.0) for key, p in prox.items()}
+            if granularity == "token":  # heads summed per source
+                tok = {}
+                for (kind, hh, j), w in weights.items():
+                    key = ("residual", None, j) if kind == "residual" else ("attention", None, j)
+                    tok[key] = tok.get(key, 0.0) + w
+                weights = tok
+            for (kind, hh, j), w in weights.items():
                 if w > 0 and w >= tau:
                     edges[(f"x{l}_{j}", f"m{l}_{k}", kind, hh)] = w
                     next_x.add(j)
@@ -120,6 +126,13 @@ def test_naive_reference(family):
     ids_ = {n["id"] for n in g.nodes}
     assert all(e["source"] in ids_ and e["target"] in ids_ for e in g.edges)
     assert g.meta["rows_per_layer"][-1] == 1
+    # token-level edges (heads summed per source), thresholded as such
+    gt = InformationFlowRoutes(model).attribute(ids, threshold=tau, granularity="token")
+    reft, gott = naive_graph(model, ids, 6, tau, "token"), _edges(gt)
+    assert set(gott) == set(reft) and any(k[2] == "attention" for k in reft)
+    assert max(abs(gott[k] - reft[k]) for k in reft) < 1e-6
+    e = next(e for e in gt.edges if e["kind"] == "attention")
+    assert abs(sum(e["head_importances"]) - e["importance"]) < 1e-12
 
 
 def test_padding_chunks_and_earlier_position():

@@ -20,6 +20,7 @@ from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.attention import project_values
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.routes import (
+    GRANULARITIES,
     ROUTES_MEMORY_BUDGET_MB,
     attention_edge_importances,
     ff_edge_importances,
@@ -46,11 +47,12 @@ class RouteGraph:
         nodes: dicts ``id``, ``kind`` (``"x"`` residual stream before layer ``layer``, ``x{L}``
             the final state; ``"m"`` after the attention of layer ``layer``; ``"f"`` the FF
             block of ``layer``), ``layer``, ``position``.
-        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"ff"``),
-            ``layer``, ``head`` (head edges only, else None), ``source_position``,
-            ``target_position``, ``importance`` (in [0, 1]; the edges into a node sum to at
-            most 1). An FF edge goes from ``m{l}_{i}`` through the FF node ``f{l}_{i}`` to
-            ``x{l+1}_{i}``.
+        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"ff"``;
+            ``"attention"`` with ``granularity="token"``: one edge per source, heads summed, the
+            per-head parts in ``head_importances``), ``layer``, ``head`` (head edges only, else
+            None), ``source_position``, ``target_position``, ``importance`` (in [0, 1]; the
+            edges into a node sum to at most 1). An FF edge goes from ``m{l}_{i}`` through the
+            FF node ``f{l}_{i}`` to ``x{l+1}_{i}``.
         meta: dtype, model family, rows computed per layer.
     """
 
@@ -121,6 +123,8 @@ class RouteGraph:
 
         def add(u: str, v: str, e: Dict[str, Any]) -> None:
             part = {"kind": e["kind"], "head": e["head"], "importance": e["importance"]}
+            if "head_importances" in e:
+                part["head_importances"] = e["head_importances"]
             if g.has_edge(u, v):
                 g[u][v]["weight"] += e["importance"]
                 g[u][v]["parts"].append(part)
@@ -193,6 +197,7 @@ class InformationFlowRoutes:
         position: Union[int, str] = -1,
         threshold: float = DEFAULT_THRESHOLD,
         tokens: Optional[Sequence[str]] = None,
+        granularity: str = "head",
     ) -> RouteGraph:
         r"""The pruned route graph of the prediction at ``position``.
 
@@ -203,6 +208,9 @@ class InformationFlowRoutes:
                 negative from the last; default -1, the last real token) or ``"last"``.
             threshold: tau in [0, 1]: edges with importance >= tau (and > 0) are kept.
             tokens: optional strings of the T real tokens, stored in the graph (for display).
+            granularity: ``"head"`` (default): one attention edge per head and source token;
+                ``"token"``: one per source token, its importance summed over heads (thresholded
+                as such; kind ``"attention"``, per-head importances in ``head_importances``).
 
         Returns:
             :class:`RouteGraph`, positions counted over the real tokens (0 = first real token).
@@ -214,6 +222,8 @@ class InformationFlowRoutes:
         The graph explains the final residual state at ``position`` (what every logit there is
         read from), so it does not depend on a target token.
         """
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         if not 0.0 <= float(threshold) <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if input_ids.shape[0] != 1:
@@ -255,7 +265,7 @@ class InformationFlowRoutes:
                 projected = project_values(layer.values[:1], layer.head_out_weight())
                 return attention_edge_importances(layer, rows.to(valid.device), valid, 0, budget, projected)
 
-            pruned = prune_routes(n_layers, pos, threshold, lambda l: ff_imp[l], attention)
+            pruned = prune_routes(n_layers, pos, threshold, lambda l: ff_imp[l], attention, granularity)
         top.pop("layer", None)
         # positions over the real tokens
         for n in pruned.nodes:
@@ -267,7 +277,7 @@ class InformationFlowRoutes:
             e["target_position"] -= first
             e["source"] = _shift(e["source"], first)
             e["target"] = _shift(e["target"], first)
-        meta = {"dtype": top.get("dtype"), "family": self.adapter.family, "seq_len": n_real,
+        meta = {"dtype": top.get("dtype"), "family": self.adapter.family, "seq_len": n_real, "granularity": granularity,
                 "rows_per_layer": pruned.rows_per_layer, "importance": "normalised L1 proximity (docs/routes.md)"}
         return RouteGraph(position=pos - first, threshold=float(threshold), num_layers=n_layers,
                           num_heads=int(top.get("heads", 0)), tokens=list(tokens) if tokens is not None else None,

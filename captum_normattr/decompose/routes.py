@@ -38,7 +38,7 @@ ROUTES_MEMORY_BUDGET_MB = 128.0
 ROUTES_COMPILE_AFTER_SECONDS = 10.0
 _EAGER_SECONDS = [0.0]
 #: Edge kinds of a route graph.
-EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "ff")
+EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "attention", "ff")
 
 
 def proximity(parts: Tensor, total: Tensor) -> Tensor:
@@ -198,7 +198,7 @@ class PrunedRoutes:
 
     Attributes:
         nodes: dicts ``id``, ``kind`` (``"x"``, ``"m"`` or ``"f"``), ``layer``, ``position``.
-        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"ff"``),
+        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"attention"``, ``"ff"``),
             ``layer``, ``head`` (None unless a head edge), ``source_position``,
             ``target_position``, ``importance``.
         rows_per_layer: number of after-attention rows whose head importances were computed.
@@ -209,12 +209,17 @@ class PrunedRoutes:
     rows_per_layer: List[int] = field(default_factory=list)
 
 
+#: Granularities of the attention edges: one edge per head and source, or per source (heads summed).
+GRANULARITIES: Tuple[str, ...] = ("head", "token")
+
+
 def prune_routes(
     num_layers: int,
     position: int,
     threshold: float,
     ff_importances: Callable[[int], Tensor],
     attention_importances: Callable[[int, Tensor], Tuple[Tensor, Tensor]],
+    granularity: str = "head",
 ) -> PrunedRoutes:
     r"""Top-down pruning: from the final state x_{L,i}, keep every incoming edge with importance >= tau.
 
@@ -233,10 +238,16 @@ def prune_routes(
         attention_importances: ``(l, rows (K,)) -> (heads (K, H, T), residual (K,))`` for the
             after-attention states of layer l at ``rows`` (:func:`attention_edge_importances`);
             called once per layer, top layer first, with the kept rows only.
+        granularity: ``"head"`` (default): one edge per head and source j (kind ``"head"``);
+            ``"token"``: one edge per source j whose importance is the sum over heads (kind
+            ``"attention"``, with the per-head importances in ``head_importances``), the
+            token-level edges of the authors' tool.
 
     Returns:
         :class:`PrunedRoutes`.
     """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     tau = float(threshold)
     out = PrunedRoutes()
     seen = set()
@@ -285,6 +296,14 @@ def prune_routes(
                 add_node("x", l, k)
                 next_x.add(k)
                 add_edge(node_id("x", l, k), node_id("m", l, k), "residual", l, None, k, k, w)
+            if granularity == "token":
+                tok = heads[r].sum(0)  # (T,)
+                for j in torch.nonzero((tok >= tau) & (tok > 0)).flatten().tolist():
+                    add_node("x", l, j)
+                    next_x.add(j)
+                    add_edge(node_id("x", l, j), node_id("m", l, k), "attention", l, None, j, k, float(tok[j]))
+                    out.edges[-1]["head_importances"] = [float(v) for v in heads[r, :, j]]
+                continue
             hs, js = torch.nonzero((heads[r] >= tau) & (heads[r] > 0), as_tuple=True)
             for h, j in zip(hs.tolist(), js.tolist()):
                 add_node("x", l, j)
@@ -297,9 +316,12 @@ def prune_routes(
 
 
 def head_importance_totals(edges: Sequence[Dict], num_layers: int, num_heads: int) -> Tensor:
-    r"""(L, H) sum of the importances of every kept head edge of each head."""
+    r"""(L, H) sum of the importances of every kept head edge of each head (token-level edges: their
+    per-head importances)."""
     tot = torch.zeros(num_layers, num_heads, dtype=torch.float64)
     for e in edges:
         if e["kind"] == "head":
             tot[e["layer"], e["head"]] += e["importance"]
+        elif e["kind"] == "attention":  # token-level edge: its per-head breakdown
+            tot[e["layer"]] += torch.tensor(e["head_importances"], dtype=torch.float64)
     return tot
