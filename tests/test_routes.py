@@ -148,6 +148,9 @@ def test_padding_chunks_and_earlier_position():
     assert max(abs(a[k] - b[k]) for k in a) < 1e-10
     assert alone.position == padded.position == 4
     assert all(e["source_position"] <= 4 for e in alone.edges)  # causal: nothing after the explained token
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="contiguous"):
+        small.attribute(ids, attention_mask=holes)
 
 
 def test_importances_are_normalised_and_threshold_monotone():

@@ -235,6 +235,8 @@ class InformationFlowRoutes:
         real = torch.nonzero(valid[0]).flatten()
         first = int(real[0])
         n_real = int(real.numel())
+        if int(real[-1]) - first + 1 != n_real:
+            raise ValueError("the attention mask must mark one contiguous block of real tokens (left or right padding)")
         if tokens is not None and len(tokens) != n_real:
             raise ValueError(f"tokens has {len(tokens)} strings for {n_real} real tokens")
         n_layers = len(layer_modules(self.model, self.adapter))
