@@ -301,3 +301,19 @@ def test_two_thousand_tokens(browser, tmp_path):
     browser.screenshot(str(tmp_path / "big.png"))
     assert browser.errors() == []
     assert load_s < 60 and hover_s < 10, (load_s, hover_s)
+
+
+def test_route_graph_page(browser, tmp_path):
+    from captum_normattr.attr.routes import RouteGraph
+
+    g = RouteGraph.from_json(_routes_json(HOSTILE))
+    path = tmp_path / "routes.html"
+    g.save_html(str(path))
+    browser.open(str(path))
+    assert browser.js("document.querySelectorAll('#routes-svg line.edge').length") == len(g.edges)
+    assert browser.js("document.getElementById('method').value") == "m:route flow"
+    browser.hover_token(len(HOSTILE) - 1)  # the explained (last) token: its row is the flow
+    assert browser.js("window.__report.state.row") == 0
+    assert browser.js("document.querySelectorAll('#tokens span.tok')[0].style.background") != ""
+    browser.screenshot(str(tmp_path / "routes.png"))
+    assert browser.errors() == []

@@ -169,6 +169,8 @@ def test_importances_are_normalised_and_threshold_monotone():
     for e in everything.edges:
         into[e["target"]] = into.get(e["target"], 0.0) + e["importance"]
     assert all(abs(v - 1) < 1e-12 for v in into.values())  # tau = 0: every positive edge, summing to 1
+    assert abs(float(everything.token_flow().sum()) - 1) < 1e-12  # ... so the flow is conserved
+    assert float(tight.token_flow().sum()) < 1 and (tight.token_flow() >= 0).all()
     with pytest.raises(ValueError, match="one example"):
         r.attribute(ids.repeat(2, 1))
     with pytest.raises(ValueError, match="threshold"):

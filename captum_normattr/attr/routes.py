@@ -77,6 +77,24 @@ class RouteGraph:
         order = torch.argsort(flat, descending=True)[:k]
         return [(int(i) // self.num_heads, int(i) % self.num_heads, float(flat[i])) for i in order if flat[i] > 0]
 
+    def token_flow(self) -> Tensor:
+        r"""(T,) float64: the share of the final state that reaches each input token through the kept edges.
+
+        Top-down, flow(x_{L,i}) = 1 and every kept edge passes flow(target) x importance to its
+        source (an FF edge to the state before the FF block); the result is the flow reaching
+        each embedding node x_{0,j}. With threshold 0 it sums to 1 (the importances into each
+        node sum to 1); pruning loses the flow of the edges below the threshold.
+        """
+        n = int(self.meta.get("seq_len", 1 + max([nd["position"] for nd in self.nodes], default=self.position)))
+        flow: Dict[str, float] = {node_id("x", self.num_layers, self.position): 1.0}
+        for e in self.edges:  # listed top-down: a node's inflow is complete before it passes it on
+            flow[e["source"]] = flow.get(e["source"], 0.0) + flow.get(e["target"], 0.0) * e["importance"]
+        out = torch.zeros(n, dtype=torch.float64)
+        for nd in self.nodes:
+            if nd["kind"] == "x" and nd["layer"] == 0:
+                out[nd["position"]] = flow.get(nd["id"], 0.0)
+        return out
+
     # --- exports ------------------------------------------------------------------
     def to_json(self) -> Dict[str, Any]:
         r"""A JSON-serialisable dict (``json.dumps`` it as it is); read back by :meth:`from_json`."""
@@ -144,8 +162,12 @@ class RouteGraph:
         r"""A self-contained HTML page (inline SVG drawn by inline JS, no network) of the graph."""
         from captum_normattr.interactive import interactive_report_html
 
-        toks = self.tokens if self.tokens is not None else [str(i) for i in range(self.meta.get("seq_len", self.position + 1))]
-        return interactive_report_html(toks, {}, routes=self.to_json(), title=title or "Information-flow routes")
+        n = int(self.meta.get("seq_len", self.position + 1))
+        toks = self.tokens if self.tokens is not None else [str(i) for i in range(n)]
+        # the flow to the input tokens, as the row of the explained token (the report's rows
+        # belong to the last tokens, so it is shown where the explained token is the last one)
+        methods = {"route flow": self.token_flow()[None]} if self.position == len(toks) - 1 else {}
+        return interactive_report_html(toks, methods, routes=self.to_json(), title=title or "Information-flow routes")
 
     def save_html(self, path: str, title: str = "") -> None:
         r"""Write :meth:`to_html` to ``path`` (UTF-8)."""
