@@ -29,7 +29,7 @@ def _browser():
 
 
 BROWSER = _browser()
-pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium found (install Debian's `chromium` package to run the browser tests)")
+NO_BROWSER = "no Chromium found (install Debian's `chromium` package to run the browser tests)"
 
 
 class _WebSocket:
@@ -208,6 +208,8 @@ class _Chromium:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
+    if BROWSER is None:
+        pytest.skip(NO_BROWSER)
     b = _Chromium(str(tmp_path_factory.mktemp("chromium-profile")))
     yield b
     b.close()
@@ -223,6 +225,25 @@ def _routes_json(tokens):
     model = make_decoder("llama", layers=2, seed=0)
     ids = torch.randint(3, VOCAB, (1, len(tokens)), generator=torch.Generator().manual_seed(0))
     return InformationFlowRoutes(model).attribute(ids, threshold=0.02, tokens=tokens).to_json()
+
+
+def test_page_is_self_contained_escaped_and_validated():
+    page = interactive_report_html(HOSTILE, {"m": np.eye(len(HOSTILE))}, title="<b>x</b>")
+    data = page.split('id="report-data">')[1].split("</script>")[0]
+    assert "<" not in data and ">" not in data and "&" not in data  # no token can close the element
+    assert json.loads(data)["tokens"][5] == "\u21b5"
+    assert "<title>&lt;b&gt;x&lt;/b&gt;</title>" in page
+    assert "src=" not in page and "https:" not in page and "<link rel=\"stylesheet\"" not in page
+    big = np.random.default_rng(0).random((300, 300))
+    enc = json.loads(interactive_report_html(["t"] * 300, {"m": big}).split('id="report-data">')[1].split("</script>")[0])
+    q = np.frombuffer(base64.b64decode(enc["methods"]["m"]["q"]), dtype=np.int8).reshape(300, 300)
+    assert np.abs(q / 127 * np.array(enc["methods"]["m"]["scale"])[:, None] - big).max() <= big.max() / 254 + 1e-9
+    with pytest.raises(ValueError, match="expected"):
+        interactive_report_html(["a", "b"], {"m": np.zeros((3, 2))})
+    with pytest.raises(ValueError, match="last dimension"):
+        interactive_report_html(["a", "b"], {"m": np.zeros((2, 3))})
+    with pytest.raises(ValueError, match="layer map"):
+        interactive_report_html(["a", "b"], {}, layer_maps={"x": np.zeros((2, 2))})
 
 
 def test_report_loads_hovers_and_draws_routes(browser, tmp_path):
