@@ -135,14 +135,18 @@ def test_naive_reference(family):
     assert abs(sum(e["head_importances"]) - e["importance"]) < 1e-12
 
 
-def test_padding_chunks_and_earlier_position():
+def test_padding_chunks_and_earlier_position(monkeypatch):
+    import captum_normattr.decompose.routes as routes_math
+
     model = make_decoder("llama", layers=2, seed=4)
     ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
     alone = InformationFlowRoutes(model).attribute(ids, position=4, threshold=0.01)
     padded_ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
     small = InformationFlowRoutes(model, memory_budget_mb=1e-6)  # one row per chunk
+    monkeypatch.setattr(routes_math, "ROUTES_TILE_BYTES", 1000)  # ... and tiles of 1 and 2 sources
     padded = small.attribute(padded_ids, attention_mask=mask, position=4, threshold=0.01)
+    monkeypatch.undo()
     a, b = _edges(alone), _edges(padded)
     assert set(a) == set(b) and len(a) > 5
     assert max(abs(a[k] - b[k]) for k in a) < 1e-10

