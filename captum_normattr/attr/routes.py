@@ -186,12 +186,13 @@ class InformationFlowRoutes:
     One recorded forward pass keeps each layer's input (B, T, D) and every layer's two FF-edge
     importances per position; the graph is then pruned from the top layer down, each layer
     being recomputed from its input and its per-head parts formed for the kept rows only
-    (chunks of (R, H, T, D) within ``memory_budget_mb``). Memory: L checkpoints plus one
-    layer's tensors; never a (T, T, H, D) tensor.
+    (in cache-sized tiles). Memory: L checkpoints plus one layer's tensors; never a
+    (T, T, H, D) tensor.
 
     Args:
         model: a GPT-2 / Llama / Mistral / Qwen2 model (``*ForCausalLM`` or bare ``*Model``).
-        memory_budget_mb: budget of one chunk of per-head parts.
+        memory_budget_mb: sizes the chunks of kept rows processed together (their per-head
+            parts, were they formed at once, would fit it; they never are).
 
     Examples::
 

@@ -15,8 +15,8 @@ over every edge into that node:
 
     prox(c_e, y) = max(0, |y|_1 - |y - c_e|_1),    importance_e = prox(c_e, y) / sum_e' prox(c_e', y)
 
-Per-head parts are formed only for the rows asked for, in chunks of rows whose temporaries
-(R, H, T, D) fit a memory budget: never a (T, T, H, D) tensor.
+Per-head parts are formed only for the rows asked for, in cache-sized tiles (or fused by a
+compiled kernel): never a (T, T, H, D) tensor.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from captum_normattr.decompose import compiled
 from captum_normattr.decompose.attention import project_values
 from captum_normattr.decompose.records import LayerTensors
 
-#: Default memory budget (MB) of one chunk of per-head parts (R, H, T, D) of the kept rows.
+#: Default memory budget (MB) that sizes the chunks of kept rows (their parts (R, H, T, D) would fit it).
 ROUTES_MEMORY_BUDGET_MB = 128.0
 #: Seconds the eager per-head distance kernel may take in a process before the compiled one replaces
 #: it by default (float32 only; see :func:`head_part_distances`).
@@ -95,15 +95,17 @@ def attention_edge_importances(
 
     Edges into m_{l,i}: the residual x_{l,i} and, per head h and source j, the part
     alpha^h_ij f^h(LN1(x_{l,j})), against the real total y = h_i (b_O inside y, no edge).
-    The per-head parts exist only for a chunk of rows at a time, (R, H, C, D) with C the
-    sources up to the chunk's last row (causal) or all T, R sized by ``memory_budget_mb``.
+    Rows are taken in chunks of R rows whose parts (R, H, C, D) (C the sources up to the
+    chunk's last row, causal, or all T) would fit ``memory_budget_mb``; the parts themselves
+    are never formed for a whole chunk (:func:`head_part_distances`: cache-sized tiles, or a
+    fused compiled kernel).
 
     Args:
         layer: the layer's tensors (pre-LN).
         rows: (K,) long positions i (in the padded tensor) of one example.
         valid: (B, T) bool, real tokens.
         example: the example (batch index) the rows belong to.
-        memory_budget_mb: budget of one chunk of per-head parts, in MB.
+        memory_budget_mb: sizes the chunks of rows (see above), in MB.
         projected: optional (B, H, T, D) values through W_O^h (:func:`project_values`), reused.
 
     Returns:
