@@ -175,6 +175,11 @@ def test_importances_are_normalised_and_threshold_monotone():
     assert all(abs(v - 1) < 1e-12 for v in into.values())  # tau = 0: every positive edge, summing to 1
     assert abs(float(everything.token_flow().sum()) - 1) < 1e-12  # ... so the flow is conserved
     assert float(tight.token_flow().sum()) < 1 and (tight.token_flow() >= 0).all()
+    hf = everything.head_flow()  # per layer, the heads carry part of the flow through that layer's m nodes
+    assert (hf >= 0).all() and (hf.sum(-1) <= 1 + 1e-12).all() and (hf.sum(-1) > 0).all()
+    assert everything.top_heads(1, by="flow")[0][:2] == tuple(divmod(int(hf.argmax()), hf.shape[1]))
+    with pytest.raises(ValueError, match="by must be"):
+        everything.top_heads(1, by="x")
     with pytest.raises(ValueError, match="one example"):
         r.attribute(ids.repeat(2, 1))
     with pytest.raises(ValueError, match="threshold"):

@@ -70,12 +70,43 @@ class RouteGraph:
         r"""(L, H) float64: the summed importance of each head's kept edges."""
         return head_importance_totals(self.edges, self.num_layers, self.num_heads)
 
-    def top_heads(self, k: int = 5) -> List[Tuple[int, int, float]]:
-        r"""The k heads with the largest summed importance of kept edges: ``(layer, head, total)``."""
-        tot = self.head_importance()
+    def head_flow(self) -> Tensor:
+        r"""(L, H) float64: the flow of the final state passing through each head's kept edges.
+
+        An edge carries flow(target) x importance (see :meth:`token_flow`); a head's flow is the
+        sum over its kept edges (token-level edges: split by their per-head importances). Unlike
+        :meth:`head_importance` it weighs an edge by how much of the final state its target holds.
+        """
+        flow = self._node_flows()
+        tot = torch.zeros(self.num_layers, self.num_heads, dtype=torch.float64)
+        for e in self.edges:
+            f = flow.get(e["target"], 0.0)
+            if e["kind"] == "head":
+                tot[e["layer"], e["head"]] += f * e["importance"]
+            elif e["kind"] == "attention":
+                tot[e["layer"]] += f * torch.tensor(e["head_importances"], dtype=torch.float64)
+        return tot
+
+    def top_heads(self, k: int = 5, by: str = "importance") -> List[Tuple[int, int, float]]:
+        r"""The k heads with the largest ``by`` score: ``(layer, head, score)``.
+
+        Args:
+            k: how many.
+            by: ``"importance"`` (default; :meth:`head_importance`, the summed importance of the
+                head's kept edges) or ``"flow"`` (:meth:`head_flow`).
+        """
+        if by not in ("importance", "flow"):
+            raise ValueError(f"by must be 'importance' or 'flow', got {by!r}")
+        tot = self.head_importance() if by == "importance" else self.head_flow()
         flat = tot.flatten()
         order = torch.argsort(flat, descending=True)[:k]
         return [(int(i) // self.num_heads, int(i) % self.num_heads, float(flat[i])) for i in order if flat[i] > 0]
+
+    def _node_flows(self) -> Dict[str, float]:
+        flow: Dict[str, float] = {node_id("x", self.num_layers, self.position): 1.0}
+        for e in self.edges:  # listed top-down: a node's inflow is complete before it passes it on
+            flow[e["source"]] = flow.get(e["source"], 0.0) + flow.get(e["target"], 0.0) * e["importance"]
+        return flow
 
     def token_flow(self) -> Tensor:
         r"""(T,) float64: the share of the final state that reaches each input token through the kept edges.
@@ -86,9 +117,7 @@ class RouteGraph:
         node sum to 1); pruning loses the flow of the edges below the threshold.
         """
         n = int(self.meta.get("seq_len", 1 + max([nd["position"] for nd in self.nodes], default=self.position)))
-        flow: Dict[str, float] = {node_id("x", self.num_layers, self.position): 1.0}
-        for e in self.edges:  # listed top-down: a node's inflow is complete before it passes it on
-            flow[e["source"]] = flow.get(e["source"], 0.0) + flow.get(e["target"], 0.0) * e["importance"]
+        flow = self._node_flows()
         out = torch.zeros(n, dtype=torch.float64)
         for nd in self.nodes:
             if nd["kind"] == "x" and nd["layer"] == 0:
