@@ -249,8 +249,14 @@ def _zeroed_logit(model, ids, layer, head, target):
         hook.remove()
 
 
-def test_top_route_head_matters_on_a_trained_model():
-    model, loss = _trained_copier()
+@pytest.fixture(scope="module")
+def copier():
+    return _trained_copier()
+
+
+@pytest.mark.parametrize("by", ["flow", "importance"])
+def test_top_route_head_matters_on_a_trained_model(copier, by):
+    model, loss = copier
     assert loss < 0.2, f"the copy task was not learned (loss {loss:.3f})"
     wins, moved_all, others_all = 0, [], []
     for seed in range(5):
@@ -259,7 +265,7 @@ def test_top_route_head_matters_on_a_trained_model():
         with torch.no_grad():
             base = float(model(input_ids=ids).logits[0, -1, target])
         g = InformationFlowRoutes(model).attribute(ids, threshold=0.04)
-        (layer, head, _), = g.top_heads(1)
+        (layer, head, _), = g.top_heads(1, by=by)
         moved = abs(_zeroed_logit(model, ids, layer, head, target) - base)
         others = [abs(_zeroed_logit(model, ids, layer, h, target) - base) for h in range(4) if h != head]
         wins += moved > max(others)

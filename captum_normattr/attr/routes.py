@@ -87,13 +87,15 @@ class RouteGraph:
                 tot[e["layer"]] += f * torch.tensor(e["head_importances"], dtype=torch.float64)
         return tot
 
-    def top_heads(self, k: int = 5, by: str = "importance") -> List[Tuple[int, int, float]]:
+    def top_heads(self, k: int = 5, by: str = "flow") -> List[Tuple[int, int, float]]:
         r"""The k heads with the largest ``by`` score: ``(layer, head, score)``.
 
         Args:
             k: how many.
-            by: ``"importance"`` (default; :meth:`head_importance`, the summed importance of the
-                head's kept edges) or ``"flow"`` (:meth:`head_flow`).
+            by: ``"flow"`` (default; :meth:`head_flow`, the final state's flow through the head's
+                kept edges) or ``"importance"`` (:meth:`head_importance`, the plain sum of their
+                importances, which favours early heads with many kept edges of little flow; on
+                SmolLM2 the flow's top head mattered more, docs/routes.md).
         """
         if by not in ("importance", "flow"):
             raise ValueError(f"by must be 'importance' or 'flow', got {by!r}")
