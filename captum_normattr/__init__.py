@@ -8,11 +8,13 @@ from captum_normattr.aggregation import aggregate_map, aggregate_map_to_words, a
 from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution, ALTIPlusResult, explain_generation
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
+from captum_normattr.attr.routes import InformationFlowRoutes, RouteGraph
 from captum_normattr.decompose.encoder import GLOBENC_MAPS
 from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
 from captum_normattr.decompose.feed_forward import contextualization_change
 from captum_normattr.decompose.ff_analysis import amplification_scores, scope_contextualization_changes, top_amplified_pairs
 from captum_normattr.decompose.rollout import rollout
+from captum_normattr.interactive import interactive_report_html, write_interactive_report
 from captum_normattr.models.adapters import UnsupportedModelError, supported_families
 from captum_normattr.models.loading import default_model_path, load_default_model
 from captum_normattr.result import DecompositionResult
@@ -34,6 +36,10 @@ __all__ = [
     "FFIntegratedDecomposition",
     "DecompXAttribution",
     "DecompXResult",
+    "InformationFlowRoutes",
+    "RouteGraph",
+    "interactive_report_html",
+    "write_interactive_report",
     "FF_SCOPES",
     "contextualization_change",
     "scope_contextualization_changes",

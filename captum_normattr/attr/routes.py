@@ -1,0 +1,346 @@
+r"""Information-flow routes of one prediction (Ferrando and Voita 2024), as a graph.
+
+The math is in :mod:`captum_normattr.decompose.routes`; this module captures the layers
+(one recorded forward pass, then the layers rerun top-down from their checkpointed inputs
+for the kept rows only) and packages the pruned graph (:class:`RouteGraph`: JSON, networkx,
+HTML). See docs/routes.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_normattr.attr.base import check_memory_budget, streamed_forward
+from captum_normattr.attr.inputs import explained_positions, prepare_inputs
+from captum_normattr.decompose.attention import project_values
+from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.routes import (
+    GRANULARITIES,
+    ROUTES_MEMORY_BUDGET_MB,
+    attention_edge_importances,
+    ff_edge_importances,
+    head_importance_totals,
+    node_id,
+    prune_routes,
+)
+from captum_normattr.models.adapters import get_adapter, layer_modules
+from captum_normattr.models.weights import tensors_to
+
+#: Default pruning threshold tau (the value of the paper's Llama 2 figures).
+DEFAULT_THRESHOLD = 0.04
+
+
+@dataclass
+class RouteGraph:
+    r"""The pruned information-flow graph of one prediction.
+
+    Attributes:
+        position: the explained position i (index into ``tokens``; real tokens only).
+        threshold: tau.
+        num_layers, num_heads: L and H of the model.
+        tokens: the T real tokens as strings (or None).
+        nodes: dicts ``id``, ``kind`` (``"x"`` residual stream before layer ``layer``, ``x{L}``
+            the final state; ``"m"`` after the attention of layer ``layer``; ``"f"`` the FF
+            block of ``layer``), ``layer``, ``position``.
+        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"ff"``;
+            ``"attention"`` with ``granularity="token"``: one edge per source, heads summed, the
+            per-head parts in ``head_importances``), ``layer``, ``head`` (head edges only, else
+            None), ``source_position``, ``target_position``, ``importance`` (in [0, 1]; the
+            edges into a node sum to at most 1). An FF edge goes from ``m{l}_{i}`` through the
+            FF node ``f{l}_{i}`` to ``x{l+1}_{i}``.
+        meta: dtype, model family, rows computed per layer.
+    """
+
+    position: int
+    threshold: float
+    num_layers: int
+    num_heads: int
+    tokens: Optional[List[str]] = None
+    nodes: List[Dict[str, Any]] = field(default_factory=list)
+    edges: List[Dict[str, Any]] = field(default_factory=list)
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    # --- queries ------------------------------------------------------------------
+    def head_importance(self) -> Tensor:
+        r"""(L, H) float64: the summed importance of each head's kept edges."""
+        return head_importance_totals(self.edges, self.num_layers, self.num_heads)
+
+    def head_flow(self) -> Tensor:
+        r"""(L, H) float64: the flow of the final state passing through each head's kept edges.
+
+        An edge carries flow(target) x importance (see :meth:`token_flow`); a head's flow is the
+        sum over its kept edges (token-level edges: split by their per-head importances). Unlike
+        :meth:`head_importance` it weighs an edge by how much of the final state its target holds.
+        """
+        flow = self._node_flows()
+        tot = torch.zeros(self.num_layers, self.num_heads, dtype=torch.float64)
+        for e in self.edges:
+            f = flow.get(e["target"], 0.0)
+            if e["kind"] == "head":
+                tot[e["layer"], e["head"]] += f * e["importance"]
+            elif e["kind"] == "attention":
+                tot[e["layer"]] += f * torch.tensor(e["head_importances"], dtype=torch.float64)
+        return tot
+
+    def top_heads(self, k: int = 5, by: str = "flow") -> List[Tuple[int, int, float]]:
+        r"""The k heads with the largest ``by`` score: ``(layer, head, score)``.
+
+        Args:
+            k: how many.
+            by: ``"flow"`` (default; :meth:`head_flow`, the final state's flow through the head's
+                kept edges) or ``"importance"`` (:meth:`head_importance`, the plain sum of their
+                importances, which favours early heads with many kept edges of little flow; on
+                SmolLM2 the flow's top head mattered more, docs/routes.md).
+        """
+        if by not in ("importance", "flow"):
+            raise ValueError(f"by must be 'importance' or 'flow', got {by!r}")
+        tot = self.head_importance() if by == "importance" else self.head_flow()
+        flat = tot.flatten()
+        order = torch.argsort(flat, descending=True)[:k]
+        return [(int(i) // self.num_heads, int(i) % self.num_heads, float(flat[i])) for i in order if flat[i] > 0]
+
+    def _node_flows(self) -> Dict[str, float]:
+        flow: Dict[str, float] = {node_id("x", self.num_layers, self.position): 1.0}
+        for e in self.edges:  # listed top-down: a node's inflow is complete before it passes it on
+            flow[e["source"]] = flow.get(e["source"], 0.0) + flow.get(e["target"], 0.0) * e["importance"]
+        return flow
+
+    def token_flow(self) -> Tensor:
+        r"""(T,) float64: the share of the final state that reaches each input token through the kept edges.
+
+        Top-down, flow(x_{L,i}) = 1 and every kept edge passes flow(target) x importance to its
+        source (an FF edge to the state before the FF block); the result is the flow reaching
+        each embedding node x_{0,j}. With threshold 0 it sums to 1 (the importances into each
+        node sum to 1); pruning loses the flow of the edges below the threshold.
+        """
+        n = int(self.meta.get("seq_len", 1 + max([nd["position"] for nd in self.nodes], default=self.position)))
+        flow = self._node_flows()
+        out = torch.zeros(n, dtype=torch.float64)
+        for nd in self.nodes:
+            if nd["kind"] == "x" and nd["layer"] == 0:
+                out[nd["position"]] = flow.get(nd["id"], 0.0)
+        return out
+
+    # --- exports ------------------------------------------------------------------
+    def to_json(self) -> Dict[str, Any]:
+        r"""A JSON-serialisable dict (``json.dumps`` it as it is); read back by :meth:`from_json`."""
+        return {
+            "format": "captum_normattr.routes/1",
+            "position": self.position,
+            "threshold": self.threshold,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "tokens": list(self.tokens) if self.tokens is not None else None,
+            "nodes": [dict(n) for n in self.nodes],
+            "edges": [dict(e) for e in self.edges],
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_json(cls, data: Union[str, Dict[str, Any]]) -> "RouteGraph":
+        r"""Rebuild a graph from :meth:`to_json` output (a dict or its JSON text)."""
+        d = json.loads(data) if isinstance(data, str) else data
+        return cls(position=d["position"], threshold=d["threshold"], num_layers=d["num_layers"],
+                   num_heads=d["num_heads"], tokens=d.get("tokens"), nodes=list(d["nodes"]),
+                   edges=list(d["edges"]), meta=dict(d.get("meta", {})))
+
+    def to_networkx(self):
+        r"""A ``networkx.DiGraph`` (networkx is imported here; install it to use this).
+
+        Nodes carry ``kind``, ``layer``, ``position`` (and ``token``). Parallel pieces between
+        the same two nodes (the residual and the head edges of a token into itself, several
+        heads from one source) become one edge whose ``weight`` is their summed importance and
+        whose ``parts`` lists them (``kind``, ``head``, ``importance``). FF edges run
+        ``m -> f -> x``, both with the FF importance.
+        """
+        try:
+            import networkx as nx
+        except ImportError as e:  # pragma: no cover - optional dependency
+            raise ImportError("RouteGraph.to_networkx needs networkx: pip install networkx") from e
+        g = nx.DiGraph(position=self.position, threshold=self.threshold, num_layers=self.num_layers,
+                       num_heads=self.num_heads)
+        for n in self.nodes:
+            attrs = {k: v for k, v in n.items() if k != "id"}
+            if self.tokens is not None:
+                attrs["token"] = self.tokens[n["position"]]
+            g.add_node(n["id"], **attrs)
+
+        def add(u: str, v: str, e: Dict[str, Any]) -> None:
+            part = {"kind": e["kind"], "head": e["head"], "importance": e["importance"]}
+            if "head_importances" in e:
+                part["head_importances"] = e["head_importances"]
+            if g.has_edge(u, v):
+                g[u][v]["weight"] += e["importance"]
+                g[u][v]["parts"].append(part)
+            else:
+                g.add_edge(u, v, weight=e["importance"], layer=e["layer"], parts=[part])
+
+        for e in self.edges:
+            if e["kind"] == "ff":
+                f = node_id("f", e["layer"], e["target_position"])
+                add(e["source"], f, e)
+                add(f, e["target"], e)
+            else:
+                add(e["source"], e["target"], e)
+        return g
+
+    def to_html(self, title: str = "") -> str:
+        r"""A self-contained HTML page (inline SVG drawn by inline JS, no network) of the graph."""
+        from captum_normattr.interactive import interactive_report_html
+
+        n = int(self.meta.get("seq_len", self.position + 1))
+        toks = self.tokens if self.tokens is not None else [str(i) for i in range(n)]
+        # the flow to the input tokens, as the row of the explained token (the report's rows
+        # belong to the last tokens, so it is shown where the explained token is the last one)
+        methods = {"route flow": self.token_flow()[None]} if self.position == len(toks) - 1 else {}
+        return interactive_report_html(toks, methods, routes=self.to_json(), title=title or "Information-flow routes")
+
+    def save_html(self, path: str, title: str = "") -> None:
+        r"""Write :meth:`to_html` to ``path`` (UTF-8)."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_html(title))
+
+
+class InformationFlowRoutes:
+    r"""Information-flow routes of a pre-LN decoder's prediction (Ferrando and Voita 2024).
+
+    For the prediction at one position i the graph starts at the final residual state x_{L,i}
+    and is built top-down: at each layer every kept node keeps its incoming edges (the
+    residual, each head's part from each source token, the FF block) whose importance
+    (normalised ALTI proximity, docs/routes.md) is at least ``threshold``.
+
+    One recorded forward pass keeps each layer's input (B, T, D) and every layer's two FF-edge
+    importances per position; the graph is then pruned from the top layer down, each layer
+    being recomputed from its input and its per-head parts formed for the kept rows only
+    (in cache-sized tiles). Memory: L checkpoints plus one layer's tensors; never a
+    (T, T, H, D) tensor.
+
+    Args:
+        model: a GPT-2 / Llama / Mistral / Qwen2 model (``*ForCausalLM`` or bare ``*Model``).
+        memory_budget_mb: sizes the chunks of kept rows processed together (their per-head
+            parts, were they formed at once, would fit it; they never are).
+
+    Examples::
+
+        >>> routes = InformationFlowRoutes(model)
+        >>> g = routes.attribute(ids, attention_mask=mask, position=-1, threshold=0.04)
+        >>> g.top_heads(3), g.to_json()["edges"][:2]
+        >>> nxg = g.to_networkx(); html = g.to_html()
+    """
+
+    def __init__(self, model: nn.Module, memory_budget_mb: float = ROUTES_MEMORY_BUDGET_MB) -> None:
+        self.model = model
+        self.adapter = get_adapter(model)
+        if not (self.adapter.pre_ln and self.adapter.causal):
+            raise NotImplementedError(
+                f"information-flow routes are implemented for pre-LN causal decoders (GPT-2, Llama, Mistral, Qwen2); "
+                f"the {self.adapter.family} family is {'post-LN' if not self.adapter.pre_ln else 'bidirectional'}"
+            )
+        self.memory_budget_mb = check_memory_budget(memory_budget_mb)
+
+    @log_usage()
+    def attribute(
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        position: Union[int, str] = -1,
+        threshold: float = DEFAULT_THRESHOLD,
+        tokens: Optional[Sequence[str]] = None,
+        granularity: str = "head",
+    ) -> RouteGraph:
+        r"""The pruned route graph of the prediction at ``position``.
+
+        Args:
+            input_ids: (1, T) token ids (or (1, T, D) input embeddings) of one example.
+            attention_mask: optional (1, T) mask (left or right padding).
+            position: the explained position: an int (k >= 0 counts from the first real token,
+                negative from the last; default -1, the last real token) or ``"last"``.
+            threshold: tau in [0, 1]: edges with importance >= tau (and > 0) are kept.
+            tokens: optional strings of the T real tokens, stored in the graph (for display).
+            granularity: ``"head"`` (default): one attention edge per head and source token;
+                ``"token"``: one per source token, its importance summed over heads (thresholded
+                as such; kind ``"attention"``, per-head importances in ``head_importances``).
+
+        Returns:
+            :class:`RouteGraph`, positions counted over the real tokens (0 = first real token).
+
+        Raises:
+            ValueError: for a batch of more than one example, a threshold outside [0, 1], or a
+                forward pass with NaN or infinite values.
+
+        The graph explains the final residual state at ``position`` (what every logit there is
+        read from), so it does not depend on a target token.
+        """
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if not 0.0 <= float(threshold) <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"routes explain one example at a time; got a batch of {input_ids.shape[0]} (call once per example)")
+        extra = None if attention_mask is None else (attention_mask,)
+        prepared = prepare_inputs(self.model, self.adapter, input_ids, extra)
+        valid = prepared.valid
+        pos = int(explained_positions(position, valid)[0])
+        real = torch.nonzero(valid[0]).flatten()
+        first = int(real[0])
+        n_real = int(real.numel())
+        if int(real[-1]) - first + 1 != n_real:
+            raise ValueError("the attention mask must mark one contiguous block of real tokens (left or right padding)")
+        if tokens is not None and len(tokens) != n_real:
+            raise ValueError(f"tokens has {len(tokens)} strings for {n_real} real tokens")
+        n_layers = len(layer_modules(self.model, self.adapter))
+        checkpoints: List[Optional[Tensor]] = []
+        ff_imp: List[Tensor] = []
+        top: Dict[str, Any] = {}
+        budget = self.memory_budget_mb
+
+        def on_layer(layer: LayerTensors) -> None:
+            layer = tensors_to(layer, valid.device)
+            checkpoints.append(layer.hidden_in)
+            ff = ff_edge_importances(layer.ln2_in[0], layer.ff_out[0], layer.layer_out[0])
+            ff_imp.append(ff * valid[0, :, None].to(ff.dtype))
+            top["heads"] = layer.num_heads
+            top["dtype"] = str(layer.hidden_in.dtype).replace("torch.", "")
+            if layer.index == n_layers - 1:  # the top layer is needed first: keep it, no rerun
+                top["layer"] = layer
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=True) as (rec, _):
+            if prepared.finite is not None and not bool(prepared.finite.all()):
+                raise ValueError("the forward pass holds NaN or infinite values at real tokens; no route graph is defined")
+
+            def attention(l: int, rows: Tensor) -> Tuple[Tensor, Tensor]:
+                layer = top.pop("layer", None) if l == n_layers - 1 else None
+                if layer is None:
+                    layer = tensors_to(rec.rerun_layer(l, checkpoints[l]), valid.device)
+                checkpoints[l] = None  # walked top-down: no longer needed
+                projected = project_values(layer.values[:1], layer.head_out_weight())
+                return attention_edge_importances(layer, rows.to(valid.device), valid, 0, budget, projected)
+
+            pruned = prune_routes(n_layers, pos, threshold, lambda l: ff_imp[l], attention, granularity)
+        top.pop("layer", None)
+        # positions over the real tokens
+        for n in pruned.nodes:
+            p = n["position"] - first
+            n["position"] = p
+            n["id"] = node_id(n["kind"], n["layer"], p)
+        for e in pruned.edges:
+            e["source_position"] -= first
+            e["target_position"] -= first
+            e["source"] = _shift(e["source"], first)
+            e["target"] = _shift(e["target"], first)
+        meta = {"dtype": top.get("dtype"), "family": self.adapter.family, "seq_len": n_real, "granularity": granularity,
+                "rows_per_layer": pruned.rows_per_layer, "importance": "normalised L1 proximity (docs/routes.md)"}
+        return RouteGraph(position=pos - first, threshold=float(threshold), num_layers=n_layers,
+                          num_heads=int(top.get("heads", 0)), tokens=list(tokens) if tokens is not None else None,
+                          nodes=pruned.nodes, edges=pruned.edges, meta=meta)
+
+
+def _shift(nid: str, first: int) -> str:
+    kind, rest = nid[0], nid[1:]
+    layer, pos = rest.split("_")
+    return node_id(kind, int(layer), int(pos) - first)
