@@ -299,7 +299,12 @@ def main(argv=None) -> int:
     p.add_argument("--exact-all-methods", type=int, default=10, help="of the exactness prompts, how many also run IG / IxG / FeatureAblation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                   help="print the Markdown tables of earlier runs' JSON files and exit")
     args = p.parse_args(argv)
+    if args.report:
+        print(report([json.load(open(f)) for f in args.report]))
+        return 0
     torch.manual_seed(args.seed)
     t_start = time.time()
 
@@ -358,6 +363,35 @@ def table(task: str, res: Dict) -> str:
     for m, r in res.items():
         lines.append(f"| {m} | " + " | ".join(_fmt(r[c]) for c in cols) + " |")
     return "\n".join(lines)
+
+
+def report(results: Sequence[Dict]) -> str:
+    r"""Markdown: per task, every method's metrics (mean ± s.e.), then the exactness tables."""
+    cols = [("top1_with_sink", "top-1 (sink ranked)"), ("top1_no_sink", "top-1 (no sink)"),
+            ("mrr_with_sink", "MRR (sink ranked)"), ("mrr_no_sink", "MRR (no sink)"),
+            ("deletion_aopc_with_sink", "deletion AOPC (sink removable)"), ("deletion_aopc_no_sink", "deletion AOPC (no sink)"),
+            ("insertion_aopc_with_sink", "insertion AOPC (sink removable)"), ("insertion_aopc_no_sink", "insertion AOPC (no sink)"),
+            ("sink_share", "sink share"), ("cost_forwards", "× forward")]
+    out = []
+    for res in results:
+        for task, t in res["tasks"].items():
+            ex = t["example"]
+            out.append(f"\n#### {task}: {t['evaluated']} items (of {t['correct']} right among {t['candidates']} candidates)\n")
+            out.append(f"Example: `{ex['text']}` → `{ex['target']}` vs `{ex['foil']}`, evidence {ex['evidence']}.\n")
+            if any("alt_top1_no_sink" in r for r in t["methods"].values()):
+                cols_t = cols + [("alt_top1_no_sink", "alt top-1 (no sink)"), ("alt_mrr_no_sink", "alt MRR (no sink)")]
+            else:
+                cols_t = cols
+            out.append("| method | " + " | ".join(c[1] for c in cols_t) + " |")
+            out.append("|---|" + "---:|" * len(cols_t))
+            for m, r in t["methods"].items():
+                out.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "—" for c, _ in cols_t) + " |")
+        for label, rows in res.get("exactness", {}).items():
+            out.append(f"\n#### Exactness, float64, {label}\n")
+            out.append("| method | median relative error | max | prompts |\n|---|---:|---:|---:|")
+            for k, v in rows.items():
+                out.append(f"| {k} | {v['median']:.1e} | {v['max']:.1e} | {v['n']} |")
+    return "\n".join(out)
 
 
 def _write(path: str, result: Dict) -> None:
