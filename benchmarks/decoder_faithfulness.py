@@ -374,7 +374,7 @@ def table(task: str, res: Dict) -> str:
             "insertion_aopc_no_sink", "sink_share", "cost_forwards"]
     lines = [f"\n## {task}", "| method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for m, r in res.items():
-        lines.append(f"| {m} | " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+        lines.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "n/a" for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -388,6 +388,8 @@ def report(results: Sequence[Dict]) -> str:
     out = []
     for res in results:
         for task, t in res["tasks"].items():
+            if not t["evaluated"]:
+                continue
             ex = t["example"]
             out.append(f"\n#### {task}: {t['evaluated']} items (of {t['correct']} right among {t['candidates']} candidates)\n")
             out.append(f"Example: `{ex['text']}` → `{ex['target']}` vs `{ex['foil']}`, evidence {ex['evidence']}.\n")
