@@ -405,7 +405,8 @@ def report(results: Sequence[Dict]) -> str:
             out.append(f"\n#### Exactness, float64, {label}\n")
             out.append("| method | median relative error | max | prompts |\n|---|---:|---:|---:|")
             for k, v in rows.items():
-                out.append(f"| {k} | {v['median']:.1e} | {v['max']:.1e} | {v['n']} |")
+                name = k.replace("|", "\\|")
+                out.append(f"| {name} | {v['median']:.1e} | {v['max']:.1e} | {v['n']} |")
     return "\n".join(out)
 
 
