@@ -160,7 +160,7 @@ def alti_map(
         dist = _tiled_distances(probs, proj_j, residual, target, chunk_rows, causal, tile_bytes or ALTI_TILE_BYTES)
     if row_scale is not None:
         dist.div_(row_scale[..., None])
-    out = torch.sub(y_l1[..., None], dist).clamp_min_(0)
+    out = dist.neg_().add_(y_l1[..., None]).clamp_min_(0)  # y_l1 - dist in place (the same bits)
     out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
     if causal:
         out.tril_()
