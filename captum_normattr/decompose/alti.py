@@ -161,7 +161,8 @@ def alti_map(
     if row_scale is not None:
         dist.div_(row_scale[..., None])
     out = dist.neg_().add_(y_l1[..., None]).clamp_min_(0)  # y_l1 - dist in place (the same bits)
-    out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
+    if not bool(valid.all()):  # pad rows and columns to 0 (no (B, T, T) mask pass without pads)
+        out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
     if causal:
         out.tril_()
     return row_normalize(out)
