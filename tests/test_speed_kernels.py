@@ -195,3 +195,42 @@ def test_compiled_kernel_default_selection(monkeypatch):
         assert alti._compiled_kernel(torch.float32, 4 * big, 4 * per_example) is None
     finally:
         alti.use_compiled_kernel(None)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_map_store_products_and_alti_logit_rows_match_dense_products(dense):
+    r"""The batched products of the rollout store (row blocks or dense) against explicit dense maps,
+    and ALTI-Logit's per-layer rows l against e^T R_{l-1} = v_l M_{l-1} ... M_0 product by product."""
+    from captum_normattr.decompose.rollout import LayerMapStore
+
+    g = torch.Generator().manual_seed(0)
+    n_layers, t = 4, 11
+    maps = [torch.rand(2, t, t, generator=g, dtype=torch.float64).tril_() for _ in range(n_layers)]
+    store = LayerMapStore(n_layers, causal=True, dense=dense, blocks=3)
+    for l, m in enumerate(maps):
+        store.put(l, m)
+    rows = torch.randn(2, 3, t, generator=g, dtype=torch.float64)
+    col = torch.randn(2, t, generator=g, dtype=torch.float64)
+    for l, m in enumerate(maps):
+        assert torch.allclose(store.rows_times_layer(rows, l), rows @ m, rtol=0, atol=1e-13)
+        assert torch.allclose(store.layer_times_column(col, l), (m @ col.unsqueeze(-1)).squeeze(-1), rtol=0, atol=1e-13)
+    # the rows of alti_logit_terms: layer l's logit updates carried down by M_{l-1} ... M_0
+    from captum_normattr.decompose.decoder import alti_logit_terms
+    from captum_normattr.decompose.records import NormParams
+
+    d = 5
+    upd = torch.randn(2, n_layers, t, d, generator=g, dtype=torch.float64)
+    w = torch.ones(d, dtype=torch.float64)
+    params = NormParams(weight=w, bias=None, eps=1e-6, kind="rmsnorm")
+    final_in = torch.randn(2, d, generator=g, dtype=torch.float64)
+    unembed = torch.randn(2, d, generator=g, dtype=torch.float64)
+    res = alti_logit_terms(upd, store, torch.zeros(2, d, dtype=torch.float64), torch.zeros(2, n_layers, d, dtype=torch.float64),
+                           torch.zeros(n_layers, d, dtype=torch.float64), params, final_in, final_in, unembed,
+                           torch.zeros(2, dtype=torch.float64), torch.ones(2, t, dtype=torch.bool), torch.tensor([t - 1, t - 1]))
+    logit_updates = res["layer_logit_updates"]
+    for l in range(n_layers):
+        v = logit_updates[:, l]
+        for m in range(l - 1, -1, -1):
+            v = torch.einsum("bj,bjk->bk", v, maps[m])
+        scale = max(float(v.abs().max()), 1.0)
+        assert torch.allclose(res["layer_token_contributions"][:, l], v, rtol=0, atol=1e-12 * scale)

@@ -160,8 +160,9 @@ def alti_map(
         dist = _tiled_distances(probs, proj_j, residual, target, chunk_rows, causal, tile_bytes or ALTI_TILE_BYTES)
     if row_scale is not None:
         dist.div_(row_scale[..., None])
-    out = torch.sub(y_l1[..., None], dist).clamp_min_(0)
-    out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
+    out = dist.neg_().add_(y_l1[..., None]).clamp_min_(0)  # y_l1 - dist in place (the same bits)
+    if not bool(valid.all()):  # pad rows and columns to 0 (no (B, T, T) mask pass without pads)
+        out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
     if causal:
         out.tril_()
     return row_normalize(out)

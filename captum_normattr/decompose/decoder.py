@@ -442,7 +442,8 @@ def alti_logit_terms(
     attention update of layer l splits over source positions j; its logit is carried to the
     input tokens k by row j of the ALTI rollout R_{l-1} of the layers below (R_{-1} = I, rows
     sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k], computed as
-    vector-matrix products down the stored maps (O(L^2 T^2), no T x T x T product).
+    matrix products down the stored maps (O(L^2 T^2) work reading each map once, no T x T x T
+    product).
     The embedding at i, the FF updates, the attention output biases and the final norm's
     beta (with the LM head bias) belong to no token and are returned separately, and so is
     the logit that the rollout carries to no token: a real row of an ALTI map is all zero
@@ -479,13 +480,13 @@ def alti_logit_terms(
     vm = valid.to(w.dtype)
     n_layers = updates.shape[1]
     logit_updates = torch.einsum("bltd,bd->blt", updates, w) * vm.unsqueeze(1)  # (B, L, T)
-    contributions = []
-    for l in range(n_layers):
-        v = logit_updates[:, l]
-        for m in range(l - 1, -1, -1):  # row vector times R_{l-1} = M_{l-1} ... M_0
-            v = alti_maps.row_times_layer(v, m)
-        contributions.append(v)
-    contrib = torch.stack(contributions, 1) * vm.unsqueeze(1)
+    # Row l times R_{l-1} = M_{l-1} ... M_0, all rows at once: going down the maps, M_m multiplies
+    # the rows of every layer above it in one matrix product ((L - 1 - m) x T times T x T), so
+    # each map is read once instead of once per layer above it (L - 1 products, not L (L - 1) / 2).
+    contrib = logit_updates.clone()
+    for m in range(n_layers - 2, -1, -1):
+        contrib[:, m + 1 :] = alti_maps.rows_times_layer(contrib[:, m + 1 :], m)
+    contrib = contrib * vm.unsqueeze(1)
     # Logit that reaches no input token: rows of R_{l-1} summing to less than 1 (an ALTI row is all
     # zero when every part lies farther from the block output than the zero vector, which large
     # biases cause). mass_l = R_{l-1} 1, by matrix-vector products up the maps.
@@ -493,7 +494,7 @@ def alti_logit_terms(
     lost = []
     for l in range(n_layers):
         if l > 0:
-            mass = torch.einsum("bjk,bk->bj", alti_maps.layer(l - 1), mass)
+            mass = alti_maps.layer_times_column(mass, l - 1)
         lost.append((logit_updates[:, l] * (vm - mass)).sum(-1))
     unattributed = torch.stack(lost, 1)  # (B, L)
     final_bias = unembed_bias.to(w.dtype)

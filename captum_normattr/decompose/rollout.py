@@ -162,6 +162,27 @@ class LayerMapStore:
             out[:, :e] += torch.einsum("bj,bjk->bk", row[:, a:e], m)
         return out
 
+    def rows_times_layer(self, rows: Tensor, index: int) -> Tensor:
+        r"""Several row vectors per example times M_index at once: (B, K, T) -> (B, K, T).
+
+        One matrix product per row block instead of K vector-matrix products: the map is
+        read once for all K rows (what :func:`~captum_normattr.decompose.decoder.alti_logit_terms`
+        needs for the rows of every layer above).
+        """
+        if self._dense is not None:
+            return torch.matmul(rows, self._dense[:, index])
+        out = rows.new_zeros(rows.shape)
+        for a, e, block in self._blocks[index]:
+            out[..., :e] += torch.matmul(rows[..., a:e], block)
+        return out
+
+    def layer_times_column(self, column: Tensor, index: int) -> Tensor:
+        r"""M_index times a column vector per example, (B, T) -> (B, T), without building the dense map."""
+        if self._dense is not None:
+            return torch.einsum("bjk,bk->bj", self._dense[:, index], column)
+        parts = [torch.einsum("bjk,bk->bj", block, column[:, :e]) for a, e, block in self._blocks[index]]
+        return torch.cat(parts, 1)
+
     def rollout_rows(self, positions: Tensor, convention: str = "raw") -> Tensor:
         r"""Rows ``positions`` of the rollout (see :func:`rollout_rows`), from the kept maps."""
         check_convention(convention)
