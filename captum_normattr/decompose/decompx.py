@@ -1025,9 +1025,20 @@ class FrozenLayer:
         return self(torch.zeros_like(self.layer.hidden_in), rows)
 
 
-#: Bytes of stacked cotangents (n, B, T, D) that :meth:`AdjointPass.backward` pushes through a layer
-#: in one call; more outputs go in chunks of that size.
+#: Bytes of the widest stacked intermediate, n x (B, T, max(D, F)) with F the feed-forward width, that
+#: :meth:`AdjointPass.backward` lets one call of a layer's transpose hold; more outputs go in chunks.
 STACK_BYTES = 256 * 2**20
+
+
+def _stack_chunks(stacks: List[Tensor], step: FrozenLayer) -> List[Tensor]:
+    r"""Stacked cotangents (k, B, R, D) regrouped (as views where they fit) into chunks small enough
+    for ``step`` (:data:`STACK_BYTES`, the layer's widest intermediate (B, T, max(D, F)) per output)."""
+    b, t = step.layer.hidden_in.shape[:2]
+    width = max(int(step.layer.hidden_in.shape[2]), int(step.layer.ff.w_out.shape[0]))
+    size = max(1, STACK_BYTES // max(1, b * t * width * stacks[0].element_size()))
+    if all(st.shape[0] <= size for st in stacks):
+        return stacks
+    return list((torch.cat(stacks) if len(stacks) > 1 else stacks[0]).split(size))
 
 
 #: A frozen layer with its biases, as a function of its input: (x (B, T, D), rows or None) -> (B, R, D).
@@ -1111,9 +1122,8 @@ class AdjointPass:
             consts = [r.detach().clone() for r in roots]
             del roots, y
         # all the cotangents go through each layer in one call (J^T is linear in them), stacked
-        # (k, B, R, D) in chunks of at most STACK_BYTES of (B, T, D) cotangents
-        size = max(1, STACK_BYTES // max(1, x_last.numel() * x_last.element_size()))
-        stacks = [torch.stack(cots[i : i + size]) for i in range(0, len(cots), size)]
+        # (k, B, R, D) in chunks (STACK_BYTES)
+        stacks = [torch.stack(cots)]
         del cots
         for l in range(n - 1, -1, -1):
             rows = self.last_rows if l == n - 1 else None
@@ -1125,12 +1135,13 @@ class AdjointPass:
                 consts = [k + (g * c).sum((1, 2)) for k, g in zip(consts, gs)]
                 del gs
             del c
-            stacks = [step.vjp(st, rows) for st in stacks]
+            stacks = [step.vjp(st, rows) for st in _stack_chunks(stacks, step)]
             del step  # the layer's tensors go here
             if l > 0:
                 self.checkpoints[l] = None
+        cots = [g for st in stacks for g in st.unbind(0)]
         self.constants = consts
-        return [g for st in stacks for g in st.unbind(0)]
+        return cots
 
 
 def adjoint_head_scores(
