@@ -1033,6 +1033,8 @@ STACK_BYTES = 256 * 2**20
 def _stack_chunks(stacks: List[Tensor], step: FrozenLayer) -> List[Tensor]:
     r"""Stacked cotangents (k, B, R, D) regrouped (as views where they fit) into chunks small enough
     for ``step`` (:data:`STACK_BYTES`, the layer's widest intermediate (B, T, max(D, F)) per output)."""
+    if not stacks:
+        return stacks
     b, t = step.layer.hidden_in.shape[:2]
     width = max(int(step.layer.hidden_in.shape[2]), int(step.layer.ff.w_out.shape[0]))
     size = max(1, STACK_BYTES // max(1, b * t * width * stacks[0].element_size()))
@@ -1123,7 +1125,7 @@ class AdjointPass:
             del roots, y
         # all the cotangents go through each layer in one call (J^T is linear in them), stacked
         # (k, B, R, D) in chunks (STACK_BYTES)
-        stacks = [torch.stack(cots)]
+        stacks = [torch.stack(cots)] if cots else []
         del cots
         for l in range(n - 1, -1, -1):
             rows = self.last_rows if l == n - 1 else None
