@@ -823,41 +823,53 @@ CAUSAL_BLOCKS = 4
 
 
 def _mix_transpose(g_mixed: Tensor, probs: Tensor, kv_heads: int, causal: bool = False) -> Tensor:
-    r"""The transpose of the frozen attention mixing: (B, R, H, Dh) -> (B, T, H_kv * Dh).
+    r"""The transpose of the frozen attention mixing: (..., B, R, H, Dh) -> (..., B, T, H_kv * Dh).
 
     mixed_i^h = sum_j alpha^h_ij v_j^{h // groups}: the value cotangent of key j is
     sum_i alpha^h_ij g_i^h, summed over the query heads that share a key/value head.
     ``causal`` (all T rows, and alpha_ij = 0 for j > i wherever g_i is not 0): query block
     [i0, i1) reaches keys j < i1 only, so most of the all-zero triangle is skipped.
+    Leading stack dimensions (several cotangents of the same layer) are folded into the
+    free last dimension, (B, R, H, n Dh), so that one product with the probabilities serves all.
     """
-    b, r, h, dh = g_mixed.shape
+    lead = g_mixed.shape[:-4]
+    b, r, h, dh = g_mixed.shape[-4:]
+    n = 1
+    for k in lead:
+        n *= k
+    if lead:  # (n, B, R, H, Dh) -> (B, R, H, n Dh)
+        g_mixed = g_mixed.reshape(n, b, r, h, dh).permute(1, 2, 3, 0, 4).reshape(b, r, h, n * dh)
+    e = n * dh
     t = probs.shape[-1]
     if causal and r == t and t >= 2 * CAUSAL_BLOCKS:
-        gh = g_mixed.permute(0, 2, 1, 3)  # (B, H, T, Dh)
-        g_v = g_mixed.new_zeros(b, h, t, dh)
+        gh = g_mixed.permute(0, 2, 1, 3)  # (B, H, T, n Dh)
+        g_v = g_mixed.new_zeros(b, h, t, e)
         size = -(-t // CAUSAL_BLOCKS)
         for i0 in range(0, t, size):
             i1 = min(t, i0 + size)
             g_v[:, :, :i1] += probs[:, :, i0:i1, :i1].transpose(-1, -2) @ gh[:, :, i0:i1]
-        g_v = g_v.permute(0, 2, 1, 3)  # (B, T, H, Dh)
+        g_v = g_v.permute(0, 2, 1, 3)  # (B, T, H, n Dh)
     else:
-        g_v = torch.einsum("bhij,bihe->bjhe", probs, g_mixed)  # (B, T, H, Dh)
+        g_v = torch.einsum("bhij,bihe->bjhe", probs, g_mixed)  # (B, T, H, n Dh)
     if kv_heads != h:
-        g_v = g_v.reshape(b, t, kv_heads, h // kv_heads, dh).sum(3)
-    return g_v.reshape(b, t, kv_heads * dh)
+        g_v = g_v.reshape(b, t, kv_heads, h // kv_heads, e).sum(3)
+    if not lead:
+        return g_v.reshape(b, t, kv_heads * dh)
+    g_v = g_v.reshape(b, t, kv_heads, n, dh).permute(3, 0, 1, 2, 4)  # (n, B, T, H_kv, Dh)
+    return g_v.reshape(*lead, b, t, kv_heads * dh)
 
 
 def _scatter_rows(g_rows: Tensor, t: int, rows: Optional[Tensor]) -> Tensor:
-    r"""(B, R, D) at ``rows`` into a zero (B, T, D) (itself when ``rows`` is None)."""
+    r"""(..., B, R, D) at ``rows`` into a zero (..., B, T, D) (itself when ``rows`` is None)."""
     if rows is None:
         return g_rows
-    out = g_rows.new_zeros(g_rows.shape[0], t, g_rows.shape[2])
-    out[:, rows] = g_rows
+    out = g_rows.new_zeros(*g_rows.shape[:-2], t, g_rows.shape[-1])
+    out[..., rows, :] = g_rows
     return out
 
 
 def _causal_rows(layer: LayerTensors, g_rows: Tensor, rows: Optional[Tensor], valid: Optional[Tensor]) -> bool:
-    r"""Whether alpha_ij = 0 for j > i at every row i where ``g_rows`` is not 0.
+    r"""Whether alpha_ij = 0 for j > i at every row i where ``g_rows`` (..., B, T, D) is not 0.
 
     True for a causal layer (all rows) when the cotangent vanishes at the pad rows: a fully
     masked pad query row attends uniformly to every key, later ones included.
@@ -865,7 +877,22 @@ def _causal_rows(layer: LayerTensors, g_rows: Tensor, rows: Optional[Tensor], va
     if not layer.causal or rows is not None or valid is None:
         return False
     pads = ~valid.to(device=g_rows.device, dtype=torch.bool)
-    return not bool(pads.any()) or not bool(g_rows[pads].any())
+    if not bool(pads.any()):
+        return True
+    stacked = g_rows.reshape(-1, *g_rows.shape[-3:])  # (n, B, T, D)
+    return not bool(stacked[:, pads].any())
+
+
+def _gated_ff_transpose(g_ig: Tensor, coefs: Dict[str, Tensor], sel: Callable[[Tensor], Tensor], f: "object") -> Tensor:
+    r"""The transpose of ig = (z W_gate) * gate + (z W_up) * up at ``g_ig`` (..., B, R, F): (..., B, R, D)."""
+    width = g_ig.shape[-1]
+    br = g_ig.shape[-3] * g_ig.shape[-2]
+    flat = g_ig.reshape(-1, br, width)  # (n, B R, F)
+    gate = sel(coefs["gate"]).reshape(br, width)
+    up = sel(coefs["up"]).reshape(br, width)
+    g_z = torch.mm((flat * gate).view(-1, width), f.w_gate.T)
+    g_z.addmm_(flat.mul_(up).view(-1, width), f.w_in.T)
+    return g_z.view(*g_ig.shape[:-1], f.w_gate.shape[0])
 
 
 def frozen_pre_ln_layer_vjp(
@@ -880,17 +907,20 @@ def frozen_pre_ln_layer_vjp(
 
     Written out instead of taken by autograd, so that no forward pass of the frozen layer
     (and no graph) is needed; ``tests/test_decompx_speed.py`` checks it against
-    ``torch.autograd`` in float64.
+    ``torch.autograd`` in float64. The map is linear in ``g``: several cotangents stacked
+    along leading dimensions go through in one call (the weight products broadcast, the
+    attention mixing serves them all in one product; ``tests/test_decompx_multi.py``).
 
     Args:
-        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None).
+        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None), or a
+            stack (..., B, R, D) of such cotangents.
         layer, value_weight, coefs, rows: as in :func:`frozen_pre_ln_layer`.
         valid: (B, T) bool, the real tokens, or None. Given for a causal layer, the all-zero
             triangle of the attention is skipped when ``g`` is 0 at the pad rows (as in the
             adjoint pass, where no real row reads a pad row).
 
     Returns:
-        (B, T, D) the cotangent of the layer input.
+        (..., B, T, D) the cotangent of the layer input.
     """
     b, t = layer.hidden_in.shape[:2]
     h = layer.num_heads
@@ -898,21 +928,17 @@ def frozen_pre_ln_layer_vjp(
     kv_heads = value_weight.shape[1] // (hd // h)
     sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
     f = layer.ff
-    g_ig = g @ f.w_out.T  # (B, R, F)
+    g_ig = g @ f.w_out.T  # (..., B, R, F)
     if f.w_gate is None:
         g_z = g_ig.mul_(sel(coefs["slope"])) @ f.w_in.T
     else:  # ig = (z W_gate) * gate + (z W_up) * up
-        width = g_ig.shape[-1]
-        flat = g_ig.view(-1, width)
-        g_z = torch.mm(flat * sel(coefs["gate"]).reshape(-1, width), f.w_gate.T)
-        g_z.addmm_(flat.mul_(sel(coefs["up"]).reshape(-1, width)), f.w_in.T)
-        g_z = g_z.view(g.shape)
+        g_z = _gated_ff_transpose(g_ig, coefs, sel, f)
     del g_ig
-    g_h = g + _norm_transpose(g_z, sel(layer.ln2_in), layer.ln2)  # (B, R, D): residual + LN2 and the FF
+    g_h = g + _norm_transpose(g_z, sel(layer.ln2_in), layer.ln2)  # (..., B, R, D): residual + LN2 and the FF
     del g_z
     probs = layer.probs if rows is None else layer.probs[:, :, rows]
-    g_mixed = (g_h @ layer.out_weight.T).view(b, g_h.shape[1], h, hd // h)
-    g_u = _mix_transpose(g_mixed, probs, kv_heads, _causal_rows(layer, g_h, rows, valid)) @ value_weight.T  # (B, T, D)
+    g_mixed = (g_h @ layer.out_weight.T).view(*g_h.shape[:-1], h, hd // h)
+    g_u = _mix_transpose(g_mixed, probs, kv_heads, _causal_rows(layer, g_h, rows, valid)) @ value_weight.T
     return _norm_transpose(g_u, layer.ln1_in, layer.ln1).add_(_scatter_rows(g_h, t, rows))
 
 
@@ -922,13 +948,15 @@ def frozen_post_ln_layer_vjp(
     r"""The transpose of :func:`frozen_post_ln_layer`'s linear part (``with_bias=False``): J^T g.
 
     Args:
-        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None).
+        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None), or a
+            stack (..., B, R, D) of such cotangents (one call for all, as in
+            :func:`frozen_pre_ln_layer_vjp`).
         layer, value_weight, ff_slope, rows: as in :func:`frozen_post_ln_layer`.
 
     Returns:
-        (B, T, D) the cotangent of the layer input.
+        (..., B, T, D) the cotangent of the layer input.
     """
-    b, t = layer.hidden_in.shape[:2]
+    t = layer.hidden_in.shape[1]
     h = layer.num_heads
     hd = value_weight.shape[1]
     sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
@@ -937,7 +965,7 @@ def frozen_post_ln_layer_vjp(
     g_zt = g_r + ((g_r @ f.w_out.T).mul_(sel(ff_slope))) @ f.w_in.T
     g_ax = _norm_transpose(g_zt, sel(layer.ln1_in), layer.ln1)  # LN1 input: attention + x
     probs = layer.probs if rows is None else layer.probs[:, :, rows]
-    g_mixed = (g_ax @ layer.out_weight.T).view(b, g_ax.shape[1], h, hd // h)
+    g_mixed = (g_ax @ layer.out_weight.T).view(*g_ax.shape[:-1], h, hd // h)
     return (_mix_transpose(g_mixed, probs, h) @ value_weight.T).add_(_scatter_rows(g_ax, t, rows))
 
 
@@ -975,7 +1003,7 @@ class FrozenLayer:
         return frozen_layer(x, self.layer, self.value_weight, self.value_bias, True, self.coefs, rows)
 
     def vjp(self, g: Tensor, rows: Optional[Tensor] = None) -> Tensor:
-        r"""J^T g: (B, R, D) cotangent at ``rows`` -> (B, T, D)."""
+        r"""J^T g: (..., B, R, D) cotangent(s) at ``rows`` -> (..., B, T, D), a stack in one call."""
         if self.layer.pre_ln:
             return frozen_pre_ln_layer_vjp(g, self.layer, self.value_weight, self.coefs, rows, self.valid)
         return frozen_post_ln_layer_vjp(g, self.layer, self.value_weight, self.coefs["slope"], rows)
@@ -995,6 +1023,24 @@ class FrozenLayer:
         if not self.has_constant():
             return None
         return self(torch.zeros_like(self.layer.hidden_in), rows)
+
+
+#: Bytes of the widest stacked intermediate, n x (B, T, max(D, F)) with F the feed-forward width, that
+#: :meth:`AdjointPass.backward` lets one call of a layer's transpose hold; more outputs go in chunks.
+STACK_BYTES = 256 * 2**20
+
+
+def _stack_chunks(stacks: List[Tensor], step: FrozenLayer) -> List[Tensor]:
+    r"""Stacked cotangents (k, B, R, D) regrouped (as views where they fit) into chunks small enough
+    for ``step`` (:data:`STACK_BYTES`, the layer's widest intermediate (B, T, max(D, F)) per output)."""
+    if not stacks:
+        return stacks
+    b, t = step.layer.hidden_in.shape[:2]
+    width = max(int(step.layer.hidden_in.shape[2]), int(step.layer.ff.w_out.shape[0]))
+    size = max(1, STACK_BYTES // max(1, b * t * width * stacks[0].element_size()))
+    if all(st.shape[0] <= size for st in stacks):
+        return stacks
+    return list((torch.cat(stacks) if len(stacks) > 1 else stacks[0]).split(size))
 
 
 #: A frozen layer with its biases, as a function of its input: (x (B, T, D), rows or None) -> (B, R, D).
@@ -1077,18 +1123,25 @@ class AdjointPass:
             cots = [torch.autograd.grad(r.sum(), y, retain_graph=j < last)[0].detach() for j, r in enumerate(roots)]
             consts = [r.detach().clone() for r in roots]
             del roots, y
+        # all the cotangents go through each layer in one call (J^T is linear in them), stacked
+        # (k, B, R, D) in chunks (STACK_BYTES)
+        stacks = [torch.stack(cots)] if cots else []
+        del cots
         for l in range(n - 1, -1, -1):
             rows = self.last_rows if l == n - 1 else None
             step = self.last_step if (l == n - 1 and self.last_step is not None) else frozen_at(l, self.checkpoints[l])
             self.last_step = None
             c = step.constant(rows)
             if c is not None:
-                consts = [k + (g * c).sum((1, 2)) for k, g in zip(consts, cots)]
+                gs = [g for st in stacks for g in st.unbind(0)]
+                consts = [k + (g * c).sum((1, 2)) for k, g in zip(consts, gs)]
+                del gs
             del c
-            cots = [step.vjp(g, rows) for g in cots]
+            stacks = [step.vjp(st, rows) for st in _stack_chunks(stacks, step)]
             del step  # the layer's tensors go here
             if l > 0:
                 self.checkpoints[l] = None
+        cots = [g for st in stacks for g in st.unbind(0)]
         self.constants = consts
         return cots
 
