@@ -504,16 +504,37 @@ def alti_logit_terms(
     ff_t = torch.einsum("bld,bd->bl", ff_updates, w)
     bias_t = attention_biases @ w.T  # (L, B)
     bias_t = bias_t.T
-    scores = contrib.sum(1)
-    recon = scores.sum(-1) + emb + ff_t.sum(-1) + bias_t.sum(-1) + final_bias + unattributed.sum(-1)
     logit = (final_out * unembed).sum(-1) + unembed_bias.to(w.dtype)
+    return logit_terms(contrib.sum(1), contrib, logit_updates, emb, ff_t, bias_t, final_bias, unattributed, logit)
+
+
+def logit_terms(
+    scores: Tensor,
+    contributions: Tensor,
+    logit_updates: Tensor,
+    embedding: Tensor,
+    ff: Tensor,
+    attention_bias: Tensor,
+    final_bias: Tensor,
+    unattributed: Tensor,
+    logit: Tensor,
+) -> Dict[str, Tensor]:
+    r"""ALTI-Logit's terms as one record, with the reconstruction and its completeness error.
+
+    The reconstruction is the token scores plus every no-token term (embedding, FF updates,
+    attention biases, final bias, unattributed mass); ``delta`` = ``logit`` - reconstruction.
+    The per-layer terms (``ff``, ``attention_bias``, ``unattributed``) and ``scores`` carry
+    their layer / token axis last. Shared by :func:`alti_logit_terms` (one position) and
+    :func:`~captum_normattr.decompose.multi_position.alti_logit_rows` (n positions).
+    """
+    recon = scores.sum(-1) + embedding + ff.sum(-1) + attention_bias.sum(-1) + final_bias + unattributed.sum(-1)
     return {
         "scores": scores,
-        "layer_token_contributions": contrib,
+        "layer_token_contributions": contributions,
         "layer_logit_updates": logit_updates,
-        "embedding": emb,
-        "ff": ff_t,
-        "attention_bias": bias_t,
+        "embedding": embedding,
+        "ff": ff,
+        "attention_bias": attention_bias,
         "final_bias": final_bias,
         "unattributed": unattributed,
         "logit": logit,

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.decoder import logit_terms
 from captum_normattr.decompose.decompx import frozen_next_token_logit
 from captum_normattr.decompose.layer_norm import norm_scale
 from captum_normattr.decompose.mixing import row_normalize
@@ -183,22 +184,8 @@ def alti_logit_rows(
     emb = (embedding * w).sum(-1)
     ff_t = torch.einsum("blnd,bnd->bnl", ff_updates, w)
     bias_t = torch.einsum("ld,bnd->bnl", attention_biases.to(w.dtype), w)
-    scores = contrib.sum(2)
-    recon = scores.sum(-1) + emb + ff_t.sum(-1) + bias_t.sum(-1) + final_bias + unattributed.sum(-1)
     logit = (final_out * unembed).sum(-1) + unembed_bias.to(w.dtype)
-    return {
-        "scores": scores,
-        "layer_token_contributions": contrib,
-        "layer_logit_updates": upd.transpose(1, 2),
-        "embedding": emb,
-        "ff": ff_t,
-        "attention_bias": bias_t,
-        "final_bias": final_bias,
-        "unattributed": unattributed,
-        "logit": logit,
-        "reconstruction": recon,
-        "delta": logit - recon,
-    }
+    return logit_terms(contrib.sum(2), contrib, upd.transpose(1, 2), emb, ff_t, bias_t, final_bias, unattributed, logit)
 
 
 def multi_logit_outputs(
