@@ -356,3 +356,23 @@ def test_bert_as_decoder_runs_the_decompx_adjoint():
     forward = DecompXAttribution(model, algorithm="forward").attribute(ids, additional_forward_args=(mask,))
     assert float(delta.abs().max()) < 1e-10
     torch.testing.assert_close(scores, forward, rtol=0, atol=1e-10)
+
+
+def test_overflowed_scores_are_told_apart_from_a_non_finite_forward_pass():
+    r"""Scores that leave the dtype's range in the method's own arithmetic (a raw rollout of
+    unnormalised maps over many layers) are NaN with a warning that says so and what to do,
+    not one that blames the inputs; a non-finite forward pass keeps its own message."""
+    from dataclasses import replace
+
+    from captum_normattr.attr.base import mark_non_finite
+
+    ids, mask = random_batch([6, 4])
+    res = GlobEncAttribution(make_model("bert")).decompose(ids, (mask,))
+    scores = res.scores.clone()
+    scores[1, 0] = float("inf")
+    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[1\] overflowed.*row_normalized") as caught:
+        out = mark_non_finite(replace(res, scores=scores), torch.tensor([True, True]))
+    assert not any("inputs or forward pass" in str(w.message) for w in caught)
+    assert torch.isnan(out.scores[1]).all() and torch.isfinite(out.scores[0]).all()
+    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[0\] hold NaN or infinite values in their inputs"):
+        mark_non_finite(replace(res, scores=scores), torch.tensor([False, True]))

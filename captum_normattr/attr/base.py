@@ -93,18 +93,24 @@ def mark_non_finite(result: R, finite: Optional[Tensor]) -> R:
     """
     scores = result.scores
     real = result.attention_mask.to(scores.device).bool()
-    bad = ~(torch.isfinite(scores) | ~real).all(-1)
-    if finite is not None:
-        bad |= ~finite.to(bad.device)
+    overflow = ~(torch.isfinite(scores) | ~real).all(-1)
+    forward = torch.zeros_like(overflow) if finite is None else ~finite.to(overflow.device)
+    bad = overflow | forward
     if not bool(bad.any()):
         return result
     b = bad.shape[0]
-    warnings.warn(
-        f"example(s) {bad.nonzero().flatten().tolist()} hold NaN or infinite values in their inputs or forward pass; "
-        "their scores are NaN",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    overflow = overflow & ~forward
+    messages = []
+    if bool(forward.any()):
+        messages.append(f"example(s) {forward.nonzero().flatten().tolist()} hold NaN or infinite values in their "
+                        "inputs or forward pass")
+    if bool(overflow.any()):
+        messages.append(
+            f"the scores of example(s) {overflow.nonzero().flatten().tolist()} overflowed although their inputs and "
+            "forward pass were finite: the method's own arithmetic left the dtype's range (a 'raw' rollout multiplies "
+            "maps whose rows are not normalised over every layer; use rollout='row_normalized', or run the model in "
+            "float64)")
+    warnings.warn("; ".join(messages) + "; their scores are NaN", RuntimeWarning, stacklevel=3)
     updates = {}
     for f in fields(result):
         value = getattr(result, f.name)
