@@ -454,10 +454,10 @@ def explain(
                     if not isinstance(res, AttributionResult):
                         continue  # plain scores: nothing more to show
                     err = res.extras.get("completeness_error")
-                    if err is not None:
-                        ex.extras[f"{label}: max completeness error"] = float(err.max())
-                    elif res.delta is not None:
+                    if res.delta is not None:  # the explained logit's own error (ALTI-Logit's includes its layers')
                         ex.extras[f"{label}: completeness error |sum - logit|"] = float(res.delta[i].abs())
+                    elif err is not None:
+                        ex.extras[f"{label}: max completeness error"] = float(err.max())
                     if keep_maps and isinstance(res, DecompositionResult) and res.layer_maps is not None \
                             and res.rollout is not None:
                         m = example_from_result(res, i, tokens[i])

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from captum_normattr.tokens import readable_tokens, visible_text
+
 PROG = "captum-normattr generate"
 #: the methods of the command (registry keys)
 GENERATE_METHODS = ("alti-logit", "decompx", "alti", "globenc")
@@ -145,12 +147,14 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
             raise GenerateError(f"{key}: {err}") from None
         res = ex.to_captum(exclude_sink=args.exclude_sink)
         if "tokens" not in record:
-            record.update(tokens=ex.tokens, prompt_length=ex.prompt_length, generated=list(ex.output_tokens),
-                          generated_ids=ex.target_ids.tolist(), sink_index=ex.sink_index)
+            record.update(tokens=ex.tokens, token_text=feature_text(tok, ex.tokens), prompt_length=ex.prompt_length,
+                          generated=list(ex.output_tokens), generated_ids=ex.target_ids.tolist(),
+                          sink_index=ex.sink_index)
         d = ex.details
         record["methods"][ex.method] = {
             "key": key, "signed": ex.signed, "quantity": ex.quantity if ex.signed else "rollout",
-            "input_features": list(res.input_tokens), "token_attr": res.token_attr.tolist(),
+            "input_features": list(res.input_tokens), "input_feature_text": feature_text(tok, res.input_tokens),
+            "token_attr": res.token_attr.tolist(),
             "seq_attr": res.seq_attr.tolist(), "rows": ex.scores.tolist(),
             "explained": None if d.explained is None else d.explained.tolist(),
             "no_token": None if d.no_token is None else d.no_token.tolist(),
@@ -159,6 +163,19 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
             "sink_share": ex.sink_share.tolist(),
         }
     return record
+
+
+def feature_text(tokenizer: Any, features: Any) -> List[str]:
+    r"""Readable labels of input features: a feature that is one of the tokenizer's tokens
+    (``Ġcapital``, ``▁Paris``) becomes its text (:func:`~captum_normattr.tokens.readable_tokens`);
+    any other feature (a template value) is kept as it is."""
+    out = []
+    for f in features:
+        f = str(f)
+        tid = tokenizer.convert_tokens_to_ids(f)
+        known = isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == f
+        out.append(readable_tokens(tokenizer, [tid])[0] if known else f)
+    return out
 
 
 def attr_is_signed(key: str) -> bool:
@@ -177,7 +194,8 @@ def render_table(record: Dict[str, Any], top: int = 5) -> str:
             total = m["explained"][k] if m["explained"] is not None else sum(row)
             p = "" if m["log_probs"] is None else f"{math.exp(m['log_probs'][k]):.3f}"
             order = sorted(range(len(row)), key=lambda j: -abs(row[j]))[:max(0, top)]
-            tops = "  ".join(f"{m['input_features'][j]!s}({row[j]:+.3g})" for j in order)
+            labels = m.get("input_feature_text") or m["input_features"]
+            tops = "  ".join(f"{visible_text(labels[j])}({row[j]:+.3g})" for j in order)
             lines.append(f"{k:>3}  {str(gen[k])[:14]:<14} {total:>9.4g} {p:>7} {m['sink_share'][k]:>5.2f}  {tops}")
         lines.append("")
     return "\n".join(lines)
@@ -187,7 +205,7 @@ def render_html(record: Dict[str, Any], title: str = "") -> str:
     r"""The interactive report (:mod:`captum_normattr.interactive`) where it is installed, else a plain HTML table."""
     import torch
 
-    tokens = list(record["tokens"])
+    tokens = list(record.get("token_text") or record["tokens"])
     methods = {name: torch.tensor(m["rows"]) for name, m in record["methods"].items()}
     try:
         from captum_normattr.interactive import interactive_report_html
@@ -210,7 +228,7 @@ def simple_html_table(record: Dict[str, Any], title: str = "") -> str:
         rows = m["token_attr"]
         scale = max((abs(v) for r in rows for v in r), default=1.0) or 1.0
         parts.append(f"<h2>{esc(name)}</h2><table><tr><th>generated</th>")
-        parts += [f"<th>{esc(str(f))}</th>" for f in m["input_features"]]
+        parts += [f"<th>{esc(str(f))}</th>" for f in (m.get("input_feature_text") or m["input_features"])]
         parts.append("</tr>")
         for k, r in enumerate(rows):
             parts.append(f"<tr><th>{esc(str(record['generated'][k]))}</th>")

@@ -96,3 +96,22 @@ def test_trust_remote_code_only_when_asked(monkeypatch, tiny_lm):
     cli_generate.load_causal_lm(tiny_lm)
     cli_generate.load_causal_lm(tiny_lm, trust_remote_code=True)
     assert seen == [None, True]
+
+
+def test_feature_labels_are_readable_text():
+    r"""The table's and report's input features read as text (``Ġcat`` -> ``cat``), for byte-level
+    BPE and SentencePiece; a feature that is no single token (a template value) is kept."""
+    from captum_normattr.cli_generate import feature_text
+    from captum_normattr.tokens import readable_tokens
+    from tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
+
+    def readable_tokens_of(tok, toks):
+        return list(readable_tokens(tok, tok.convert_tokens_to_ids(toks)))
+
+    for tok in (byte_level_bpe(), sentencepiece_bpe()):
+        raw = tok.convert_ids_to_tokens(tok("the cat sat")["input_ids"])
+        assert any(t.startswith(("Ġ", "▁")) for t in raw), raw
+        got = feature_text(tok, raw + ["a whole value"])
+        assert not any(g.startswith(("Ġ", "▁")) for g in got), got
+        assert got[-1] == "a whole value" and got[:-1] != raw
+        assert [g.strip() for g in got[:-1]] == [g.strip() for g in readable_tokens_of(tok, raw)]
