@@ -26,7 +26,7 @@ GRAM_CHUNK_MB = 64.0
 
 #: Bytes of one (tokens, D) block of the per-token vector work (norm scales, diagonal parts,
 #: mixing ratios, completeness): every pass after the first reads the block from the CPU
-#: cache instead of main memory (docs/performance.md, "Round 5").
+#: cache instead of main memory (docs/performance.md, "GlobEnc on MiniLM, memory passes and the quadratic forms").
 VECTOR_BLOCK_BYTES = 2**20
 
 

@@ -91,7 +91,7 @@ def quadrature_gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NOD
     ones = None
     # Nodes and weights as Python numbers (the values of ``a``'s dtype), sums accumulated in
     # place with a scalar factor: 3 passes over ``a`` per node fewer than tensor-scalar
-    # products and fresh sums (docs/performance.md, "Round 2: FF throughput and DecompX profile").
+    # products and fresh sums (docs/performance.md, "FF throughput and DecompX profile").
     for t, w in zip(ts.tolist(), ws.tolist()):
         with local_autograd():
             x = (a * t).detach().requires_grad_(True)

@@ -203,7 +203,7 @@ def _attention_by_examples(query, key, value, attention_mask, scaling, keep_prob
     Each block's scores are written straight into the probabilities' buffer, the softmax runs
     in place (bitwise the out-of-place result) and the block is mixed into the context while
     it is still in the CPU cache: one fresh (B, H, T, S) buffer per layer and one pass over it
-    through main memory, instead of two buffers and four passes (docs/performance.md, "Round 5").
+    through main memory, instead of two buffers and four passes (docs/performance.md, "GlobEnc on MiniLM, memory passes and the quadratic forms").
     """
     b, h, t, _ = query.shape
     s = key.shape[-2]
