@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from captum_normattr.tokens import readable_tokens, visible_text
+from captum_normattr.tokens import readable_tokens, terminal_lines, visible_text
 
 PROG = "captum-normattr generate"
 #: the methods of the command (registry keys)
@@ -69,34 +69,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_causal_lm(name: str, trust_remote_code: bool = False, dtype: Optional[str] = None, device: str = "cpu"):
-    r"""(model in eval mode, tokenizer) of a causal LM; ``trust_remote_code`` only when asked for.
+    r"""(model in eval mode, tokenizer) of a causal LM, loaded as the main command loads models
+    (:func:`~captum_normattr.cli_common.load_model`): ``trust_remote_code`` is passed explicitly
+    (a folder with its own code is refused without ``--trust-remote-code``, and transformers
+    never prompts), and a folder without a real tokenizer is refused.
 
     Raises:
-        GenerateError: when the folder, model or tokenizer cannot be loaded.
+        GenerateError: when the folder, model or tokenizer cannot be loaded, or the model has
+            no LM head.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    local = Path(name).expanduser()
-    if local.exists() and not (local / "config.json").exists():
-        raise GenerateError(f"model folder {name!r} has no config.json")
-    source = str(local) if local.exists() else name
-    kw: Dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kw)
-        tok = AutoTokenizer.from_pretrained(source, **kw)
-    except Exception as err:  # noqa: BLE001 - any loading failure is a usage error here
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        hint = "" if trust_remote_code or "trust_remote_code" not in str(err) else (
-            " (this model needs its own code: add --trust-remote-code if you trust it)")
-        raise GenerateError(f"cannot load the causal LM {name!r}: {first}{hint}") from None
-    if dtype is not None:
-        model = model.to(getattr(torch, dtype))
+    from captum_normattr.cli_common import CLIError, load_model
+
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise GenerateError(f"unknown device {device!r}") from None
-    return model.to(dev).eval(), tok
+    try:
+        model, tok, _ = load_model(name, dev, trust_remote_code)
+    except CLIError as err:
+        raise GenerateError(str(err)) from None
+    if getattr(model, "get_output_embeddings", lambda: None)() is None or not hasattr(model, "generate"):
+        raise GenerateError(f"{name!r} is not a causal LM with its LM head (a *ForCausalLM checkpoint)")
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    return model.eval(), tok
 
 
 def _build_input(tok: Any, prompt: str, chat: bool, skip_special: bool):
@@ -196,7 +194,7 @@ def render_table(record: Dict[str, Any], top: int = 5) -> str:
             order = sorted(range(len(row)), key=lambda j: -abs(row[j]))[:max(0, top)]
             labels = m.get("input_feature_text") or m["input_features"]
             tops = "  ".join(f"{visible_text(labels[j])}({row[j]:+.3g})" for j in order)
-            lines.append(f"{k:>3}  {str(gen[k])[:14]:<14} {total:>9.4g} {p:>7} {m['sink_share'][k]:>5.2f}  {tops}")
+            lines.append(f"{k:>3}  {visible_text(gen[k])[:14]:<14} {total:>9.4g} {p:>7} {m['sink_share'][k]:>5.2f}  {tops}")
         lines.append("")
     return "\n".join(lines)
 
@@ -270,7 +268,7 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
             print(text)
         return 0
     except GenerateError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {terminal_lines(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -95,7 +95,7 @@ def test_trust_remote_code_only_when_asked(monkeypatch, tiny_lm):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     cli_generate.load_causal_lm(tiny_lm)
     cli_generate.load_causal_lm(tiny_lm, trust_remote_code=True)
-    assert seen == [None, True]
+    assert seen == [False, True]  # explicit False: left unset, transformers would prompt and read stdin
 
 
 def test_feature_labels_are_readable_text():

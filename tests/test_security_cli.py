@@ -99,6 +99,18 @@ def test_folder_code_never_runs_without_trust_remote_code_even_with_yes_on_stdin
     assert "[y/N]" not in proc.stdout + proc.stderr  # transformers never asked
 
 
+def test_generate_never_runs_folder_code_without_trust_remote_code(tmp_path):
+    r"""``captum-normattr generate`` loads models as the main command does: the folder's code stays unrun."""
+    marker = tmp_path / "MARKER"
+    folder = _evil_folder(tmp_path, marker)
+    proc = _cli("generate", "--model", folder, "the film", "--max-new-tokens", "2", stdin="y\n" * 50)
+    assert not marker.exists()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("captum-normattr generate: error:")]
+    assert len(lines) == 1 and "--trust-remote-code" in lines[0] and "auto_map" in lines[0], proc.stderr
+    assert "[y/N]" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("mode", ["jsonl", "image"])
 def test_folder_code_never_runs_in_jsonl_and_image_runs(mode, tmp_path, monkeypatch, capsys):
     import io
