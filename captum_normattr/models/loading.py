@@ -179,7 +179,7 @@ def load_default_model(
 
     if kind == "encoder":
         path = default_model_path()
-        model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False)
     elif kind == "decoder":
         path = default_decoder_path(cache_dir)
         model = AutoModelForCausalLM.from_pretrained(
