@@ -105,7 +105,7 @@ def test_alti_logit_delta_carries_attention_completeness(monkeypatch):
     ids, mask = decoder_batch([6], seed=2)
     al = ALTILogitAttribution(model)
     clean = al.decompose(ids, 5, mask)
-    assert float(clean.delta.max()) < 1e-12
+    assert float(clean.delta.max()) < 1e-12 * max(1.0, float(clean.logit.abs().max()))  # scaled: other CPUs round differently
     real_tensors_to = alti_logit_module.tensors_to
 
     def wrong_attention(layer, device):
@@ -123,7 +123,7 @@ def test_alti_logit_delta_carries_attention_completeness(monkeypatch):
     monkeypatch.setattr(alti_logit_module, "tensors_to", wrong_attention)
     res = al.decompose(ids, 5, mask)
     old_delta = (res.logit - res.scores.sum(-1) - res.no_token_total).abs()
-    assert float(old_delta.max()) < 1e-12  # what the delta was before: blind to it
+    assert float(old_delta.max()) < 1e-12 * max(1.0, float(res.logit.abs().max()))  # what the delta was before: blind to it
     assert not torch.allclose(res.scores, clean.scores, atol=1e-6)  # the scores did change
     assert float(res.delta.min()) > 1e-3 and float(res.extras["completeness_error"].max()) > 1e-3
 

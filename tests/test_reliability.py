@@ -354,8 +354,9 @@ def test_bert_as_decoder_runs_the_decompx_adjoint():
     adjoint = DecompXAttribution(model, algorithm="adjoint")
     scores, delta = adjoint.attribute(ids, additional_forward_args=(mask,), return_convergence_delta=True)
     forward = DecompXAttribution(model, algorithm="forward").attribute(ids, additional_forward_args=(mask,))
-    assert float(delta.abs().max()) < 1e-10
-    torch.testing.assert_close(scores, forward, rtol=0, atol=1e-10)
+    scale = float(forward.abs().max())  # tolerances scaled to the scores (other CPUs round differently)
+    assert float(delta.abs().max()) < 1e-10 * scale
+    torch.testing.assert_close(scores, forward, rtol=0, atol=1e-10 * scale)
 
 
 def test_overflowed_scores_are_told_apart_from_a_non_finite_forward_pass():
