@@ -131,10 +131,10 @@ def test_clear_errors():
         attr.attribute(ids, additional_forward_args=(torch.zeros_like(mask),))
     with pytest.raises(ValueError, match="map_name"):
         GlobEncAttribution(model, "XYZ")
-    from transformers import GPTNeoXConfig, GPTNeoXModel
+    from transformers import MambaConfig, MambaModel
 
-    other = GPTNeoXModel(GPTNeoXConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, vocab_size=20))
-    with pytest.raises(UnsupportedModelError, match="BERT.*RoBERTa.*ELECTRA.*DistilBERT"):
+    other = MambaModel(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=20, state_size=4))
+    with pytest.raises(UnsupportedModelError, match="BERT.*RoBERTa.*ELECTRA.*DistilBERT.*register_architecture"):
         GlobEncAttribution(other)
 
 

@@ -38,6 +38,7 @@ class ALTIAttribution(LayerDecompositionAttribution):
     """
 
     method_name = "ALTI"
+    kind_method = "alti"
 
     def __init__(
         self,

@@ -124,6 +124,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
     """
 
     method_name = "ALTI-Logit"
+    kind_method = "alti_logit"
 
     def __init__(
         self,

@@ -324,6 +324,8 @@ class LayerDecompositionAttribution(Attribution):
     """
 
     method_name = "decomposition"
+    #: what this method asks of the layer kind (one of ``layer_kinds.KIND_METHODS``)
+    kind_method = "maps"
     #: judge the attention block's completeness error (methods without a delta: GlobEnc, ALTI)
     guards_completeness = True
 
@@ -335,7 +337,8 @@ class LayerDecompositionAttribution(Attribution):
         strict: bool = False,
     ) -> None:
         self.adapter = get_adapter(model)
-        self.kind: LayerKind = layer_kind(self.adapter.pre_ln)
+        self.kind: LayerKind = layer_kind(self.adapter.topology, self.adapter.family)
+        self.kind.require(self.kind_method, self.adapter.family)
         explained_position = check_explained_position(explained_position)
         if explained_position is None:
             explained_position = "last" if self.adapter.causal else 0

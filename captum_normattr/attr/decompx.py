@@ -12,7 +12,7 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import ConsistencyGuard, check_memory_budget, compute_dtype, format_output, mark_non_finite, streamed_forward
-from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit
+from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
 from captum_normattr.decompose.decompx import (
@@ -28,6 +28,7 @@ from captum_normattr.decompose.decompx import (
     logit_scores,
 )
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
+from captum_normattr.decompose.layer_kinds import layer_kind
 from captum_normattr.decompose.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
@@ -257,8 +258,11 @@ class DecompXAttribution(Attribution):
             raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
         model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside, run eagerly
         self.adapter = get_adapter(model)
+        layer_kind(self.adapter.topology, self.adapter.family).require("decompx", self.adapter.family)
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
-        self.decoder = bool(self.adapter.pre_ln) and not self.vision
+        # the explained output follows the model's head: an LM head gives next-token logits, a classification
+        # head class logits (whatever the layer kind: a pre-LN *ForSequenceClassification is a classifier)
+        self.decoder = not self.vision and explains_next_token(model, self.adapter)
         self.output: Union[ClassLogit, NextTokenLogit]
         if self.decoder:
             if self.adapter.final_norm is None:

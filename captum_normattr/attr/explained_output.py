@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.models.adapters import ArchitectureAdapter, get_path, unwrap_model
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 from captum_normattr.models.weights import weight_and_bias
@@ -120,6 +121,26 @@ class LogitDirection:
     foil: Optional[Tensor]
 
 
+def explains_next_token(model: nn.Module, adapter: ArchitectureAdapter) -> bool:
+    r"""Whether a logit-explaining method explains a next-token logit of ``model`` (else a class logit).
+
+    Chosen from the model's head, not from its layer kind: a sequence classifier (a
+    ``*ForSequenceClassification``, whatever its layers) explains class logits; a model
+    with the LM head its description names, or a bare causal model (with an explicit
+    unembedding), explains next-token logits.
+    """
+    model = unwrap_model(model)
+    if type(model).__name__.endswith(("ForSequenceClassification", "ForImageClassification")):
+        return False
+    if adapter.lm_head is not None:
+        try:
+            get_path(model, adapter.lm_head)
+            return True
+        except AttributeError:
+            pass
+    return bool(adapter.causal)
+
+
 class NextTokenLogit:
     r"""The next-token logit of a decoder (its LM head, or an explicit unembedding).
 
@@ -150,8 +171,9 @@ class NextTokenLogit:
                 head = None
         if head is None:
             raise ValueError(
-                f"{type(model).__name__} has no LM head: pass a model with one (GPT2LMHeadModel, "
-                f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) or an explicit unembedding=(vocab, {d}) matrix"
+                f"{type(model).__name__} has no LM head: pass a causal LM of a supported decoder family "
+                f"({supported_causal_families()}; GPT2LMHeadModel, *ForCausalLM) or an explicit "
+                f"unembedding=(vocab, {d}) matrix"
             )
         self._head, self._weights = head, None
 

@@ -100,6 +100,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         self.scope, self.method, self.steps, self.chunk_rows, self.nodes = scope, method, steps, chunk_rows, nodes
         self.contribution, self.memory_budget_mb, self.ignore_low_gamma = contribution, memory_budget_mb, ignore_low_gamma
 
+    kind_method = "ff"
     guards_completeness = False  # the FF completeness is the delta (and a Riemann sum's error is expected)
 
     def _map_key(self) -> str:

@@ -38,17 +38,13 @@ def image_size(model: nn.Module) -> Tuple[int, int]:
 
 
 def num_prefix_tokens(model: nn.Module, adapter: ArchitectureAdapter) -> int:
-    r"""Tokens before the first patch: [CLS], plus DeiT's distillation token or DINOv2's registers."""
-    if adapter.family == "DeiT":
-        return 2
-    return 1 + int(getattr(model.config, "num_register_tokens", 0) or 0)
+    r"""Tokens before the first patch: the description's prefix tokens ([CLS], DeiT's distillation token) and registers."""
+    return adapter.inputs.prefix_tokens + int(getattr(model.config, "num_register_tokens", 0) or 0)
 
 
 def token_names(model: nn.Module, adapter: ArchitectureAdapter, grid: Tuple[int, int]) -> list:
     r"""Readable names of the tokens: ``[CLS]``, ``[DIST]``, ``[REG0]``..., then ``(row,col)`` patches."""
-    names = ["[CLS]"]
-    if adapter.family == "DeiT":
-        names.append("[DIST]")
+    names = list(adapter.inputs.prefix_names)
     names += [f"[REG{i}]" for i in range(num_prefix_tokens(model, adapter) - len(names))]
     return names + [f"({r},{c})" for r in range(grid[0]) for c in range(grid[1])]
 
@@ -127,7 +123,7 @@ def prepare_pixel_values(
     grid = (h // p, w // p)
     prefix = num_prefix_tokens(model, adapter)
     t = prefix + grid[0] * grid[1]
-    accepts = adapter.family in ("ViT", "DeiT")  # DINOv2 always interpolates its position embeddings
+    accepts = adapter.inputs.interpolates_positions == "flag"  # DINOv2 always interpolates its position embeddings
     interpolate = (h, w) != image_size(model)
     mask = torch.ones(b, t, dtype=torch.long, device=device)
     return PreparedImageInputs(

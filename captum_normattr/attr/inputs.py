@@ -245,7 +245,7 @@ def _check_token_types(token_types: Tensor, model: nn.Module, adapter: Architect
         raise TypeError(f"token_type_ids must be an integer tensor; got dtype {token_types.dtype}")
     config = model.config
     n_types = getattr(config, "type_vocab_size", None)
-    if adapter.family == "GPT-2":  # GPT-2 embeds token types with its word embeddings
+    if adapter.inputs.token_types == "word_embeddings":  # GPT-2 embeds token types with its word embeddings
         n_types = int(config.vocab_size)
     lo, hi = int(token_types.min()), int(token_types.max())
     if n_types is not None and (lo < 0 or hi >= int(n_types)):

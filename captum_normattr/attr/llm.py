@@ -103,7 +103,7 @@ def _check_ids(ids: Tensor, name: str) -> Tensor:
 
 
 def _final_norm(model: nn.Module, adapter, dtype: torch.dtype, device: torch.device):
-    return norm_params(get_path(base_model(model), adapter.final_norm), adapter.norm_kind, dtype, device)
+    return norm_params(get_path(base_model(model), adapter.final_norm), adapter.head.final_norm, dtype, device)
 
 
 def _mean_unembedding(output: NextTokenLogit, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor]:

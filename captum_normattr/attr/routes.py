@@ -15,9 +15,11 @@ import torch
 from captum.log import log_usage
 from torch import Tensor, nn
 
+from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.attr.base import check_memory_budget, streamed_forward
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.attention import project_values
+from captum_normattr.decompose.layer_kinds import layer_kind
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.routes import (
     GRANULARITIES,
@@ -238,9 +240,11 @@ class InformationFlowRoutes:
         self.adapter = get_adapter(model)
         if not (self.adapter.pre_ln and self.adapter.causal):
             raise NotImplementedError(
-                f"information-flow routes are implemented for pre-LN causal decoders (GPT-2, Llama, Mistral, Qwen2); "
-                f"the {self.adapter.family} family is {'post-LN' if not self.adapter.pre_ln else 'bidirectional'}"
+                f"information-flow routes are implemented for causal decoders with norms inside the branches "
+                f"({supported_causal_families()}); the {self.adapter.family} family is "
+                f"{'post-LN' if not self.adapter.pre_ln else 'bidirectional'}"
             )
+        layer_kind(self.adapter.topology, self.adapter.family).require("routes", self.adapter.family)
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
     @log_usage()

@@ -13,6 +13,10 @@ kind           layer                                                            
                layer record says)                                               Qwen2
 =============  ===============================================================  ==========================
 
+The kind of a layer is chosen from its architecture description
+(:attr:`captum_normattr.arch.spec.ArchitectureSpec.topology`); a topology that no kind
+decomposes, or a method a kind does not implement, is refused with
+:class:`~captum_normattr.arch.spec.UnsupportedModelError` (never decomposed as another kind).
 The formulas are in ``docs/design.md`` ("Layer kinds"); the functions that compute them
 live in :mod:`~captum_normattr.decompose.encoder` (post-LN) and
 :mod:`~captum_normattr.decompose.decoder` (pre-LN).
@@ -20,10 +24,11 @@ live in :mod:`~captum_normattr.decompose.encoder` (post-LN) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple, Union
 
 from torch import Tensor
 
+from captum_normattr.arch.spec import TOPOLOGIES, UnsupportedModelError
 from captum_normattr.decompose import decoder, encoder
 from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import component_scope_maps
@@ -53,10 +58,25 @@ class FFOptions:
     memory_budget_mb: float = 128.0
 
 
+#: The methods a layer kind can decompose (:meth:`LayerKind.require`).
+KIND_METHODS: Tuple[str, ...] = ("maps", "alti", "ff", "decompx", "alti_logit", "routes")
+
+
 class LayerKind:
     r"""The interface of a layer kind (see the module docstring)."""
 
     name: str = ""
+    #: the methods of :data:`KIND_METHODS` this kind decomposes
+    methods: FrozenSet[str] = frozenset(KIND_METHODS)
+
+    def require(self, method: str, family: str) -> None:
+        r"""Raise :class:`UnsupportedModelError` if this kind does not decompose ``method``."""
+        if method not in self.methods:
+            done = ", ".join(sorted(self.methods)) or "none"
+            raise UnsupportedModelError(
+                f"{family} has {self.name} layers, and the {method!r} decomposition is not implemented for that layer "
+                f"kind (it decomposes: {done}); see docs/architectures.md"
+            )
     #: the GlobEnc-table maps defined for this kind
     globenc_maps: Tuple[str, ...] = ()
     #: GlobEncAttribution's map when none is named
@@ -167,10 +187,35 @@ class PreLNKind(LayerKind):
             )
 
 
-#: The layer kinds by name.
+#: The layer kinds by topology name (a kind module adds its own with :func:`register_layer_kind`).
 LAYER_KINDS: Dict[str, LayerKind] = {"post_ln": PostLNKind(), "pre_ln": PreLNKind()}
 
 
-def layer_kind(pre_ln: bool) -> LayerKind:
-    r"""The kind object of a layer (``pre_ln`` from the adapter or the layer record)."""
-    return LAYER_KINDS["pre_ln" if pre_ln else "post_ln"]
+def register_layer_kind(kind: LayerKind) -> LayerKind:
+    r"""Make ``kind`` the kind of the layers of topology ``kind.name`` (one of the description's topologies)."""
+    if kind.name not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {kind.name!r}; the descriptions know {TOPOLOGIES}")
+    LAYER_KINDS[kind.name] = kind
+    return kind
+
+
+def layer_kind(topology: Union[str, bool], family: str = "this model") -> LayerKind:
+    r"""The kind object of a layer.
+
+    Args:
+        topology: the description's topology (``ArchitectureSpec.topology``) or a layer
+            record's ``topology``; a bool is read as the older ``pre_ln`` flag.
+        family: named in the error.
+
+    Raises:
+        UnsupportedModelError: no kind decomposes that topology.
+    """
+    if isinstance(topology, bool):
+        topology = "pre_ln" if topology else "post_ln"
+    kind = LAYER_KINDS.get(topology)
+    if kind is None:
+        raise UnsupportedModelError(
+            f"{family} has {topology} layers (described in the architecture registry), but no layer kind decomposes "
+            f"that topology yet; implemented: {', '.join(LAYER_KINDS)}"
+        )
+    return kind

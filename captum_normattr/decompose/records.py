@@ -91,6 +91,15 @@ class LayerTensors:
             the capture and judged by :class:`captum_normattr.attr.base.ConsistencyGuard`.
         source_dtype: the dtype the model computed the recorded tensors in (before the cast
             to the compute dtype); sets the tolerance of the checks. None: the compute dtype.
+        topology: the layer's topology kind (``"post_ln"``, ``"pre_ln"``, ``"sandwich"``,
+            ``"parallel"``; :data:`captum_normattr.arch.spec.TOPOLOGIES`), from the description.
+        attn_post / ff_post: parameters of the norms on the branch outputs (sandwich), or None.
+        attn_post_in / attn_post_out: the real input (the attention branch output) and output
+            (what joins the residual) of the attention post-norm, (B, T, D), or None.
+        ff_post_in / ff_post_out: the same for the feed-forward post-norm (its input is
+            ``ff_out``), or None.
+        attn_branch_out: the real output of the attention branch as it joins the residual
+            (the output projection's output; parallel layers, which never form x + Attn), or None.
     """
 
     hidden_in: Tensor
@@ -113,6 +122,18 @@ class LayerTensors:
     context: Optional[Tensor] = None
     checks: Dict[str, Tensor] = field(default_factory=dict)
     source_dtype: Optional[torch.dtype] = None
+    topology: Optional[str] = None
+    attn_post: Optional[NormParams] = None
+    attn_post_in: Optional[Tensor] = None
+    attn_post_out: Optional[Tensor] = None
+    ff_post: Optional[NormParams] = None
+    ff_post_in: Optional[Tensor] = None
+    ff_post_out: Optional[Tensor] = None
+    attn_branch_out: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.topology is None:
+            self.topology = "pre_ln" if self.pre_ln else "post_ln"
 
     @property
     def num_heads(self) -> int:

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.arch.spec import Norm
 from captum_normattr.decompose.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import (
@@ -127,7 +128,7 @@ def _causal_row_blocks(attention_mask: Optional[Tensor], t: int, s: int) -> Opti
 
 
 def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool, position_bias=None,
-                     causal: bool = False):
+                     causal: bool = False, softcap: Optional[float] = None):
     r"""Eager attention computed in chunks of heads; returns (output (B, T, H, Dh), probs or None).
 
     ``position_bias``: an additive (B or 1, H or 1, T, S) score bias added before the mask
@@ -135,6 +136,8 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     attention; where the mask confirms it (:func:`_causal_row_blocks`), blocks of query
     rows compute scores, softmax and mixing only over the keys up to their last row (the
     rest of the probabilities is exactly 0), about half the work of the full square.
+    ``softcap``: attention-score soft-capping (Gemma 2): the scaled scores become
+    ``softcap * tanh(scores / softcap)`` before the bias and the mask, as in the model's eager code.
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: one key/value head serves `groups` query heads
@@ -150,7 +153,7 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     per_head = max(1, b * t * s * max(query.element_size(), 4))
     step = max(1, min(h, SCORE_CHUNK_BYTES // per_head))
     if step >= h and blocks is None and query.dtype == soft_dtype and not dropping:
-        return _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs, position_bias)
+        return _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs, position_bias, softcap)
     # one chunk of every head and row: the softmax output is the probabilities (no copy into them)
     whole = step >= h and blocks is None
     probs = None if whole else torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
@@ -158,6 +161,7 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
         sl = slice(h0, min(h, h0 + step))
         for r0, r1, c1 in ((0, t, s),) if blocks is None else ((r0, r1, r1) for r0, r1 in blocks):
             scores = torch.matmul(query[:, sl, r0:r1], key[:, sl, :c1].transpose(2, 3)).mul_(scaling)
+            _soft_cap(scores, softcap)
             _add_bias_and_mask(scores, position_bias, attention_mask, sl, slice(r0, r1), slice(0, c1))
             if whole:
                 probs = torch.softmax(scores, dim=-1, dtype=soft_dtype)
@@ -197,7 +201,13 @@ def _add_bias_and_mask(scores: Tensor, position_bias: Optional[Tensor], attentio
             scores.add_(e)
 
 
-def _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs: bool, position_bias):
+def _soft_cap(scores: Tensor, softcap: Optional[float]) -> None:
+    r"""``softcap * tanh(scores / softcap)`` in place (nothing when ``softcap`` is None)."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs: bool, position_bias, softcap=None):
     r"""Eager attention in blocks of examples of about :data:`EXAMPLE_BLOCK_BYTES` of probabilities.
 
     Each block's scores are written straight into the probabilities' buffer, the softmax runs
@@ -213,6 +223,7 @@ def _attention_by_examples(query, key, value, attention_mask, scaling, keep_prob
     for b0 in range(0, b, step):
         ex = slice(b0, min(b, b0 + step))
         scores = torch.matmul(query[ex], key[ex].transpose(2, 3), out=probs[ex]).mul_(scaling)
+        _soft_cap(scores, softcap)
         _add_bias_and_mask(scores, position_bias, attention_mask, slice(None), slice(None), slice(None), ex)
         torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         torch.matmul(scores, value[ex], out=out[ex])
@@ -244,11 +255,12 @@ def _recording_attention(
             fn = ALL_ATTENTION_FUNCTIONS.get(original) if hasattr(ALL_ATTENTION_FUNCTIONS, "get") else None
             if fn is not None:
                 return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention soft-capping and attention sinks are not supported by captum_normattr")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("learned attention sinks (s_aux) are not supported by captum_normattr")
     out, probs, values = _eager_attention(
         query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching),
         position_bias=kwargs.get("position_bias"), causal=bool(getattr(module, "is_causal", False)),
+        softcap=kwargs.get("softcap"),
     )
     for recorder in watching:
         recorder.record_attention(module, probs, values, out if not (module.training and dropout > 0) else None)
@@ -279,13 +291,26 @@ def _configs(model: nn.Module):
 
 
 def norm_params(
-    module: nn.Module, kind: str, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+    module: nn.Module, kind: Union[str, Norm], dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
 ) -> NormParams:
     r"""The parameters of a LayerNorm/RMSNorm module, cast to ``dtype`` and moved to ``device`` (kept if None).
+
+    Args:
+        module: the norm module.
+        kind: its description (:class:`~captum_normattr.arch.spec.Norm`: kind and gain
+            offset) or just the kind, ``"layernorm"`` / ``"rmsnorm"``.
+        dtype, device: of the returned tensors (None: kept).
+
+    Returns:
+        :class:`NormParams` whose ``weight`` is the effective gain (``weight + weight_offset``:
+        Gemma's ``1 + w``).
 
     The parameters are read wherever they live (:func:`~captum_normattr.models.weights.module_tensor`),
     also from the hook of a module offloaded by accelerate.
     """
+    offset = 0.0
+    if isinstance(kind, Norm):
+        kind, offset = kind.kind, kind.weight_offset
     eps = getattr(module, "eps", None)
     if eps is None:
         eps = getattr(module, "variance_epsilon", None)
@@ -299,8 +324,13 @@ def norm_params(
             return t
         return t.detach().to(device=device, dtype=dtype)
 
+    weight = cast(module_tensor(module, "weight"))
+    if offset:
+        if weight is None:
+            raise ValueError(f"norm module {type(module).__name__} has no weight for its gain offset {offset}")
+        weight = weight + offset
     return NormParams(
-        weight=cast(module_tensor(module, "weight")),
+        weight=weight,
         bias=cast(module_tensor(module, "bias")) if kind == "layernorm" else None,
         eps=float(eps),
         kind=kind,
@@ -320,6 +350,11 @@ def _first_tensor(x):
 
 
 _RECORD_KEYS = ("hidden_in", "probs", "values", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out")
+#: what each topology records beyond :data:`_RECORD_KEYS`
+_TOPOLOGY_KEYS: Dict[str, Tuple[str, ...]] = {
+    "sandwich": ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"),
+    "parallel": ("attn_branch_out",),
+}
 
 
 class AttentionRecords:
@@ -534,6 +569,12 @@ class Recorder(AttentionRecords):
                 handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
                 handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
+                for key, norm in (("attn_post", a.layer.attention.post_norm), ("ff_post", a.layer.ff.post_norm)):
+                    if norm is not None:  # sandwich: the norms on the branch outputs
+                        handles.append(get_path(layer, norm.path).register_forward_hook(store(i, key, "both")))
+                if a.topology == "parallel":  # the attention branch output, which joins the stream beside the FF's
+                    attn_branch = get_path(layer, a.attn_scale if a.attn_scale is not None else a.attn_out)
+                    handles.append(attn_branch.register_forward_hook(store(i, "attn_branch", "out")))
                 ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
                 handles.append(get_path(layer, a.attention).register_forward_pre_hook(
@@ -577,7 +618,7 @@ class Recorder(AttentionRecords):
 
     def _finish_layer(self, idx: int) -> None:
         rec = self.records.pop(idx, {})
-        missing = [k for k in _RECORD_KEYS if k not in rec]
+        missing = [k for k in _RECORD_KEYS + _TOPOLOGY_KEYS.get(self.adapter.topology, ()) if k not in rec]
         if missing:
             raise RuntimeError(
                 f"layer {idx}: the forward pass recorded no {missing}; the model's structure does not match the "
@@ -598,14 +639,29 @@ class Recorder(AttentionRecords):
         ``rec``: the raw recorded tensors (identical memory needs no arithmetic); ``t``: the
         same in the compute dtype.
         """
+        topology = t.topology
         if t.pre_ln:
             self._check(idx, "first norm input vs the layer input", rec["ln1_in"], rec["hidden_in"])
         else:
             self._check(idx, "layer output vs the second norm's output", rec["layer_out"], rec["ln2_out"])
+        if topology == "parallel":
+            self._check(idx, "second norm input vs the layer input (parallel branches)", rec["ln2_in"], rec["hidden_in"])
+        if topology == "sandwich":
+            self._check(idx, "feed-forward post-norm input vs the feed-forward output", rec["ff_post_in"], rec["ff_out"])
         checks = self.checks.pop(idx, {})
         checks["first norm rebuilt from its input"] = norm_rebuild_error(t.ln1_in, t.ln1_out, t.ln1)
         checks["second norm rebuilt from its input"] = norm_rebuild_error(t.ln2_in, t.ln2_out, t.ln2)
-        if t.pre_ln:
+        if topology == "sandwich":
+            checks["attention post-norm rebuilt from its input"] = norm_rebuild_error(t.attn_post_in, t.attn_post_out, t.attn_post)
+            checks["feed-forward post-norm rebuilt from its input"] = norm_rebuild_error(t.ff_post_in, t.ff_post_out, t.ff_post)
+            checks["second norm input vs the layer input plus the attention post-norm output"] = relative_difference(
+                t.ln2_in, t.hidden_in + t.attn_post_out, temporary=True)
+            checks["layer output vs the residual stream plus the feed-forward post-norm output"] = relative_difference(
+                t.layer_out, t.ln2_in + t.ff_post_out, temporary=True)
+        elif topology == "parallel":
+            checks["layer output vs the layer input plus both branch outputs"] = relative_difference(
+                t.layer_out, t.hidden_in + t.attn_branch_out + t.ff_out, temporary=True)
+        elif t.pre_ln:
             checks["layer output vs the residual stream plus the feed-forward output"] = relative_difference(
                 t.layer_out, t.ln2_in + t.ff_out, temporary=True)
         else:
@@ -642,10 +698,10 @@ class Recorder(AttentionRecords):
             context=cast(rec.get("context")),
             out_weight=cast(w_o),
             out_bias=cast(b_o),
-            ln1=norm_params(get_path(layer, a.ln1), a.norm_kind, dtype, device),
+            ln1=norm_params(get_path(layer, a.ln1), a.norm1, dtype, device),
             ln1_in=cast(rec["ln1_in"]),
             ln1_out=cast(rec["ln1_out"]),
-            ln2=norm_params(get_path(layer, a.ln2), a.norm_kind, dtype, device),
+            ln2=norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
             ln2_in=cast(rec["ln2_in"]),
             ln2_out=cast(rec["ln2_out"]),
             ff_out=cast(rec["ff_out"]),
@@ -655,7 +711,15 @@ class Recorder(AttentionRecords):
             causal=a.causal,
             index=idx,
             source_dtype=rec["layer_out"].dtype,
+            topology=a.topology,
+            attn_branch_out=cast(rec.get("attn_branch_out")),
         )
+        if a.topology == "sandwich":
+            tensors.attn_post = norm_params(get_path(layer, a.layer.attention.post_norm.path), a.layer.attention.post_norm,
+                                            dtype, device)
+            tensors.ff_post = norm_params(get_path(layer, a.layer.ff.post_norm.path), a.layer.ff.post_norm, dtype, device)
+            for key in ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"):
+                setattr(tensors, key, cast(rec[key]))
         tensors.checks = self._layer_checks(idx, rec, tensors)
         return tensors
 
@@ -676,7 +740,7 @@ class Recorder(AttentionRecords):
                 f"the forward pass changed the recorded final norm {changed} in place after it was recorded; it is "
                 "recorded as a copy from now on: run the call again", len(self.layers), tuple(changed), False)
         device = self.final["out"].device
-        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.norm_kind, self.dtype, device)
+        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.head.final_norm, self.dtype, device)
         return p, self.final["in"].to(device=device, dtype=self.dtype), self.final["out"].to(self.dtype)
 
     def rerun_layer(self, idx: int, hidden_in: Tensor) -> LayerTensors:

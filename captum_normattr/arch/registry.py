@@ -1,0 +1,101 @@
+r"""The architecture registry: every supported family's description, by key.
+
+The docs' supported-models table, every error message that names the supported families
+and the engine's lookup (:func:`lookup`) read this registry; nothing keeps a list of its own.
+:func:`register_architecture` adds a family at run time.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from captum_normattr.arch.families import BUILTIN
+from captum_normattr.arch.spec import ArchitectureSpec
+
+__all__ = [
+    "ARCHITECTURES",
+    "architecture_table_markdown",
+    "lookup",
+    "register_architecture",
+    "supported_causal_families",
+    "supported_families",
+]
+
+#: The registered descriptions by key (built-ins first, then :func:`register_architecture`'s).
+ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(BUILTIN)
+
+
+def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, replace: bool = False) -> ArchitectureSpec:
+    r"""Add (or, with ``replace``, overwrite) a family description.
+
+    Args:
+        spec: the :class:`~captum_normattr.arch.spec.ArchitectureSpec`.
+        key: the registry key (default: the first model type).
+        replace: allow overwriting a key, or serving a model type another entry serves.
+
+    Returns:
+        ``spec``.
+
+    Raises:
+        ValueError: the key or one of the model types is taken and ``replace`` is False.
+
+    Examples::
+
+        >>> spec = dataclasses.replace(ARCHITECTURES["llama"], family="MyLlama", model_types=("my_llama",))
+        >>> register_architecture(spec) is spec
+        True
+    """
+    if not isinstance(spec, ArchitectureSpec):
+        raise TypeError(f"register_architecture takes an ArchitectureSpec, got {type(spec).__name__}")
+    key = key or spec.model_types[0]
+    if not replace:
+        if key in ARCHITECTURES:
+            raise ValueError(f"architecture {key!r} is already registered (pass replace=True to overwrite it)")
+        taken = [(t, k) for k, s in ARCHITECTURES.items() for t in spec.model_types if t in s.model_types]
+        if taken:
+            raise ValueError(
+                f"model type(s) {[t for t, _ in taken]} are already served by {sorted({k for _, k in taken})} "
+                "(pass replace=True to take them over)"
+            )
+    else:
+        for k in [k for k, s in ARCHITECTURES.items() if k != key and set(s.model_types) & set(spec.model_types)]:
+            del ARCHITECTURES[k]
+    ARCHITECTURES[key] = spec
+    return spec
+
+
+def lookup(model_type: Optional[str], config: Any = None) -> Optional[ArchitectureSpec]:
+    r"""The description serving ``model_type`` (its config variant when ``config`` selects one), or None."""
+    for spec in reversed(list(ARCHITECTURES.values())):  # a later registration wins
+        if model_type in spec.model_types:
+            for variant in spec.variants:
+                if config is not None and getattr(config, variant.attribute, object()) == variant.value:
+                    return variant.spec
+            return spec
+    return None
+
+
+def supported_families(modality: Optional[str] = None, model_types: bool = True) -> str:
+    r"""Readable list of the registered families (of one modality, or all), with their model types."""
+    return ", ".join(
+        f"{s.family} ({'/'.join(s.model_types)})" if model_types else s.family
+        for s in ARCHITECTURES.values() if modality in (None, s.modality)
+    )
+
+
+def supported_causal_families() -> str:
+    r"""Readable list of the registered causal (decoder) families, for messages about LM heads and decoders."""
+    return ", ".join(s.family for s in ARCHITECTURES.values() if s.causal)
+
+
+def architecture_table_markdown() -> str:
+    r"""The docs' supported-architectures table (Markdown), rendered from the registry.
+
+    Columns: family, ``config.model_type`` values, topology kind, features, notes.
+    """
+    rows = ["| family | model types | topology | features | notes |", "|---|---|---|---|---|"]
+    for spec in ARCHITECTURES.values():
+        rows.append(
+            f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
+            f"{', '.join(spec.features())} | {spec.notes or '—'} |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,449 @@
+r"""The declarative description of a Transformer architecture (``docs/architectures.md``).
+
+An :class:`ArchitectureSpec` says, as data, how one model family computes a layer: its
+branches (self-attention, feed-forward), each branch's optional pre-norm, post-norm and
+output scale, whether the branches run in parallel on the same input, the norms on the
+residual stream (post-LN), the norm type and its quirks (RMSNorm or LayerNorm, Gemma's
+``1 + w`` gain), the feed-forward type, the value projection's layout, the heads (LM head,
+logit scaling, soft-capping) and the input quirks. Nothing else in the package knows a
+family by name: the engine chooses the layer's topology kind from :attr:`ArchitectureSpec.topology`,
+the capture records the tensors the description names, and the explained output is chosen
+from the model's head.
+
+Paths are dotted attribute paths: :attr:`ArchitectureSpec.layers` and the final norm from
+the base model (``model.base_model``), the LM head from the model with the head, every
+other path from one layer module.
+
+Examples::
+
+    >>> from captum_normattr.arch import (ArchitectureSpec, Attention, FeedForward, Head, Layer, Norm,
+    ...                                   ValueProjection, register_architecture)
+    >>> spec = ArchitectureSpec(
+    ...     family="MyLM", model_types=("my_lm",), layers="layers", causal=True,
+    ...     layer=Layer(
+    ...         attention=Attention("self_attn", out="self_attn.o_proj", value=ValueProjection("self_attn.v_proj"),
+    ...                             pre_norm=Norm("input_layernorm", "rmsnorm")),
+    ...         ff=FeedForward(up="mlp.up_proj", gate="mlp.gate_proj", act="mlp.act_fn", down="mlp.down_proj",
+    ...                        pre_norm=Norm("post_attention_layernorm", "rmsnorm")),
+    ...     ),
+    ...     head=Head(final_norm=Norm("norm", "rmsnorm"), lm_head="lm_head"),
+    ... )
+    >>> spec.topology
+    'pre_ln'
+    >>> register_architecture(spec)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple
+
+__all__ = [
+    "UnsupportedModelError",
+    "ArchitectureSpec",
+    "Attention",
+    "FeedForward",
+    "Head",
+    "Inputs",
+    "Layer",
+    "Norm",
+    "TOPOLOGIES",
+    "ValueProjection",
+    "Variant",
+]
+
+#: The norm types a description can name.
+NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm")
+#: The feed-forward types: ``plain`` act(u W1 + b1) W2 + b2; ``gated`` (act(u Wg) * (u W1)) W2
+#: (SwiGLU, GeGLU). ``fused_gate_up`` and ``experts`` are described but not decomposed yet
+#: (the capture refuses them with a clear error).
+FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
+#: Value projection layouts: ``plain`` (its own projection), ``fused`` (one projection whose
+#: output is ``count`` equal slices, the value being slice ``index``: GPT-2's [q | k | v]),
+#: ``interleaved`` (one projection whose output is per head [q_h | k_h | v_h]: GPT-NeoX).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved")
+#: The layer topologies (one layer kind each; ``captum_normattr.decompose.layer_kinds``):
+#:
+#: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
+#: - ``pre_ln``: h = x + Attn(N1(x)), y = h + FF(N2(h)) (GPT-2, Llama);
+#: - ``sandwich``: h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))), norms after the branches
+#:   too (Gemma 2, Gemma 3);
+#: - ``parallel``: y = x + Attn(N1(x)) + FF(N2(x)), both branches on the layer input
+#:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere).
+TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel")
+
+
+class UnsupportedModelError(ValueError):
+    r"""Raised for a model whose architecture has no description, or a method its layer kind cannot decompose."""
+
+
+@dataclass(frozen=True)
+class Norm:
+    r"""One normalisation module.
+
+    Attributes:
+        path: the module's path.
+        kind: ``"layernorm"`` or ``"rmsnorm"``. Whether it has a gain and a bias is read
+            from the module (a parameter-free LayerNorm, as in OLMo, has neither).
+        weight_offset: the effective gain is ``weight + weight_offset`` (Gemma computes
+            ``x_hat * (1 + w)``: offset 1.0).
+    """
+
+    path: str
+    kind: str = "layernorm"
+    weight_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in NORM_KINDS:
+            raise ValueError(f"Norm {self.path!r}: kind must be one of {NORM_KINDS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class ValueProjection:
+    r"""Where the value projection W_V (and b_V) is.
+
+    Attributes:
+        path: the projection module.
+        layout: one of :data:`VALUE_LAYOUTS`.
+        index, count: for ``fused``: the value is output slice ``index`` of ``count``
+            equal slices; for ``interleaved``: each head's output block is ``count``
+            equal slices, the value being slice ``index``.
+    """
+
+    path: str
+    layout: str = "plain"
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.layout not in VALUE_LAYOUTS:
+            raise ValueError(f"ValueProjection {self.path!r}: layout must be one of {VALUE_LAYOUTS}, got {self.layout!r}")
+        if self.layout != "plain" and not 0 <= self.index < self.count:
+            raise ValueError(f"ValueProjection {self.path!r}: index {self.index} outside the {self.count} slices")
+
+
+@dataclass(frozen=True)
+class Attention:
+    r"""The self-attention branch of a layer.
+
+    Attributes:
+        module: the attention module, the one that calls transformers' attention function
+            (the capture records its real probabilities there).
+        out: the output projection W_O.
+        value: the value projection (:class:`ValueProjection`), or None where no method needs
+            it (DecompX propagates parts through it).
+        pre_norm: the norm applied to the branch input (pre-LN kinds), or None.
+        post_norm: the norm applied to the branch output before the residual (sandwich), or None.
+        scale: a per-channel layer-scale module after the branch (DINOv2's ``layer_scale1``),
+            folded into W_O and b_O when the weights are read, or None.
+        softcap: the config attribute of attention-score soft-capping (Gemma 2:
+            ``attn_logit_softcapping``), applied by the recording attention exactly as the
+            model does, or None.
+    """
+
+    module: str
+    out: str
+    value: Optional[ValueProjection] = None
+    pre_norm: Optional[Norm] = None
+    post_norm: Optional[Norm] = None
+    scale: Optional[str] = None
+    softcap: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class FeedForward:
+    r"""The feed-forward branch of a layer.
+
+    FF(u) = act(u W_up + b_up) W_down + b_down, or, gated,
+    FF(u) = (act(u W_gate + b_gate) * (u W_up + b_up)) W_down + b_down.
+
+    Attributes:
+        up: the first projection W_up (W1).
+        act: the activation (a module or callable attribute).
+        down: the output projection W_down (W2); its output is FF(u).
+        gate: the gate projection of a gated FF, or None.
+        kind: one of :data:`FF_KINDS` (None: ``gated`` with a gate, else ``plain``).
+        pre_norm, post_norm, scale: as in :class:`Attention` (``scale``: DINOv2's
+            ``layer_scale2``; the recorded FF output is then the scale module's output).
+    """
+
+    up: str
+    act: str
+    down: str
+    gate: Optional[str] = None
+    kind: Optional[str] = None
+    pre_norm: Optional[Norm] = None
+    post_norm: Optional[Norm] = None
+    scale: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.kind is None:
+            object.__setattr__(self, "kind", "gated" if self.gate is not None else "plain")
+        if self.kind not in FF_KINDS:
+            raise ValueError(f"FeedForward: kind must be one of {FF_KINDS}, got {self.kind!r}")
+        if self.kind == "gated" and self.gate is None:
+            raise ValueError("FeedForward: a gated FF names its gate projection")
+
+
+@dataclass(frozen=True)
+class Layer:
+    r"""One layer: its branches and how they join the residual stream.
+
+    Attributes:
+        attention: the self-attention branch.
+        ff: the feed-forward branch.
+        parallel: both branches read the layer input (y = x + Attn(..x..) + FF(..x..)).
+        stream_norms: post-LN norms on the residual stream, after the attention residual and
+            after the feed-forward residual (BERT's two LayerNorms); empty for pre-LN kinds.
+    """
+
+    attention: Attention
+    ff: FeedForward
+    parallel: bool = False
+    stream_norms: Tuple[Norm, ...] = ()
+
+
+@dataclass(frozen=True)
+class Head:
+    r"""What follows the last layer.
+
+    Attributes:
+        final_norm: the final norm (from the base model), or None.
+        lm_head: the unembedding (from the model with the head), or None.
+        logit_multiplier: config attribute of a factor the model multiplies its logits by
+            (Cohere's ``logit_scale``), or None.
+        logit_divisor: config attribute of a divisor of the logits (Granite's
+            ``logits_scaling``), or None.
+        final_softcap: config attribute of the final-logit soft-cap
+            ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
+            A tanh is not linear: the decompositions explain the pre-cap logit, say so in
+            the result, and report the capped one beside it.
+    """
+
+    final_norm: Optional[Norm] = None
+    lm_head: Optional[str] = None
+    logit_multiplier: Optional[str] = None
+    logit_divisor: Optional[str] = None
+    final_softcap: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Inputs:
+    r"""Input quirks.
+
+    Attributes:
+        max_positions_offset: positions the model reserves (RoBERTa: padding_idx + 1 -> -1).
+        token_types: ``"embedding"`` (a token-type embedding of ``type_vocab_size`` rows),
+            ``"word_embeddings"`` (GPT-2 embeds token types with its word embeddings).
+        prefix_tokens: vision: the tokens before the first patch ([CLS], DeiT's distillation
+            token), not counting registers (``config.num_register_tokens`` is added).
+        prefix_names: their display names.
+        interpolates_positions: vision: ``"flag"`` (the model takes
+            ``interpolate_pos_encoding``) or ``"always"`` (DINOv2).
+        embedding_scale: what the model multiplies the token embeddings by before the first
+            layer (Gemma: ``"sqrt(hidden_size)"``), for the docs; the decompositions start at
+            the first layer's real input, so it needs no handling.
+    """
+
+    max_positions_offset: int = 0
+    token_types: str = "embedding"
+    prefix_tokens: int = 1
+    prefix_names: Tuple[str, ...] = ("[CLS]",)
+    interpolates_positions: str = "flag"
+    embedding_scale: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    r"""Another description for the models whose config sets ``attribute`` to ``value``.
+
+    Examples: DINOv2 with ``use_swiglu_ffn=True`` (a gated FF); GPT-NeoX with
+    ``use_parallel_residual=False`` (sequential pre-LN).
+    """
+
+    attribute: str
+    value: Any
+    spec: "ArchitectureSpec"
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    r"""One model family, described as data (see the module docstring).
+
+    Attributes:
+        family: readable family name.
+        model_types: the ``config.model_type`` values it serves.
+        layers: path of the layer list, from the base model.
+        layer: the :class:`Layer` description.
+        causal: causal self-attention (decoders): position ids are computed from the mask so
+            that a left-padded example gets the positions it has alone.
+        modality: ``"text"`` (token ids) or ``"image"`` (pixel values).
+        transposed_weights: the projections are GPT-2 ``Conv1D`` ([in, out] weights).
+        head: the :class:`Head`.
+        inputs: the :class:`Inputs` quirks.
+        variants: :class:`Variant` descriptions chosen by a config attribute.
+        notes: one line for the docs' table (what is special about the family).
+    """
+
+    family: str
+    model_types: Tuple[str, ...]
+    layers: str
+    layer: Layer
+    causal: bool = False
+    modality: str = "text"
+    transposed_weights: bool = False
+    head: Head = field(default_factory=Head)
+    inputs: Inputs = field(default_factory=Inputs)
+    variants: Tuple[Variant, ...] = ()
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        lay = self.layer
+        if lay.stream_norms and (lay.attention.pre_norm or lay.ff.pre_norm or lay.parallel):
+            raise ValueError(f"{self.family}: a post-LN layer (stream_norms) has no branch pre-norms and no parallel branches")
+        if lay.stream_norms and len(lay.stream_norms) != 2:
+            raise ValueError(f"{self.family}: a post-LN layer names two stream norms (after attention, after FF)")
+        if not lay.stream_norms and (lay.attention.pre_norm is None or lay.ff.pre_norm is None):
+            raise ValueError(
+                f"{self.family}: a layer without stream norms needs a pre-norm on both branches (a layer without "
+                "pre-norms, as OLMo 2's, is not supported yet)"
+            )
+        if lay.parallel and (lay.attention.post_norm or lay.ff.post_norm):
+            raise ValueError(f"{self.family}: parallel branches with post-norms are not supported")
+        if (lay.attention.post_norm is None) != (lay.ff.post_norm is None):
+            raise ValueError(f"{self.family}: a sandwich layer has post-norms on both branches")
+        if self.modality not in ("text", "image"):
+            raise ValueError(f"{self.family}: modality must be 'text' or 'image', got {self.modality!r}")
+
+    # --- the topology ---------------------------------------------------------------
+    @property
+    def topology(self) -> str:
+        r"""The layer's topology kind, one of :data:`TOPOLOGIES`, chosen from the description."""
+        lay = self.layer
+        if lay.stream_norms:
+            return "post_ln"
+        if lay.parallel:
+            return "parallel"
+        if lay.attention.post_norm is not None:
+            return "sandwich"
+        return "pre_ln"
+
+    @property
+    def pre_ln(self) -> bool:
+        r"""True when the norms sit inside the branches (every kind but ``post_ln``)."""
+        return self.topology != "post_ln"
+
+    # --- the names the engine reads (one per recorded tensor) ------------------------------
+    @property
+    def norm1(self) -> Norm:
+        r"""The first norm: the attention pre-norm, or post-LN's norm after the attention residual."""
+        return self.layer.stream_norms[0] if self.layer.stream_norms else self.layer.attention.pre_norm
+
+    @property
+    def norm2(self) -> Norm:
+        r"""The second norm: the feed-forward pre-norm, or post-LN's norm after the FF residual."""
+        return self.layer.stream_norms[1] if self.layer.stream_norms else self.layer.ff.pre_norm
+
+    @property
+    def ln1(self) -> str:
+        return self.norm1.path
+
+    @property
+    def ln2(self) -> str:
+        return self.norm2.path
+
+    @property
+    def norm_kind(self) -> str:
+        return self.norm1.kind
+
+    @property
+    def attention(self) -> str:
+        return self.layer.attention.module
+
+    @property
+    def attn_out(self) -> str:
+        return self.layer.attention.out
+
+    @property
+    def attn_value(self) -> Optional[str]:
+        v = self.layer.attention.value
+        return None if v is None else v.path
+
+    @property
+    def attn_value_slice(self) -> Optional[Tuple[int, int]]:
+        v = self.layer.attention.value
+        return None if v is None or v.layout != "fused" else (v.index, v.count)
+
+    @property
+    def attn_scale(self) -> Optional[str]:
+        return self.layer.attention.scale
+
+    @property
+    def ff_in(self) -> str:
+        return self.layer.ff.up
+
+    @property
+    def ff_gate(self) -> Optional[str]:
+        return self.layer.ff.gate
+
+    @property
+    def ff_act(self) -> str:
+        return self.layer.ff.act
+
+    @property
+    def ff_out(self) -> str:
+        return self.layer.ff.down
+
+    @property
+    def ff_scale(self) -> Optional[str]:
+        return self.layer.ff.scale
+
+    @property
+    def final_norm(self) -> Optional[str]:
+        return None if self.head.final_norm is None else self.head.final_norm.path
+
+    @property
+    def lm_head(self) -> Optional[str]:
+        return self.head.lm_head
+
+    @property
+    def max_positions_offset(self) -> int:
+        return self.inputs.max_positions_offset
+
+    def norms(self) -> Tuple[Norm, ...]:
+        r"""Every norm of one layer, in the order the layer applies them."""
+        lay = self.layer
+        if lay.stream_norms:
+            return tuple(lay.stream_norms)
+        out = [lay.attention.pre_norm]
+        if lay.attention.post_norm is not None:
+            out.append(lay.attention.post_norm)
+        out.append(lay.ff.pre_norm)
+        if lay.ff.post_norm is not None:
+            out.append(lay.ff.post_norm)
+        return tuple(n for n in out if n is not None)
+
+    def features(self) -> Tuple[str, ...]:
+        r"""Readable features for the docs' table (norm type, FF type, layouts, heads)."""
+        lay, out = self.layer, []
+        out.append({"post_ln": "post-LN", "pre_ln": "pre-LN", "sandwich": "sandwich norms",
+                    "parallel": "parallel attention + FF"}[self.topology])
+        kinds = {n.kind for n in self.norms()}
+        out.append("RMSNorm" if kinds == {"rmsnorm"} else "LayerNorm" if kinds == {"layernorm"} else "mixed norms")
+        if any(n.weight_offset for n in self.norms()):
+            out.append("1 + w gain")
+        out.append({"plain": "plain FF", "gated": "gated FF"}.get(lay.ff.kind, lay.ff.kind))
+        v = lay.attention.value
+        if v is not None and v.layout != "plain":
+            out.append(f"{v.layout} QKV")
+        if lay.attention.softcap:
+            out.append("attention soft-cap")
+        if self.head.final_softcap:
+            out.append("final-logit soft-cap")
+        if self.head.logit_multiplier or self.head.logit_divisor:
+            out.append("logit scaling")
+        if lay.attention.scale:
+            out.append("layer scale")
+        if self.inputs.embedding_scale:
+            out.append("embedding scale")
+        out.append("causal" if self.causal else "bidirectional")
+        return tuple(out)

@@ -1,0 +1,120 @@
+r"""One tiny-model zoo built from the architecture registry: a float64 builder per registered text family.
+
+``build(key, head)`` returns a tiny random model of the family registered under ``key``
+(``captum_normattr.arch.ARCHITECTURES``) with perturbed weights (norm gains, biases), in
+float64, with its norms made exact in float64 where the family's own norm computes in
+float32 (so that completeness can be tested to 1e-10). ``head``: ``"lm"`` (decoders, a
+``*ForCausalLM``), ``"cls"`` (a ``*ForSequenceClassification``) or ``"bare"`` (``*Model``).
+Every registered text family must have a builder here (``tests/test_zoo.py`` checks it),
+so that a new family gets every invariant test.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import transformers as tf
+from conftest import make_model
+from decoder_models import VOCAB, _exact_rms_norms, _perturb, make_decoder
+
+
+class ExactOffsetRMSNorm(torch.nn.Module):
+    r"""``x / rms(x) * (offset + w)`` computed in the input's dtype (Gemma's norm computes in float32)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight)
+
+
+def exact_offset_norms(model: torch.nn.Module, offset: float = 1.0) -> torch.nn.Module:
+    r"""Replace every ``*RMSNorm`` module (Gemma's ``1 + w`` kind) by :class:`ExactOffsetRMSNorm`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RMSNorm") and not isinstance(child, ExactOffsetRMSNorm):
+                with torch.no_grad():
+                    setattr(parent, name, ExactOffsetRMSNorm(child.weight, child.eps, offset))
+    return model
+
+
+def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    model = model.double().eval()
+    _perturb(model, seed)
+    return model
+
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)
+_CLASSES = {  # model_type -> (config class, bare, causal LM, sequence classifier)
+    "qwen3": (tf.Qwen3Config, tf.Qwen3Model, tf.Qwen3ForCausalLM, tf.Qwen3ForSequenceClassification),
+    "gemma": (tf.GemmaConfig, tf.GemmaModel, tf.GemmaForCausalLM, tf.GemmaForSequenceClassification),
+    "gemma2": (tf.Gemma2Config, tf.Gemma2Model, tf.Gemma2ForCausalLM, tf.Gemma2ForSequenceClassification),
+    "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXModel, tf.GPTNeoXForCausalLM, tf.GPTNeoXForSequenceClassification),
+}
+
+
+def _config(key: str, **extra):
+    cfg_cls = _CLASSES[key][0]
+    kw = dict(_DECODER)
+    if key == "qwen3":
+        kw.update(num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6, use_sliding_window=False)
+    elif key == "gemma":
+        kw.update(num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
+    elif key == "gemma2":
+        kw.update(num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                  attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=4, query_pre_attn_scalar=8)
+    elif key == "gpt_neox":
+        kw = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False,
+                  hidden_act="gelu", pad_token_id=0, attention_bias=True)
+    kw.update(extra)
+    return cfg_cls(**kw)
+
+
+def _build_new(key: str, head: str, seed: int = 0, **extra) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = _config(key, **extra)
+    cfg._attn_implementation = "sdpa" if key != "gemma2" else "eager"
+    if head == "cls":
+        cfg.num_labels = 3
+    _, bare, lm, cls = _CLASSES[key]
+    model = _finish({"bare": bare, "lm": lm, "cls": cls}[head](cfg), seed)
+    if key in ("gemma", "gemma2"):
+        exact_offset_norms(model)
+    elif key == "qwen3":
+        _exact_rms_norms(model)
+    return model
+
+
+def _existing_decoder(key: str) -> Callable[..., torch.nn.Module]:
+    def build(head: str = "lm", seed: int = 0) -> torch.nn.Module:
+        if head == "cls":
+            raise NotImplementedError(f"no classifier builder for {key}")
+        return make_decoder(key, seed=seed, lm_head=head == "lm")
+
+    return build
+
+
+def _existing_encoder(key: str) -> Callable[..., torch.nn.Module]:
+    def build(head: str = "cls", seed: int = 0) -> torch.nn.Module:
+        if head != "cls":
+            raise NotImplementedError(f"only the classifier builder for {key}")
+        return make_model(key, seed=seed)
+
+    return build
+
+
+#: registry key -> builder(head, seed)
+BUILDERS: Dict[str, Callable[..., torch.nn.Module]] = {
+    **{k: _existing_encoder(k) for k in ("bert", "roberta", "electra", "distilbert")},
+    **{k: _existing_decoder(k) for k in ("gpt2", "llama", "mistral", "qwen2")},
+    **{k: (lambda k: lambda head="lm", seed=0, **extra: _build_new(k, head, seed, **extra))(k) for k in _CLASSES},
+}
+
+
+def build(key: str, head: str = "lm", seed: int = 0, **extra) -> torch.nn.Module:
+    r"""A tiny float64 model of the family registered under ``key`` (see the module docstring)."""
+    return BUILDERS[key](head, seed, **extra) if extra else BUILDERS[key](head, seed)
