@@ -481,7 +481,40 @@ def pre_ln_layer_parts(
 
 
 #: One step function per layer kind.
+#: The parts step of each topology: ``step(parts, bias, layer, value_weight, value_bias, bias_mode, rows=,
+#: memory_budget_mb=[, coefs=])`` -> (parts, bias); a kind module adds its own (:func:`register_decompx_steps`).
 LAYER_STEPS: Dict[str, Callable[..., Tuple[Tensor, Tensor]]] = {"post_ln": post_ln_layer_parts, "pre_ln": pre_ln_layer_parts}
+#: The topologies whose parts step takes the FF coefficients (``coefs=``).
+STEPS_WITH_COEFS = {"pre_ln"}
+#: The frozen layer of each topology: ``frozen(x, layer, value_weight, value_bias, with_bias, coefs, rows)``.
+FROZEN_LAYERS: Dict[str, Callable[..., Tensor]] = {}
+#: The transpose of each frozen layer's linear part: ``vjp(g, layer, value_weight, coefs, rows, valid)``.
+FROZEN_VJPS: Dict[str, Callable[..., Tensor]] = {}
+
+
+def register_decompx_steps(topology: str, step: Callable[..., Tuple[Tensor, Tensor]], frozen: Callable[..., Tensor],
+                           vjp: Callable[..., Tensor], with_coefs: bool = True) -> None:
+    r"""Register DecompX's three steps of a topology (a layer kind module calls it once).
+
+    Args:
+        topology: one of :data:`captum_normattr.arch.spec.TOPOLOGIES`.
+        step: the forward algorithm's parts step (see :data:`LAYER_STEPS`).
+        frozen: the frozen layer (see :func:`frozen_layer`).
+        vjp: its transpose (see :class:`FrozenLayer`).
+        with_coefs: ``step`` takes the FF coefficients.
+    """
+    LAYER_STEPS[topology], FROZEN_LAYERS[topology], FROZEN_VJPS[topology] = step, frozen, vjp
+    if with_coefs:
+        STEPS_WITH_COEFS.add(topology)
+    else:
+        STEPS_WITH_COEFS.discard(topology)
+
+
+def _steps(table: Dict[str, Callable], layer: LayerTensors) -> Callable:
+    try:
+        return table[layer.topology]
+    except KeyError:
+        raise NotImplementedError(f"DecompX has no steps for {layer.topology} layers; implemented: {sorted(table)}") from None
 
 
 @dataclass
@@ -573,9 +606,9 @@ class PartsPropagation:
             self.errors = x.new_zeros(b, n)
         b, t = self.parts.shape[:2]
         dev = self.parts.device
-        step = LAYER_STEPS["pre_ln" if layer.pre_ln else "post_ln"]
+        step = _steps(LAYER_STEPS, layer)
         rows = torch.arange(t, device=dev) if (l < n - 1 or self.last_rows is None) else self.last_rows.to(dev)
-        extra = {"coefs": coefs} if layer.pre_ln else {}
+        extra = {"coefs": coefs} if layer.topology in STEPS_WITH_COEFS else {}
         parts, bias = step(
             self.parts, self.bias, layer, value_weight, value_bias, self.bias_mode, rows=rows,
             memory_budget_mb=self.memory_budget_mb, **extra,
@@ -797,13 +830,11 @@ def frozen_layer(
     coefs: Dict[str, Tensor],
     rows: Optional[Tensor] = None,
 ) -> Tensor:
-    r"""One frozen layer of either kind: :func:`frozen_pre_ln_layer` or :func:`frozen_post_ln_layer`.
+    r"""One frozen layer, by its topology (:data:`FROZEN_LAYERS`: :func:`frozen_pre_ln_layer`, :func:`frozen_post_ln_layer`, ...).
 
     ``coefs`` are the layer's :func:`ff_coefficients` (a post-LN layer uses its ``"slope"``).
     """
-    if layer.pre_ln:
-        return frozen_pre_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs, rows)
-    return frozen_post_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs["slope"], rows)
+    return _steps(FROZEN_LAYERS, layer)(x, layer, value_weight, value_bias, with_bias, coefs, rows)
 
 
 def _norm_transpose(w: Tensor, real: Tensor, params: NormParams) -> Tensor:
@@ -1004,9 +1035,7 @@ class FrozenLayer:
 
     def vjp(self, g: Tensor, rows: Optional[Tensor] = None) -> Tensor:
         r"""J^T g: (..., B, R, D) cotangent(s) at ``rows`` -> (..., B, T, D), a stack in one call."""
-        if self.layer.pre_ln:
-            return frozen_pre_ln_layer_vjp(g, self.layer, self.value_weight, self.coefs, rows, self.valid)
-        return frozen_post_ln_layer_vjp(g, self.layer, self.value_weight, self.coefs["slope"], rows)
+        return _steps(FROZEN_VJPS, self.layer)(g, self.layer, self.value_weight, self.coefs, rows, self.valid)
 
     def has_constant(self) -> bool:
         r"""Whether c can be nonzero: some bias, beta or (elementwise FF) g(0) W_out is present."""
@@ -1332,3 +1361,10 @@ def adjoint_next_token_scores(
         frozen_at, lambda y: [frozen_next_token_logit(y[ar, row_index], final_params, f_in, direction, direction_bias)]
     )
     return (g * e).sum(-1).detach(), adj.constants[0]
+
+
+FROZEN_LAYERS["post_ln"] = lambda x, layer, vw, vb, with_bias, coefs, rows: frozen_post_ln_layer(
+    x, layer, vw, vb, with_bias, coefs["slope"], rows)
+FROZEN_LAYERS["pre_ln"] = frozen_pre_ln_layer
+FROZEN_VJPS["post_ln"] = lambda g, layer, vw, coefs, rows, valid: frozen_post_ln_layer_vjp(g, layer, vw, coefs["slope"], rows)
+FROZEN_VJPS["pre_ln"] = frozen_pre_ln_layer_vjp
