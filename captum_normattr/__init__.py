@@ -1,8 +1,9 @@
 r"""captum_normattr: decomposition-based attributions for Transformers, as Captum classes.
 
-GlobEnc, the norm-based maps of Kobayashi et al., ALTI and the FF decomposition, for BERT,
-RoBERTa, ELECTRA and DistilBERT encoders and GPT-2, Llama, Mistral and Qwen2 decoders from
-Hugging Face ``transformers``; ALTI-Logit for next-token logits of the decoders.
+GlobEnc, the norm-based maps of Kobayashi et al., ALTI, the FF decomposition and DecompX for
+the encoder, decoder and vision families of Hugging Face ``transformers`` described in the
+architecture registry (:mod:`captum_normattr.arch`, ``docs/architectures.md``); ALTI-Logit for
+next-token logits of the decoders; ALTI+ for encoder-decoders.
 """
 from captum_normattr.aggregation import aggregate_map, aggregate_map_to_words, aggregate_to_sentences, aggregate_to_spans, aggregate_to_words
 from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution

@@ -1,4 +1,4 @@
-r"""Layer maps of pre-LN decoder layers (GPT-2, Llama, Mistral, Qwen2; docs/design.md, sections 2-5).
+r"""Layer maps of pre-LN decoder layers (the ``pre_ln`` kind: GPT-2, the Llama-like families, ...; docs/design.md, sections 2-5).
 
 Pre-LN layer: h_i = x_i + sum_h sum_j alpha^h_ij f^h(LN1(x_j)) + b_O, out_i = h_i + FF(LN2(h_i)).
 LN1 acts on one token alone, so the whole value path f^h(LN1(x_j)) (the recorded value

@@ -45,7 +45,7 @@ layers top-down, reruns each layer on it for its local vector-Jacobian product.
 
 Layer kinds are one function each (:data:`LAYER_STEPS`).
 
-pre-LN layer (GPT-2, Llama, Mistral, Qwen2; :func:`pre_ln_layer_parts`):
+pre-LN layer (GPT-2, the Llama-like families; :func:`pre_ln_layer_parts`):
   u_{j<-k}   = gamma1 c(x_{j<-k}) / s(x_j)       (RMSNorm: no centering, no beta; bias part + beta1)
   h_{i<-k}   = x_{i<-k} + sum_h (sum_j alpha^h_ij u_{j<-k} W_V^h) W_O^h   (bias part: b_V mixed, + b_O)
                (grouped-query attention: each key/value head's values repeated per query head)
@@ -391,7 +391,7 @@ def pre_ln_layer_parts(
     memory_budget_mb: float = 256.0,
     coefs: Optional[Dict[str, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
-    r"""Map parts of a pre-LN layer's input to parts of its output (GPT-2, Llama, Mistral, Qwen2).
+    r"""Map parts of a pre-LN layer's input to parts of its output.
 
     h_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij LN1(x)_{j<-k} W_V^h) W_O^h   (bias part + b_V mixed, + b_O)
     out_{i<-k} = h_{i<-k} + FF_{i<-k}(LN2(h)_{i<-k})                          (no norm after the residual)
@@ -1207,7 +1207,7 @@ def adjoint_head_scores(
 
 
 # --------------------------------------------------------------------------------------
-# Decoders (pre-LN: GPT-2, Llama, Mistral, Qwen2): after the last layer the final norm
+# Decoders: after the last layer the final norm
 # (real per-token scale) and one row of the LM head, u = W_U[target] (or W_U[target] -
 # W_U[foil]): the explained logit is <FinalNorm(x_{L,i}), u> + u_bias, linear in the parts.
 # --------------------------------------------------------------------------------------

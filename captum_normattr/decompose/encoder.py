@@ -1,4 +1,4 @@
-r"""Layer maps of post-LN encoder layers (BERT, RoBERTa, ELECTRA, DistilBERT).
+r"""Layer maps of post-LN encoder layers (the ``post_ln`` kind: BERT-like encoders).
 
 Post-LN layer: z_i = x_i + a_i, zt_i = LN1(z_i), y_i = LN2(zt_i + FF(zt_i)).
 Every map is computed from the parts of docs/design.md, section 3, by the Gram algorithm of

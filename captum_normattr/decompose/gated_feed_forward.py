@@ -243,7 +243,7 @@ def gated_ff_parts(
         input_bias: (B, R, D) bias part u_bias.
         w_gate, b_gate: (D, F), (F,) or None.
         w_up, b_up: (D, F), (F,) or None.
-        act: the gate activation g (SiLU for Llama, Mistral, Qwen2).
+        act: the gate activation g (SiLU for the Llama-like families, tanh-GELU for Gemma).
         w_down, b_down: (F, D), (D,) or None.
         nodes: Gauss-Legendre nodes.
 

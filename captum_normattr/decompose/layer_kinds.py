@@ -4,14 +4,14 @@ A layer kind owns its parts, the outputs of its scopes, its norm handling and it
 completeness error. The Captum classes ask the kind of the layer they are given
 (:func:`layer_kind`) and never branch on the architecture themselves.
 
-=============  ===============================================================  ==========================
-kind           layer                                                            families
-=============  ===============================================================  ==========================
-``post_ln``    z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt))                BERT, RoBERTa, ELECTRA,
-                                                                                DistilBERT
-``pre_ln``     h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the     GPT-2, Llama, Mistral,
-               layer record says)                                               Qwen2
-=============  ===============================================================  ==========================
+=============  ===============================================================================
+kind           layer
+=============  ===============================================================================
+``post_ln``    z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT-like encoders)
+``pre_ln``     h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the layer record says)
+=============  ===============================================================================
+
+Which family has which kind: the table of ``docs/architectures.md`` (generated from the registry).
 
 The kind of a layer is chosen from its architecture description
 (:attr:`captum_normattr.arch.spec.ArchitectureSpec.topology`); a topology that no kind
