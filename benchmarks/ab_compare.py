@@ -2,8 +2,12 @@ r"""Whole calls of this checkout against another version of the package, interle
 
 Usage:
     git archive <commit> | tar -x -C <dir>       # an export (or any checkout) of the other version
-    python benchmarks/ab_compare.py --base <dir> [--method globenc|alti] [--batch 32] [--tokens 128]
-                                    [--repeats 5] [--threads 2] [--compiled] [--cpu-time]
+    python benchmarks/ab_compare.py --base <dir> [--model minilm|llama|vit] [--method globenc|alti|alti_logit|decompx]
+                                    [--batch 32] [--tokens 128] [--repeats 5] [--threads 2] [--compiled] [--cpu-time]
+
+``--model minilm`` (default) is ``speed_core.py``'s setting, ``llama`` the ~100M-parameter
+random Llama of ``speed_decoder.py`` (batch 1; ``--tokens``), ``vit`` the ViT-Base of
+``vit_speed.py`` (``--batch`` images of 224 x 224).
 
 On a shared machine, wall times of separate processes drift by 10-20% between runs; two
 versions timed in the same process, one call after the other, drift together. The other
@@ -30,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from _bench import random_ids  # noqa: E402
+from _bench import LLAMA_100M, llama_model, random_ids  # noqa: E402
 
 _NAME = re.compile(r"\bcaptum_normattr\b")
 
@@ -55,7 +59,8 @@ def import_renamed(base_dir: Path, into: Path):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, type=Path, help="a checkout or export of the other version")
-    p.add_argument("--method", choices=("globenc", "alti"), default="globenc")
+    p.add_argument("--model", choices=("minilm", "llama", "vit"), default="minilm")
+    p.add_argument("--method", choices=("globenc", "alti", "alti_logit", "decompx"), default="globenc")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
@@ -70,15 +75,42 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         base = import_renamed(args.base.resolve(), Path(tmp))
-        model, _ = new.load_default_model()
-        ids = random_ids(args.batch, args.tokens)
-        mask = torch.ones_like(ids)
+        if args.model == "minilm":
+            model, _ = new.load_default_model()
+            ids = random_ids(args.batch, args.tokens)
+            mask = torch.ones_like(ids)
+            forward = lambda: model(input_ids=ids, attention_mask=mask)  # noqa: E731
 
-        def method(pkg):
-            a = pkg.GlobEncAttribution(model, "N_ENC") if args.method == "globenc" else pkg.ALTIAttribution(model)
-            return lambda: a.attribute(ids, additional_forward_args=(mask,))
+            def method(pkg):
+                a = pkg.GlobEncAttribution(model, "N_ENC") if args.method == "globenc" else pkg.ALTIAttribution(model)
+                return lambda: a.attribute(ids, additional_forward_args=(mask,))
+        elif args.model == "llama":
+            model = llama_model(LLAMA_100M)
+            ids = random_ids(1, args.tokens, low=100, high=30000, cls=None)
+            forward = lambda: model(input_ids=ids, use_cache=False)  # noqa: E731
 
-        runs = {"forward": lambda: model(input_ids=ids, attention_mask=mask), "base": method(base), "this": method(new)}
+            def method(pkg):  # as _bench.decoder_runner builds them, from either package
+                cls = {"globenc": "GlobEncAttribution", "alti": "ALTIAttribution", "alti_logit": "ALTILogitAttribution",
+                       "decompx": "DecompXAttribution"}[args.method]
+                kw = {"unembedding": model.embed_tokens.weight} if args.method in ("alti_logit", "decompx") else {}
+                a = getattr(pkg, cls)(model, **kw)
+                if args.method == "decompx":
+                    return lambda: a.decompose(ids, target=42)
+                return lambda: a.attribute(ids, target=42) if kw else a.attribute(ids)
+        else:
+            from transformers import ViTConfig, ViTForImageClassification
+
+            torch.manual_seed(0)
+            model = ViTForImageClassification(ViTConfig(image_size=224, patch_size=16, num_labels=10)).eval()
+            pixels = torch.randn(args.batch, 3, 224, 224)
+            forward = lambda: model(pixel_values=pixels)  # noqa: E731
+
+            def method(pkg):
+                cls = {"globenc": "GlobEncAttribution", "alti": "ALTIAttribution", "decompx": "DecompXAttribution"}[args.method]
+                a = getattr(pkg, cls)(model)
+                return lambda: a.attribute(pixels, target=0) if args.method == "decompx" else a.attribute(pixels)
+
+        runs = {"forward": forward, "base": method(base), "this": method(new)}
         if args.compiled:
             this = runs["this"]
 
@@ -100,7 +132,8 @@ def main() -> None:
                     t0 = clock()
                     f()
                     best[k] = min(best[k], clock() - t0)
-    print(f"{args.method}, MiniLM {args.batch} x {args.tokens}, {torch.get_num_threads()} threads, min of {args.repeats}, "
+    shape = {"minilm": f"{args.batch} x {args.tokens}", "llama": f"1 x {args.tokens}", "vit": f"{args.batch} x 197"}[args.model]
+    print(f"{args.method}, {args.model} {shape}, {torch.get_num_threads()} threads, min of {args.repeats}, "
           f"interleaved in one process, {'CPU' if args.cpu_time else 'wall'} time")
     for k, v in best.items():
         ratio = "" if k == "forward" else f" = {v / best['forward']:.2f}x forward"
