@@ -27,7 +27,9 @@ Reproduce ("before" = a copy of the package as of the commit before streamed ALT
 ``git archive <commit> captum_normattr | tar -x -C ../alti-plus-before``):
 
     nice -n 10 python benchmarks/memory_alti_plus.py --package-root ../alti-plus-before --compare-root . \
-        --json benchmarks/results/memory_alti_plus.json
+        --labels before after --json benchmarks/results/memory_alti_plus.json
+    nice -n 10 python benchmarks/memory_alti_plus.py --package-root ../alti-plus-before --compare-root . \
+        --labels before after --compile 0 --json benchmarks/results/memory_alti_plus_eager.json
 """
 from __future__ import annotations
 
@@ -119,6 +121,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per speed child")
     p.add_argument("--rounds", type=int, default=3, help="speed children per checkout (alternating)")
     p.add_argument("--compile", default="default", choices=["default", "0", "1"])
+    p.add_argument("--labels", nargs="+", default=None,
+                   help="names of the checkouts in the tables and the JSON (default: their paths, relative)")
     p.add_argument("--json", default=None)
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_layers", type=int, default=4, help=argparse.SUPPRESS)
@@ -135,9 +139,10 @@ def main() -> None:
     else:
         os.environ.pop("CAPTUM_NORMATTR_COMPILE", None)
     roots = [os.path.abspath(args.package_root)] + ([os.path.abspath(args.compare_root)] if args.compare_root else [])
+    labels = dict(zip(roots, args.labels or [_rel(r) for r in roots]))
     import transformers
 
-    out = {"meta": {"roots": [_rel(r) for r in roots], "torch": torch.__version__,
+    out = {"meta": {"roots": [labels[r] for r in roots], "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "cpus": os.cpu_count(), "compile": args.compile, "argv": sys.argv[1:]},
            "memory": [], "speed": []}
@@ -152,11 +157,13 @@ def main() -> None:
         argv = ["--package-root", root, "--_child", mode, "--_layers", layers, "--_src", s, "--_tgt", t,
                 "--_batch", b, "--_repeats", repeats]
         r = run_child(__file__, argv, what=f"{mode} {_rel(root)} {layers} layers {s}+{t} x {b}")
-        r["root"] = _rel(root)
+        r["root"] = labels[root]
+        r.pop("package_file", None)  # a path of this machine where the checkout lies outside the repository
+        r["package"] = labels[root]
         out[mode].append(r)
         save()
         extra = f", {r['extra_peak_mb']:.0f} MB extra" if "extra_peak_mb" in r else ""
-        print(f"  {mode:<6} {_rel(root):<24} {layers} layers {s}+{t} x {b}: {r['seconds']:.2f} s{extra}", flush=True)
+        print(f"  {mode:<6} {labels[root]:<24} {layers} layers {s}+{t} x {b}: {r['seconds']:.2f} s{extra}", flush=True)
         return r
 
     if "memory" in args.sections:
@@ -169,7 +176,7 @@ def main() -> None:
         for root in roots:
             cells = [f"{mem[(root, n)]['extra_peak_mb']:.0f} MB ({mem[(root, n)]['seconds']:.0f} s)" for n in args.layers]
             ratio = mem[(root, hi)]["extra_peak_mb"] / mem[(root, lo)]["extra_peak_mb"]
-            print(f"| {_rel(root)} | " + " | ".join(cells) + f" | {ratio:.2f} |", flush=True)
+            print(f"| {labels[root]} | " + " | ".join(cells) + f" | {ratio:.2f} |", flush=True)
     if "speed" in args.sections:
         n = args.speed_tokens
         print(f"\n## speed: {n} source + {n} target tokens, batch {args.speed_batch}, {args.layers[0]} layers, "
@@ -179,11 +186,11 @@ def main() -> None:
             for root in roots:
                 med[root].append(run(root, "speed", args.layers[0], n, n, args.speed_batch, args.repeats)["seconds"])
         for root in roots:
-            print(f"| {_rel(root)} | {statistics.median(med[root]):.3f} s |")
+            print(f"| {labels[root]} | {statistics.median(med[root]):.3f} s |")
         if len(roots) == 2:
             ratio = statistics.median(med[roots[1]]) / statistics.median(med[roots[0]])
             out["speed_ratio_compare_over_package"] = ratio
-            print(f"time ratio {_rel(roots[1])} / {_rel(roots[0])}: {ratio:.3f}", flush=True)
+            print(f"time ratio {labels[roots[1]]} / {labels[roots[0]]}: {ratio:.3f}", flush=True)
     save()
 
 

@@ -97,6 +97,8 @@ def norm_scale(u: Tensor, norm: NormParams, ln_scale: str = "exact") -> Tensor:
         return torch.sqrt(u.pow(2).mean(-1) + norm.eps)
     if ln_scale == "official":
         return (u + norm.eps).std(-1, unbiased=True)
+    # Tensor.var, not decompose.layer_norm.norm_scale's faster norm of the centred input: in float32
+    # it kept ALTI+ closer to float64 (measured: 8e-6 vs 1.3e-5 on the target scores, 96 + 80 tokens)
     return torch.sqrt(u.var(-1, unbiased=False) + norm.eps)
 
 
