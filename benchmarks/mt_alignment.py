@@ -382,9 +382,9 @@ def alti_plus_scores(model, enc, timed: Dict[str, float]):
     from captum_normattr.attr.alti_plus import ALTIPlusAttribution
     from captum_normattr.decompose.alti_plus import alti_plus_rollout
 
-    kw = dict(src_attention_mask=enc["src_mask"], tgt_attention_mask=enc["dec_mask"])
+    inputs, masks = (enc["src"], enc["dec"]), (enc["src_mask"], enc["dec_mask"])
     t0 = time.perf_counter()
-    res = ALTIPlusAttribution(model).decompose(enc["src"], enc["dec"], **kw)
+    res = ALTIPlusAttribution(model).decompose(inputs, additional_forward_args=masks)
     timed["alti_plus"] += time.perf_counter() - t0
     sc = res.source_contributions.detach()
     if sc.shape != (*enc["dec"].shape, enc["src"].shape[1]):
@@ -393,9 +393,9 @@ def alti_plus_scores(model, enc, timed: Dict[str, float]):
             f"{(*enc['dec'].shape, enc['src'].shape[1])} (rows = decoder input positions)"
         )
     mats = {"alti_plus": sc}
-    off = ALTIPlusAttribution(model, conventions="official").decompose(enc["src"], enc["dec"], **kw)
+    off = ALTIPlusAttribution(model, conventions="official").decompose(inputs, additional_forward_args=masks)
     mats["alti_plus_official"] = off.source_contributions.detach()
-    full = ALTIPlusAttribution(model).decompose(enc["src"], enc["dec"], return_layer_maps=True, **kw)
+    full = ALTIPlusAttribution(model).decompose(inputs, additional_forward_args=masks, return_layer_maps=True)
     S = enc["src"].shape[1]
     L = full.decoder_cross_maps.shape[1]
     _, _, layers = alti_plus_rollout(

@@ -205,7 +205,7 @@ def _seq2seq_batch(alti: Any, model: Any, tokenizer: Any, pairs: Sequence[Source
         steps = _generate(model, src_ids, src_mask, options.max_new_tokens, pad)
     dec_ids, dec_mask = _pad_rows([d for d, _ in steps], pad)
     try:
-        res = alti.decompose(src_ids, dec_ids.to(device), src_mask, dec_mask.to(device))
+        res = alti.decompose((src_ids, dec_ids.to(device)), additional_forward_args=(src_mask, dec_mask.to(device)))
     except (ValueError, TypeError) as err:
         raise CLIError(f"{ALTI_PLUS}: {err}") from None
     records = []

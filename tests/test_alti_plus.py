@@ -189,7 +189,7 @@ def naive_alti_plus(model, src, tgt, src_mask=None, tgt_mask=None, ln_scale="exa
 def test_parts_sum_to_real_outputs_rows_sum_to_one_and_causal(family):
     model = model_for(family)
     src, tgt = pair()
-    res = ALTIPlusAttribution(model).decompose(src, tgt, return_layer_maps=True)
+    res = ALTIPlusAttribution(model).decompose((src, tgt), return_layer_maps=True)
     assert isinstance(res, ALTIPlusResult)
     for name in BLOCKS:  # every encoder and decoder sub-block, against the hooked tensors
         err = res.extras[f"{name}_completeness_error"]
@@ -214,7 +214,7 @@ def test_parts_sum_to_real_outputs_rows_sum_to_one_and_causal(family):
 def test_fast_equals_naive_reference(family):
     model = model_for(family)
     src, tgt = pair(seed=1, b=2, s=5, t=4)
-    res = ALTIPlusAttribution(model).decompose(src, tgt, return_layer_maps=True)
+    res = ALTIPlusAttribution(model).decompose((src, tgt), return_layer_maps=True)
     n_src, n_tgt, maps = naive_alti_plus(model, src, tgt)
     assert torch.allclose(res.source_contributions, n_src, atol=1e-12, rtol=0)
     assert torch.allclose(res.target_contributions, n_tgt, atol=1e-12, rtol=0)
@@ -237,10 +237,10 @@ def test_padded_batch_equals_each_example_alone(family, left):
     tgt = torch.cat([_pad(t1, 3, left, PAD), t2])
     sm = torch.cat([_pad(torch.ones_like(s1), 3, left, 0), torch.ones_like(s2)])
     tm = torch.cat([_pad(torch.ones_like(t1), 3, left, 0), torch.ones_like(t2)])
-    batch = alti.decompose(src, tgt, sm, tm, return_layer_maps=True)
+    batch = alti.decompose((src, tgt), additional_forward_args=(sm, tm), return_layer_maps=True)
     assert float(batch.completeness_error) <= 1e-10
     for i, (s, t) in enumerate([(s1, t1), (s2, t2)]):
-        alone = alti.decompose(s, t, return_layer_maps=True).example(0)
+        alone = alti.decompose((s, t), return_layer_maps=True).example(0)
         ex = batch.example(i)
         for key in ("scores", "target_scores", "source_contributions", "target_contributions", "source_share",
                     "encoder_maps", "encoder_rollout", "decoder_self_maps", "decoder_cross_maps"):
@@ -257,8 +257,8 @@ def test_padded_batch_equals_each_example_alone(family, left):
 def test_official_conventions_differ_slightly_and_match_a_naive_official_implementation(family):
     model = model_for(family)
     src, tgt = pair(seed=4, b=1, s=5, t=4)
-    default = ALTIPlusAttribution(model).decompose(src, tgt)
-    official = ALTIPlusAttribution(model, conventions="official").decompose(src, tgt)
+    default = ALTIPlusAttribution(model).decompose((src, tgt))
+    official = ALTIPlusAttribution(model, conventions="official").decompose((src, tgt))
     assert official.conventions == "official" and default.conventions == "default"
     gap = (official.source_contributions - default.source_contributions).abs().max()
     assert 1e-9 < float(gap) < 2e-2
@@ -268,7 +268,7 @@ def test_official_conventions_differ_slightly_and_match_a_naive_official_impleme
     assert torch.allclose(official.target_contributions, n_tgt, atol=1e-12, rtol=0)
     # as in the official code, later target tokens get tiny (not zero) weights through the +1e-6
     assert 0 < float(official.target_contributions[0, 0, 1:].sum()) < 1e-4
-    custom = ALTIPlusAttribution(model, conventions=ALTIPlusConventions("official", 0.0, False)).decompose(src, tgt)
+    custom = ALTIPlusAttribution(model, conventions=ALTIPlusConventions("official", 0.0, False)).decompose((src, tgt))
     assert bool((custom.target_contributions[0].triu(1) == 0).all())
     assert custom.conventions.startswith("ln_scale=official")
 
@@ -300,16 +300,16 @@ def test_recording_keeps_the_outputs_and_the_model_is_unchanged_also_after_error
     layers[0].training = False  # a mixed state must come back as it was
     state = _state(model)
     alti = ALTIPlusAttribution(model)
-    alti.decompose(src, tgt)
+    alti.decompose((src, tgt))
     assert _state(model) == state
     # an error inside the forward pass
     handle = layers[1].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     state = _state(model)
     with pytest.raises(RuntimeError, match="boom"):
-        alti.decompose(src, tgt)
+        alti.decompose((src, tgt))
     assert _state(model) == state
     handle.remove()
-    # an error after the forward pass, while the blocks are decomposed
+    # an error while a block is decomposed (on its forward hook, inside the forward pass)
     import captum_normattr.attr.alti_plus as mod
 
     def fail(*a, **k):
@@ -318,7 +318,7 @@ def test_recording_keeps_the_outputs_and_the_model_is_unchanged_also_after_error
     monkeypatch.setattr(mod, "block_contributions", fail)
     state = _state(model)
     with pytest.raises(ValueError, match="mid-call"):
-        alti.decompose(src, tgt)
+        alti.decompose((src, tgt))
     assert _state(model) == state
     monkeypatch.undo()
     model.eval()
@@ -330,7 +330,7 @@ def test_attribute_returns_the_explained_rows_and_base_models_work():
     model = model_for("marian")
     src, tgt = pair(seed=6)
     alti = ALTIPlusAttribution(model)
-    res = alti.decompose(src, tgt)
+    res = alti.decompose((src, tgt))
     s, t = alti.attribute((src, tgt))
     assert torch.equal(s, res.source_contributions[:, -1]) and torch.equal(t, res.target_contributions[:, -1])
     assert torch.allclose(s.sum(-1) + t.sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-12, rtol=0)
@@ -339,7 +339,7 @@ def test_attribute_returns_the_explained_rows_and_base_models_work():
     assert bool((t2[:, 3:] == 0).all())
     s3, _ = alti.attribute((src, tgt), target=torch.tensor([1, 4]))
     assert torch.equal(s3[0], res.source_contributions[0, 1]) and torch.equal(s3[1], res.source_contributions[1, 4])
-    base = ALTIPlusAttribution(model.model).decompose(src, tgt)  # MarianModel, no LM head
+    base = ALTIPlusAttribution(model.model).decompose((src, tgt))  # MarianModel, no LM head
     assert torch.allclose(base.source_contributions, res.source_contributions, atol=0, rtol=0)
 
 
@@ -356,14 +356,14 @@ def test_explain_generation_token_by_token():
     steps = explain_generation(model, src, gen, sm)
     assert len(steps) == 2
     assert steps[0].tokens.tolist() == gen[0, 1:4].tolist() and steps[1].tokens.tolist() == gen[1, 1:].tolist()
-    res = ALTIPlusAttribution(model).decompose(src[1:], gen[1:, :-1], sm[1:])
+    res = ALTIPlusAttribution(model).decompose((src[1:], gen[1:, :-1]), additional_forward_args=sm[1:])
     assert torch.allclose(steps[1].source, res.source_contributions[0], atol=1e-12, rtol=0)
     assert torch.allclose(steps[1].prefix, res.target_contributions[0], atol=1e-12, rtol=0)
     one = steps[0]
     assert one.source.shape == (3, 4) and one.prefix.shape == (3, 3)
     total = one.source.sum(-1) + one.prefix.sum(-1)
     assert torch.allclose(total, torch.ones(3, dtype=torch.float64), atol=1e-12, rtol=0)
-    alone = ALTIPlusAttribution(model).decompose(src[:1, :4], gen[:1, :3])
+    alone = ALTIPlusAttribution(model).decompose((src[:1, :4], gen[:1, :3]))
     assert torch.allclose(one.source, alone.source_contributions[0], atol=1e-12, rtol=0)
 
 
@@ -390,29 +390,29 @@ def test_clear_errors_for_unsupported_models_and_bad_inputs():
     with pytest.raises(ValueError, match="conventions must be"):
         ALTIPlusAttribution(model, conventions="fairseq")
     with pytest.raises(ValueError, match="source ids is empty"):
-        alti.decompose(src[:, :0], tgt)
+        alti.decompose((src[:, :0], tgt))
     with pytest.raises(ValueError, match="decoder input ids is empty"):
-        alti.decompose(src, tgt[:0])
+        alti.decompose((src, tgt[:0]))
     with pytest.raises(ValueError, match="use ids.unsqueeze"):
-        alti.decompose(src[0], tgt)
+        alti.decompose((src[0], tgt))
     with pytest.raises(TypeError, match="integer tensor"):
-        alti.decompose(src.double(), tgt)
+        alti.decompose((src.double(), tgt))
     with pytest.raises(ValueError, match="same number of examples; got 2 and 1"):
-        alti.decompose(src, tgt[:1])
+        alti.decompose((src, tgt[:1]))
     with pytest.raises(ValueError, match=r"vocabulary"):
-        alti.decompose(src + VOCAB, tgt)
+        alti.decompose((src + VOCAB, tgt))
     with pytest.raises(ValueError, match=r"source attention mask must have the shape"):
-        alti.decompose(src, tgt, torch.ones(2, 3))
+        alti.decompose((src, tgt), additional_forward_args=torch.ones(2, 3))
     with pytest.raises(ValueError, match="only 0 \\(pad\\) and 1"):
-        alti.decompose(src, tgt, 2 * torch.ones_like(src))
+        alti.decompose((src, tgt), additional_forward_args=2 * torch.ones_like(src))
     bad = torch.ones_like(tgt)
     bad[0, 2] = 0
     with pytest.raises(ValueError, match="contiguous"):
-        alti.decompose(src, tgt, None, bad)
+        alti.decompose((src, tgt), additional_forward_args=(None, bad))
     with pytest.raises(ValueError, match="no tokens"):
-        alti.decompose(src, tgt, torch.zeros_like(src))
+        alti.decompose((src, tgt), additional_forward_args=torch.zeros_like(src))
     with pytest.raises(ValueError, match="at most 32"):
-        alti.decompose(torch.randint(3, VOCAB, (1, 40)), tgt[:1])
+        alti.decompose((torch.randint(3, VOCAB, (1, 40)), tgt[:1]))
     with pytest.raises(ValueError, match="pair"):
         alti.attribute(src)
     with pytest.raises(ValueError, match="outside example"):
@@ -431,7 +431,7 @@ def test_plots_and_captum_interop():
     src, tgt = pair(seed=8)
     sm = torch.ones_like(src)
     sm[0, :2] = 0
-    res = ALTIPlusAttribution(model).decompose(src, tgt, sm)
+    res = ALTIPlusAttribution(model).decompose((src, tgt), additional_forward_args=sm)
     fig = plot_contribution_matrix(res, 0, [f"s{i}" for i in range(7)], [f"t{i}" for i in range(6)])
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()][:5] == ["s2", "s3", "s4", "s5", "s6"]
@@ -455,8 +455,99 @@ def test_non_finite_examples_are_nan_with_a_warning():
     src, tgt = pair(seed=9)
     src[0, 2] = 39
     with pytest.warns(RuntimeWarning, match=r"example\(s\) \[0\]"):
-        res = ALTIPlusAttribution(model).decompose(src, tgt)
+        res = ALTIPlusAttribution(model).decompose((src, tgt))
     assert bool(torch.isnan(res.source_contributions[0]).all()) and bool(torch.isnan(res.source_share[0]).all())
     assert bool(torch.isfinite(res.source_contributions[1]).all()) and float(res.completeness_error) <= 1e-10
-    alone = ALTIPlusAttribution(model).decompose(src[1:], tgt[1:])
+    alone = ALTIPlusAttribution(model).decompose((src[1:], tgt[1:]))
     assert torch.allclose(res.source_contributions[1], alone.source_contributions[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["marian", "mbart", "t5"])
+def test_streamed_recording_drops_each_blocks_probabilities(family, monkeypatch):
+    r"""Every block's probabilities are freed as soon as its layer has run: at the end of every layer no
+    recorded probability tensor is alive (a recorder that keeps them all until the end of the forward
+    pass has 3 L - 1 alive at the last layer)."""
+    import weakref
+
+    from captum_normattr.models import seq2seq
+    from captum_normattr.models.adapters import get_path
+
+    model = model_for(family)
+    adapter = get_seq2seq_adapter(model)
+    refs = []
+    original = seq2seq.Seq2SeqRecorder.record_attention
+
+    def spy(self, module, probs, values, context=None):
+        original(self, module, probs, values, context)
+        refs.append(weakref.ref(self.records[self._attn_keys[id(module)]]["probs"]))  # the tensor the recorder keeps
+
+    monkeypatch.setattr(seq2seq.Seq2SeqRecorder, "record_attention", spy)
+    base = seq2seq.seq2seq_base(model)
+    layers = list(get_path(base, adapter.encoder_layers)) + list(get_path(base, adapter.decoder_layers))
+    alive = []
+    handles = [layer.register_forward_hook(lambda *a: alive.append(sum(r() is not None for r in refs)))
+               for layer in layers]
+    try:
+        src, tgt = pair(seed=10)
+        ALTIPlusAttribution(model).attribute((src, tgt))
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(refs) == 6 and len(alive) == 4  # 2 encoder blocks, 2 x 2 decoder blocks; 4 layers
+    assert alive == [0, 0, 0, 0], alive
+
+
+def test_decompose_takes_the_captum_tuple_form_and_the_old_form_warns():
+    model = model_for("bart")
+    alti = ALTIPlusAttribution(model)
+    src, tgt = pair(seed=12)
+    sm, tm = torch.ones_like(src), torch.ones_like(tgt)
+    sm[0, -2:] = 0
+    tm[0, -1:] = 0
+    new = alti.decompose((src, tgt), 2, (sm, tm), return_layer_maps=True)
+    assert new.explained_position.tolist() == [2, 2] and new.encoder_maps is not None
+    with pytest.warns(DeprecationWarning, match=r"decompose\(\(src_ids, tgt_ids\), target"):
+        old = alti.decompose(src, tgt, sm, tm, True, 2)
+    with pytest.warns(DeprecationWarning):
+        old_kw = alti.decompose(src, tgt, src_attention_mask=sm, tgt_attention_mask=tm, return_layer_maps=True,
+                                explained_position=2)
+    for res in (old, old_kw):
+        for key in ("scores", "target_scores", "source_contributions", "target_contributions", "delta",
+                    "encoder_maps", "decoder_cross_maps", "explained_position"):
+            assert torch.equal(getattr(res, key), getattr(new, key)), key
+    s, t = alti.attribute((src, tgt), 2, (sm, tm))
+    assert torch.equal(s, new.scores) and torch.equal(t, new.target_scores)
+    assert torch.equal(alti.decompose((src, tgt), additional_forward_args=sm).scores,
+                       alti.decompose((src, tgt), None, (sm, None)).scores)
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        alti.decompose((src, tgt), None, (sm, tm), tm)
+    with pytest.raises(TypeError, match="unexpected arguments.*explained_position"):
+        alti.decompose((src, tgt), explained_position=2)
+    with pytest.raises(ValueError, match="pair"):
+        alti.decompose((src,))
+
+
+def test_compiled_kernel_and_one_row_tiles_give_the_same_maps(monkeypatch):
+    r"""The shared ALTI kernel on ALTI+'s rectangular cross-attention blocks: the fused compiled kernel (forced
+    on, float64) and the eager kernel with one query row per tile equal the naive reference."""
+    from captum_normattr.decompose import alti as alti_kernel
+
+    model = model_for("marian")
+    src, tgt = pair(seed=13, b=2, s=6, t=4)
+    sm = torch.ones_like(src)
+    sm[1, :2] = 0
+    n_src, n_tgt, maps = naive_alti_plus(model, src, tgt, sm)
+    tiny = ALTIPlusAttribution(model, memory_budget_mb=1e-6).decompose((src, tgt), None, sm, return_layer_maps=True)
+    alti_kernel.use_compiled_kernel(True)
+    try:
+        fused = ALTIPlusAttribution(model).decompose((src, tgt), None, sm, return_layer_maps=True)
+    finally:
+        alti_kernel.use_compiled_kernel(None)
+    from captum_normattr.decompose import compiled
+
+    assert not compiled.has_failed(alti_kernel._l1_distance_tile), "the compiled kernel fell back to the eager one"
+    for res in (tiny, fused):
+        assert torch.allclose(res.source_contributions, n_src, atol=1e-12, rtol=0)
+        assert torch.allclose(res.target_contributions, n_tgt, atol=1e-12, rtol=0)
+        assert torch.allclose(res.decoder_cross_maps, torch.stack(maps["decoder_cross"], 1), atol=1e-12, rtol=0)
+        assert torch.allclose(res.decoder_self_maps, torch.stack(maps["decoder_self"], 1), atol=1e-12, rtol=0)

@@ -68,7 +68,7 @@ def _reference(model, tok, source, target=None, max_new_tokens=6):
         labels = tok(text_target=[target], return_tensors="pt")["input_ids"]
         start = torch.full((1, 1), model.config.decoder_start_token_id)
         dec = torch.cat([start, labels[:, :-1]], 1)  # shift right, as the model does for labels
-        res = ALTIPlusAttribution(model).decompose(src["input_ids"], dec, src["attention_mask"])
+        res = ALTIPlusAttribution(model).decompose((src["input_ids"], dec), additional_forward_args=src["attention_mask"])
         return res.source_contributions[0], res.target_contributions[0], res.source_share[0], labels[0]
     gen = model.generate(**src, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
     step = explain_generation(model, src["input_ids"], gen, src["attention_mask"])[0]

@@ -199,9 +199,9 @@ def test_attention_in_blocks_of_one_example_equals_each_example_alone(monkeypatc
     src, tgt = torch.cat([_pad(s1, 3, False, PAD), s2]), torch.cat([_pad(t1, 3, False, PAD), t2])
     sm = torch.cat([_pad(torch.ones_like(s1), 3, False, 0), torch.ones_like(s2)])
     tm = torch.cat([_pad(torch.ones_like(t1), 3, False, 0), torch.ones_like(t2)])
-    batch = t5.decompose(src, tgt, sm, tm, return_layer_maps=True)
+    batch = t5.decompose((src, tgt), additional_forward_args=(sm, tm), return_layer_maps=True)
     assert float(batch.completeness_error) <= 1e-10
     for i, (s, t) in enumerate([(s1, t1), (s2, t2)]):
-        alone, ex = t5.decompose(s, t, return_layer_maps=True).example(0), batch.example(i)
+        alone, ex = t5.decompose((s, t), return_layer_maps=True).example(0), batch.example(i)
         for key in ("source_contributions", "target_contributions", "encoder_maps", "decoder_self_maps"):
             torch.testing.assert_close(ex[key], alone[key], atol=1e-12, rtol=0, msg=key)

@@ -8,6 +8,7 @@ sums to 1. The definition and its choices are in ``docs/seq2seq.md``; the mathem
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -22,10 +23,10 @@ from captum_normattr.decompose.alti_plus import (
     DEFAULT,
     OFFICIAL,
     ALTIPlusConventions,
-    alti_plus_rollout,
+    alti_plus_rollout_step,
     block_contributions,
-    encoder_rollout,
 )
+from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq, seq2seq_base
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position, check_memory_budget
@@ -33,7 +34,8 @@ from captum_normattr.result import AttributionResult
 
 __all__ = ["ALTIPlusAttribution", "ALTIPlusResult", "GeneratedTokenExplanation", "explain_generation"]
 
-#: Default memory for the explicit parts of one chunk of query rows, in MB.
+#: Default memory budget of one block's ALTI kernel (the row cap of
+#: :func:`~captum_normattr.decompose.chunking.rows_for_budget`), in MB.
 ALTI_PLUS_MEMORY_BUDGET_MB = 256.0
 
 
@@ -156,6 +158,119 @@ def _check_mask(name: str, mask: Any, shape: Tuple[int, int], device, contiguous
     return mask
 
 
+def _split_inputs(inputs: Any) -> Tuple[Any, Any]:
+    if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
+        raise ValueError(
+            "inputs must be a pair (src_ids, tgt_ids) of token-id tensors; got "
+            + (f"a sequence of {len(inputs)}" if isinstance(inputs, (tuple, list)) else type(inputs).__name__)
+        )
+    return inputs[0], inputs[1]
+
+
+def _split_masks(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    if additional_forward_args is None:
+        return None, None
+    if isinstance(additional_forward_args, Tensor):
+        return additional_forward_args, None
+    if isinstance(additional_forward_args, (tuple, list)):
+        if len(additional_forward_args) > 2:
+            raise ValueError(
+                "additional_forward_args must be (src_mask, tgt_mask), src_mask or None; got a sequence of "
+                f"{len(additional_forward_args)}"
+            )
+        args = list(additional_forward_args) + [None] * (2 - len(additional_forward_args))
+        return args[0], args[1]
+    raise TypeError(
+        f"additional_forward_args must be (src_mask, tgt_mask), src_mask or None; got {type(additional_forward_args).__name__}"
+    )
+
+
+_LEGACY_NAMES = ("src_attention_mask", "tgt_attention_mask", "return_layer_maps", "explained_position")
+
+
+def _legacy_call(src_ids, tgt_ids, src_mask, args, kwargs, return_layer_maps):
+    r"""The arguments of the deprecated ``decompose(src_ids, tgt_ids, src_mask, tgt_mask, return_layer_maps,
+    explained_position)`` form (with a DeprecationWarning)."""
+    warnings.warn(
+        "ALTIPlusAttribution.decompose(src_ids, tgt_ids, src_mask, tgt_mask, ...) is deprecated: call "
+        "decompose((src_ids, tgt_ids), target, (src_mask, tgt_mask), return_layer_maps=...) as attribute() "
+        "(target: the explained decoder position, the former explained_position)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    if len(args) > 3:
+        raise TypeError(f"decompose() takes at most 6 arguments in its old form, got {3 + len(args)}")
+    unknown = sorted(set(kwargs) - set(_LEGACY_NAMES))
+    if unknown:
+        raise TypeError(f"decompose() got unexpected keyword arguments {unknown}")
+    values = {"src_attention_mask": src_mask, "tgt_attention_mask": None, "return_layer_maps": return_layer_maps,
+              "explained_position": "last"}
+    for name, value in zip(_LEGACY_NAMES[1:], args):
+        values[name] = value
+    for name, value in kwargs.items():
+        if name == "src_attention_mask" and src_mask is not None:
+            raise TypeError("decompose() got two source attention masks (positional and src_attention_mask=)")
+        values[name] = value
+    return (src_ids, tgt_ids, values["src_attention_mask"], values["tgt_attention_mask"], values["return_layer_maps"],
+            values["explained_position"])
+
+
+class _Stream:
+    r"""The ``on_block`` of one ALTI+ call: each block's map as soon as the block has run, the rollouts
+    updated layer by layer (blocks arrive as encoder layers 0..L_e-1, then decoder self, cross per layer)."""
+
+    def __init__(self, attr: "ALTIPlusAttribution", v_src: Tensor, v_tgt: Tensor, keep: bool, device) -> None:
+        self.conv, self.budget = attr.conventions, attr.memory_budget_mb
+        self.v_src, self.v_tgt, self.keep, self.device = v_src, v_tgt, keep, device
+        self.layers: Dict[str, int] = {}
+        self.maps: Dict[str, List[Tensor]] = {name: [] for name in BLOCKS}
+        self.errors: Dict[str, List[Tensor]] = {name: [] for name in BLOCKS}
+        self.r_enc: Optional[Tensor] = None
+        self.r_src: Optional[Tensor] = None
+        self.r_tgt: Optional[Tensor] = None
+        self._self_map: Optional[Tensor] = None
+
+    def __call__(self, name: str, index: int, blk) -> None:
+        expected = len(self.errors[name])
+        enc_done = len(self.errors["encoder_self"]) == self.layers.get("encoder_self", 0)
+        in_order = index == expected and (name == "encoder_self" or enc_done)
+        if name == "decoder_cross":
+            in_order = in_order and self._self_map is not None
+        elif name == "decoder_self":
+            in_order = in_order and self._self_map is None
+        if not in_order:
+            raise RuntimeError(
+                f"ALTI+ expects the blocks in the order of the encoder layers, then each decoder layer's self- and "
+                f"cross-attention; got the {name} block of layer {index} out of turn (a model that runs its stacks "
+                "differently is not supported)"
+            )
+        dev = blk.probs.device
+        valid_q = (self.v_src if name == "encoder_self" else self.v_tgt).to(dev)
+        valid_k = (self.v_tgt if name == "decoder_self" else self.v_src).to(dev)
+        causal = name == "decoder_self" and not self.conv.l1_eps  # the official +1e-6 weighs later tokens too
+        b, _, _, k = blk.probs.shape
+        chunk = rows_for_budget(b, k, blk.head_weight.shape[-1], blk.values.element_size(), self.budget, causal=causal)
+        c, err = block_contributions(
+            blk.probs, blk.values, blk.head_weight, blk.out_bias, blk.residual, blk.output, valid_q, valid_k,
+            cross=blk.cross, norm=blk.norm, norm_input=blk.norm_input, conventions=self.conv, chunk_rows=chunk,
+            causal=causal,
+        )
+        del blk
+        c, err = c.to(self.device), err.to(self.device)
+        self.errors[name].append(err)
+        if self.keep:
+            self.maps[name].append(c)
+        if name == "encoder_self":
+            self.r_enc = c if self.r_enc is None else torch.matmul(c, self.r_enc)
+        elif name == "decoder_self":
+            self._self_map = c
+        else:
+            self.r_src, self.r_tgt = alti_plus_rollout_step(
+                self.r_src, self.r_tgt, self._self_map, c, self.r_enc, self.conv.renormalize_rollout, layer=index
+            )
+            self._self_map = None
+
+
 class ALTIPlusAttribution(Attribution):
     r"""ALTI+ source and target-prefix contributions of encoder-decoder Transformers.
 
@@ -172,7 +287,8 @@ class ALTIPlusAttribution(Attribution):
             ``"official"`` (the official code's unbiased std, +1e-6 inside the L1 distance
             and row re-normalisation of the decoder rollout), or an
             :class:`~captum_normattr.decompose.alti_plus.ALTIPlusConventions`.
-        memory_budget_mb: memory for the explicit parts of one chunk of query rows.
+        memory_budget_mb: memory budget of one block's ALTI kernel (the cap on its rows per
+            tile, :func:`~captum_normattr.decompose.chunking.rows_for_budget`).
 
     Raises:
         UnsupportedModelError: for a model of another family (the message lists the supported ones).
@@ -180,7 +296,7 @@ class ALTIPlusAttribution(Attribution):
     Examples::
 
         >>> alti = ALTIPlusAttribution(model)
-        >>> res = alti.decompose(src_ids, tgt_ids, src_mask, tgt_mask)
+        >>> res = alti.decompose((src_ids, tgt_ids), additional_forward_args=(src_mask, tgt_mask))
         >>> res.source_contributions.shape, res.source_share.shape  # (B, T, S), (B, T)
         >>> src_scores, tgt_scores = alti.attribute((src_ids, tgt_ids), additional_forward_args=(src_mask, tgt_mask))
     """
@@ -228,82 +344,90 @@ class ALTIPlusAttribution(Attribution):
         tgt_mask = _check_mask("decoder attention mask", tgt_mask, tuple(tgt_ids.shape), device, contiguous=True)
         return src_ids, tgt_ids, src_mask, tgt_mask
 
-    def _chunk_rows(self, b: int, k: int, d: int, itemsize: int) -> int:
-        per_row = max(1, 2 * b * (k + 1) * d * itemsize)
-        return max(1, int(self.memory_budget_mb * 2**20 // per_row))
-
     # --- decomposition ------------------------------------------------------------------
+    @log_usage()
     def decompose(
         self,
-        src_ids: Tensor,
-        tgt_ids: Tensor,
-        src_attention_mask: Optional[Tensor] = None,
-        tgt_attention_mask: Optional[Tensor] = None,
+        inputs: Tuple[Tensor, Tensor],
+        target: Union[int, str, Tensor, None] = None,
+        additional_forward_args: Any = None,
+        *legacy_args: Any,
         return_layer_maps: bool = False,
-        explained_position: Union[int, str, Tensor] = "last",
+        **legacy_kwargs: Any,
     ) -> ALTIPlusResult:
         r"""ALTI+ contributions of every decoder position to the source tokens and the decoder inputs.
 
+        The arguments are those of :meth:`attribute` (Captum's form). The blocks are
+        decomposed as the forward pass runs (each one as soon as it has run, then dropped) and
+        the rollouts are updated layer by layer, so the memory does not grow with depth
+        (``docs/seq2seq.md``, "Memory and speed").
+
         Args:
-            src_ids: (B, S) source token ids.
-            tgt_ids: (B, T) decoder input ids, starting with the decoder start token (row i
-                of the result predicts token i + 1).
-            src_attention_mask: (B, S) 1 for real source tokens (any padding), or None.
-            tgt_attention_mask: (B, T) 1 for real decoder positions (one contiguous block:
-                left or right padding), or None.
+            inputs: ``(src_ids (B, S), tgt_ids (B, T))``: source token ids and decoder input
+                ids starting with the decoder start token (row i of the result predicts token
+                i + 1).
+            target: the explained decoder position of ``scores`` / ``target_scores``: None or
+                ``"last"`` (default: the last real position), an int (k >= 0 counted from the
+                first real position, k < 0 from the last) or a (B,) tensor of positions.
+            additional_forward_args: ``(src_mask, tgt_mask)``, ``src_mask`` alone, or None:
+                ``src_mask`` (B, S) 1 for real source tokens (any padding); ``tgt_mask`` (B, T)
+                1 for real decoder positions (one contiguous block: left or right padding).
             return_layer_maps: keep the per-layer maps (encoder C_l, decoder C^self_l and
-                C^cross_l) and the encoder rollout in the result.
-            explained_position: the decoder position of ``scores`` / ``target_scores``: an
-                int (k >= 0 counted from the first real position, k < 0 from the last),
-                ``"last"`` (default: the last real position) or a (B,) tensor of positions.
+                C^cross_l) and the encoder rollout in the result (their memory grows with
+                depth: L (B, S, S) and 2 L (B, T, .) maps).
 
         Returns:
             :class:`ALTIPlusResult`.
+
+        The old form ``decompose(src_ids, tgt_ids, src_attention_mask=None,
+        tgt_attention_mask=None, return_layer_maps=False, explained_position="last")`` still
+        works, with a ``DeprecationWarning``.
+
+        Examples::
+
+            >>> res = alti.decompose((src_ids, tgt_ids), additional_forward_args=(src_mask, tgt_mask))
+            >>> res.source_contributions.shape  # (B, T, S)
         """
+        if isinstance(inputs, Tensor):
+            src_ids, tgt_ids, src_mask, tgt_mask, return_layer_maps, position = _legacy_call(
+                inputs, target, additional_forward_args, legacy_args, legacy_kwargs, return_layer_maps)
+        else:
+            if legacy_args or legacy_kwargs:
+                extra = list(legacy_kwargs) or [f"{len(legacy_args)} more positional argument(s)"]
+                raise TypeError(
+                    f"decompose() got unexpected arguments {extra}: call decompose((src_ids, tgt_ids), target, "
+                    "(src_mask, tgt_mask), return_layer_maps=...) (target: the explained decoder position)"
+                )
+            src_ids, tgt_ids = _split_inputs(inputs)
+            src_mask, tgt_mask = _split_masks(additional_forward_args)
+            position = "last" if target is None else target
+        return self._decompose(src_ids, tgt_ids, src_mask, tgt_mask, bool(return_layer_maps), position)
+
+    def _decompose(self, src_ids, tgt_ids, src_attention_mask, tgt_attention_mask, keep: bool,
+                   explained_position) -> ALTIPlusResult:
         explained_position = check_explained_position(explained_position)
         src_ids, tgt_ids, src_mask, tgt_mask = self._prepare(src_ids, tgt_ids, src_attention_mask, tgt_attention_mask)
         v_src, v_tgt = src_mask.bool(), tgt_mask.bool()
         pos = explained_positions(explained_position, v_tgt)
         param = next(self.model.parameters())
         dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-        maps: Dict[str, List[Tensor]] = {name: [] for name in BLOCKS}
-        errors: Dict[str, List[Tensor]] = {name: [] for name in BLOCKS}
         conv = self.conventions
-        with torch.no_grad(), recording_seq2seq(self.model, self.adapter, dtype) as rec:
+        stream = _Stream(self, v_src, v_tgt, keep, src_ids.device)
+        with torch.no_grad(), recording_seq2seq(self.model, self.adapter, dtype, on_block=stream) as rec:
+            stream.layers = {name: len(rec.stack_layers(name)) for name in BLOCKS}
             rec.base(  # the module holding encoder and decoder: no head (a classification head needs no run)
                 input_ids=src_ids, attention_mask=src_mask, decoder_input_ids=tgt_ids,
                 decoder_attention_mask=tgt_mask, use_cache=False,
             )
-            for name in BLOCKS:
-                valid_q = v_src if name == "encoder_self" else v_tgt
-                valid_k = v_tgt if name == "decoder_self" else v_src
-                for i in range(len(rec.stack_layers(name))):
-                    blk = rec.block_tensors(name, i)
-                    dev = blk.probs.device
-                    c, err = block_contributions(
-                        blk.probs, blk.values, blk.head_weight, blk.out_bias, blk.residual, blk.output,
-                        valid_q.to(dev), valid_k.to(dev), cross=blk.cross, norm=blk.norm, norm_input=blk.norm_input,
-                        conventions=conv,
-                        chunk_rows=self._chunk_rows(blk.probs.shape[0], blk.probs.shape[-1], blk.head_weight.shape[-1],
-                                                    blk.values.element_size()),
-                    )
-                    maps[name].append(c.to(src_ids.device))
-                    errors[name].append(err.to(src_ids.device))
-                    del blk
-            rec.records.clear()
+            rec.check_complete()
         with torch.no_grad():
-            r_enc = encoder_rollout(maps["encoder_self"])
-            r_src, r_tgt, _ = alti_plus_rollout(
-                maps["decoder_self"], maps["decoder_cross"], r_enc, renormalize=conv.renormalize_rollout
-            )
-            r_src = r_src * v_tgt[..., None]
-            r_tgt = r_tgt * v_tgt[..., None]
+            r_enc, r_src, r_tgt = stream.r_enc, stream.r_src * v_tgt[..., None], stream.r_tgt * v_tgt[..., None]
             share = r_src.sum(-1)
             rows = torch.arange(r_src.shape[0], device=r_src.device)
-            per_block = {name: torch.stack(errors[name], 1) for name in BLOCKS}  # (B, L)
+            per_block = {name: torch.stack(stream.errors[name], 1) for name in BLOCKS}  # (B, L)
             delta = torch.cat(list(per_block.values()), 1).amax(1)
         extras = {f"{name}_completeness_error": per_block[name].amax(0) for name in BLOCKS}
-        keep = return_layer_maps
+        maps = stream.maps
         result = ALTIPlusResult(
             method=self.get_name(),
             scores=r_src[rows, pos],
@@ -348,28 +472,9 @@ class ALTIPlusAttribution(Attribution):
             ``(source scores (B, S), target scores (B, T))``; together they sum to 1 per
             example; pads and positions after the explained one are 0.
         """
-        if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
-            raise ValueError(
-                "inputs must be a pair (src_ids, tgt_ids) of token-id tensors; got "
-                + (f"a sequence of {len(inputs)}" if isinstance(inputs, (tuple, list)) else type(inputs).__name__)
-            )
-        src_mask = tgt_mask = None
-        if isinstance(additional_forward_args, Tensor):
-            src_mask = additional_forward_args
-        elif isinstance(additional_forward_args, (tuple, list)):
-            if len(additional_forward_args) > 2:
-                raise ValueError(
-                    "additional_forward_args must be (src_mask, tgt_mask), src_mask or None; got a sequence of "
-                    f"{len(additional_forward_args)}"
-                )
-            args = list(additional_forward_args) + [None] * (2 - len(additional_forward_args))
-            src_mask, tgt_mask = args
-        elif additional_forward_args is not None:
-            raise TypeError(
-                f"additional_forward_args must be (src_mask, tgt_mask), src_mask or None; got {type(additional_forward_args).__name__}"
-            )
-        res = self.decompose(inputs[0], inputs[1], src_mask, tgt_mask,
-                             explained_position="last" if target is None else target)
+        src_ids, tgt_ids = _split_inputs(inputs)
+        src_mask, tgt_mask = _split_masks(additional_forward_args)
+        res = self._decompose(src_ids, tgt_ids, src_mask, tgt_mask, False, "last" if target is None else target)
         return res.scores, res.target_scores
 
     def has_convergence_delta(self) -> bool:
@@ -468,7 +573,7 @@ def explain_generation(
     if pad_token_id is not None:
         tgt[tgt_mask == 0] = int(pad_token_id)
     alti = ALTIPlusAttribution(model, conventions=conventions)
-    res = alti.decompose(src_ids, tgt, src_attention_mask, tgt_mask)
+    res = alti.decompose((src_ids, tgt), additional_forward_args=(src_attention_mask, tgt_mask))
     out = []
     for i in range(b):
         n = int(length[i]) - 1

@@ -118,19 +118,26 @@ def alti_map(
     chunk_rows: Optional[int] = None,
     causal: bool = False,
     tile_bytes: Optional[int] = None,
+    valid_k: Optional[Tensor] = None,
+    extra_parts: Optional[Tensor] = None,
+    l1_eps: float = 0.0,
 ) -> Tensor:
     r"""ALTI layer map from attention probabilities and per-head projected values.
 
     The part of token j in token i is
     (sum_h alpha^h_ij projected[h, j] + [i = j] residual_i) / row_scale_i.
 
+    The queries may attend to other keys than themselves (cross-attention: Q queries, K keys,
+    no ``residual``); further parts of every query that belong to no key (cross-attention's
+    residual stream) come as ``extra_parts`` and are the last columns of the map.
+
     Args:
-        probs: (B, H, T, T) attention probabilities.
+        probs: (B, H, T, T) attention probabilities ((B, H, Q, K) for cross-attention).
         projected: (B, H, T, D) values through W_O and any linear map (see
-            :func:`~captum_normattr.decompose.attention.project_values`).
+            :func:`~captum_normattr.decompose.attention.project_values`); (B, H, K, D).
         residual: (B, T, D) the residual term of token i (already mapped), or None.
-        output: (B, T, D) real block output y_i (bias parts included).
-        valid: (B, T) bool, non-pad tokens.
+        output: (B, T, D) real block output y_i (bias parts included); (B, Q, D).
+        valid: (B, T) bool, non-pad tokens (the queries).
         row_scale: optional (B, T) divisor per receiving token (a norm's real scale).
         chunk_rows: at most this many query rows per tile of the eager kernel (the
             memory-budget chunk of :func:`~captum_normattr.decompose.chunking.rows_for_budget`;
@@ -138,18 +145,34 @@ def alti_map(
         causal: causal attention (decoders): row i has parts only from j <= i, so each block
             of rows works on the source tokens before its end only (entries j > i are 0).
         tile_bytes: bytes of one tile of the eager kernel (None: :data:`ALTI_TILE_BYTES`).
+        valid_k: (B, K) bool, non-pad keys, where they are not the queries (cross-attention);
+            None: ``valid``.
+        extra_parts: optional (B, Q, E, D) parts of every query that belong to no key (unscaled
+            like the others: divided by ``row_scale``); their contributions are the last E
+            columns of the map (never masked).
+        l1_eps: a constant added to every coordinate of part_ij - y_i inside the L1 distance
+            (the official ALTI+ code's ``pairwise_distance``); 0 (default): the plain distance.
+            The same constant enters the distances of the all-zero parts, so with ``l1_eps``
+            and ``causal`` the entries j > i are still set to 0.
 
     Returns:
-        (B, T, T) contributions, valid rows summing to 1, pad rows and columns 0.
+        (B, Q, K + E) contributions (self-attention: (B, T, T)), valid rows summing to 1, pad
+        rows and pad key columns 0.
     """
-    b, _, t, d = projected.shape
+    b, _, k, d = projected.shape
+    q = output.shape[1]
+    if q != k and (residual is not None or causal):
+        raise ValueError(f"{q} queries but {k} keys: a residual on the diagonal or causal attention needs Q == K")
+    if causal and extra_parts is not None:
+        raise ValueError("extra_parts are not supported with causal attention")
     # Source-token-major layout (B, T_j, H, D): a free view where ``projected`` was made
     # token-major (:func:`~captum_normattr.decompose.attention.project_values`), else a copy.
     proj_j = projected.permute(0, 2, 1, 3).contiguous()
-    y_l1 = output.abs().sum(-1)  # (B, T)
-    # |y_i - part_ij / s_i|_1 = |s_i y_i - part_ij|_1 / s_i
-    target = output if row_scale is None else output * row_scale[..., None]
-    kernel = None if tile_bytes is not None else _compiled_kernel(projected.dtype, b * t * t * d, t * t * d)
+    y_l1 = output.abs().sum(-1)  # (B, Q)
+    # |y_i - part_ij / s_i + eps|_1 = |s_i (y_i - eps) - part_ij|_1 / s_i
+    shifted = output - l1_eps if l1_eps else output
+    target = shifted if row_scale is None else shifted * row_scale[..., None]
+    kernel = None if tile_bytes is not None else _compiled_kernel(projected.dtype, b * q * k * d, q * k * d)
     dist = None
     if kernel is not None:
         try:
@@ -158,11 +181,16 @@ def alti_map(
             compiled.kernel_failed(_l1_distance_tile, e)
     if dist is None:
         dist = _tiled_distances(probs, proj_j, residual, target, chunk_rows, causal, tile_bytes or ALTI_TILE_BYTES)
+    if extra_parts is not None:
+        dist = torch.cat([dist, (extra_parts - target.unsqueeze(2)).abs().sum(-1)], dim=-1)  # (B, Q, K + E)
     if row_scale is not None:
         dist.div_(row_scale[..., None])
     out = dist.neg_().add_(y_l1[..., None]).clamp_min_(0)  # y_l1 - dist in place (the same bits)
-    if not bool(valid.all()):  # pad rows and columns to 0 (no (B, T, T) mask pass without pads)
-        out.mul_((valid.unsqueeze(-1) & valid.unsqueeze(-2)).to(out.dtype))
+    cols = valid if valid_k is None else valid_k
+    if not (bool(valid.all()) and bool(cols.all())):  # pad rows and columns to 0 (no mask pass without pads)
+        if extra_parts is not None:
+            cols = torch.cat([cols, cols.new_ones(b, extra_parts.shape[2])], dim=1)
+        out.mul_((valid.unsqueeze(-1) & cols.unsqueeze(-2)).to(out.dtype))
     if causal:
         out.tril_()
     return row_normalize(out)
@@ -176,9 +204,10 @@ def _fused_distances(kernel, probs: Tensor, proj_j: Tensor, residual: Optional[T
     :data:`FUSED_BLOCK_BYTES` of one example's parts would fill. The diagonal, whose part
     also holds the residual term, is recomputed afterwards, O(B T H D).
     """
-    b, t = target.shape[:2]
-    dist = target.new_zeros(b, t, t)
-    per_row = t * proj_j.shape[-1] * proj_j.element_size()  # bytes of one query row's parts
+    b, t = target.shape[:2]  # queries
+    k = proj_j.shape[1]  # keys (== t for self-attention)
+    dist = target.new_zeros(b, t, k)
+    per_row = k * proj_j.shape[-1] * proj_j.element_size()  # bytes of one query row's parts
     step = max(MIN_TILE_ROWS, FUSED_BLOCK_BYTES // max(1, per_row))
     if causal:
         step = min(step, max(MIN_TILE_ROWS, -(-t // 16)))
@@ -191,7 +220,7 @@ def _fused_distances(kernel, probs: Tensor, proj_j: Tensor, residual: Optional[T
     for e in range(b):
         for r0 in range(0, t, step):
             r1 = min(t, r0 + step)
-            last = r1 if causal else t
+            last = r1 if causal else k
             mix = probs[e : e + 1, :, r0:r1, :last].permute(0, 3, 2, 1).contiguous()  # (1, C, R, H)
             dist[e : e + 1, r0:r1, :last] = kernel(mix, proj_j[e : e + 1, :last], target[e : e + 1, r0:r1]).transpose(1, 2)
     if residual is not None:
@@ -207,9 +236,11 @@ def _tiled_distances(
     tile_bytes: int,
 ) -> Tensor:
     r"""(B, T, T) distances |s_i y_i - part_ij|_1 by the eager tile kernel (see the module docstring)."""
-    b, t, _, d = proj_j.shape
-    nb, nr, nc = tile_for_cache(b, t, d, proj_j.element_size(), chunk_rows, tile_bytes)
-    dist_all = target.new_zeros(b, t, t)
+    b, k, _, d = proj_j.shape  # keys
+    t = target.shape[1]  # queries (== k for self-attention)
+    nb, nr, nc = tile_for_cache(b, k, d, proj_j.element_size(), chunk_rows, tile_bytes)
+    nr = min(nr, t)
+    dist_all = target.new_zeros(b, t, k)
     # One buffer reused by every tile: no page faults, and the passes of sub/abs/sum read
     # what the product has just written while it is still in cache.
     buf = proj_j.new_empty(nb * nr * nc * d)
@@ -219,7 +250,7 @@ def _tiled_distances(
         for r0 in range(0, t, nr):
             r1 = min(t, r0 + nr)
             tgt = target[bs, r0:r1].unsqueeze(1)  # (b, 1, R, D)
-            last = r1 if causal else t  # causal: sources j < r1 only (entries j > i are 0)
+            last = r1 if causal else k  # causal: sources j < r1 only (entries j > i are 0)
             for c0 in range(0, last, nc):
                 c1 = min(last, c0 + nc)
                 parts = buf[: n_b * (c1 - c0) * (r1 - r0) * d].view(n_b, c1 - c0, r1 - r0, d)

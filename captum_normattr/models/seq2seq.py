@@ -13,7 +13,10 @@ block ALTI+ needs (``docs/seq2seq.md``):
 
 The probabilities and values come from the package's recording attention function
 (:mod:`captum_normattr.models.capture`; registered in transformers' ``AttentionInterface``),
-the rest from forward hooks. As there, everything (hooks, the attention implementation,
+the rest from forward hooks. The recording is streamed, as the decoder-only and encoder
+recorder's: as soon as a block's last tensor is recorded (on a forward hook, while the model
+runs on), its :class:`BlockTensors` are handed to the caller's ``on_block`` callback and
+the recorder drops them, so at most one block's probabilities are alive at a time. As there, everything (hooks, the attention implementation,
 the training flags) is restored when the call ends, also when it raises. All architecture
 knowledge sits in :data:`SEQ2SEQ_ADAPTERS`, one :class:`Seq2SeqAdapter` per family.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -231,23 +234,37 @@ def _first(x):
 
 
 class Seq2SeqRecorder(AttentionRecords):
-    r"""Records the attention blocks of one encoder-decoder forward pass.
+    r"""Records the attention blocks of one encoder-decoder forward pass, block by block.
 
     It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture`,
     whose recording attention function calls :meth:`watches` and :meth:`record_attention`.
+    As soon as a block has recorded everything it needs (its last tensor comes from a forward
+    hook, or the recording attention), the record becomes a :class:`BlockTensors`, is handed
+    to ``on_block`` and is dropped: the memory of the recording does not grow with depth.
 
     Args:
         model: a supported encoder-decoder.
         adapter: its :class:`Seq2SeqAdapter`.
         dtype: the compute dtype of the handed-out tensors.
+        on_block: called as ``on_block(name, index, tensors)`` (``name`` one of :data:`BLOCKS`,
+            ``index`` the layer in its stack) for every block as soon as it has run. None: the
+            blocks are kept in ``blocks`` for :meth:`block_tensors` (every block alive until
+            the end: for tests and small inputs).
     """
 
     keeps_context = False  # ALTI+ needs no attention context
 
-    def __init__(self, model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: Seq2SeqAdapter,
+        dtype: torch.dtype,
+        on_block: Optional[Callable[[str, int, "BlockTensors"], None]] = None,
+    ):
         self.model = model
         self.adapter = adapter
         self.dtype = dtype
+        self.on_block = on_block
         base = self.base = seq2seq_base(model)
         self.layers = {
             "encoder": list(get_path(base, adapter.encoder_layers)),
@@ -257,10 +274,31 @@ class Seq2SeqRecorder(AttentionRecords):
         for name in BLOCKS:
             for i, layer in enumerate(self.layers[name.split("_")[0]]):
                 self._attn_keys[id(get_path(layer, adapter.block(name).attention))] = (name, i)
-        self.records: Dict[Tuple[str, int], Dict[str, Tensor]] = {}
+        self._needed = ("probs", "values", "residual", "output") + (("norm_input",) if not adapter.pre_ln else ())
+        self.records: Dict[Tuple[str, int], Dict[str, Tensor]] = {}  # blocks still running
+        self.blocks: Dict[Tuple[str, int], BlockTensors] = {}  # without on_block: the finished blocks
+        self.finished: List[Tuple[str, int]] = []  # the finished blocks, in order
 
     def stack_layers(self, block: str) -> List[nn.Module]:
         return self.layers[block.split("_")[0]]
+
+    def _store(self, key: Tuple[str, int], names, x: Tensor) -> None:
+        rec = self.records.setdefault(key, {})
+        for k in names:
+            rec[k] = x.detach()
+        self._recorded(key, rec, tuple(names))
+
+    def _recorded(self, key, rec, names) -> None:
+        r"""After every store: a block with all its tensors is handed on and dropped."""
+        if all(k in rec for k in self._needed):
+            del self.records[key]
+            blk = self._block_tensors(key[0], key[1], rec)
+            rec.clear()
+            self.finished.append(key)
+            if self.on_block is None:
+                self.blocks[key] = blk
+            else:
+                self.on_block(key[0], key[1], blk)
 
     def hooks(self) -> list:
         handles = []
@@ -278,36 +316,51 @@ class Seq2SeqRecorder(AttentionRecords):
 
                         def pre(mod, args, kwargs, key=(name, i), keys=tuple(keys)):
                             if self._mine():
-                                x = _hidden_arg(args, kwargs)
-                                for k in keys:
-                                    self.records.setdefault(key, {})[k] = x.detach()
+                                self._store(key, keys, _hidden_arg(args, kwargs))
 
                         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     else:
 
                         def post(mod, args, output, key=(name, i), keys=tuple(keys)):
                             if self._mine():
-                                for k in keys:
-                                    self.records.setdefault(key, {})[k] = _first(output).detach()
+                                self._store(key, keys, _first(output))
 
                         handles.append(module.register_forward_hook(post))
         return handles
 
+    def check_complete(self) -> None:
+        r"""Raise if a block of the model did not record everything it needs (after the forward pass).
+
+        Raises:
+            RuntimeError: naming the block and what it missed (the model's structure does not
+                match the adapter).
+        """
+        done = set(self.finished)
+        for name in BLOCKS:
+            for i in range(len(self.stack_layers(name))):
+                if (name, i) not in done:
+                    rec = self.records.get((name, i), {})
+                    missing = [k for k in self._needed if k not in rec]
+                    raise RuntimeError(
+                        f"{name} block of layer {i}: the forward pass recorded no {missing}; the model's structure "
+                        f"does not match the {self.adapter.family} adapter"
+                    )
+
     # --- what the records become ----------------------------------------------------
     def block_tensors(self, name: str, index: int) -> BlockTensors:
-        r"""The :class:`BlockTensors` of block ``name`` (one of :data:`BLOCKS`) in layer ``index``.
+        r"""The kept :class:`BlockTensors` of block ``name`` (one of :data:`BLOCKS`) in layer ``index``.
+
+        Only without ``on_block`` (a streamed recorder hands the blocks on instead).
 
         Raises:
             RuntimeError: if the forward pass did not record that block.
         """
-        rec = self.records.get((name, index), {})
-        needed = ["probs", "values", "residual", "output"] + (["norm_input"] if not self.adapter.pre_ln else [])
-        missing = [k for k in needed if k not in rec]
-        if missing:
-            raise RuntimeError(
-                f"{name} block of layer {index}: the forward pass recorded no {missing}; the model's structure does not "
-                f"match the {self.adapter.family} adapter"
-            )
+        if (name, index) not in self.blocks:
+            self.check_complete()
+            raise RuntimeError(f"{name} block of layer {index} was not kept (a recorder with on_block keeps no block)")
+        return self.blocks[(name, index)]
+
+    def _block_tensors(self, name: str, index: int, rec: Dict[str, Tensor]) -> BlockTensors:
         spec = self.adapter.block(name)
         layer = self.stack_layers(name)[index]
         device = rec["probs"].device
@@ -332,17 +385,25 @@ class Seq2SeqRecorder(AttentionRecords):
 
 
 @contextlib.contextmanager
-def recording_seq2seq(model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dtype = torch.float32) -> Iterator[Seq2SeqRecorder]:
+def recording_seq2seq(
+    model: nn.Module,
+    adapter: Seq2SeqAdapter,
+    dtype: torch.dtype = torch.float32,
+    on_block: Optional[Callable[[str, int, BlockTensors], None]] = None,
+) -> Iterator[Seq2SeqRecorder]:
     r"""Record the attention blocks of the forward passes run inside the block.
 
     Inside the block the model runs in eval mode with the package's recording attention
     function; afterwards its hooks, attention implementation and training flags are as
-    before, also after an error.
+    before, also after an error (an error raised by ``on_block`` included).
 
     Args:
         model: a supported encoder-decoder.
         adapter: its :class:`Seq2SeqAdapter`.
         dtype: the compute dtype.
+        on_block: ``on_block(name, index, tensors)`` for every block as soon as it has run
+            (then dropped); None: the blocks are kept for
+            :meth:`Seq2SeqRecorder.block_tensors`.
 
     Yields:
         The :class:`Seq2SeqRecorder`.
@@ -352,7 +413,11 @@ def recording_seq2seq(model: nn.Module, adapter: Seq2SeqAdapter, dtype: torch.dt
         >>> with recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64) as rec:
         ...     model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
         >>> rec.block_tensors("decoder_cross", 0).probs.shape  # (B, H, T, S)
+        >>> shapes = []
+        >>> with recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64,
+        ...                        on_block=lambda name, i, blk: shapes.append(blk.probs.shape)):
+        ...     model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
     """
-    recorder = Seq2SeqRecorder(model, adapter, dtype)
+    recorder = Seq2SeqRecorder(model, adapter, dtype, on_block)
     with recorder_session(model, recorder, recorder.hooks):
         yield recorder
