@@ -113,7 +113,7 @@ _NEOX_ATTENTION = Attention("attention", out="attention.dense",
                             value=ValueProjection("attention.query_key_value", "interleaved", 2, 3),
                             pre_norm=Norm("input_layernorm"))
 _NEOX_FF = FeedForward(up="mlp.dense_h_to_4h", act="mlp.act", down="mlp.dense_4h_to_h", pre_norm=Norm("post_attention_layernorm"))
-_NEOX_HEAD = Head(final_norm=Norm("final_layer_norm"), lm_head="embed_out")
+_NEOX_HEAD = Head(final_norm=Norm("final_layer_norm"), lm_head="lm_head")  # transformers 5 (4.x: embed_out)
 GPT_NEOX = ArchitectureSpec(
     family="GPT-NeoX", model_types=("gpt_neox",), layers="layers", causal=True,
     layer=Layer(attention=_NEOX_ATTENTION, ff=_NEOX_FF, parallel=True), head=_NEOX_HEAD,

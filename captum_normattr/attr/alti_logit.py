@@ -19,7 +19,7 @@ from captum_normattr.attr.base import (
 )
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at, logit_direction, residual_parts_sum
+from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at, logit_direction
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
 from captum_normattr.models.adapters import layer_modules, unwrap_model
@@ -179,8 +179,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             kept["updates"][:, l] = attention_update_at(layer, pos)
             kept["ff"][:, l] = layer.ff_out[bidx, pos]
             kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
-            err = ((residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1) * valid.to(layer.ln2_in.dtype)).amax(-1)
-            kept["example_errors"].append(err)  # (B,) largest |parts + b_O - real h_i| over the real tokens
+            # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
+            kept["example_errors"].append(self.kind.example_completeness_error(layer, valid))
 
         run, top_model, logits_kept = self.output.guarded_forward(self.model, prepared, pos)
         with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model,

@@ -153,13 +153,15 @@ class ConsistencyGuard:
         self.failures: List[str] = []
         self.tolerance = 0.0
 
-    def check(self, layer: LayerTensors, completeness: Optional[Tensor] = None) -> None:
-        r"""Judge one layer's checks; ``completeness``: its absolute completeness error (0-dim), or None."""
+    def check(self, layer: LayerTensors, completeness: Optional[Tensor] = None, real: Optional[Tensor] = None) -> None:
+        r"""Judge one layer's checks; ``completeness``: its absolute completeness error (0-dim), or None;
+        ``real``: the real tensor it is measured on (the layer kind's ``attention_block_output``)."""
         names, values = list(layer.checks), list(layer.checks.values())
         if completeness is not None:
             # the attention block's real output; its scale over every token (pads are computed like real
             # tokens, so this is at least the scale at the real ones: never a stricter tolerance)
-            real = layer.ln2_in if layer.pre_ln else layer.ln1_out
+            if real is None:
+                real = layer.ln2_in if layer.pre_ln else layer.ln1_out
             lo, hi = torch.aminmax(real)
             scale = torch.maximum(hi, -lo).clamp_min(torch.finfo(real.dtype).tiny)
             names.append("completeness of the attention block")
@@ -393,7 +395,7 @@ class LayerDecompositionAttribution(Attribution):
             dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
             c = self.layer_contribution(layer, valid.to(dev), return_layer_maps)
             if self.guards_completeness and "completeness_error" in c.errors:
-                guard.check(replace(layer, checks={}), c.errors["completeness_error"])
+                guard.check(replace(layer, checks={}), c.errors["completeness_error"], self.kind.attention_block_output(layer))
             collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard):

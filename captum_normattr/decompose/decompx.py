@@ -380,7 +380,7 @@ def frozen_ff_parts(
     return out, out_b
 
 
-def pre_ln_layer_parts(
+def attention_block_parts(
     parts: Tensor,
     bias: Tensor,
     layer: LayerTensors,
@@ -389,25 +389,21 @@ def pre_ln_layer_parts(
     bias_mode: str = "separate",
     rows: Optional[Tensor] = None,
     memory_budget_mb: float = 256.0,
-    coefs: Optional[Dict[str, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
-    r"""Map parts of a pre-LN layer's input to parts of its output.
+    r"""Parts of x_i + Attn(N1(x))_i from the parts of the layer input x (pre-LN and parallel layers).
 
-    h_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij LN1(x)_{j<-k} W_V^h) W_O^h   (bias part + b_V mixed, + b_O)
-    out_{i<-k} = h_{i<-k} + FF_{i<-k}(LN2(h)_{i<-k})                          (no norm after the residual)
+    h_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij N1(x)_{j<-k} W_V^h) W_O^h   (bias part + b_V mixed, + b_O)
 
-    LN1/LN2 use the real per-token scale (RMSNorm: no centering, no beta); grouped-query
-    values are repeated per query head; rotary embeddings never touch values. The FF is
-    linear in its input parts through :func:`ff_coefficients` (closed form for GPT-2's
-    elementwise activation, Gauss-Legendre integrals for a gated FF).
+    N1 uses the real per-token scale (RMSNorm: no centering, no beta); grouped-query values
+    are repeated per query head; rotary embeddings never touch values. In the spread modes
+    the attention biases are spread as :func:`pre_ln_layer_parts` says.
 
     Args:
-        parts, bias, layer, bias_mode, rows, memory_budget_mb: as in :func:`post_ln_layer_parts`.
-        value_weight: (D, H_kv * Dh) W_V; value_bias: (H_kv * Dh,) or None.
-        coefs: :func:`ff_coefficients` of this layer (computed if None).
+        parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb: as in
+            :func:`pre_ln_layer_parts`.
 
     Returns:
-        (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
+        (parts (B, R, K, D), bias part (B, R, D)) at ``rows``.
     """
     check_bias_mode(bias_mode)
     spread = bias_mode in SPREAD_MODES
@@ -421,11 +417,8 @@ def pre_ln_layer_parts(
     dh = hd // h
     kv_heads = value_weight.shape[1] // dh
     groups = h // kv_heads
-    coefs = ff_coefficients(layer) if coefs is None else coefs
-    ff_dim = layer.ff.w_out.shape[0]
-    # the one chunk rule (as in post_ln_layer_parts; the gated FF holds two (.., F) temporaries per row)
+    # the one chunk rule (as in post_ln_layer_parts)
     k_chunk = rows_for_budget(b, t, max(d, hd), parts.element_size(), memory_budget_mb, temporaries=3)
-    r_chunk = min(r, rows_for_budget(b, t, 2 * ff_dim, parts.element_size(), memory_budget_mb, temporaries=3))
     probs = layer.probs[:, :, rows]  # (B, H, R, T)
     b_o = layer.out_bias if layer.out_bias is not None else torch.zeros(d, dtype=dtype, device=dev)
 
@@ -456,28 +449,104 @@ def pre_ln_layer_parts(
         mixed_b = torch.einsum("bhij,bjhe->bihe", probs, _value_heads(v_mix, kv_heads, groups)).reshape(b, r, hd)
         a_b = mixed_b @ layer.out_weight + b_o
 
-    # --- residual (no norm), LN2, FF, residual ----------------------------------------
+    # --- residual (no norm) -------------------------------------------------------------
     a += parts[:, rows]
     a_b = a_b + bias[:, rows]
     if bias_mode == "spread":  # as the official post-LN rule: W_O b_V + b_O over the attention-plus-residual parts
         a, a_b = absorb_bias(a, a_b, rows)
-    ln2_in = layer.ln2_in[:, rows]
+    return a, a_b
+
+
+def ff_branch_parts(
+    z_in: Tensor,
+    z_in_b: Tensor,
+    real_in: Tensor,
+    layer: LayerTensors,
+    coefs: Dict[str, Tensor],
+    rows: Tensor,
+    bias_mode: str = "separate",
+    memory_budget_mb: float = 256.0,
+    out: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""Parts of FF(N2(z)) from the parts of the second norm's input z, added into ``out``.
+
+    N2 is frozen at its real scale (``real_in``, its real input at ``rows``), the FF through
+    :func:`ff_coefficients` (``coefs`` for the whole layer; read at ``rows``). Row chunks keep
+    the FF-wide temporaries within ``memory_budget_mb``.
+
+    Args:
+        z_in: (B, R, K, D) parts of the norm input at ``rows``; z_in_b: (B, R, D) its bias part.
+        real_in: (B, R, D) the norm's real input at ``rows``.
+        layer: the layer's tensors (``ln2``, ``ff``).
+        coefs: :func:`ff_coefficients` of the layer (all T rows).
+        rows: (R,) long, the rows.
+        bias_mode: one of :data:`BIAS_MODES`.
+        memory_budget_mb: bound on the temporaries.
+        out: (B, R, K, D) the tensor the FF parts are added to (in place; pre-LN: ``z_in``
+            itself), or None (a new one).
+
+    Returns:
+        (``out`` + FF parts, the FF output's bias part (B, R, D)).
+    """
+    spread = bias_mode in SPREAD_MODES
+    b, r, _, _ = z_in.shape
+    t = layer.hidden_in.shape[1]
+    ff_dim = layer.ff.w_out.shape[0]
+    r_chunk = min(r, rows_for_budget(b, t, 2 * ff_dim, z_in.element_size(), memory_budget_mb, temporaries=3))
     c_rows = {key: val[:, rows] for key, val in coefs.items() if key != "quadrature_error"}
-    out_b = torch.empty_like(a_b)
+    out = torch.zeros_like(z_in) if out is None else out
+    out_b = torch.empty_like(z_in_b)
     for start in range(0, r, r_chunk):
         rc = slice(start, min(r, start + r_chunk))
-        z = apply_norm_to_parts(a[:, rc], ln2_in[:, rc], layer.ln2)
-        z_b = norm_bias_part(a_b[:, rc], ln2_in[:, rc], layer.ln2)
+        z = apply_norm_to_parts(z_in[:, rc], real_in[:, rc], layer.ln2)
+        z_b = norm_bias_part(z_in_b[:, rc], real_in[:, rc], layer.ln2)
         if spread:
             z, z_b = absorb_bias(z, z_b, rows[rc])
         ff, ff_b = frozen_ff_parts(z, z_b, layer.ff, {key: val[:, rc] for key, val in c_rows.items()}, spread, rows[rc])
         del z
         if spread:
             ff, ff_b = absorb_bias(ff, ff_b, rows[rc])
-        a[:, rc] += ff
-        out_b[:, rc] = a_b[:, rc] + ff_b
+        out[:, rc] += ff
+        out_b[:, rc] = ff_b
         del ff
-    return a, out_b
+    return out, out_b
+
+
+def pre_ln_layer_parts(
+    parts: Tensor,
+    bias: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    bias_mode: str = "separate",
+    rows: Optional[Tensor] = None,
+    memory_budget_mb: float = 256.0,
+    coefs: Optional[Dict[str, Tensor]] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""Map parts of a pre-LN layer's input to parts of its output (GPT-2, Llama, Mistral, Qwen2).
+
+    h_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij LN1(x)_{j<-k} W_V^h) W_O^h   (bias part + b_V mixed, + b_O)
+    out_{i<-k} = h_{i<-k} + FF_{i<-k}(LN2(h)_{i<-k})                          (no norm after the residual)
+
+    LN1/LN2 use the real per-token scale (RMSNorm: no centering, no beta); grouped-query
+    values are repeated per query head; rotary embeddings never touch values. The FF is
+    linear in its input parts through :func:`ff_coefficients` (closed form for GPT-2's
+    elementwise activation, Gauss-Legendre integrals for a gated FF). The two halves are
+    :func:`attention_block_parts` and :func:`ff_branch_parts`.
+
+    Args:
+        parts, bias, layer, bias_mode, rows, memory_budget_mb: as in :func:`post_ln_layer_parts`.
+        value_weight: (D, H_kv * Dh) W_V; value_bias: (H_kv * Dh,) or None.
+        coefs: :func:`ff_coefficients` of this layer (computed if None).
+
+    Returns:
+        (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
+    """
+    rows = torch.arange(parts.shape[1], device=parts.device) if rows is None else rows.to(parts.device)
+    coefs = ff_coefficients(layer) if coefs is None else coefs
+    a, a_b = attention_block_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb)
+    a, ff_b = ff_branch_parts(a, a_b, layer.ln2_in[:, rows], layer, coefs, rows, bias_mode, memory_budget_mb, out=a)
+    return a, a_b + ff_b
 
 
 #: One step function per layer kind.
@@ -953,10 +1022,24 @@ def frozen_pre_ln_layer_vjp(
     Returns:
         (..., B, T, D) the cotangent of the layer input.
     """
-    b, t = layer.hidden_in.shape[:2]
-    h = layer.num_heads
-    hd = layer.out_weight.shape[0]
-    kv_heads = value_weight.shape[1] // (hd // h)
+    g_h = g + ff_branch_vjp(g, layer.ln2_in if rows is None else layer.ln2_in[:, rows], layer, coefs, rows)
+    return attention_block_vjp(g_h, layer, value_weight, rows, valid)  # residual + LN2 and the FF, then the block
+
+
+def ff_branch_vjp(
+    g: Tensor, real_in: Tensor, layer: LayerTensors, coefs: Dict[str, Tensor], rows: Optional[Tensor] = None
+) -> Tensor:
+    r"""The transpose of the frozen z -> FF(N2(z)) (no biases; :func:`frozen_ff_branch`) at ``g``.
+
+    Args:
+        g: (..., B, R, D) cotangent of the FF output at ``rows`` (all T rows if None).
+        real_in: (B, R, D) the second norm's real input at ``rows``.
+        layer: the layer's tensors (``ln2``, ``ff``); coefs: its :func:`ff_coefficients`.
+        rows: (R,) long or None.
+
+    Returns:
+        (..., B, R, D) the cotangent of the norm input z at ``rows``.
+    """
     sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
     f = layer.ff
     g_ig = g @ f.w_out.T  # (..., B, R, F)
@@ -965,8 +1048,25 @@ def frozen_pre_ln_layer_vjp(
     else:  # ig = (z W_gate) * gate + (z W_up) * up
         g_z = _gated_ff_transpose(g_ig, coefs, sel, f)
     del g_ig
-    g_h = g + _norm_transpose(g_z, sel(layer.ln2_in), layer.ln2)  # (..., B, R, D): residual + LN2 and the FF
-    del g_z
+    return _norm_transpose(g_z, real_in, layer.ln2)
+
+
+def attention_block_vjp(
+    g_h: Tensor, layer: LayerTensors, value_weight: Tensor, rows: Optional[Tensor] = None, valid: Optional[Tensor] = None
+) -> Tensor:
+    r"""The transpose of the frozen x -> x + Attn(N1(x)) (no biases; :func:`frozen_attention_block`) at ``g_h``.
+
+    Args:
+        g_h: (..., B, R, D) cotangent of x + Attn(N1(x)) at ``rows`` (all T rows if None).
+        layer, value_weight, rows, valid: as in :func:`frozen_pre_ln_layer_vjp`.
+
+    Returns:
+        (..., B, T, D) the cotangent of the layer input x.
+    """
+    t = layer.hidden_in.shape[1]
+    h = layer.num_heads
+    hd = layer.out_weight.shape[0]
+    kv_heads = value_weight.shape[1] // (hd // h)
     probs = layer.probs if rows is None else layer.probs[:, :, rows]
     g_mixed = (g_h @ layer.out_weight.T).view(*g_h.shape[:-1], h, hd // h)
     g_u = _mix_transpose(g_mixed, probs, kv_heads, _causal_rows(layer, g_h, rows, valid)) @ value_weight.T
@@ -1281,24 +1381,53 @@ def frozen_pre_ln_layer(
     Returns:
         (B, R, D).
     """
+    hcur = frozen_attention_block(x, layer, value_weight, value_bias, with_bias, rows)
+    return hcur + frozen_ff_branch(hcur, layer.ln2_in if rows is None else layer.ln2_in[:, rows], layer, with_bias, coefs,
+                                   rows)
+
+
+def frozen_attention_block(
+    x: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    with_bias: bool,
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""x_i + Attn(N1(x))_i with the probabilities and N1's scale frozen at their real values: (B, R, D).
+
+    Args: as in :func:`frozen_pre_ln_layer` (``with_bias``: beta1, b_V and b_O).
+    """
     b, t, _ = x.shape
     h = layer.num_heads
     hd = layer.out_weight.shape[0]
     kv_heads = value_weight.shape[1] // (hd // h)
     sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
     probs = sel(layer.probs.transpose(1, 2)).transpose(1, 2)
-
-    def norm(z: Tensor, real: Tensor, params) -> Tensor:
-        return norm_bias_part(z, real, params) if with_bias else apply_norm_to_parts(z, real, params)
-
-    v = norm(x, layer.ln1_in, layer.ln1) @ value_weight
+    u = norm_bias_part(x, layer.ln1_in, layer.ln1) if with_bias else apply_norm_to_parts(x, layer.ln1_in, layer.ln1)
+    v = u @ value_weight
     if with_bias and value_bias is not None:
         v = v + value_bias
     mixed = torch.einsum("bhij,bjhe->bihe", probs, _value_heads(v, kv_heads, h // kv_heads))
     hcur = mixed.reshape(b, mixed.shape[1], hd) @ layer.out_weight + sel(x)
     if with_bias and layer.out_bias is not None:
         hcur = hcur + layer.out_bias
-    z = norm(hcur, sel(layer.ln2_in), layer.ln2)
+    return hcur
+
+
+def frozen_ff_branch(
+    u: Tensor, real_in: Tensor, layer: LayerTensors, with_bias: bool, coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""FF(N2(u)) with N2's scale and the FF coefficients frozen at their real values: (B, R, D).
+
+    Args:
+        u: (B, R, D) the norm input at ``rows``; real_in: (B, R, D) its real value there.
+        layer: the layer's tensors; with_bias: add beta2, the FF biases and g(0) W2.
+        coefs: :func:`ff_coefficients` of the layer (all T rows); rows: (R,) long or None.
+    """
+    sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
+    z = norm_bias_part(u, real_in, layer.ln2) if with_bias else apply_norm_to_parts(u, real_in, layer.ln2)
     f = layer.ff
 
     def lin(w: Tensor, bb: Optional[Tensor]) -> Tensor:
@@ -1307,13 +1436,13 @@ def frozen_pre_ln_layer(
     if f.w_gate is None:
         ig = lin(f.w_in, f.b_in) * sel(coefs["slope"])
         if with_bias:
-            ig = ig + f.act(torch.zeros((), dtype=x.dtype, device=x.device))
+            ig = ig + f.act(torch.zeros((), dtype=u.dtype, device=u.device))
     else:
         ig = lin(f.w_gate, f.b_gate) * sel(coefs["gate"]) + lin(f.w_in, f.b_in) * sel(coefs["up"])
     ff = ig @ f.w_out
     if with_bias and f.b_out is not None:
         ff = ff + f.b_out
-    return hcur + ff
+    return ff
 
 
 def frozen_next_token_logit(

@@ -87,6 +87,14 @@ class LayerKind:
         r"""Largest |parts + bias part - real tensor| of the attention block over real tokens."""
         raise NotImplementedError
 
+    def example_completeness_error(self, layer: LayerTensors, valid: Tensor) -> Tensor:
+        r"""Per example (B,): the attention block's completeness error (ALTI-Logit's delta carries it)."""
+        raise NotImplementedError
+
+    def attention_block_output(self, layer: LayerTensors) -> Tensor:
+        r"""The real tensor (B, T, D) the attention block's parts sum to (the scale of its completeness guard)."""
+        return layer.ln2_in if layer.pre_ln else layer.ln1_out
+
     def scope_maps(self, layer: LayerTensors, valid: Tensor, options: FFOptions):
         r"""Maps of the FF component scopes and their completeness errors (see the kind's function)."""
         raise NotImplementedError

@@ -9,6 +9,7 @@ kind           layer
 =============  ===============================================================================
 ``post_ln``    z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT-like encoders)
 ``pre_ln``     h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the layer record says)
+``parallel``   y = x + Attn(N1(x)) + FF(N2(x)) (N1 and N2 may be one norm)
 =============  ===============================================================================
 
 Which family has which kind: the table of ``docs/architectures.md`` (generated from the registry).
@@ -19,7 +20,8 @@ decomposes, or a method a kind does not implement, is refused with
 :class:`~captum_normattr.arch.spec.UnsupportedModelError` (never decomposed as another kind).
 The formulas are in ``docs/design.md`` ("Layer kinds"); the functions that compute them
 live in :mod:`~captum_normattr.decompose.encoder` (post-LN) and
-:mod:`~captum_normattr.decompose.decoder` (pre-LN).
+:mod:`~captum_normattr.decompose.decoder` (pre-LN); the parallel kind is
+:mod:`~captum_normattr.decompose.parallel`.
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ from captum_normattr.arch.spec import TOPOLOGIES, UnsupportedModelError
 from captum_normattr.decompose import decoder, encoder
 from captum_normattr.decompose.feed_forward import component_scope_maps
 from captum_normattr.decompose.kind_base import KIND_METHODS, FFOptions, LayerKind
+from captum_normattr.decompose.parallel import ParallelKind
 
-__all__ = ["KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "PostLNKind", "PreLNKind", "layer_kind", "register_layer_kind"]
+__all__ = ["KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "ParallelKind", "PostLNKind", "PreLNKind", "layer_kind", "register_layer_kind"]
 
 
 class PostLNKind(LayerKind):
@@ -58,6 +61,9 @@ class PostLNKind(LayerKind):
 
     def completeness_error(self, layer, valid):
         return encoder.post_ln_completeness_error(layer, valid)
+
+    def attention_block_output(self, layer):
+        return layer.ln1_out
 
     def scope_maps(self, layer, valid, options):
         return component_scope_maps(
@@ -89,6 +95,13 @@ class PreLNKind(LayerKind):
     def completeness_error(self, layer, valid):
         return decoder.pre_ln_completeness_error(layer, valid)
 
+    def example_completeness_error(self, layer, valid):
+        err = (decoder.residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1)
+        return (err * valid.to(err.dtype)).amax(-1)  # (B,) largest |parts + b_O - real h_i| over the real tokens
+
+    def attention_block_output(self, layer):
+        return layer.ln2_in
+
     def scope_maps(self, layer, valid, options):
         return decoder.pre_ln_component_scope_maps(
             layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,
@@ -115,6 +128,9 @@ def register_layer_kind(kind: LayerKind) -> LayerKind:
         raise ValueError(f"unknown topology {kind.name!r}; the descriptions know {TOPOLOGIES}")
     LAYER_KINDS[kind.name] = kind
     return kind
+
+
+register_layer_kind(ParallelKind())
 
 
 def layer_kind(topology: Union[str, bool], family: str = "this model") -> LayerKind:
