@@ -11,6 +11,8 @@ kind           layer                                                            
                                                                                 DistilBERT
 ``pre_ln``     h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the     GPT-2, Llama, Mistral,
                layer record says)                                               Qwen2
+``sandwich``   h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))); P1, P2 frozen at  Gemma 2, Gemma 3
+               their real per-token scale (:mod:`~captum_normattr.decompose.sandwich`)
 =============  ===============================================================  ==========================
 
 The kind of a layer is chosen from its architecture description
@@ -29,6 +31,7 @@ from captum_normattr.arch.spec import TOPOLOGIES, UnsupportedModelError
 from captum_normattr.decompose import decoder, encoder
 from captum_normattr.decompose.feed_forward import component_scope_maps
 from captum_normattr.decompose.kind_base import KIND_METHODS, FFOptions, LayerKind
+from captum_normattr.decompose.sandwich import SandwichKind
 
 __all__ = ["KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "PostLNKind", "PreLNKind", "layer_kind", "register_layer_kind"]
 
@@ -95,6 +98,9 @@ class PreLNKind(LayerKind):
             options.memory_budget_mb, options.contribution,
         )
 
+    def logit_form(self, layer):
+        return layer
+
     def check_ff_options(self, options, family):
         if options.ignore_low_gamma:
             raise ValueError(
@@ -106,7 +112,7 @@ class PreLNKind(LayerKind):
 
 
 #: The layer kinds by topology name (a kind module adds its own with :func:`register_layer_kind`).
-LAYER_KINDS: Dict[str, LayerKind] = {"post_ln": PostLNKind(), "pre_ln": PreLNKind()}
+LAYER_KINDS: Dict[str, LayerKind] = {"post_ln": PostLNKind(), "pre_ln": PreLNKind(), "sandwich": SandwichKind()}
 
 
 def register_layer_kind(kind: LayerKind) -> LayerKind:
