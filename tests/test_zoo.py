@@ -38,9 +38,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def real_next_token_logits(model, ids, mask):
+    r"""The model's own last-position logits; an example whose padded run is not finite (Gemma 2's eager
+    attention turns fully masked pad rows into NaN, which the next layer mixes in with probability 0) is
+    run alone on its real tokens."""
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
-    return out.logits[:, -1]
+        logits = out.logits[:, -1].clone()
+        for b in range(ids.shape[0]):
+            if not bool(torch.isfinite(logits[b]).all()):
+                logits[b] = model(input_ids=ids[b : b + 1, mask[b].bool()]).logits[0, -1]
+    return logits
+
+
+def softcap(model):
+    r"""The final-logit soft-cap of the family's description (None: none): the scores explain the pre-cap logit."""
+    name = ARCHITECTURES[model.config.model_type].head.final_softcap
+    return getattr(model.config, name, None) if name else None
+
+
+def capped(x, cap):
+    return x if cap is None else cap * torch.tanh(x / cap)
 
 
 def test_every_registered_text_family_has_a_zoo_builder():
@@ -61,8 +78,12 @@ def test_alti_logit_sums_to_the_models_logit(key):
     res = ALTILogitAttribution(model).decompose(ids, target=target, additional_forward_args=(mask,))
     expect = logits.gather(1, target[:, None])[:, 0]
     total = res.scores.sum(-1) + res.no_token_total
-    assert _rel(res.logit, expect) < 1e-6  # the explained logit is the model's own
-    assert _rel(total, expect) < 1e-9 and float(res.delta.max()) < 1e-9 * float(expect.abs().max())
+    cap = softcap(model)  # Gemma 2: the explained logit is the pre-cap one, cap(pre) is the model's output
+    assert _rel(capped(res.logit, cap), expect) < 1e-6  # the explained logit is the model's own
+    assert _rel(capped(total, cap), expect) < 1e-9 and float(res.delta.max()) < 1e-9 * float(res.logit.abs().max())
+    if cap is not None:
+        assert res.extras["explained_logit"] == "pre-cap logit"
+        assert _rel(res.extras["capped_logit"], expect) < 1e-9
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
@@ -78,7 +99,11 @@ def test_decompx_sums_to_the_models_logit_and_padding(key):
     dx = DecompXAttribution(model)
     res = dx.decompose(ids, target=5, additional_forward_args=mask)
     expect = logits[:, 5]
-    assert _rel(res.class_scores.sum(1) + res.bias_scores, expect[:, None]) < 1e-9
+    cap = softcap(model)  # Gemma 2: the scores explain the pre-cap logit
+    assert _rel(capped(res.class_scores.sum(1) + res.bias_scores, cap), expect[:, None]) < 1e-9
+    if cap is not None:
+        assert res.extras["explained_logit"] == "pre-cap logit"
+        assert _rel(res.extras["capped_logit"], expect) < 1e-9
     t = ids.shape[1]
     alone = dx.decompose(ids[1:, t - 4:], target=5)
     torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0, atol=1e-9 * float(res.scores.abs().max()))

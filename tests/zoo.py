@@ -14,6 +14,7 @@ from typing import Callable, Dict
 
 import torch
 import transformers as tf
+from transformers import masking_utils
 from conftest import make_model
 from decoder_models import VOCAB, _exact_rms_norms, _perturb, make_decoder
 
@@ -38,6 +39,30 @@ def exact_offset_norms(model: torch.nn.Module, offset: float = 1.0) -> torch.nn.
                 with torch.no_grad():
                     setattr(parent, name, ExactOffsetRMSNorm(child.weight, child.eps, offset))
     return model
+
+
+def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    r"""transformers' eager attention (soft-capping included) with the softmax in the input's dtype.
+
+    Gemma 2's eager code takes the softmax in float32 even for a float64 model, so its own
+    logits carry float32 rounding (~1e-7); the zoo's models compute it in float64.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (module.head_dim ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # the sdpa-style mask (True: attend)
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+EXACT_ATTENTION = "zoo_exact_eager"
+tf.AttentionInterface.register(EXACT_ATTENTION, exact_eager_attention)
+tf.AttentionMaskInterface.register(EXACT_ATTENTION, masking_utils.eager_mask)  # additive masks, as for "eager"
 
 
 def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -65,7 +90,7 @@ def _config(key: str, **extra):
         kw.update(num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
     elif key == "gemma2":
         kw.update(num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
-                  attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=4, query_pre_attn_scalar=8)
+                  attn_logit_softcapping=5.0, final_logit_softcapping=30.0, sliding_window=4, query_pre_attn_scalar=8)
     elif key == "gpt_neox":
         kw = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64, rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False,
@@ -77,7 +102,7 @@ def _config(key: str, **extra):
 def _build_new(key: str, head: str, seed: int = 0, **extra) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = _config(key, **extra)
-    cfg._attn_implementation = "sdpa" if key != "gemma2" else "eager"
+    cfg._attn_implementation = "sdpa" if key != "gemma2" else EXACT_ATTENTION  # sdpa has no soft-capping
     if head == "cls":
         cfg.num_labels = 3
     _, bare, lm, cls = _CLASSES[key]

@@ -176,6 +176,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             if l == 0:
                 kept["embedding"] = layer.hidden_in[bidx, pos]
             kept["maps"].put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
+            layer = self.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
             kept["updates"][:, l] = attention_update_at(layer, pos)
             kept["ff"][:, l] = layer.ff_out[bidx, pos]
             kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
@@ -208,7 +209,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             attention_mask=prepared.attention_mask,
             explained_position=pos,
             delta=delta,
-            extras={"completeness_error": block.amax(0), "example_completeness_error": block},
+            extras={"completeness_error": block.amax(0), "example_completeness_error": block,
+                    **self.output.cap_extras(terms["logit"], f_out, out)},
             target=out.target,
             foil=out.foil,
             logits=terms["logit"],

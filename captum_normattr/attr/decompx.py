@@ -601,7 +601,8 @@ class DecompXAttribution(Attribution):
             delta = (scores.sum(-1) + bias_score - logit).abs()
         return DecompXResult(
             method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, explained_position=pos,
-            delta=delta, extras={"quadrature_error": _stack_layers(quad, n)},
+            delta=delta, extras={"quadrature_error": _stack_layers(quad, n),
+                                 **self.output.cap_extras(logit, f_out[ar, pos], out)},
             target=out.target, foil=out.foil, logits=logit.unsqueeze(-1),
             class_scores=scores.unsqueeze(-1), bias_scores=bias_score.unsqueeze(-1),
             layer_part_norms=None if res is None else res.layer_part_norms,

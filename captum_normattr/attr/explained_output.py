@@ -21,7 +21,7 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor, nn
@@ -162,6 +162,7 @@ class NextTokenLogit:
                 raise ValueError(f"unembedding must be a (vocab, {d}) tensor")
             self._weights = (unembedding, None)
             self._head = None
+            self.softcap = None  # an explicit unembedding: the explained logit is u . final-norm output
             return
         head = None
         if adapter.lm_head is not None:
@@ -176,6 +177,7 @@ class NextTokenLogit:
                 f"unembedding=(vocab, {d}) matrix"
             )
         self._head, self._weights = head, None
+        self.softcap = final_softcap(model, adapter)
 
     @property
     def weight(self) -> Tensor:
@@ -270,9 +272,37 @@ class NextTokenLogit:
                 logits, position = logits[rows.to(logits.device)], position[rows]
                 final_out, rebuilt = final_out[rows], rebuilt[rows]
         real = self.real_logit(logits, kept, position, out)
+        rebuilt = self.capped(rebuilt, final_out, out)  # the model's logits are capped: compare cap(pre-cap)
         check_explained_logit(rebuilt, real, self.magnitude(final_out, out), final_out.shape[-1],
                               "next-token logit" + (" difference" if out.foil is not None else ""), strict, logits.dtype,
                               examples)
+
+    def capped(self, pre_cap: Tensor, final_out: Tensor, out: LogitDirection) -> Tensor:
+        r"""(B,) the model's output value of an explained pre-cap logit (difference) ``pre_cap``.
+
+        Without a final soft-cap, ``pre_cap`` itself. With one (:func:`final_softcap`),
+        cap * tanh(pre / cap); for a difference target minus foil, cap(pre_target) - cap(pre_foil)
+        with pre_target = ``pre_cap`` + pre_foil, pre_foil from ``final_out`` (B, D) and the head.
+        """
+        if self.softcap is None:
+            return pre_cap
+        if out.foil is None:
+            return apply_final_softcap(pre_cap, self.softcap)
+        weight, bias = self._head_weights()
+        w = weight.detach()[out.foil.to(weight.device)].to(device=final_out.device, dtype=final_out.dtype)
+        foil = (final_out * w).sum(-1)
+        if bias is not None:
+            foil = foil + bias.detach()[out.foil.to(bias.device)].to(device=final_out.device, dtype=final_out.dtype)
+        return apply_final_softcap(pre_cap + foil, self.softcap) - apply_final_softcap(foil, self.softcap)
+
+    def cap_extras(self, pre_cap: Tensor, final_out: Tensor, out: LogitDirection) -> Dict[str, Any]:
+        r"""What a result says about a final soft-cap: ``{}`` without one, else
+        ``{"explained_logit": "pre-cap logit", "capped_logit": (B,) the model's output value,
+        "final_softcap": cap}`` (the scores explain the pre-cap logit: the cap is not linear)."""
+        if self.softcap is None:
+            return {}
+        return {"explained_logit": "pre-cap logit", "capped_logit": self.capped(pre_cap, final_out, out),
+                "final_softcap": self.softcap}
 
     def magnitude(self, final_out: Tensor, out: LogitDirection) -> Tensor:
         r"""(B,) sum of |terms| of the explained logit(s): |f| . |W_U[target]| (+ |f| . |W_U[foil]|) + |biases|."""
@@ -300,7 +330,7 @@ class NextTokenLogit:
             out[:, start:start + w.shape[0]] = final_out @ w.T
         if bias is not None:
             out = out + bias.detach().to(device=final_out.device, dtype=final_out.dtype)
-        return out
+        return out if self.softcap is None else apply_final_softcap(out, self.softcap)
 
     def resolve(self, target: Any, final_out: Tensor, foil: Any = None) -> LogitDirection:
         r"""The explained direction of every example.
@@ -340,6 +370,26 @@ class NextTokenLogit:
             if bias is not None:
                 ub = ub - rows(bias, f_ids)
         return LogitDirection(u, ub, t_ids, f_ids)
+
+
+def final_softcap(model: nn.Module, adapter: ArchitectureAdapter) -> Optional[float]:
+    r"""The final-logit soft-cap of ``model`` (``cap * tanh(logits / cap)``), or None.
+
+    Read from the config attribute the description names (``adapter.head.final_softcap``,
+    Gemma 2's ``final_logit_softcapping``); None when the description names none or the
+    config sets it to None / 0.
+    """
+    head = getattr(adapter, "head", None)
+    name = getattr(head, "final_softcap", None)
+    if not name:
+        return None
+    cap = getattr(unwrap_model(model).config, name, None)
+    return float(cap) if cap else None
+
+
+def apply_final_softcap(logits: Tensor, cap: Optional[float]) -> Tensor:
+    r"""``cap * tanh(logits / cap)`` (``logits`` itself when ``cap`` is None), as the model's head applies it."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class ClassLogit:

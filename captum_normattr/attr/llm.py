@@ -187,6 +187,7 @@ def _explain_alti_logit(
         if l == 0:
             kept["embedding"] = layer.hidden_in[:, positions]
         store.put(l, attr.kind.alti_map(layer, valid, attr.memory_budget_mb))
+        layer = attr.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
         kept["updates"][l] = attention_logit_updates(layer, positions, w_unscaled.to(layer.hidden_in.dtype))
         kept["ff"][l] = layer.ff_out[:, positions]
         zero = layer.hidden_in.new_zeros(layer.hidden_in.shape[-1])

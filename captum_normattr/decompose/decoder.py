@@ -26,7 +26,7 @@ are exactly 0.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -307,6 +307,7 @@ def pre_ln_component_scope_maps(
     causal: bool = True,
     memory_budget_mb: float = 128.0,
     contribution: str = "norm",
+    ff_parts: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None,
 ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
     r"""Maps of the component scopes of a pre-LN layer, built in chunks of query rows.
 
@@ -331,6 +332,9 @@ def pre_ln_component_scope_maps(
         memory_budget_mb: budget of one chunk's explicit parts (about four (B, R, T, max(D, F))
             temporaries), in MB.
         contribution: ``"norm"`` (default) or ``"alti"`` (see above).
+        ff_parts: the FF-output parts of a row chunk, called as :func:`pre_ln_ff_parts`
+            (default); a layer kind whose FF branch is followed by a linear map (the sandwich
+            kind's post-norm at its real scale) passes its own.
 
     Returns:
         (maps, errors): maps scope -> (B, T, T), pad rows and columns and (causal) the
@@ -365,7 +369,7 @@ def pre_ln_component_scope_maps(
         h = residual_parts(layer, rows, cols)
         maps["ATB"][:, rows, :cols] = score("ATB", h, rows)
         maps["LN2"][:, rows, :cols] = score("LN2", apply_norm_to_parts(h, layer.ln2_in[:, rows], layer.ln2), rows)
-        ffp, ff_b = pre_ln_ff_parts(layer, rows, method, steps, nodes, cache, cols)
+        ffp, ff_b = (ff_parts or pre_ln_ff_parts)(layer, rows, method, steps, nodes, cache, cols)
         maps["FF"][:, rows, :cols] = score("FF", ffp, rows)
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         h.add_(ffp)

@@ -102,6 +102,15 @@ class LayerKind:
     def check_ff_options(self, options: FFOptions, family: str) -> None:
         r"""Raise a ValueError for options this kind does not support."""
 
+    def logit_form(self, layer: LayerTensors) -> LayerTensors:
+        r"""The layer as a pre-LN record with the same attention parts, FF update and residual stream.
+
+        What ALTI-Logit reads per layer (the attention update split over sources, the FF
+        update, the attention output bias, h_i): a pre-LN layer is itself; a kind whose
+        branches are followed by a frozen linear map folds it in (the sandwich kind).
+        """
+        raise NotImplementedError(f"the {self.name} layer kind has no pre-LN form for ALTI-Logit")
+
     def alti_chunk_rows(self, layer: LayerTensors, memory_budget_mb: float) -> int:
         b, t, d = layer.hidden_in.shape
         return rows_for_budget(b, t, d, layer.hidden_in.element_size(), memory_budget_mb, causal=layer.causal)

@@ -10,6 +10,8 @@ kind           layer
 ``post_ln``    z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT-like encoders)
 ``pre_ln``     h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the layer record says)
 ``parallel``   y = x + Attn(N1(x)) + FF(N2(x)) (N1 and N2 may be one norm)
+``sandwich``   h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))); P1, P2 frozen at their real
+               per-token scale (:mod:`~captum_normattr.decompose.sandwich`)
 =============  ===============================================================================
 
 Which family has which kind: the table of ``docs/architectures.md`` (generated from the registry).
@@ -32,8 +34,9 @@ from captum_normattr.decompose import decoder, encoder
 from captum_normattr.decompose.feed_forward import component_scope_maps
 from captum_normattr.decompose.kind_base import KIND_METHODS, FFOptions, LayerKind
 from captum_normattr.decompose.parallel import ParallelKind
+from captum_normattr.decompose.sandwich import SandwichKind
 
-__all__ = ["KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "ParallelKind", "PostLNKind", "PreLNKind", "layer_kind", "register_layer_kind"]
+__all__ = ["KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "ParallelKind", "PostLNKind", "PreLNKind", "SandwichKind", "layer_kind", "register_layer_kind"]
 
 
 class PostLNKind(LayerKind):
@@ -108,6 +111,9 @@ class PreLNKind(LayerKind):
             options.memory_budget_mb, options.contribution,
         )
 
+    def logit_form(self, layer):
+        return layer
+
     def check_ff_options(self, options, family):
         if options.ignore_low_gamma:
             raise ValueError(
@@ -131,6 +137,7 @@ def register_layer_kind(kind: LayerKind) -> LayerKind:
 
 
 register_layer_kind(ParallelKind())
+register_layer_kind(SandwichKind())
 
 
 def layer_kind(topology: Union[str, bool], family: str = "this model") -> LayerKind:
