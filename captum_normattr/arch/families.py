@@ -11,7 +11,7 @@ the order of the docs' table; :mod:`captum_normattr.arch.registry` registers the
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Tuple
+from typing import Dict, Tuple
 
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
@@ -230,3 +230,25 @@ BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
     ("phi3", PHI3), ("olmo", OLMO), ("gpt_neox", GPT_NEOX),
     ("vit", VIT), ("deit", DEIT), ("dinov2", DINOV2), ("dinov2_with_registers", DINOV2_REGISTERS),
 )
+
+# --- refused on purpose -------------------------------------------------------------------
+_NOT_ATTENTION = ("not an attention model: a state-space / recurrent model mixes tokens through its recurrence, not "
+                  "through attention probabilities, so there are no attention maps to decompose")
+_HYBRID = ("a hybrid of recurrent (state-space) and attention layers: the recurrent layers mix tokens without attention "
+           "probabilities, which none of the methods can decompose")
+#: ``config.model_type`` -> (family, why it is not supported), for the error message and the docs.
+REFUSED: Dict[str, Tuple[str, str]] = {
+    "mamba": ("Mamba", _NOT_ATTENTION), "mamba2": ("Mamba-2", _NOT_ATTENTION),
+    "falcon_mamba": ("Falcon Mamba", _NOT_ATTENTION), "rwkv": ("RWKV", _NOT_ATTENTION),
+    "xlstm": ("xLSTM", _NOT_ATTENTION),
+    "recurrent_gemma": ("RecurrentGemma", _HYBRID), "jamba": ("Jamba", _HYBRID), "zamba": ("Zamba", _HYBRID),
+    "bamba": ("Bamba", _HYBRID), "falcon_h1": ("Falcon-H1", _HYBRID), "lfm2": ("LFM2", _HYBRID),
+    "swin": ("Swin", "shifted-window attention with patch merging between stages: the set of tokens changes inside the "
+                     "model, so a token's contribution has no row to flow through"),
+    "swinv2": ("Swin V2", "shifted-window attention with patch merging between stages (as Swin)"),
+    "donut-swin": ("Donut Swin", "shifted-window attention with patch merging between stages (as Swin)"),
+    "funnel": ("Funnel Transformer", "pools the sequence between blocks: tokens are merged inside the model, so a "
+                                     "token's contribution has no row to flow through"),
+    "albert": ("ALBERT", "one layer's weights are shared by every layer (the layer module runs several times per "
+                         "forward pass), which the layer-by-layer recording does not support"),
+}

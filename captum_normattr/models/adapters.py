@@ -116,6 +116,12 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     spec = lookup(model_type, config)
     if spec is not None:
         return spec
+    reason = arch_registry.refusal(model_type, config)
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"captum_normattr cannot attribute {type(model).__name__}: {reason} Supported families: "
+            f"{supported_families()} (docs/architectures.md)."
+        )
     vision = ""
     if getattr(config, "patch_size", None) is not None or getattr(config, "image_size", None) is not None:
         vision = (

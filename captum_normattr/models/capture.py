@@ -384,6 +384,38 @@ def _times(t: Optional[Tensor], m: Optional[float]) -> Optional[Tensor]:
     return t if t is None or m is None else t * m
 
 
+def _ff_rebuild_error(t: LayerTensors) -> Tensor:
+    r"""Relative difference of the real FF output at the last position from FF(u) rebuilt from the read weights.
+
+    One row per example (cost B x D x F): it catches weights read in the wrong way (a fused
+    gate-up projection split in the wrong order, a branch multiplier or layer scale the
+    description misses, a wrong activation), which the residual joins alone do not see.
+    """
+    ff = t.ff
+    u = (t.ln2_out if t.pre_ln else t.ln1_out)[:, -1:]
+
+    def linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+        return x @ w if b is None else x @ w + b
+
+    pre = linear(u, ff.w_in, ff.b_in)
+    h = ff.act(pre) if ff.w_gate is None else ff.act(linear(u, ff.w_gate, ff.b_gate)) * pre
+    out = linear(h, ff.w_out, ff.b_out)
+    return relative_difference(t.ff_out[:, -1:], out, temporary=True)
+
+
+def _attention_join_error(t: LayerTensors) -> Tensor:
+    r"""Relative difference of the real residual join after attention from the layer input plus
+    context W_O + b_O at the last position (pre-LN: the second norm's input; post-LN: the first's).
+
+    Compared relative to the residual stream, as the other joins: it catches an output scale
+    (a branch multiplier, a layer scale) that the description misses.
+    """
+    ctx = t.context[:, -1].reshape(t.context.shape[0], -1)
+    attn = ctx @ t.out_weight if t.out_bias is None else ctx @ t.out_weight + t.out_bias
+    joined = t.ln2_in if t.pre_ln else t.ln1_in
+    return relative_difference(joined[:, -1], t.hidden_in[:, -1] + attn, temporary=True)
+
+
 def _first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
@@ -706,6 +738,10 @@ class Recorder(AttentionRecords):
         else:
             checks["second norm input vs the first norm's output plus the feed-forward output"] = relative_difference(
                 t.ln2_in, t.ln1_out + t.ff_out, temporary=True)
+        checks["feed-forward output rebuilt from its input and weights (last position)"] = _ff_rebuild_error(t)
+        if topology in ("pre_ln", "post_ln") and t.context is not None:
+            checks["residual join vs the layer input plus the attention output rebuilt from its weights (last position)"] = (
+                _attention_join_error(t))
         return checks
 
     # --- what the recorded tensors become ---------------------------------------
