@@ -116,17 +116,17 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     spec = lookup(model_type, config)
     if spec is not None:
         return spec
-    reason = arch_registry.refusal(model_type, config)
-    if reason is not None:
-        raise UnsupportedModelError(
-            f"captum_normattr cannot attribute {type(model).__name__}: {reason} Supported families: "
-            f"{supported_families()} (docs/architectures.md)."
-        )
     vision = ""
     if getattr(config, "patch_size", None) is not None or getattr(config, "image_size", None) is not None:
         vision = (
             f" Supported vision families: {arch_registry.supported_families('image', model_types=False)} (pre-LN, absolute positions; Swin, BEiT and "
             "other models with relative position biases or windowed attention are not supported)."
+        )
+    reason = arch_registry.refusal(model_type, config)
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"captum_normattr cannot attribute {type(model).__name__}: {reason} Supported families: "
+            f"{supported_families()}.{vision} See docs/architectures.md."
         )
     raise UnsupportedModelError(
         f"captum_normattr does not support model type {model_type!r} ({type(model).__name__}). "
