@@ -65,6 +65,22 @@ tf.AttentionInterface.register(EXACT_ATTENTION, exact_eager_attention)
 tf.AttentionMaskInterface.register(EXACT_ATTENTION, masking_utils.eager_mask)  # additive masks, as for "eager"
 
 
+class ExactLayerNorm(torch.nn.Module):
+    r"""OLMo's parameter-free LayerNorm (``eps = 1e-5``) computed in the input's dtype (OLMo's computes in float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], None, None, eps=1e-5)
+
+
+def exact_olmo_norms(model: torch.nn.Module) -> torch.nn.Module:
+    r"""Replace every ``OlmoLayerNorm`` by :class:`ExactLayerNorm` (no parameters, no ``eps`` attribute, like OLMo's)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "OlmoLayerNorm":
+                setattr(parent, name, ExactLayerNorm())
+    return model
+
+
 def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     model = model.double().eval()
     _perturb(model, seed)
@@ -78,7 +94,14 @@ _CLASSES = {  # model_type -> (config class, bare, causal LM, sequence classifie
     "gemma": (tf.GemmaConfig, tf.GemmaModel, tf.GemmaForCausalLM, tf.GemmaForSequenceClassification),
     "gemma2": (tf.Gemma2Config, tf.Gemma2Model, tf.Gemma2ForCausalLM, tf.Gemma2ForSequenceClassification),
     "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXModel, tf.GPTNeoXForCausalLM, tf.GPTNeoXForSequenceClassification),
+    "smollm3": (tf.SmolLM3Config, tf.SmolLM3Model, tf.SmolLM3ForCausalLM, tf.SmolLM3ForSequenceClassification),
+    "stablelm": (tf.StableLmConfig, tf.StableLmModel, tf.StableLmForCausalLM, tf.StableLmForSequenceClassification),
+    "granite": (tf.GraniteConfig, tf.GraniteModel, tf.GraniteForCausalLM, None),  # no classifier in transformers
+    "phi3": (tf.Phi3Config, tf.Phi3Model, tf.Phi3ForCausalLM, tf.Phi3ForSequenceClassification),
+    "olmo": (tf.OlmoConfig, tf.OlmoModel, tf.OlmoForCausalLM, tf.OlmoForSequenceClassification),
 }
+#: the RMSNorm families whose norms compute in float32 (made exact in float64 by _exact_rms_norms)
+_FLOAT32_RMS = ("qwen3", "smollm3", "granite", "phi3")
 
 
 def _config(key: str, **extra):
@@ -95,6 +118,20 @@ def _config(key: str, **extra):
         kw = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64, rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False,
                   hidden_act="gelu", pad_token_id=0, attention_bias=True)
+    elif key == "smollm3":  # layer 1 without rotary positions
+        kw.update(num_key_value_heads=2, rms_norm_eps=1e-6, no_rope_layers=[1, 0], use_sliding_window=False)
+    elif key == "stablelm":  # LayerNorm with biases, partial rotary, per-head q/k LayerNorms, qkv biases
+        kw.update(num_key_value_heads=2, layer_norm_eps=1e-5, qk_layernorm=True, use_qkv_bias=True,
+                  use_parallel_residual=False, hidden_size=32,  # head size 8: rotary on 4 of 8 channels
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    elif key == "granite":  # every multiplier away from 1
+        kw.update(num_key_value_heads=2, rms_norm_eps=1e-6, embedding_multiplier=3.0, attention_multiplier=0.3,
+                  residual_multiplier=0.4, logits_scaling=4.0, attention_bias=True)
+    elif key == "phi3":  # GQA 4/2 in the fused qkv_proj, fused gate_up_proj, partial rotary
+        kw.update(num_key_value_heads=2, rms_norm_eps=1e-6, hidden_act="silu", hidden_size=32,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    elif key == "olmo":
+        kw.update(num_key_value_heads=2, attention_bias=False)
     kw.update(extra)
     return cfg_cls(**kw)
 
@@ -106,11 +143,15 @@ def _build_new(key: str, head: str, seed: int = 0, **extra) -> torch.nn.Module:
     if head == "cls":
         cfg.num_labels = 3
     _, bare, lm, cls = _CLASSES[key]
+    if {"bare": bare, "lm": lm, "cls": cls}[head] is None:
+        raise NotImplementedError(f"transformers has no {head} model of {key}")
     model = _finish({"bare": bare, "lm": lm, "cls": cls}[head](cfg), seed)
     if key in ("gemma", "gemma2"):
         exact_offset_norms(model)
-    elif key == "qwen3":
+    elif key in _FLOAT32_RMS:
         _exact_rms_norms(model)
+    elif key == "olmo":
+        exact_olmo_norms(model)
     return model
 
 

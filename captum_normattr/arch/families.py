@@ -2,14 +2,16 @@ r"""The built-in family descriptions (one :class:`~captum_normattr.arch.spec.Arc
 
 Grouped by shape: BERT-like post-LN encoders, GPT-2, Llama-like decoders (RMSNorm, rotary
 positions, grouped-query attention, gated FF), the Gemma decoders (``1 + w`` RMSNorm,
-GeGLU, embedding scale; Gemma 2 adds sandwich norms and soft-capping), GPT-NeoX (parallel
-residual, per-head interleaved QKV) and Vision Transformers. ``BUILTIN`` lists them in
+GeGLU, embedding scale; Gemma 2 adds sandwich norms and soft-capping), the other pre-LN
+decoders (SmolLM3, StableLM's LayerNorm, Granite's multipliers and logit scaling, Phi-3's
+fused projections, OLMo's parameter-free LayerNorm), GPT-NeoX (parallel residual, per-head
+interleaved QKV) and Vision Transformers. ``BUILTIN`` lists them in
 the order of the docs' table; :mod:`captum_normattr.arch.registry` registers them.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Tuple
+from typing import Dict, Tuple
 
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
@@ -107,6 +109,70 @@ GEMMA2 = ArchitectureSpec(
     notes="sliding-window layers through the mask",
 )
 
+#: SmolLM3: Llama-like; some layers run without rotary positions (``no_rope_layers``), inside the
+#: attention module, so the recorded probabilities include it.
+SMOLLM3 = _llama_like("SmolLM3", "smollm3", "layers without rotary positions (no_rope_layers), recorded")
+
+#: StableLM: LayerNorm pre-norms with biases, partial rotary positions, optional per-head q/k
+#: LayerNorms (``qk_layernorm``, inside the attention: recorded); ``use_parallel_residual=True``
+#: runs both branches on the one input norm (the parallel kind).
+_STABLELM_ATTENTION = Attention("self_attn", out="self_attn.o_proj", value=ValueProjection("self_attn.v_proj"),
+                                pre_norm=Norm("input_layernorm"))
+_STABLELM_FF = FeedForward(up="mlp.up_proj", gate="mlp.gate_proj", act="mlp.act_fn", down="mlp.down_proj",
+                           pre_norm=Norm("post_attention_layernorm"))
+_STABLELM_HEAD = Head(final_norm=Norm("norm"), lm_head="lm_head")
+STABLELM = ArchitectureSpec(
+    family="StableLM", model_types=("stablelm",), layers="layers", causal=True,
+    layer=Layer(attention=_STABLELM_ATTENTION, ff=_STABLELM_FF), head=_STABLELM_HEAD,
+    variants=(Variant("use_parallel_residual", True, ArchitectureSpec(
+        family="StableLM", model_types=("stablelm",), layers="layers", causal=True,
+        layer=Layer(attention=_STABLELM_ATTENTION, ff=replace(_STABLELM_FF, pre_norm=Norm("input_layernorm")),
+                    parallel=True),
+        head=_STABLELM_HEAD)),),
+    notes="partial rotary positions; q/k LayerNorms (qk_layernorm) recorded; use_parallel_residual: parallel kind",
+)
+
+#: Granite: Llama-like layers whose branch outputs are scaled by ``residual_multiplier`` (folded
+#: into W_O and W_down), attention scaled by ``attention_multiplier`` (recorded), embeddings by
+#: ``embedding_multiplier`` (before the first layer) and logits divided by ``logits_scaling``.
+GRANITE = ArchitectureSpec(
+    family="Granite", model_types=("granite",), layers="layers", causal=True,
+    layer=Layer(
+        attention=replace(_LLAMA_LAYER.attention, multiplier="residual_multiplier"),
+        ff=replace(_LLAMA_LAYER.ff, multiplier="residual_multiplier"),
+    ),
+    head=replace(_LLAMA_HEAD, logit_divisor="logits_scaling"),
+    inputs=Inputs(embedding_scale="embedding_multiplier"),
+    notes="attention_multiplier as the attention scaling (recorded)",
+)
+
+#: Phi-3 (Phi-4, Phi-4-mini): one fused [q | k | v] projection with grouped-query attention and
+#: one fused [gate | up] projection.
+PHI3 = ArchitectureSpec(
+    family="Phi-3", model_types=("phi3",), layers="layers", causal=True,
+    layer=Layer(
+        attention=Attention("self_attn", out="self_attn.o_proj",
+                            value=ValueProjection("self_attn.qkv_proj", "fused_gqa", 2, 3),
+                            pre_norm=Norm("input_layernorm", "rmsnorm")),
+        ff=FeedForward(up="mlp.gate_up_proj", act="mlp.activation_fn", down="mlp.down_proj", kind="fused_gate_up",
+                       pre_norm=Norm("post_attention_layernorm", "rmsnorm")),
+    ),
+    head=_LLAMA_HEAD,
+    notes="Phi-4 checkpoints (model type phi3); partial rotary positions",
+)
+
+#: OLMo: LayerNorms without gain or bias, whose code fixes eps = 1e-5 (the module keeps none).
+_OLMO_NORM = dict(kind="layernorm", eps=1e-5)
+OLMO = ArchitectureSpec(
+    family="OLMo", model_types=("olmo",), layers="layers", causal=True,
+    layer=Layer(
+        attention=replace(_LLAMA_LAYER.attention, pre_norm=Norm("input_layernorm", **_OLMO_NORM)),
+        ff=replace(_LLAMA_LAYER.ff, pre_norm=Norm("post_attention_layernorm", **_OLMO_NORM)),
+    ),
+    head=Head(final_norm=Norm("norm", **_OLMO_NORM), lm_head="lm_head"),
+    notes="LayerNorm without parameters; OLMo 2 (no pre-norms) is not supported",
+)
+
 #: GPT-NeoX (Pythia): LayerNorm pre-norms, one fused projection laid out per head [q_h | k_h | v_h],
 #: and by default parallel branches (``use_parallel_residual``).
 _NEOX_ATTENTION = Attention("attention", out="attention.dense",
@@ -160,6 +226,29 @@ DINOV2_REGISTERS = _dinov2("DINOv2 with registers", "dinov2_with_registers")
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
     ("bert", BERT), ("roberta", ROBERTA), ("electra", ELECTRA), ("distilbert", DISTILBERT),
     ("gpt2", GPT2), ("llama", LLAMA), ("mistral", MISTRAL), ("qwen2", QWEN2), ("qwen3", QWEN3),
-    ("gemma", GEMMA), ("gemma2", GEMMA2), ("gpt_neox", GPT_NEOX),
+    ("gemma", GEMMA), ("gemma2", GEMMA2), ("smollm3", SMOLLM3), ("stablelm", STABLELM), ("granite", GRANITE),
+    ("phi3", PHI3), ("olmo", OLMO), ("gpt_neox", GPT_NEOX),
     ("vit", VIT), ("deit", DEIT), ("dinov2", DINOV2), ("dinov2_with_registers", DINOV2_REGISTERS),
 )
+
+# --- refused on purpose -------------------------------------------------------------------
+_NOT_ATTENTION = ("not an attention model: a state-space / recurrent model mixes tokens through its recurrence, not "
+                  "through attention probabilities, so there are no attention maps to decompose")
+_HYBRID = ("a hybrid of recurrent (state-space) and attention layers: the recurrent layers mix tokens without attention "
+           "probabilities, which none of the methods can decompose")
+#: ``config.model_type`` -> (family, why it is not supported), for the error message and the docs.
+REFUSED: Dict[str, Tuple[str, str]] = {
+    "mamba": ("Mamba", _NOT_ATTENTION), "mamba2": ("Mamba-2", _NOT_ATTENTION),
+    "falcon_mamba": ("Falcon Mamba", _NOT_ATTENTION), "rwkv": ("RWKV", _NOT_ATTENTION),
+    "xlstm": ("xLSTM", _NOT_ATTENTION),
+    "recurrent_gemma": ("RecurrentGemma", _HYBRID), "jamba": ("Jamba", _HYBRID), "zamba": ("Zamba", _HYBRID),
+    "bamba": ("Bamba", _HYBRID), "falcon_h1": ("Falcon-H1", _HYBRID), "lfm2": ("LFM2", _HYBRID),
+    "swin": ("Swin", "shifted-window attention with patch merging between stages: the set of tokens changes inside the "
+                     "model, so a token's contribution has no row to flow through"),
+    "swinv2": ("Swin V2", "shifted-window attention with patch merging between stages (as Swin)"),
+    "donut-swin": ("Donut Swin", "shifted-window attention with patch merging between stages (as Swin)"),
+    "funnel": ("Funnel Transformer", "pools the sequence between blocks: tokens are merged inside the model, so a "
+                                     "token's contribution has no row to flow through"),
+    "albert": ("ALBERT", "one layer's weights are shared by every layer (the layer module runs several times per "
+                         "forward pass), which the layer-by-layer recording does not support"),
+}

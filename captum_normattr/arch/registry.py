@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from captum_normattr.arch.families import BUILTIN
+from captum_normattr.arch.families import BUILTIN, REFUSED
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
     "ARCHITECTURES",
+    "REFUSED",
     "architecture_table_markdown",
+    "refusal",
+    "refused_table_markdown",
     "lookup",
     "register_architecture",
     "supported_causal_families",
@@ -98,4 +101,34 @@ def architecture_table_markdown() -> str:
             f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
             f"{', '.join(spec.features())} | {spec.notes or '—'} |"
         )
+    return "\n".join(rows)
+
+
+def refusal(model_type: Optional[str], config: Any = None) -> Optional[str]:
+    r"""Why a model type without a description is not supported, or None when nothing is known about it.
+
+    The families refused on purpose (:data:`~captum_normattr.arch.families.REFUSED`: state-space
+    and recurrent models, Swin, Funnel, ALBERT), a config that looks like a state-space model
+    (a ``state_size`` and no attention heads), and encoder-decoder models (explained by
+    :class:`~captum_normattr.ALTIPlusAttribution`, not by the encoder/decoder methods).
+    """
+    if model_type in REFUSED:
+        family, why = REFUSED[model_type]
+        return f"{family} ({model_type}) is not supported: {why}."
+    heads = any(getattr(config, name, None) for name in ("num_attention_heads", "n_head", "num_heads"))
+    if config is not None and getattr(config, "state_size", None) is not None and not heads:
+        return f"{model_type!r} is not supported: it is not an attention model (a state-space model, no attention heads)."
+    if getattr(config, "is_encoder_decoder", False):
+        return (
+            f"{model_type!r} is an encoder-decoder model: GlobEnc, ALTI, DecompX and ALTI-Logit explain encoders and "
+            "decoders; use ALTIPlusAttribution for encoder-decoder models (docs/seq2seq.md)."
+        )
+    return None
+
+
+def refused_table_markdown() -> str:
+    r"""The docs' table of the families refused on purpose and why, rendered from :data:`REFUSED`."""
+    rows = ["| family | model type | why it is refused |", "|---|---|---|"]
+    for model_type, (family, why) in REFUSED.items():
+        rows.append(f"| {family} | `{model_type}` | {why} |")
     return "\n".join(rows)

@@ -54,13 +54,17 @@ __all__ = [
 #: The norm types a description can name.
 NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm")
 #: The feed-forward types: ``plain`` act(u W1 + b1) W2 + b2; ``gated`` (act(u Wg) * (u W1)) W2
-#: (SwiGLU, GeGLU). ``fused_gate_up`` and ``experts`` are described but not decomposed yet
-#: (the capture refuses them with a clear error).
+#: (SwiGLU, GeGLU); ``fused_gate_up``: a gated FF whose gate and up projections are one module
+#: (Phi-3's ``gate_up_proj``), split into its two halves when the weights are read.
+#: ``experts`` is described but not decomposed yet.
 FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: Value projection layouts: ``plain`` (its own projection), ``fused`` (one projection whose
 #: output is ``count`` equal slices, the value being slice ``index``: GPT-2's [q | k | v]),
-#: ``interleaved`` (one projection whose output is per head [q_h | k_h | v_h]: GPT-NeoX).
-VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved")
+#: ``interleaved`` (one projection whose output is per head [q_h | k_h | v_h]: GPT-NeoX),
+#: ``fused_gqa`` (one projection whose output is [q | k | v] with H * Dh query columns and
+#: H_kv * Dh key and value columns each, the head counts read from the attention module:
+#: Phi-3's ``qkv_proj`` with grouped-query attention).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.layer_kinds``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -86,11 +90,15 @@ class Norm:
             from the module (a parameter-free LayerNorm, as in OLMo, has neither).
         weight_offset: the effective gain is ``weight + weight_offset`` (Gemma computes
             ``x_hat * (1 + w)``: offset 1.0).
+        eps: the epsilon, for a module that does not carry one (OLMo's parameter-free
+            LayerNorm uses a fixed 1e-5 in its code); None: read from the module's ``eps`` /
+            ``variance_epsilon`` (a module that has one always wins).
     """
 
     path: str
     kind: str = "layernorm"
     weight_offset: float = 0.0
+    eps: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kind not in NORM_KINDS:
@@ -106,7 +114,8 @@ class ValueProjection:
         layout: one of :data:`VALUE_LAYOUTS`.
         index, count: for ``fused``: the value is output slice ``index`` of ``count``
             equal slices; for ``interleaved``: each head's output block is ``count``
-            equal slices, the value being slice ``index``.
+            equal slices, the value being slice ``index``; for ``fused_gqa``: ``count`` is
+            3 and ``index`` 0, 1 or 2 (q, k, v: the value is 2).
     """
 
     path: str
@@ -119,6 +128,8 @@ class ValueProjection:
             raise ValueError(f"ValueProjection {self.path!r}: layout must be one of {VALUE_LAYOUTS}, got {self.layout!r}")
         if self.layout != "plain" and not 0 <= self.index < self.count:
             raise ValueError(f"ValueProjection {self.path!r}: index {self.index} outside the {self.count} slices")
+        if self.layout == "fused_gqa" and self.count != 3:
+            raise ValueError(f"ValueProjection {self.path!r}: a fused_gqa projection has 3 slices (q, k, v)")
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,10 @@ class Attention:
         softcap: the config attribute of attention-score soft-capping (Gemma 2:
             ``attn_logit_softcapping``), applied by the recording attention exactly as the
             model does, or None.
+        multiplier: the config attribute of a scalar the model multiplies the branch output
+            by before the residual join (Granite's ``residual_multiplier``:
+            h = x + m * Attn(N1(x))), folded into W_O and b_O when the weights are read, or
+            None.
     """
 
     module: str
@@ -147,6 +162,7 @@ class Attention:
     post_norm: Optional[Norm] = None
     scale: Optional[str] = None
     softcap: Optional[str] = None
+    multiplier: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -157,13 +173,18 @@ class FeedForward:
     FF(u) = (act(u W_gate + b_gate) * (u W_up + b_up)) W_down + b_down.
 
     Attributes:
-        up: the first projection W_up (W1).
+        up: the first projection W_up (W1); for ``fused_gate_up``, the one projection
+            whose output is both halves (Phi-3's ``gate_up_proj``).
         act: the activation (a module or callable attribute).
         down: the output projection W_down (W2); its output is FF(u).
         gate: the gate projection of a gated FF, or None.
         kind: one of :data:`FF_KINDS` (None: ``gated`` with a gate, else ``plain``).
         pre_norm, post_norm, scale: as in :class:`Attention` (``scale``: DINOv2's
             ``layer_scale2``; the recorded FF output is then the scale module's output).
+        multiplier: as in :class:`Attention` (Granite's ``residual_multiplier``:
+            y = h + m * FF(N2(h))), folded into W_down and b_down.
+        gate_first: for ``fused_gate_up``: the output's first half is the gate (Phi-3's
+            ``gate, up = gate_up_proj(x).chunk(2, -1)``); False: the up half comes first.
     """
 
     up: str
@@ -174,6 +195,8 @@ class FeedForward:
     pre_norm: Optional[Norm] = None
     post_norm: Optional[Norm] = None
     scale: Optional[str] = None
+    multiplier: Optional[str] = None
+    gate_first: bool = True
 
     def __post_init__(self) -> None:
         if self.kind is None:
@@ -182,6 +205,9 @@ class FeedForward:
             raise ValueError(f"FeedForward: kind must be one of {FF_KINDS}, got {self.kind!r}")
         if self.kind == "gated" and self.gate is None:
             raise ValueError("FeedForward: a gated FF names its gate projection")
+        if self.kind == "fused_gate_up" and self.gate is not None:
+            raise ValueError("FeedForward: a fused_gate_up FF has one projection (up) holding the gate and up halves; "
+                             "it names no separate gate")
 
 
 @dataclass(frozen=True)
@@ -311,6 +337,10 @@ class ArchitectureSpec:
             raise ValueError(f"{self.family}: parallel branches with post-norms are not supported")
         if (lay.attention.post_norm is None) != (lay.ff.post_norm is None):
             raise ValueError(f"{self.family}: a sandwich layer has post-norms on both branches")
+        for name, branch in (("attention", lay.attention), ("feed-forward", lay.ff)):
+            if branch.multiplier is not None and (branch.post_norm is not None or branch.scale is not None):
+                raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
+                                 "or a layer scale (it is folded into the output projection)")
         if self.modality not in ("text", "image"):
             raise ValueError(f"{self.family}: modality must be 'text' or 'image', got {self.modality!r}")
 
@@ -431,10 +461,10 @@ class ArchitectureSpec:
         out.append("RMSNorm" if kinds == {"rmsnorm"} else "LayerNorm" if kinds == {"layernorm"} else "mixed norms")
         if any(n.weight_offset for n in self.norms()):
             out.append("1 + w gain")
-        out.append({"plain": "plain FF", "gated": "gated FF"}.get(lay.ff.kind, lay.ff.kind))
+        out.append({"plain": "plain FF", "gated": "gated FF", "fused_gate_up": "fused gate-up FF"}.get(lay.ff.kind, lay.ff.kind))
         v = lay.attention.value
         if v is not None and v.layout != "plain":
-            out.append(f"{v.layout} QKV")
+            out.append({"fused_gqa": "fused QKV with GQA"}.get(v.layout, f"{v.layout} QKV"))
         if lay.attention.softcap:
             out.append("attention soft-cap")
         if self.head.final_softcap:
@@ -443,6 +473,8 @@ class ArchitectureSpec:
             out.append("logit scaling")
         if lay.attention.scale:
             out.append("layer scale")
+        if lay.attention.multiplier or lay.ff.multiplier:
+            out.append("residual multiplier")
         if self.inputs.embedding_scale:
             out.append("embedding scale")
         out.append("causal" if self.causal else "bidirectional")

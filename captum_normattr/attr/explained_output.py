@@ -121,6 +121,40 @@ class LogitDirection:
     foil: Optional[Tensor]
 
 
+def logit_scale(model: nn.Module, adapter: ArchitectureAdapter) -> float:
+    r"""The factor the model applies to its LM head's output: ``logit_multiplier / logit_divisor``.
+
+    Cohere multiplies its logits by ``config.logit_scale`` (the description's
+    :attr:`~captum_normattr.arch.spec.Head.logit_multiplier`), Granite divides them by
+    ``config.logits_scaling`` (:attr:`~captum_normattr.arch.spec.Head.logit_divisor`). A scalar
+    is linear: it is folded into the explained direction and bias, so that the explained logit
+    is the model's own output logit.
+
+    Args:
+        model: the model (its ``config`` holds the attributes the description names).
+        adapter: its description.
+
+    Returns:
+        The factor (1.0 when the description names neither).
+
+    Raises:
+        ValueError: a named attribute that the config lacks, that is not a number, or a zero divisor.
+    """
+    config = getattr(unwrap_model(model), "config", None)
+    scale = 1.0
+    for attribute, divides in ((adapter.head.logit_multiplier, False), (adapter.head.logit_divisor, True)):
+        if attribute is None:
+            continue
+        value = getattr(config, attribute, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (divides and value == 0):
+            raise ValueError(
+                f"the {adapter.family} description scales the logits by config.{attribute}, but the model's config has "
+                f"{'no such attribute' if value is None else repr(value)}; fix the description's head"
+            )
+        scale = scale / float(value) if divides else scale * float(value)
+    return scale
+
+
 def explains_next_token(model: nn.Module, adapter: ArchitectureAdapter) -> bool:
     r"""Whether a logit-explaining method explains a next-token logit of ``model`` (else a class logit).
 
@@ -150,6 +184,10 @@ class NextTokenLogit:
         adapter: its adapter.
         unembedding: optional (V, D) unembedding matrix (rows = tokens).
 
+    The model's own logit scaling (:func:`logit_scale`: Granite's ``logits_scaling``, Cohere's
+    ``logit_scale``) is folded into the LM head's rows and bias, so the explained logit is the
+    one the model outputs; an explicit ``unembedding`` is used as given.
+
     Raises:
         ValueError: for a model without an LM head and no ``unembedding``.
     """
@@ -163,6 +201,7 @@ class NextTokenLogit:
             self._weights = (unembedding, None)
             self._head = None
             self.softcap = None  # an explicit unembedding: the explained logit is u . final-norm output
+            self.scale = 1.0
             return
         head = None
         if adapter.lm_head is not None:
@@ -178,16 +217,21 @@ class NextTokenLogit:
             )
         self._head, self._weights = head, None
         self.softcap = final_softcap(model, adapter)
+        #: the model's logit scaling (:func:`logit_scale`), folded into every direction and logit
+        self.scale = logit_scale(model, adapter)
 
     @property
     def weight(self) -> Tensor:
-        r"""(V, D) the unembedding (nn.Linear weight), read where it lives (also from an accelerate hook)."""
-        return self._head_weights()[0]
+        r"""(V, D) the effective unembedding (nn.Linear weight times the logit scale), read where it lives (also
+        from an accelerate hook)."""
+        w = self._head_weights()[0]
+        return w if self.scale == 1.0 else w.detach() * self.scale
 
     @property
     def weight_bias(self) -> Optional[Tensor]:
-        r"""(V,) the LM head's bias, or None."""
-        return self._head_weights()[1]
+        r"""(V,) the LM head's bias times the logit scale, or None."""
+        b = self._head_weights()[1]
+        return b if b is None or self.scale == 1.0 else b.detach() * self.scale
 
     def _head_weights(self):
         if self._head is None:
@@ -315,7 +359,7 @@ class NextTokenLogit:
             mag = mag + (final_out.abs() * w.abs()).sum(-1)
             if bias is not None:
                 mag = mag + bias.detach()[ids.to(bias.device)].to(device=final_out.device, dtype=final_out.dtype).abs()
-        return mag
+        return mag * abs(self.scale)
 
     def logits(self, final_out: Tensor) -> Tensor:
         r"""(B, V) next-token logits from the real final-norm output at the explained positions (B, D).
@@ -330,6 +374,8 @@ class NextTokenLogit:
             out[:, start:start + w.shape[0]] = final_out @ w.T
         if bias is not None:
             out = out + bias.detach().to(device=final_out.device, dtype=final_out.dtype)
+        if self.scale != 1.0:
+            out = out * self.scale
         return out if self.softcap is None else apply_final_softcap(out, self.softcap)
 
     def resolve(self, target: Any, final_out: Tensor, foil: Any = None) -> LogitDirection:
@@ -369,6 +415,8 @@ class NextTokenLogit:
             u = u - rows(weight, f_ids)
             if bias is not None:
                 ub = ub - rows(bias, f_ids)
+        if self.scale != 1.0:  # Granite's logits / logits_scaling, Cohere's logits * logit_scale: linear, folded
+            u, ub = u * self.scale, ub * self.scale
         return LogitDirection(u, ub, t_ids, f_ids)
 
 
@@ -639,7 +687,7 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
 
 __all__ = [
     "ClassLogit", "ExplainedOutputMismatchError", "ExplainedOutputMismatchWarning", "ImageClassLogit", "LogitDirection",
-    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model",
+    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model", "logit_scale",
     "logit_tolerances", "with_forward_kwargs",
 ]
 

@@ -122,6 +122,12 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
             f" Supported vision families: {arch_registry.supported_families('image', model_types=False)} (pre-LN, absolute positions; Swin, BEiT and "
             "other models with relative position biases or windowed attention are not supported)."
         )
+    reason = arch_registry.refusal(model_type, config)
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"captum_normattr cannot attribute {type(model).__name__}: {reason} Supported families: "
+            f"{supported_families()}.{vision} See docs/architectures.md."
+        )
     raise UnsupportedModelError(
         f"captum_normattr does not support model type {model_type!r} ({type(model).__name__}). "
         f"Supported families: {supported_families()}.{vision} A family with the same parts can be described "
@@ -179,7 +185,13 @@ def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Te
         (W_V (D, H_kv * Dh), b_V (H_kv * Dh,) or None); with grouped-query attention the
         columns are the key/value heads (each serves several query heads). A fused
         projection gives its value slice; a per-head interleaved one (GPT-NeoX's
-        [q_h | k_h | v_h] blocks) the value block of every head, heads in order.
+        [q_h | k_h | v_h] blocks) the value block of every head, heads in order; a fused
+        one with grouped-query attention (Phi-3's ``qkv_proj``: H * Dh query columns, then
+        H_kv * Dh key and H_kv * Dh value columns) its value columns.
+
+    Raises:
+        ValueError: the description names no value projection, or the projection's width
+            does not match the head counts of its attention module.
     """
     spec = adapter.layer.attention.value
     if spec is None:
@@ -198,7 +210,29 @@ def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Te
             return blocks.reshape(*t.shape[:-1], heads * dh)
 
         return pick(w), None if b is None else pick(b)
+    if spec.layout == "fused_gqa":
+        heads, kv_heads, dh = _head_counts(get_path(layer, adapter.attention))
+        sizes = (heads * dh, kv_heads * dh, kv_heads * dh)
+        if sum(sizes) != w.shape[1]:
+            raise ValueError(
+                f"the fused projection {spec.path} of {adapter.family} has {w.shape[1]} outputs, not the "
+                f"{heads} x {dh} query + 2 x {kv_heads} x {dh} key/value columns its attention module's head counts give"
+            )
+        start = sum(sizes[: spec.index])
+        cols = slice(start, start + sizes[spec.index])
+        return w[:, cols], None if b is None else b[cols]
     return w, b
+
+
+def _head_counts(attention: nn.Module) -> Tuple[int, int, int]:
+    r"""(query heads, key/value heads, head size) of an attention module (its attributes, else its config)."""
+    config = getattr(attention, "config", None)
+    heads = getattr(attention, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or heads
+    if not heads:
+        raise ValueError(f"cannot find the head counts of {type(attention).__name__} (no num_heads or config)")
+    dh = getattr(attention, "head_dim", None) or getattr(config, "head_dim", None) or int(config.hidden_size) // int(heads)
+    return int(heads), int(kv_heads), int(dh)
 
 
 def _head_dim(attention: nn.Module, total: int) -> int:

@@ -308,16 +308,21 @@ def norm_params(
     The parameters are read wherever they live (:func:`~captum_normattr.models.weights.module_tensor`),
     also from the hook of a module offloaded by accelerate.
     """
-    offset = 0.0
+    offset, described_eps = 0.0, None
     if isinstance(kind, Norm):
-        kind, offset = kind.kind, kind.weight_offset
+        kind, offset, described_eps = kind.kind, kind.weight_offset, kind.eps
     eps = getattr(module, "eps", None)
     if eps is None:
         eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = described_eps  # a module without an epsilon attribute (OLMo's fixed 1e-5): the description's
     if eps is None and isinstance(module, getattr(nn, "RMSNorm", ())):
         eps = torch.finfo(module.weight.dtype if module.weight is not None else torch.float32).eps  # torch's default
     if eps is None:
-        raise ValueError(f"cannot find the epsilon of norm module {type(module).__name__}")
+        raise ValueError(
+            f"cannot find the epsilon of norm module {type(module).__name__} (no eps or variance_epsilon attribute): "
+            "give it in the description, Norm(..., eps=...)"
+        )
 
     def cast(t):
         if t is None or (dtype is None and device is None):
@@ -343,6 +348,72 @@ def _scaled(w: Tensor, b: Optional[Tensor], scale: Optional[Tensor]) -> Tuple[Te
         return w, b
     scale = scale.detach()
     return w.detach() * scale.to(w.dtype), None if b is None else b.detach() * scale.to(b.dtype)
+
+
+def _split_gate_up(w: Tensor, b: Optional[Tensor], gate_first: bool):
+    r"""(W_up, b_up, W_gate, b_gate) from a fused gate-up projection (in, 2 I): its two column halves."""
+    half = w.shape[1] // 2
+    if w.shape[1] != 2 * half:
+        raise ValueError(f"a fused gate-up projection has an even number of outputs, got {w.shape[1]}")
+    first, second = (slice(0, half), slice(half, 2 * half))
+    g, u = (first, second) if gate_first else (second, first)
+    pick = lambda t, cols: None if t is None else t[..., cols]
+    return w[:, u], pick(b, u), w[:, g], pick(b, g)
+
+
+def branch_multiplier(model: nn.Module, attribute: Optional[str]) -> Optional[float]:
+    r"""The scalar a branch output is multiplied by (config ``attribute``, Granite's ``residual_multiplier``), or None.
+
+    Raises:
+        ValueError: the config has no such attribute, or it is not a number.
+    """
+    if attribute is None:
+        return None
+    config = getattr(model, "config", None)
+    value = getattr(config, attribute, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"the description names the branch multiplier config.{attribute}, but {type(model).__name__}'s config has "
+            f"{'no such attribute' if value is None else repr(value)}; fix the description's multiplier"
+        )
+    return None if float(value) == 1.0 else float(value)
+
+
+def _times(t: Optional[Tensor], m: Optional[float]) -> Optional[Tensor]:
+    r"""``t * m`` (a new tensor), ``t`` itself when there is no multiplier."""
+    return t if t is None or m is None else t * m
+
+
+def _ff_rebuild_error(t: LayerTensors) -> Tensor:
+    r"""Relative difference of the real FF output at the last position from FF(u) rebuilt from the read weights.
+
+    One row per example (cost B x D x F): it catches weights read in the wrong way (a fused
+    gate-up projection split in the wrong order, a branch multiplier or layer scale the
+    description misses, a wrong activation), which the residual joins alone do not see.
+    """
+    ff = t.ff
+    u = (t.ln2_out if t.pre_ln else t.ln1_out)[:, -1:]
+
+    def linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+        return x @ w if b is None else x @ w + b
+
+    pre = linear(u, ff.w_in, ff.b_in)
+    h = ff.act(pre) if ff.w_gate is None else ff.act(linear(u, ff.w_gate, ff.b_gate)) * pre
+    out = linear(h, ff.w_out, ff.b_out)
+    return relative_difference(t.ff_out[:, -1:], out, temporary=True)
+
+
+def _attention_join_error(t: LayerTensors) -> Tensor:
+    r"""Relative difference of the real residual join after attention from the layer input plus
+    context W_O + b_O at the last position (pre-LN: the second norm's input; post-LN: the first's).
+
+    Compared relative to the residual stream, as the other joins: it catches an output scale
+    (a branch multiplier, a layer scale) that the description misses.
+    """
+    ctx = t.context[:, -1].reshape(t.context.shape[0], -1)
+    attn = ctx @ t.out_weight if t.out_bias is None else ctx @ t.out_weight + t.out_bias
+    joined = t.ln2_in if t.pre_ln else t.ln1_in
+    return relative_difference(joined[:, -1], t.hidden_in[:, -1] + attn, temporary=True)
 
 
 def _first_tensor(x):
@@ -667,6 +738,10 @@ class Recorder(AttentionRecords):
         else:
             checks["second norm input vs the first norm's output plus the feed-forward output"] = relative_difference(
                 t.ln2_in, t.ln1_out + t.ff_out, temporary=True)
+        checks["feed-forward output rebuilt from its input and weights (last position)"] = _ff_rebuild_error(t)
+        if topology in ("pre_ln", "post_ln") and t.context is not None:
+            checks["residual join vs the layer input plus the attention output rebuilt from its weights (last position)"] = (
+                _attention_join_error(t))
         return checks
 
     # --- what the recorded tensors become ---------------------------------------
@@ -687,8 +762,18 @@ class Recorder(AttentionRecords):
         if a.attn_scale is not None or a.ff_scale is not None:  # DINOv2 layer scale, folded (a per-channel scale is linear)
             w_o, b_o = _scaled(w_o, b_o, layer_scale(layer, a.attn_scale))
             w_out, b_out = _scaled(w_out, b_out, layer_scale(layer, a.ff_scale))
+        # Granite's residual multipliers h = x + m * Attn(..), y = h + m * FF(..): scalars, folded like the layer
+        # scales; the recorded branch outputs (the projections' outputs) are scaled below to what joins the stream
+        m_attn = branch_multiplier(self.base, a.layer.attention.multiplier)
+        m_ff = branch_multiplier(self.base, a.layer.ff.multiplier)
+        if m_attn is not None:
+            w_o, b_o = _scaled(w_o, b_o, torch.tensor(m_attn, dtype=torch.float64))
+        if m_ff is not None:
+            w_out, b_out = _scaled(w_out, b_out, torch.tensor(m_ff, dtype=torch.float64))
         w_g = b_g = None
-        if a.ff_gate is not None:
+        if a.layer.ff.kind == "fused_gate_up":  # Phi-3's gate_up_proj: the gate and up halves of one projection
+            w_in, b_in, w_g, b_g = _split_gate_up(w_in, b_in, a.layer.ff.gate_first)
+        elif a.ff_gate is not None:
             w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
         ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
         tensors = LayerTensors(
@@ -704,7 +789,7 @@ class Recorder(AttentionRecords):
             ln2=norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
             ln2_in=cast(rec["ln2_in"]),
             ln2_out=cast(rec["ln2_out"]),
-            ff_out=cast(rec["ff_out"]),
+            ff_out=_times(cast(rec["ff_out"]), m_ff),
             layer_out=cast(rec["layer_out"]),
             pre_ln=a.pre_ln,
             ff=ff,
@@ -712,7 +797,7 @@ class Recorder(AttentionRecords):
             index=idx,
             source_dtype=rec["layer_out"].dtype,
             topology=a.topology,
-            attn_branch_out=cast(rec.get("attn_branch_out")),
+            attn_branch_out=_times(cast(rec.get("attn_branch_out")), m_attn),
         )
         if a.topology == "sandwich":
             tensors.attn_post = norm_params(get_path(layer, a.layer.attention.post_norm.path), a.layer.attention.post_norm,
