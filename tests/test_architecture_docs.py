@@ -14,17 +14,21 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architectures.md"
 
 
-@pytest.mark.parametrize("name,render", [("architecture", architecture_table_markdown), ("refused", refused_table_markdown)])
-def test_architecture_docs_tables_are_the_generated_ones(name, render):
-    text = DOC.read_text(encoding="utf-8")
-    found = re.search(rf"<!-- {name} table:[^\n]*-->\n(.*?)\n<!-- end of {name} table -->", text, re.S)
-    assert found, f"docs/architectures.md lost its {name}-table markers"
+@pytest.mark.parametrize("name,render,doc", [
+    ("architecture", architecture_table_markdown, DOC),
+    ("refused", refused_table_markdown, DOC),
+    ("architecture", architecture_table_markdown, REPO / "README.md"),
+], ids=["docs-architecture", "docs-refused", "readme-architecture"])
+def test_architecture_docs_tables_are_the_generated_ones(name, render, doc):
+    text = doc.read_text(encoding="utf-8")
+    found = re.search(rf"<!-- {name} table:[^\n]*-->\n(.*?)\n?<!-- end of {name} table -->", text, re.S)
+    assert found, f"{doc.name} lost its {name}-table markers"
     expected = render()
     if os.environ.get("UPDATE_DOCS") == "1":  # UPDATE_DOCS=1 python -m pytest tests/test_architecture_docs.py
-        DOC.write_text(text[:found.start(1)] + expected + text[found.end(1):], encoding="utf-8")
+        doc.write_text(text[:found.start(1)] + expected + "\n" * (not text[found.end(1):].startswith("\n")) + text[found.end(1):], encoding="utf-8")
         return
     assert found.group(1) == expected, (
-        f"docs/architectures.md's {name} table differs from the registry's; regenerate it with: "
+        f"{doc.name}'s {name} table differs from the registry's; regenerate it with: "
         "UPDATE_DOCS=1 python -m pytest tests/test_architecture_docs.py")
 
 

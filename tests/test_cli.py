@@ -406,7 +406,8 @@ def test_registry_lists_every_exported_attribution_class():
             continue
         init = inspect.signature(spec.cls.__init__).parameters
         decompose = inspect.signature(spec.cls.decompose).parameters
-        assert spec.uses_target == ("target" in decompose), spec.key
+        # Captum's order for every class; uses_target says whether the CLI's --target changes the scores
+        assert list(decompose)[1:2] == ["inputs"] and (not spec.uses_target or "target" in decompose), spec.key
         assert spec.maps == ("return_layer_maps" in decompose and "return_rollout" in decompose), spec.key
         assert set(spec.families) <= set(registry.FAMILIES) and spec.description and spec.explains
         for opt in spec.options:  # every option is a constructor keyword with the same default

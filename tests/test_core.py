@@ -134,7 +134,7 @@ def test_clear_errors():
     from transformers import MambaConfig, MambaModel
 
     other = MambaModel(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=20, state_size=4))
-    with pytest.raises(UnsupportedModelError, match="BERT.*RoBERTa.*ELECTRA.*DistilBERT.*register_architecture"):
+    with pytest.raises(UnsupportedModelError, match="not an attention model.*BERT.*RoBERTa.*ELECTRA.*DistilBERT"):
         GlobEncAttribution(other)
 
 

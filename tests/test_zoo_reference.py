@@ -30,12 +30,19 @@ def _path(root, path):
     return root
 
 
-def _value_and_out(layer, spec):
-    r"""(W_V (D, Hkv*Dh), b_V, W_O (H*Dh, D), b_O) read from the modules (nn.Linear or GPT-2 Conv1D)."""
+def _value_and_out(layer, spec, config):
+    r"""(W_V (D, Hkv*Dh), b_V, W_O (H*Dh, D), b_O) read from the modules (nn.Linear, Phi-3's fused qkv_proj
+    or GPT-2 Conv1D); W_O times Granite's residual multiplier (its residual join is x + m * o_proj(.))."""
     attn = _path(layer, spec.attention)
+    m = getattr(config, "residual_multiplier", 1.0)
     if hasattr(attn, "v_proj"):
         v, o = attn.v_proj, _path(layer, spec.attn_out)
-        return v.weight.T, v.bias, o.weight.T, o.bias
+        return v.weight.T, v.bias, m * o.weight.T, None if o.bias is None else m * o.bias
+    if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q (H*Dh) | k (Hkv*Dh) | v (Hkv*Dh)]
+        dh = config.hidden_size // config.num_attention_heads
+        kv = config.num_key_value_heads * dh
+        w, o = attn.qkv_proj.weight, attn.o_proj
+        return w[w.shape[0] - kv:].T, None, m * o.weight.T, o.bias
     d = attn.c_attn.weight.shape[0]  # GPT-2 Conv1D: weight (in, out), out = [q | k | v]
     return attn.c_attn.weight[:, 2 * d:], attn.c_attn.bias[2 * d:], attn.c_proj.weight, attn.c_proj.bias
 
@@ -56,7 +63,7 @@ def naive_maps(model, ids, mask, spec):
         for l, layer in enumerate(layers):
             x, probs = out.hidden_states[l], out.attentions[l]  # (B, T, D), (B, H, T, T)
             b, h, t, _ = probs.shape
-            wv, bv, wo, bo = _value_and_out(layer, spec)
+            wv, bv, wo, bo = _value_and_out(layer, spec, model.config)
             v = _path(layer, spec.ln1)(x) @ wv + (0 if bv is None else bv)  # (B, T, Hkv*Dh)
             dh = wo.shape[0] // h
             groups = h // (v.shape[-1] // dh)

@@ -181,6 +181,12 @@ BUILDERS: Dict[str, Callable[..., torch.nn.Module]] = {
 }
 
 
+import zoo_decoders, zoo_encoders, zoo_moe, zoo_parallel  # noqa: E402  (the family groups' builders)
+
+for _group in (zoo_parallel, zoo_moe, zoo_decoders, zoo_encoders):
+    BUILDERS.update(_group.BUILDERS)
+
+
 def build(key: str, head: str = "lm", seed: int = 0, **extra) -> torch.nn.Module:
     r"""A tiny float64 model of the family registered under ``key`` (see the module docstring)."""
     return BUILDERS[key](head, seed, **extra) if extra else BUILDERS[key](head, seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from captum_normattr.arch import family_decoders, family_encoders, family_moe, family_parallel
 from captum_normattr.arch.families import BUILTIN, REFUSED
 from captum_normattr.arch.spec import ArchitectureSpec
 
@@ -24,7 +25,12 @@ __all__ = [
 ]
 
 #: The registered descriptions by key (built-ins first, then :func:`register_architecture`'s).
-ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(BUILTIN)
+#: Order (the docs' table): the text families of ``families``, the family groups, the vision families.
+ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
+    [e for e in BUILTIN if e[1].modality == "text"]
+    + [e for group in (family_parallel, family_moe, family_decoders, family_encoders) for e in group.BUILTIN]
+    + [e for e in BUILTIN if e[1].modality != "text"]
+)
 
 
 def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, replace: bool = False) -> ArchitectureSpec:

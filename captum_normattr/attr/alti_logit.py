@@ -176,12 +176,12 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             if l == 0:
                 kept["embedding"] = layer.hidden_in[bidx, pos]
             kept["maps"].put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
+            # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
+            kept["example_errors"].append(self.kind.example_completeness_error(layer, valid))
             layer = self.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
             kept["updates"][:, l] = attention_update_at(layer, pos)
             kept["ff"][:, l] = layer.ff_out[bidx, pos]
             kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
-            # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
-            kept["example_errors"].append(self.kind.example_completeness_error(layer, valid))
 
         run, top_model, logits_kept = self.output.guarded_forward(self.model, prepared, pos)
         with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model,

@@ -84,10 +84,15 @@ def residual_parts_sum(layer: LayerTensors) -> Tensor:
     return layer.hidden_in + attention_update_sum(layer) + _out_bias(layer)
 
 
-def pre_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
-    r"""Largest |sum_j h_{i<-j} + b_O - h_i| over real tokens, h_i the model's real LN2 input."""
+def pre_ln_example_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
+    r"""Per example (B,): largest |sum_j h_{i<-j} + b_O - h_i| over its real tokens, h_i the model's real LN2 input."""
     err = (residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1)
-    return (err * valid.to(err.dtype)).max()
+    return (err * valid.to(err.dtype)).amax(-1)
+
+
+def pre_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
+    r"""Largest |sum_j h_{i<-j} + b_O - h_i| over real tokens and examples (see :func:`pre_ln_example_completeness_error`)."""
+    return pre_ln_example_completeness_error(layer, valid).max()
 
 
 def pre_ln_norm_map_spec(layer: LayerTensors, name: str) -> Tuple[Optional[Tensor], Optional[Tensor], bool]:

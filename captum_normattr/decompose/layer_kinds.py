@@ -99,8 +99,7 @@ class PreLNKind(LayerKind):
         return decoder.pre_ln_completeness_error(layer, valid)
 
     def example_completeness_error(self, layer, valid):
-        err = (decoder.residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1)
-        return (err * valid.to(err.dtype)).amax(-1)  # (B,) largest |parts + b_O - real h_i| over the real tokens
+        return decoder.pre_ln_example_completeness_error(layer, valid)
 
     def attention_block_output(self, layer):
         return layer.ln2_in

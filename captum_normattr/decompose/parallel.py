@@ -364,6 +364,11 @@ class ParallelKind(LayerKind):
     def attention_block_output(self, layer):
         return attention_block_output(layer)
 
+    def logit_form(self, layer):
+        # both branches write to the stream directly: the attention parts and the FF output are already
+        # what ALTI-Logit reads (the layer's own completeness error is the kind's)
+        return layer
+
     def scope_maps(self, layer, valid, options):
         return parallel_component_scope_maps(
             layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,

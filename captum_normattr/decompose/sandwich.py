@@ -285,6 +285,9 @@ class SandwichKind(LayerKind):
     def completeness_error(self, layer, valid):
         return sandwich_completeness_error(layer, valid)
 
+    def example_completeness_error(self, layer, valid):
+        return decoder.pre_ln_example_completeness_error(pre_ln_form(layer), valid)
+
     def scope_maps(self, layer, valid, options):
         return sandwich_component_scope_maps(
             layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, options.memory_budget_mb,
