@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from captum_normattr.arch import architecture_table_markdown
+from captum_normattr.arch import architecture_table_markdown, encoder_decoder_table_markdown
 from captum_normattr.arch.registry import refused_table_markdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,8 +17,9 @@ DOC = REPO / "docs" / "architectures.md"
 @pytest.mark.parametrize("name,render,doc", [
     ("architecture", architecture_table_markdown, DOC),
     ("refused", refused_table_markdown, DOC),
+    ("encoder-decoder", encoder_decoder_table_markdown, DOC),
     ("architecture", architecture_table_markdown, REPO / "README.md"),
-], ids=["docs-architecture", "docs-refused", "readme-architecture"])
+], ids=["docs-architecture", "docs-refused", "docs-encoder-decoder", "readme-architecture"])
 def test_architecture_docs_tables_are_the_generated_ones(name, render, doc):
     text = doc.read_text(encoding="utf-8")
     found = re.search(rf"<!-- {name} table:[^\n]*-->\n(.*?)\n?<!-- end of {name} table -->", text, re.S)

@@ -5,8 +5,11 @@ the table of registered families and how to add one.
 """
 from captum_normattr.arch.registry import (
     ARCHITECTURES,
+    ENCODER_DECODERS,
     architecture_table_markdown,
+    encoder_decoder_table_markdown,
     lookup,
+    lookup_encoder_decoder,
     register_architecture,
     supported_causal_families,
     supported_families,
@@ -26,6 +29,7 @@ from captum_normattr.arch.spec import (
 
 __all__ = [
     "ARCHITECTURES",
+    "ENCODER_DECODERS",
     "ArchitectureSpec",
     "Attention",
     "FeedForward",
@@ -37,7 +41,9 @@ __all__ = [
     "ValueProjection",
     "Variant",
     "architecture_table_markdown",
+    "encoder_decoder_table_markdown",
     "lookup",
+    "lookup_encoder_decoder",
     "register_architecture",
     "supported_causal_families",
     "supported_families",

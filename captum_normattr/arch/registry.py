@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from captum_normattr.arch import family_decoders, family_encoders, family_moe, family_parallel
+from captum_normattr.arch import family_decoders, family_encoders, family_moe, family_parallel, family_seq2seq
 from captum_normattr.arch.families import BUILTIN, REFUSED
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
     "ARCHITECTURES",
+    "ENCODER_DECODERS",
+    "encoder_decoder_table_markdown",
+    "lookup_encoder_decoder",
     "REFUSED",
     "architecture_table_markdown",
     "refusal",
@@ -31,6 +34,8 @@ ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
     + [e for group in (family_parallel, family_moe, family_decoders, family_encoders) for e in group.BUILTIN]
     + [e for e in BUILTIN if e[1].modality != "text"]
 )
+#: The registered encoder-decoder (two-stack) descriptions by key, explained by ALTIPlusAttribution.
+ENCODER_DECODERS: Dict[str, ArchitectureSpec] = dict(family_seq2seq.BUILTIN)
 
 
 def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, replace: bool = False) -> ArchitectureSpec:
@@ -56,31 +61,44 @@ def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, rep
     if not isinstance(spec, ArchitectureSpec):
         raise TypeError(f"register_architecture takes an ArchitectureSpec, got {type(spec).__name__}")
     key = key or spec.model_types[0]
+    registry = ENCODER_DECODERS if spec.is_encoder_decoder else ARCHITECTURES  # two stacks: ALTI+'s registry
     if not replace:
-        if key in ARCHITECTURES:
+        if key in ARCHITECTURES or key in ENCODER_DECODERS:
             raise ValueError(f"architecture {key!r} is already registered (pass replace=True to overwrite it)")
-        taken = [(t, k) for k, s in ARCHITECTURES.items() for t in spec.model_types if t in s.model_types]
+        taken = [(t, k) for k, s in {**ARCHITECTURES, **ENCODER_DECODERS}.items() for t in spec.model_types
+                 if t in s.model_types]
         if taken:
             raise ValueError(
                 f"model type(s) {[t for t, _ in taken]} are already served by {sorted({k for _, k in taken})} "
                 "(pass replace=True to take them over)"
             )
     else:
-        for k in [k for k, s in ARCHITECTURES.items() if k != key and set(s.model_types) & set(spec.model_types)]:
-            del ARCHITECTURES[k]
-    ARCHITECTURES[key] = spec
+        for reg in (ARCHITECTURES, ENCODER_DECODERS):
+            for k in [k for k, s in reg.items() if (k == key and reg is not registry)
+                      or (k != key and set(s.model_types) & set(spec.model_types))]:
+                del reg[k]
+    registry[key] = spec
     return spec
 
 
-def lookup(model_type: Optional[str], config: Any = None) -> Optional[ArchitectureSpec]:
-    r"""The description serving ``model_type`` (its config variant when ``config`` selects one), or None."""
-    for spec in reversed(list(ARCHITECTURES.values())):  # a later registration wins
+def _lookup(registry: Dict[str, ArchitectureSpec], model_type: Optional[str], config: Any) -> Optional[ArchitectureSpec]:
+    for spec in reversed(list(registry.values())):  # a later registration wins
         if model_type in spec.model_types:
             for variant in spec.variants:
                 if config is not None and getattr(config, variant.attribute, object()) == variant.value:
                     return variant.spec
             return spec
     return None
+
+
+def lookup(model_type: Optional[str], config: Any = None) -> Optional[ArchitectureSpec]:
+    r"""The one-stack description serving ``model_type`` (its config variant when ``config`` selects one), or None."""
+    return _lookup(ARCHITECTURES, model_type, config)
+
+
+def lookup_encoder_decoder(model_type: Optional[str], config: Any = None) -> Optional[ArchitectureSpec]:
+    r"""The encoder-decoder description serving ``model_type`` (its config variant, as :func:`lookup`), or None."""
+    return _lookup(ENCODER_DECODERS, model_type, config)
 
 
 def supported_families(modality: Optional[str] = None, model_types: bool = True) -> str:
@@ -96,18 +114,27 @@ def supported_causal_families() -> str:
     return ", ".join(s.family for s in ARCHITECTURES.values() if s.causal)
 
 
-def architecture_table_markdown() -> str:
+def architecture_table_markdown(specs: Optional[Dict[str, ArchitectureSpec]] = None) -> str:
     r"""The docs' supported-architectures table (Markdown), rendered from the registry.
 
-    Columns: family, ``config.model_type`` values, topology kind, features, notes.
+    Args:
+        specs: the descriptions to list (default: :data:`ARCHITECTURES`, the one-stack families).
+
+    Returns:
+        Columns: family, ``config.model_type`` values, topology kind, features, notes.
     """
     rows = ["| family | model types | topology | features | notes |", "|---|---|---|---|---|"]
-    for spec in ARCHITECTURES.values():
+    for spec in (ARCHITECTURES if specs is None else specs).values():
         rows.append(
             f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
             f"{', '.join(spec.features())} | {spec.notes or '—'} |"
         )
     return "\n".join(rows)
+
+
+def encoder_decoder_table_markdown() -> str:
+    r"""The docs' encoder-decoder table (Markdown): :func:`architecture_table_markdown` of :data:`ENCODER_DECODERS`."""
+    return architecture_table_markdown(ENCODER_DECODERS)
 
 
 def refusal(model_type: Optional[str], config: Any = None) -> Optional[str]:
@@ -127,7 +154,8 @@ def refusal(model_type: Optional[str], config: Any = None) -> Optional[str]:
     if getattr(config, "is_encoder_decoder", False):
         return (
             f"{model_type!r} is an encoder-decoder model: GlobEnc, ALTI, DecompX and ALTI-Logit explain encoders and "
-            "decoders; use ALTIPlusAttribution for encoder-decoder models (docs/seq2seq.md)."
+            "decoders; use ALTIPlusAttribution for encoder-decoder models (docs/seq2seq.md; supported: "
+            + ", ".join(s.family for s in ENCODER_DECODERS.values()) + ")."
         )
     return None
 

@@ -218,14 +218,27 @@ class Layer:
         attention: the self-attention branch.
         ff: the feed-forward branch.
         parallel: both branches read the layer input (y = x + Attn(..x..) + FF(..x..)).
-        stream_norms: post-LN norms on the residual stream, after the attention residual and
-            after the feed-forward residual (BERT's two LayerNorms); empty for pre-LN kinds.
+        stream_norms: post-LN norms on the residual stream, one after each branch's residual
+            join, in order (BERT's two LayerNorms; three in a post-LN decoder layer with
+            cross-attention); empty for the other kinds.
+        cross_attention: the cross-attention branch of an encoder-decoder's decoder layer
+            (one more :class:`Attention`, run between the self-attention and the
+            feed-forward, its keys and values from the encoder output), or None.
     """
 
     attention: Attention
     ff: FeedForward
     parallel: bool = False
     stream_norms: Tuple[Norm, ...] = ()
+    cross_attention: Optional[Attention] = None
+
+    def branches(self) -> Tuple[Tuple[str, Any], ...]:
+        r"""(name, branch) in the order the layer runs them: self-attention, cross-attention, feed-forward."""
+        out = [("self_attention", self.attention)]
+        if self.cross_attention is not None:
+            out.append(("cross_attention", self.cross_attention))
+        out.append(("feed_forward", self.ff))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -308,6 +321,10 @@ class ArchitectureSpec:
         inputs: the :class:`Inputs` quirks.
         variants: :class:`Variant` descriptions chosen by a config attribute.
         notes: one line for the docs' table (what is special about the family).
+        decoder_layers: an encoder-decoder's second stack: the path of the decoder's layer
+            list, from the model holding ``encoder`` and ``decoder`` (``layers`` is then the
+            encoder's), or None for a one-stack model.
+        decoder_layer: the decoder stack's :class:`Layer` (with its ``cross_attention``).
     """
 
     family: str
@@ -321,30 +338,55 @@ class ArchitectureSpec:
     inputs: Inputs = field(default_factory=Inputs)
     variants: Tuple[Variant, ...] = ()
     notes: str = ""
+    decoder_layers: Optional[str] = None
+    decoder_layer: Optional[Layer] = None
 
     def __post_init__(self) -> None:
-        lay = self.layer
-        if lay.stream_norms and (lay.attention.pre_norm or lay.ff.pre_norm or lay.parallel):
-            raise ValueError(f"{self.family}: a post-LN layer (stream_norms) has no branch pre-norms and no parallel branches")
-        if lay.stream_norms and len(lay.stream_norms) != 2:
-            raise ValueError(f"{self.family}: a post-LN layer names two stream norms (after attention, after FF)")
-        if not lay.stream_norms and (lay.attention.pre_norm is None or lay.ff.pre_norm is None):
-            raise ValueError(
-                f"{self.family}: a layer without stream norms needs a pre-norm on both branches (a layer without "
-                "pre-norms, as OLMo 2's, is not supported yet)"
-            )
-        if lay.parallel and (lay.attention.post_norm or lay.ff.post_norm):
-            raise ValueError(f"{self.family}: parallel branches with post-norms are not supported")
-        if (lay.attention.post_norm is None) != (lay.ff.post_norm is None):
-            raise ValueError(f"{self.family}: a sandwich layer has post-norms on both branches")
-        for name, branch in (("attention", lay.attention), ("feed-forward", lay.ff)):
-            if branch.multiplier is not None and (branch.post_norm is not None or branch.scale is not None):
-                raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
-                                 "or a layer scale (it is folded into the output projection)")
+        if (self.decoder_layers is None) != (self.decoder_layer is None):
+            raise ValueError(f"{self.family}: an encoder-decoder names both decoder_layers and decoder_layer")
+        if self.layer.cross_attention is not None:
+            raise ValueError(f"{self.family}: only an encoder-decoder's decoder layer has a cross-attention branch")
+        if self.decoder_layer is not None and self.decoder_layer.cross_attention is None:
+            raise ValueError(f"{self.family}: an encoder-decoder's decoder layer has a cross-attention branch")
+        for _, _, lay in self.stacks:
+            self._check_layer(lay)
         if self.modality not in ("text", "image"):
             raise ValueError(f"{self.family}: modality must be 'text' or 'image', got {self.modality!r}")
 
-    # --- the topology ---------------------------------------------------------------
+    def _check_layer(self, lay: Layer) -> None:
+        if lay.stream_norms and (any(b.pre_norm for _, b in lay.branches()) or lay.parallel):
+            raise ValueError(f"{self.family}: a post-LN layer (stream_norms) has no branch pre-norms and no parallel branches")
+        if lay.stream_norms and len(lay.stream_norms) != len(lay.branches()):
+            raise ValueError(f"{self.family}: a post-LN layer names one stream norm per branch "
+                             f"({len(lay.branches())}: after each residual join)")
+        if not lay.stream_norms and any(b.pre_norm is None for _, b in lay.branches()):
+            raise ValueError(
+                f"{self.family}: a layer without stream norms needs a pre-norm on every branch (a layer without "
+                "pre-norms, as OLMo 2's, is not supported yet)"
+            )
+        if lay.parallel and (lay.attention.post_norm or lay.ff.post_norm or lay.cross_attention is not None):
+            raise ValueError(f"{self.family}: parallel branches with post-norms or cross-attention are not supported")
+        if len({b.post_norm is None for _, b in lay.branches()}) > 1:
+            raise ValueError(f"{self.family}: a sandwich layer has post-norms on every branch")
+        for name, branch in lay.branches():
+            if branch.multiplier is not None and (branch.post_norm is not None or branch.scale is not None):
+                raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
+                                 "or a layer scale (it is folded into the output projection)")
+
+    # --- the stacks and the topology --------------------------------------------------
+    @property
+    def is_encoder_decoder(self) -> bool:
+        r"""True for a two-stack (encoder-decoder) description."""
+        return self.decoder_layer is not None
+
+    @property
+    def stacks(self) -> Tuple[Tuple[str, str, Layer], ...]:
+        r"""(name, path of the layer list, :class:`Layer`) per stack: ``("layers", ...)`` for a
+        one-stack model; ``("encoder", ...), ("decoder", ...)`` for an encoder-decoder."""
+        if self.decoder_layer is None:
+            return (("layers", self.layers, self.layer),)
+        return (("encoder", self.layers, self.layer), ("decoder", self.decoder_layers, self.decoder_layer))
+
     @property
     def topology(self) -> str:
         r"""The layer's topology kind, one of :data:`TOPOLOGIES`, chosen from the description."""
@@ -439,17 +481,14 @@ class ArchitectureSpec:
     def max_positions_offset(self) -> int:
         return self.inputs.max_positions_offset
 
-    def norms(self) -> Tuple[Norm, ...]:
-        r"""Every norm of one layer, in the order the layer applies them."""
-        lay = self.layer
+    def norms(self, layer: Optional[Layer] = None) -> Tuple[Norm, ...]:
+        r"""Every norm of one layer (default: :attr:`layer`), in the order the layer applies them."""
+        lay = self.layer if layer is None else layer
         if lay.stream_norms:
             return tuple(lay.stream_norms)
-        out = [lay.attention.pre_norm]
-        if lay.attention.post_norm is not None:
-            out.append(lay.attention.post_norm)
-        out.append(lay.ff.pre_norm)
-        if lay.ff.post_norm is not None:
-            out.append(lay.ff.post_norm)
+        out = []
+        for _, branch in lay.branches():
+            out += [branch.pre_norm, branch.post_norm]
         return tuple(n for n in out if n is not None)
 
     def features(self) -> Tuple[str, ...]:
@@ -477,5 +516,8 @@ class ArchitectureSpec:
             out.append("residual multiplier")
         if self.inputs.embedding_scale:
             out.append("embedding scale")
-        out.append("causal" if self.causal else "bidirectional")
+        if self.is_encoder_decoder:
+            out.append("encoder-decoder with cross-attention")
+        else:
+            out.append("causal" if self.causal else "bidirectional")
         return tuple(out)

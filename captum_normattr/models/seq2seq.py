@@ -18,7 +18,8 @@ recorder's: as soon as a block's last tensor is recorded (on a forward hook, whi
 runs on), its :class:`BlockTensors` are handed to the caller's ``on_block`` callback and
 the recorder drops them, so at most one block's probabilities are alive at a time. As there, everything (hooks, the attention implementation,
 the training flags) is restored when the call ends, also when it raises. All architecture
-knowledge sits in :data:`SEQ2SEQ_ADAPTERS`, one :class:`Seq2SeqAdapter` per family.
+knowledge sits in the families' descriptions (:mod:`captum_normattr.arch.family_seq2seq`, two
+stacks, a cross-attention branch); :func:`seq2seq_adapter` derives the blocks from them.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.arch import registry as arch_registry
+from captum_normattr.arch.spec import ArchitectureSpec, Layer
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
 from captum_normattr.models.capture import AttentionRecords, norm_params, recorder_session
@@ -40,7 +43,9 @@ __all__ = [
     "SEQ2SEQ_ADAPTERS",
     "Seq2SeqAdapter",
     "Seq2SeqRecorder",
+    "attention_blocks",
     "get_seq2seq_adapter",
+    "seq2seq_adapter",
     "is_seq2seq",
     "seq2seq_base",
     "recording_seq2seq",
@@ -74,16 +79,21 @@ class BlockSpec:
 
 @dataclass(frozen=True)
 class Seq2SeqAdapter:
-    r"""Where one encoder-decoder family keeps its layers and attention blocks.
+    r"""What ALTI+ reads of one encoder-decoder family: its stacks and three attention blocks.
+
+    Derived from the family's :class:`~captum_normattr.arch.spec.ArchitectureSpec` (two stacks,
+    the decoder layer with a cross-attention branch) by :func:`seq2seq_adapter`; nothing here
+    is written by hand.
 
     Attributes:
         family: readable family name.
         model_types: the ``config.model_type`` values it serves.
-        encoder_layers / decoder_layers: paths of the layer lists, from the base model.
+        encoder_layers / decoder_layers: paths of the layer lists, from the model holding both stacks.
         encoder_self / decoder_self / decoder_cross: the three :class:`BlockSpec`.
         pre_ln: True where the norms sit inside the branches (the block output is the raw stream).
         norm_kind: ``"layernorm"`` or ``"rmsnorm"`` (T5's scale-only norm).
         positions: how the family places tokens, for the docs and padding notes.
+        spec: the description it was derived from.
     """
 
     family: str
@@ -96,63 +106,67 @@ class Seq2SeqAdapter:
     pre_ln: bool
     norm_kind: str = "layernorm"
     positions: str = ""
+    spec: Optional[ArchitectureSpec] = None
 
     def block(self, name: str) -> BlockSpec:
         return getattr(self, name)
 
 
-# BART and Marian (post-LN): the residual is what the attention reads; the block output is
-# the norm after the sum.
-_POST_LN = dict(
-    encoder_layers="encoder.layers",
-    decoder_layers="decoder.layers",
-    encoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn", "in"), ("self_attn_layer_norm", "out"),
-                           norm="self_attn_layer_norm"),
-    decoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn", "in"), ("self_attn_layer_norm", "out"),
-                           norm="self_attn_layer_norm"),
-    decoder_cross=BlockSpec("encoder_attn", "encoder_attn.out_proj", ("encoder_attn", "in"),
-                            ("encoder_attn_layer_norm", "out"), norm="encoder_attn_layer_norm"),
-    pre_ln=False,
-)
-# mBART, M2M100/NLLB, Pegasus (pre-LN): the residual is the raw stream entering the block's
-# norm; the block output is the raw stream entering the next norm.
-_PRE_LN = dict(
-    encoder_layers="encoder.layers",
-    decoder_layers="decoder.layers",
-    encoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn_layer_norm", "in"), ("final_layer_norm", "in")),
-    decoder_self=BlockSpec("self_attn", "self_attn.out_proj", ("self_attn_layer_norm", "in"),
-                           ("encoder_attn_layer_norm", "in")),
-    decoder_cross=BlockSpec("encoder_attn", "encoder_attn.out_proj", ("encoder_attn_layer_norm", "in"),
-                            ("final_layer_norm", "in")),
-    pre_ln=True,
-)
-# T5 / mT5 (pre-LN, RMS-style norm, no biases, no 1/sqrt(d) scaling, relative position bias):
-# layer[0] is the self-attention sub-layer (norm, attention, residual), layer[1] the cross-attention.
-_T5 = dict(
-    encoder_layers="encoder.block",
-    decoder_layers="decoder.block",
-    encoder_self=BlockSpec("layer.0.SelfAttention", "layer.0.SelfAttention.o", ("layer.0", "in"), ("layer.0", "out")),
-    decoder_self=BlockSpec("layer.0.SelfAttention", "layer.0.SelfAttention.o", ("layer.0", "in"), ("layer.0", "out")),
-    decoder_cross=BlockSpec("layer.1.EncDecAttention", "layer.1.EncDecAttention.o", ("layer.1", "in"),
-                            ("layer.1", "out")),
-    pre_ln=True,
-    norm_kind="rmsnorm",
-)
+def attention_blocks(layer: Layer, pre_ln: bool) -> Tuple[BlockSpec, ...]:
+    r"""One :class:`BlockSpec` per attention branch of a layer description, in the layer's order.
 
-SEQ2SEQ_ADAPTERS: Dict[str, Seq2SeqAdapter] = {
-    "bart": Seq2SeqAdapter("BART", ("bart",), positions="learned, counted from the first slot", **_POST_LN),
-    "marian": Seq2SeqAdapter("Marian", ("marian",), positions="sinusoidal, counted from the first slot", **_POST_LN),
-    "mbart": Seq2SeqAdapter("mBART", ("mbart",), positions="learned, counted from the first slot", **_PRE_LN),
-    "m2m_100": Seq2SeqAdapter("M2M100/NLLB", ("m2m_100",), positions="sinusoidal, counted over non-pad tokens",
-                              **_PRE_LN),
-    "pegasus": Seq2SeqAdapter("Pegasus", ("pegasus",), positions="sinusoidal, counted from the first slot", **_PRE_LN),
-    "t5": Seq2SeqAdapter("T5/mT5", ("t5", "mt5"), positions="relative position bias", **_T5),
-}
+    Post-LN: the residual is what the branch module reads, the block output the stream norm
+    after the join (that norm's input gives its scale). Pre-LN: the residual is the raw stream
+    entering the branch's pre-norm; the block output the raw stream entering the next branch's
+    pre-norm.
+    """
+    branches = layer.branches()
+    blocks = []
+    for i, (name, branch) in enumerate(branches):
+        if name == "feed_forward":
+            continue
+        if pre_ln:
+            nxt = branches[i + 1][1]
+            blocks.append(BlockSpec(branch.module, branch.out, (branch.pre_norm.path, "in"), (nxt.pre_norm.path, "in")))
+        else:
+            norm = layer.stream_norms[i].path
+            blocks.append(BlockSpec(branch.module, branch.out, (branch.module, "in"), (norm, "out"), norm=norm))
+    return tuple(blocks)
+
+
+def seq2seq_adapter(spec: ArchitectureSpec) -> Seq2SeqAdapter:
+    r"""The :class:`Seq2SeqAdapter` of an encoder-decoder description.
+
+    Raises:
+        UnsupportedModelError: for a one-stack description, or a topology ALTI+ does not decompose
+            (the post-LN and pre-LN kinds are supported).
+    """
+    if not spec.is_encoder_decoder:
+        raise UnsupportedModelError(f"{spec.family} is not an encoder-decoder description (one stack)")
+    if spec.topology not in ("post_ln", "pre_ln"):
+        raise UnsupportedModelError(f"ALTI+ decomposes post-LN and pre-LN encoder-decoders; {spec.family} is {spec.topology}")
+    pre_ln = spec.topology == "pre_ln"
+    (encoder_self,) = attention_blocks(spec.layer, pre_ln)
+    decoder_self, decoder_cross = attention_blocks(spec.decoder_layer, pre_ln)
+    kinds = {n.kind for n in spec.norms(spec.layer) + spec.norms(spec.decoder_layer)}
+    return Seq2SeqAdapter(
+        spec.family, spec.model_types, spec.layers, spec.decoder_layers, encoder_self, decoder_self, decoder_cross,
+        pre_ln=pre_ln, norm_kind=kinds.pop() if len(kinds) == 1 else "layernorm", positions=spec.notes, spec=spec,
+    )
+
+
+def _adapters() -> Dict[str, Seq2SeqAdapter]:
+    return {k: seq2seq_adapter(s) for k, s in arch_registry.ENCODER_DECODERS.items()}
+
+
+#: The registered encoder-decoder families' adapters, by registry key (derived from the registry when imported;
+#: :func:`get_seq2seq_adapter` reads the registry itself, so later registrations count).
+SEQ2SEQ_ADAPTERS: Dict[str, Seq2SeqAdapter] = _adapters()
 
 
 def supported_seq2seq_families() -> str:
-    r"""Readable list of the supported encoder-decoder families and their model types."""
-    return ", ".join(f"{a.family} ({'/'.join(a.model_types)})" for a in SEQ2SEQ_ADAPTERS.values())
+    r"""Readable list of the registered encoder-decoder families and their model types."""
+    return ", ".join(f"{s.family} ({'/'.join(s.model_types)})" for s in arch_registry.ENCODER_DECODERS.values())
 
 
 def is_seq2seq(model: nn.Module) -> bool:
@@ -168,9 +182,9 @@ def get_seq2seq_adapter(model: nn.Module) -> Seq2SeqAdapter:
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    for adapter in SEQ2SEQ_ADAPTERS.values():
-        if model_type in adapter.model_types:
-            return adapter
+    spec = arch_registry.lookup_encoder_decoder(model_type, config)
+    if spec is not None:
+        return seq2seq_adapter(spec)
     kind = "encoder-decoder model" if is_seq2seq(model) else "model (not an encoder-decoder)"
     raise UnsupportedModelError(
         f"ALTI+ does not support the {kind} type {model_type!r} ({type(model).__name__}). "
