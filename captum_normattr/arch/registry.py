@@ -73,14 +73,21 @@ def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, rep
 
 
 def lookup(model_type: Optional[str], config: Any = None) -> Optional[ArchitectureSpec]:
-    r"""The description serving ``model_type`` (its config variant when ``config`` selects one), or None."""
+    r"""The description serving ``model_type`` (its config variant when ``config`` selects one, and that
+    variant's own variant, and so on), or None."""
     for spec in reversed(list(ARCHITECTURES.values())):  # a later registration wins
         if model_type in spec.model_types:
-            for variant in spec.variants:
-                if config is not None and getattr(config, variant.attribute, object()) == variant.value:
-                    return variant.spec
-            return spec
+            return _variant(spec, config)
     return None
+
+
+def _variant(spec: ArchitectureSpec, config: Any) -> ArchitectureSpec:
+    r"""The first variant of ``spec`` that ``config`` selects, itself refined by its own variants (Falcon's
+    architecture flags select a layout, then a norm arrangement), or ``spec``."""
+    for variant in spec.variants:
+        if config is not None and getattr(config, variant.attribute, object()) == variant.value:
+            return _variant(variant.spec, config)
+    return spec
 
 
 def supported_families(modality: Optional[str] = None, model_types: bool = True) -> str:
