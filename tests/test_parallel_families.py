@@ -296,3 +296,16 @@ def test_bare_models_and_classifiers():
             for cls in (GlobEncAttribution, ALTIAttribution):
                 got = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
                 assert float(got.extras["completeness_error"].max()) < 1e-12 * 10, (key, cls)
+
+
+def test_falcon_alibi_mask_with_one_row_per_head_in_head_chunks(monkeypatch):
+    r"""ALiBi Falcon adds its per-head bias to the mask (B, H, T, S): the recording attention, computing one head
+    at a time (as for long inputs), takes each chunk's heads from it, and gives the unchunked result."""
+    model = build("falcon", "lm", **FALCON_VARIANTS["sequential_alibi"])
+    ids, mask = decoder_batch([6, 4], seed=10)
+    expect = _real_logits(model, ids, mask)[:, 6]
+    whole = ALTILogitAttribution(model, strict=True).decompose(ids, target=6, additional_forward_args=(mask,))
+    monkeypatch.setattr(capture, "SCORE_CHUNK_BYTES", 1)  # one head per chunk
+    chunked = ALTILogitAttribution(model, strict=True).decompose(ids, target=6, additional_forward_args=(mask,))
+    assert _rel(chunked.scores.sum(-1) + chunked.no_token_total, expect) < 1e-10
+    torch.testing.assert_close(chunked.scores, whole.scores, rtol=0, atol=1e-12 * float(whole.scores.abs().max()))
