@@ -166,6 +166,21 @@ def test_maps_equal_the_naive_reference(key, extra):
 
 
 # --- Falcon: every variant, every method ----------------------------------------------------
+def test_falcon_config_flags_choose_the_nested_variant():
+    r"""The architecture flag, then the norm count or the query layout, then parallel_attn select the description."""
+    expect = {  # variant -> (topology, first norm, second norm, value layout)
+        "new_two_norms": ("parallel", "ln_attn", "ln_mlp", "grouped"),
+        "new_one_norm": ("parallel", "input_layernorm", "input_layernorm", "grouped"),
+        "multi_query": ("parallel", "input_layernorm", "input_layernorm", "fused_gqa"),
+        "per_head": ("parallel", "input_layernorm", "input_layernorm", "interleaved"),
+        "sequential_alibi": ("pre_ln", "input_layernorm", "post_attention_layernorm", "interleaved"),
+        "sequential_multi_query": ("pre_ln", "input_layernorm", "post_attention_layernorm", "fused_gqa"),
+    }
+    for variant, (topology, n1, n2, layout) in expect.items():
+        spec = get_adapter(build("falcon", "bare", **FALCON_VARIANTS[variant]))
+        assert (spec.topology, spec.ln1, spec.ln2, spec.layer.attention.value.layout) == (topology, n1, n2, layout), variant
+
+
 @pytest.mark.parametrize("variant", list(FALCON_VARIANTS))
 def test_falcon_variants_every_method_sums_to_the_models_logit(variant):
     model = build("falcon", "lm", **FALCON_VARIANTS[variant])
