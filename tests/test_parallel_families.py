@@ -324,3 +324,16 @@ def test_falcon_alibi_mask_with_one_row_per_head_in_head_chunks(monkeypatch):
     chunked = ALTILogitAttribution(model, strict=True).decompose(ids, target=6, additional_forward_args=(mask,))
     assert _rel(chunked.scores.sum(-1) + chunked.no_token_total, expect) < 1e-10
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=0, atol=1e-12 * float(whole.scores.abs().max()))
+
+
+@pytest.mark.parametrize("key", ["phi", "gptj", "falcon", "cohere"])
+def test_a_parallel_family_described_as_pre_ln_is_caught(key, registry):
+    r"""Issue 23's silent case (ALTI-Logit delta 0.0 with wrong maps): with ``parallel=False`` the layer output is
+    not the residual stream plus the FF output, and the guard names that join."""
+    model = build(key, "lm")
+    spec = get_adapter(model)
+    register_architecture(dataclasses.replace(spec, variants=(), layer=dataclasses.replace(spec.layer, parallel=False)),
+                          key, replace=True)
+    ids, mask = decoder_batch([5, 3], seed=9)
+    with pytest.raises(ConsistencyError, match="layer output vs the residual stream plus the feed-forward output"):
+        ALTILogitAttribution(model, strict=True).decompose(ids, target=4, additional_forward_args=(mask,))
