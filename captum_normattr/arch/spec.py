@@ -286,7 +286,9 @@ class Variant:
     r"""Another description for the models whose config sets ``attribute`` to ``value``.
 
     Examples: DINOv2 with ``use_swiglu_ffn=True`` (a gated FF); GPT-NeoX with
-    ``use_parallel_residual=False`` (sequential pre-LN).
+    ``use_parallel_residual=False`` (sequential pre-LN). The variant's own ``spec.variants``
+    refine it (Falcon: ``new_decoder_architecture`` chooses the grouped QKV layout, then
+    ``num_ln_in_parallel_attn`` the norms); the first matching variant wins at each level.
     """
 
     attribute: str
