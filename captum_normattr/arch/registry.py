@@ -81,18 +81,25 @@ def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, rep
     return spec
 
 
+def _variant(spec: ArchitectureSpec, config: Any) -> ArchitectureSpec:
+    r"""The first variant of ``spec`` that ``config`` selects, itself refined by its own variants (Falcon's
+    architecture flags select a layout, then a norm arrangement), or ``spec``."""
+    for variant in spec.variants:
+        if config is not None and getattr(config, variant.attribute, object()) == variant.value:
+            return _variant(variant.spec, config)
+    return spec
+
+
 def _lookup(registry: Dict[str, ArchitectureSpec], model_type: Optional[str], config: Any) -> Optional[ArchitectureSpec]:
     for spec in reversed(list(registry.values())):  # a later registration wins
         if model_type in spec.model_types:
-            for variant in spec.variants:
-                if config is not None and getattr(config, variant.attribute, object()) == variant.value:
-                    return variant.spec
-            return spec
+            return _variant(spec, config)
     return None
 
 
 def lookup(model_type: Optional[str], config: Any = None) -> Optional[ArchitectureSpec]:
-    r"""The one-stack description serving ``model_type`` (its config variant when ``config`` selects one), or None."""
+    r"""The one-stack description serving ``model_type`` (its config variant when ``config`` selects one, and that
+    variant's own variant, and so on), or None."""
     return _lookup(ARCHITECTURES, model_type, config)
 
 

@@ -63,8 +63,11 @@ FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: ``interleaved`` (one projection whose output is per head [q_h | k_h | v_h]: GPT-NeoX),
 #: ``fused_gqa`` (one projection whose output is [q | k | v] with H * Dh query columns and
 #: H_kv * Dh key and value columns each, the head counts read from the attention module:
-#: Phi-3's ``qkv_proj`` with grouped-query attention).
-VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa")
+#: Phi-3's ``qkv_proj`` with grouped-query attention; with H_kv = 1 Falcon's multi-query
+#: ``query_key_value``), ``grouped`` (one projection whose output is, per key/value head, its
+#: H / H_kv query heads, then its key and its value head, Dh columns each: Falcon's new decoder
+#: architecture).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.layer_kinds``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -114,8 +117,8 @@ class ValueProjection:
         layout: one of :data:`VALUE_LAYOUTS`.
         index, count: for ``fused``: the value is output slice ``index`` of ``count``
             equal slices; for ``interleaved``: each head's output block is ``count``
-            equal slices, the value being slice ``index``; for ``fused_gqa``: ``count`` is
-            3 and ``index`` 0, 1 or 2 (q, k, v: the value is 2).
+            equal slices, the value being slice ``index``; for ``fused_gqa`` and ``grouped``:
+            ``count`` is 3 and ``index`` 0, 1 or 2 (q, k, v: the value is 2).
     """
 
     path: str
@@ -128,8 +131,8 @@ class ValueProjection:
             raise ValueError(f"ValueProjection {self.path!r}: layout must be one of {VALUE_LAYOUTS}, got {self.layout!r}")
         if self.layout != "plain" and not 0 <= self.index < self.count:
             raise ValueError(f"ValueProjection {self.path!r}: index {self.index} outside the {self.count} slices")
-        if self.layout == "fused_gqa" and self.count != 3:
-            raise ValueError(f"ValueProjection {self.path!r}: a fused_gqa projection has 3 slices (q, k, v)")
+        if self.layout in ("fused_gqa", "grouped") and self.count != 3:
+            raise ValueError(f"ValueProjection {self.path!r}: a {self.layout} projection has 3 slices (q, k, v)")
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,9 @@ class Variant:
     r"""Another description for the models whose config sets ``attribute`` to ``value``.
 
     Examples: DINOv2 with ``use_swiglu_ffn=True`` (a gated FF); GPT-NeoX with
-    ``use_parallel_residual=False`` (sequential pre-LN).
+    ``use_parallel_residual=False`` (sequential pre-LN). The variant's own ``spec.variants``
+    refine it (Falcon: ``new_decoder_architecture`` chooses the grouped QKV layout, then
+    ``num_ln_in_parallel_attn`` the norms); the first matching variant wins at each level.
     """
 
     attribute: str
@@ -503,7 +508,8 @@ class ArchitectureSpec:
         out.append({"plain": "plain FF", "gated": "gated FF", "fused_gate_up": "fused gate-up FF"}.get(lay.ff.kind, lay.ff.kind))
         v = lay.attention.value
         if v is not None and v.layout != "plain":
-            out.append({"fused_gqa": "fused QKV with GQA"}.get(v.layout, f"{v.layout} QKV"))
+            out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head"}.get(
+                v.layout, f"{v.layout} QKV"))
         if lay.attention.softcap:
             out.append("attention soft-cap")
         if self.head.final_softcap:

@@ -187,7 +187,9 @@ def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Te
         projection gives its value slice; a per-head interleaved one (GPT-NeoX's
         [q_h | k_h | v_h] blocks) the value block of every head, heads in order; a fused
         one with grouped-query attention (Phi-3's ``qkv_proj``: H * Dh query columns, then
-        H_kv * Dh key and H_kv * Dh value columns) its value columns.
+        H_kv * Dh key and H_kv * Dh value columns) its value columns; a grouped one (Falcon's
+        new decoder architecture: per key/value head [q_1 .. q_g | k | v]) the value head of
+        every group, groups in order.
 
     Raises:
         ValueError: the description names no value projection, or the projection's width
@@ -221,6 +223,21 @@ def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Te
         start = sum(sizes[: spec.index])
         cols = slice(start, start + sizes[spec.index])
         return w[:, cols], None if b is None else b[cols]
+    if spec.layout == "grouped":
+        heads, kv_heads, dh = _head_counts(get_path(layer, adapter.attention))
+        per = heads // kv_heads + 2  # per key/value head: its query heads, its key, its value
+        if heads % kv_heads or kv_heads * per * dh != w.shape[1]:
+            raise ValueError(
+                f"the grouped projection {spec.path} of {adapter.family} has {w.shape[1]} outputs, not the "
+                f"{kv_heads} x ({heads // max(kv_heads, 1)} + 2) x {dh} columns its attention module's head counts give"
+            )
+        block = {0: slice(0, per - 2), 1: slice(per - 2, per - 1), 2: slice(per - 1, per)}[spec.index]
+
+        def grouped(t: Tensor) -> Tensor:
+            blocks = t.reshape(*t.shape[:-1], kv_heads, per, dh)[..., block, :]
+            return blocks.reshape(*t.shape[:-1], -1)
+
+        return grouped(w), None if b is None else grouped(b)
     return w, b
 
 
@@ -228,7 +245,8 @@ def _head_counts(attention: nn.Module) -> Tuple[int, int, int]:
     r"""(query heads, key/value heads, head size) of an attention module (its attributes, else its config)."""
     config = getattr(attention, "config", None)
     heads = getattr(attention, "num_heads", None) or getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = (getattr(attention, "num_key_value_heads", None) or getattr(attention, "num_kv_heads", None)
+                or getattr(config, "num_key_value_heads", None) or heads)
     if not heads:
         raise ValueError(f"cannot find the head counts of {type(attention).__name__} (no num_heads or config)")
     dh = getattr(attention, "head_dim", None) or getattr(config, "head_dim", None) or int(config.hidden_size) // int(heads)

@@ -186,15 +186,21 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
 
 def _add_bias_and_mask(scores: Tensor, position_bias: Optional[Tensor], attention_mask: Optional[Tensor],
                        heads: slice, rows: slice, cols: slice, examples: slice = slice(None)) -> None:
-    r"""Add the position bias and the mask (additive or boolean) to a block of scores, in place."""
+    r"""Add the position bias and the mask (additive or boolean) to a block of scores, in place.
+
+    Either may have one row per head (B or 1, H, T, S): T5's position bias, or a mask that carries a
+    per-head bias (Falcon's ALiBi models add theirs to the mask); the block's heads are taken from it.
+    """
     for extra in (position_bias, attention_mask):
         if extra is None:
             continue
         e = extra[..., rows, cols]
         if e.dim() == scores.dim() and e.shape[0] > 1:  # (B, H or 1, T, S): this block's examples
             e = e[examples]
+        if e.dim() == scores.dim() and e.shape[1] > 1:  # one row per head: this block's heads
+            e = e[:, heads]
         if extra is position_bias:
-            scores.add_(e[:, heads] if e.shape[1] > 1 else e)
+            scores.add_(e)
         elif e.dtype == torch.bool:
             scores.masked_fill_(~e, torch.finfo(scores.dtype).min)
         else:
