@@ -45,6 +45,7 @@ from captum_normattr.models.adapters import (
     layer_modules,
     layer_scale,
     linear_params,
+    value_states,
 )
 from captum_normattr.models.weights import module_tensor
 
@@ -309,6 +310,8 @@ def norm_params(
     also from the hook of a module offloaded by accelerate.
     """
     offset, described_eps = 0.0, None
+    if kind == "identity" or (isinstance(kind, Norm) and kind.kind == "identity"):
+        return NormParams(weight=None, bias=None, eps=0.0, kind="identity")  # a branch without a pre-norm
     if isinstance(kind, Norm):
         kind, offset, described_eps = kind.kind, kind.weight_offset, kind.eps
     eps = getattr(module, "eps", None)
@@ -585,7 +588,7 @@ class Recorder(AttentionRecords):
 
             return hook
 
-        def compare_inputs(idx: int, name: str, assumed_key: str, all_tensors: bool):
+        def compare_inputs(idx: int, name: str, assumed_key: str, all_tensors: bool, first_only: bool = False):
             # kwargs=None: torch adds a with_kwargs hook in two steps, so another thread's forward pass may call
             # it without kwargs in between; it is not that thread's recording, so the hook does nothing then
             def pre_hook(module, args, kwargs=None):
@@ -596,6 +599,8 @@ class Recorder(AttentionRecords):
                 if assumed is None:
                     return
                 given = list(args) + (list((kwargs or {}).values()) if all_tensors else [])
+                if first_only:  # the module's first input is its input (BLOOM's attention takes the residual too)
+                    given = given[:1] if args else [(kwargs or {}).get("hidden_states")]
                 for x in given:
                     if isinstance(x, Tensor) and x.shape == assumed.shape:
                         self._check(idx, name, x, assumed)
@@ -613,6 +618,60 @@ class Recorder(AttentionRecords):
                         self._check(idx, "output projection input vs the attention context", x, ctx)
 
             return pre_hook
+
+        def identity_norm(idx: int, key: str):
+            # a branch without a pre-norm (OLMo 2): the "norm" output is the branch module's input
+            def pre_hook(module, args, kwargs=None):
+                if not self._mine():
+                    return
+                x = args[0] if args else (kwargs or {}).get("hidden_states")
+                self._keep(idx, key + "_in", x)
+                self._keep(idx, key + "_out", x)
+
+            return pre_hook
+
+        def norm_hook(module: nn.Module, norm: Norm, idx: int, key: str):
+            if norm.kind == "identity":
+                return module.register_forward_pre_hook(identity_norm(idx, key), with_kwargs=True)
+            return module.register_forward_hook(store(idx, key, "both"))
+
+        returned = a.layer.attention.probabilities == "returned"
+
+        def returned_attention(idx: int, layer: nn.Module):
+            # a module computing its own attention (BLOOM): (output, probabilities) returned, values from the projection
+            attention = get_path(layer, a.attention)
+
+            def value_hook(module, args, output):
+                if self._mine():
+                    self.records.setdefault(idx, {})["_projection"] = _first_tensor(output).detach()
+
+            def context_hook(module, args):
+                if self._mine() and args and isinstance(args[0], Tensor):
+                    self.records.setdefault(idx, {})["_context"] = args[0].detach()
+
+            def attention_hook(module, args, output):
+                if not self._mine():
+                    return
+                rec = self.records.setdefault(idx, {})
+                probs = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+                projection = rec.pop("_projection", None)
+                if not isinstance(probs, Tensor) or probs.dim() != 4 or projection is None:
+                    raise RuntimeError(
+                        f"layer {idx}: the {a.family} description says the attention module returns (output, "
+                        "probabilities) and reads its value projection, but the forward pass gave "
+                        f"{type(probs).__name__} probabilities" + (" and no value projection output" if projection is None
+                                                                    else ""))
+                values = value_states(projection, layer, a, probs.shape[1])
+                ctx = rec.pop("_context", None)
+                if ctx is not None and ctx.numel() == values.numel():
+                    ctx = ctx.reshape(values.shape[0], values.shape[2], values.shape[1], values.shape[3])
+                else:
+                    ctx = None
+                self.record_attention(module, probs, values, ctx)
+
+            return [get_path(layer, a.layer.attention.value.path).register_forward_hook(value_hook),
+                    get_path(layer, a.attn_out).register_forward_pre_hook(context_hook),
+                    attention.register_forward_hook(attention_hook)]
 
         attention_input = "ln1_out" if a.pre_ln else "hidden_in"
         ff_input = "ln2_out" if a.pre_ln else "ln1_out"
@@ -638,8 +697,10 @@ class Recorder(AttentionRecords):
                     self._finish_layer(idx)
 
                 handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
-                handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
+                handles.append(norm_hook(get_path(layer, a.ln1), a.norm1, i, "ln1"))
+                handles.append(norm_hook(get_path(layer, a.ln2), a.norm2, i, "ln2"))
+                if returned:
+                    handles.extend(returned_attention(i, layer))
                 for key, norm in (("attn_post", a.layer.attention.post_norm), ("ff_post", a.layer.ff.post_norm)):
                     if norm is not None:  # sandwich: the norms on the branch outputs
                         handles.append(get_path(layer, norm.path).register_forward_hook(store(i, key, "both")))
@@ -650,7 +711,7 @@ class Recorder(AttentionRecords):
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
                 handles.append(get_path(layer, a.attention).register_forward_pre_hook(
                     compare_inputs(i, "attention input vs " + ("the first norm's output" if a.pre_ln else "the layer input"),
-                                   attention_input, True), with_kwargs=True))
+                                   attention_input, True, returned), with_kwargs=True))
                 for path in (a.ff_in, a.ff_gate):
                     if path is not None:
                         handles.append(get_path(layer, path).register_forward_pre_hook(compare_inputs(
@@ -756,6 +817,14 @@ class Recorder(AttentionRecords):
         layer = self.layers[idx]
         device = rec["probs"].device
         cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
+        b, t_len = rec["hidden_in"].shape[:2]
+
+        def tokens(t: Optional[Tensor]) -> Optional[Tensor]:
+            # a layer that flattens its tokens (OPT's FF runs on (B * T, D)): back to (B, T, D)
+            if t is not None and t.dim() == 2 and t.shape[0] == b * t_len:
+                t = t.reshape(b, t_len, t.shape[-1])
+            return cast(t)
+
         w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
         w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
         w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
@@ -784,27 +853,27 @@ class Recorder(AttentionRecords):
             out_weight=cast(w_o),
             out_bias=cast(b_o),
             ln1=norm_params(get_path(layer, a.ln1), a.norm1, dtype, device),
-            ln1_in=cast(rec["ln1_in"]),
-            ln1_out=cast(rec["ln1_out"]),
+            ln1_in=tokens(rec["ln1_in"]),
+            ln1_out=tokens(rec["ln1_out"]),
             ln2=norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
-            ln2_in=cast(rec["ln2_in"]),
-            ln2_out=cast(rec["ln2_out"]),
-            ff_out=_times(cast(rec["ff_out"]), m_ff),
-            layer_out=cast(rec["layer_out"]),
+            ln2_in=tokens(rec["ln2_in"]),
+            ln2_out=tokens(rec["ln2_out"]),
+            ff_out=_times(tokens(rec["ff_out"]), m_ff),
+            layer_out=tokens(rec["layer_out"]),
             pre_ln=a.pre_ln,
             ff=ff,
             causal=a.causal,
             index=idx,
             source_dtype=rec["layer_out"].dtype,
             topology=a.topology,
-            attn_branch_out=_times(cast(rec.get("attn_branch_out")), m_attn),
+            attn_branch_out=_times(tokens(rec.get("attn_branch_out")), m_attn),
         )
         if a.topology == "sandwich":
             tensors.attn_post = norm_params(get_path(layer, a.layer.attention.post_norm.path), a.layer.attention.post_norm,
                                             dtype, device)
             tensors.ff_post = norm_params(get_path(layer, a.layer.ff.post_norm.path), a.layer.ff.post_norm, dtype, device)
             for key in ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"):
-                setattr(tensors, key, cast(rec[key]))
+                setattr(tensors, key, tokens(rec[key]))
         tensors.checks = self._layer_checks(idx, rec, tensors)
         return tensors
 
