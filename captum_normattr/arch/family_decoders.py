@@ -88,7 +88,10 @@ BLOOM = ArchitectureSpec(
 #: OPT: LayerNorm layers whose FF runs on the tokens flattened to (B * T, D) (recorded back as
 #: (B, T, D)); learned positions with an offset of 2 (the table has max_position_embeddings + 2
 #: rows: the limit is max_position_embeddings). ``do_layer_norm_before=False`` (opt-350m) is
-#: post-LN: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)), no final norm.
+#: post-LN: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)), no final norm (the LM head reads
+#: the last layer's output). ``word_embed_proj_dim != hidden_size`` (opt-350m): ``project_in``
+#: acts before the first layer (the decompositions start at its input), ``project_out`` is linear
+#: after the last layer / final norm, folded into the unembedding (``Head.projection``).
 _OPT_ATTENTION = Attention("self_attn", out="self_attn.out_proj", value=ValueProjection("self_attn.v_proj"))
 _OPT_FF = FeedForward(up="fc1", act="activation_fn", down="fc2")
 _OPT_REFUSED = (("_remove_final_layer_norm", True,
@@ -98,13 +101,13 @@ OPT = ArchitectureSpec(
     family="OPT", model_types=("opt",), layers="decoder.layers", causal=True,
     layer=Layer(attention=replace(_OPT_ATTENTION, pre_norm=Norm("self_attn_layer_norm")),
                 ff=replace(_OPT_FF, pre_norm=Norm("final_layer_norm"))),
-    head=Head(final_norm=Norm("decoder.final_layer_norm"), lm_head="lm_head"),
+    head=Head(final_norm=Norm("decoder.final_layer_norm"), lm_head="lm_head", projection="decoder.project_out"),
     refused_configs=_OPT_REFUSED,
     variants=(Variant("do_layer_norm_before", False, ArchitectureSpec(
         family="OPT", model_types=("opt",), layers="decoder.layers", causal=True,
         layer=Layer(attention=_OPT_ATTENTION, ff=_OPT_FF,
                     stream_norms=(Norm("self_attn_layer_norm"), Norm("final_layer_norm"))),
-        head=Head(lm_head="lm_head"), refused_configs=_OPT_REFUSED)),),
+        head=Head(lm_head="lm_head", projection="decoder.project_out"), refused_configs=_OPT_REFUSED)),),
     notes="learned positions offset by 2; FF on flattened tokens; do_layer_norm_before=False: post-LN",
 )
 

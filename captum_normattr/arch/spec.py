@@ -258,6 +258,11 @@ class Head:
             (Cohere's ``logit_scale``), or None.
         logit_divisor: config attribute of a divisor of the logits (Granite's
             ``logits_scaling``), or None.
+        projection: a linear map (no bias) between the final norm (or, without one, the last
+            layer) and the LM head, from the base model (OPT's ``decoder.project_out`` when
+            ``word_embed_proj_dim != hidden_size``): folded into the unembedding, so the
+            explained logit stays the model's own; None, or a path whose module is None
+            (OPT with equal widths): no projection.
         final_softcap: config attribute of the final-logit soft-cap
             ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
             A tanh is not linear: the decompositions explain the pre-cap logit, say so in
@@ -269,6 +274,7 @@ class Head:
     logit_multiplier: Optional[str] = None
     logit_divisor: Optional[str] = None
     final_softcap: Optional[str] = None
+    projection: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -694,6 +694,11 @@ class Recorder(AttentionRecords):
                     if not self._mine():
                         return
                     self._keep(idx, "layer_out", _first_tensor(output))
+                    if a.final_norm is None and idx == len(self.layers) - 1 and not self._rerunning:
+                        # no final norm (post-LN OPT): the LM head reads the last layer's output (an identity "norm")
+                        out = self.records[idx]["layer_out"]
+                        self.final["in"] = self.final["out"] = out
+                        self.final_versions["in"] = self.final_versions["out"] = _version(out)
                     self._finish_layer(idx)
 
                 handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
@@ -880,10 +885,13 @@ class Recorder(AttentionRecords):
     def final_norm_tensors(self) -> Tuple[NormParams, Tensor, Tensor]:
         r"""The final norm of a pre-LN model: (parameters, real input, real output), in the compute dtype.
 
+        A model whose LM head reads the last layer's output (a post-LN decoder without a final
+        norm, OPT with ``do_layer_norm_before=False``) gives the identity norm over that output.
+
         Raises:
-            RuntimeError: if the adapter has no final norm or the forward pass did not reach it.
+            RuntimeError: if the forward pass did not reach the final norm (or the last layer).
         """
-        if self.adapter.final_norm is None or "in" not in self.final:
+        if "in" not in self.final:
             raise RuntimeError(f"the forward pass recorded no final norm for the {self.adapter.family} adapter")
         changed = [k for k, v in self.final_versions.items() if v is not None and _version(self.final[k]) != v]
         if changed:
@@ -894,7 +902,10 @@ class Recorder(AttentionRecords):
                 f"the forward pass changed the recorded final norm {changed} in place after it was recorded; it is "
                 "recorded as a copy from now on: run the call again", len(self.layers), tuple(changed), False)
         device = self.final["out"].device
-        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.head.final_norm, self.dtype, device)
+        if self.adapter.final_norm is None:  # the LM head reads the last layer's output: an identity final norm
+            p = norm_params(None, "identity")
+        else:
+            p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.head.final_norm, self.dtype, device)
         return p, self.final["in"].to(device=device, dtype=self.dtype), self.final["out"].to(self.dtype)
 
     def rerun_layer(self, idx: int, hidden_in: Tensor) -> LayerTensors:
