@@ -220,3 +220,15 @@ def test_bare_model_and_classifier_maps_are_complete(key, head):
     if head == "cls":
         with pytest.raises(UnsupportedModelError, match="classification head"):
             DecompXAttribution(model)
+
+
+@pytest.mark.parametrize("key,overrides", [("bloom", {}), ("olmo2", {}), ("opt", dict(do_layer_norm_before=False))],
+                         ids=["bloom", "olmo2", "opt_post_ln"])
+def test_decompx_adjoint_reruns_the_layers_exactly(key, overrides):
+    r"""The adjoint algorithm reruns each layer (BLOOM: through its returned-probabilities hooks) and gives the
+    forward algorithm's scores."""
+    model = build(key, "lm", **overrides)
+    ids, mask = decoder_batch([6, 4], seed=11)
+    fwd = DecompXAttribution(model, strict=True, algorithm="forward").decompose(ids, target=4, additional_forward_args=mask)
+    adj = DecompXAttribution(model, strict=True, algorithm="adjoint").decompose(ids, target=4, additional_forward_args=mask)
+    torch.testing.assert_close(adj.scores, fwd.scores, rtol=0, atol=1e-10 * float(fwd.scores.abs().max()))
