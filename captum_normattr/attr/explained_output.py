@@ -185,8 +185,9 @@ class NextTokenLogit:
         unembedding: optional (V, D) unembedding matrix (rows = tokens).
 
     The model's own logit scaling (:func:`logit_scale`: Granite's ``logits_scaling``, Cohere's
-    ``logit_scale``) is folded into the LM head's rows and bias, so the explained logit is the
-    one the model outputs; an explicit ``unembedding`` is used as given.
+    ``logit_scale``) is folded into the LM head's rows and bias, and so is a linear projection
+    between the final norm and the LM head (``Head.projection``: OPT's ``project_out``), so the
+    explained logit is the one the model outputs; an explicit ``unembedding`` is used as given.
 
     Raises:
         ValueError: for a model without an LM head and no ``unembedding``.

@@ -4,7 +4,10 @@ For the duration of one call the model's attention implementation is switched to
 function registered in transformers' ``AttentionInterface``. It computes the usual eager
 attention (head by head in chunks, so that no more than one (B, H, T, T) probability
 tensor and one chunk of scores exist at a time) and records the probabilities and value
-states of the modules the calling thread is recording. Forward hooks record the inputs
+states of the modules the calling thread is recording (an attention module that computes its
+own probabilities, as BLOOM's with ALiBi, is described with ``probabilities="returned"``: a
+forward hook records the probabilities it returns, the value states from its value
+projection's output). Forward hooks record the inputs
 and outputs of the norms, the feed-forward block and each layer. When a layer's forward
 hook fires, its tensors become one :class:`~captum_normattr.decompose.records.LayerTensors`
 that is passed to the caller's ``on_layer`` callback and then dropped: the memory of a
