@@ -232,3 +232,24 @@ def test_decompx_adjoint_reruns_the_layers_exactly(key, overrides):
     fwd = DecompXAttribution(model, strict=True, algorithm="forward").decompose(ids, target=4, additional_forward_args=mask)
     adj = DecompXAttribution(model, strict=True, algorithm="adjoint").decompose(ids, target=4, additional_forward_args=mask)
     torch.testing.assert_close(adj.scores, fwd.scores, rtol=0, atol=1e-10 * float(fwd.scores.abs().max()))
+
+
+def test_bloom_described_through_the_attention_interface_records_nothing():
+    r"""BLOOM never calls transformers' attention function: described as if it did, no probability is recorded
+    and the call says so (instead of decomposing other probabilities)."""
+    model = build("bloom", "lm")
+    ids, mask = decoder_batch([5], seed=3)
+    spec = ARCHITECTURES["bloom"]
+    wrong = replace(spec, layer=replace(spec.layer, attention=replace(spec.layer.attention, probabilities="interface")))
+    with described_as("bloom", wrong):
+        with pytest.raises(RuntimeError, match="recorded no.*probs"):
+            GlobEncAttribution(model).decompose(ids, additional_forward_args=(mask,))
+
+
+def test_refused_configs_and_descriptions():
+    with pytest.raises(UnsupportedModelError, match="_remove_final_layer_norm"):
+        GlobEncAttribution(build("opt", "lm", _remove_final_layer_norm=True))
+    spec = ARCHITECTURES["olmo2"]
+    with pytest.raises(ValueError, match="pre-norm on both branches, or post-norms on both"):
+        replace(spec, layer=replace(spec.layer, attention=replace(spec.layer.attention, post_norm=None),
+                                    ff=replace(spec.layer.ff, post_norm=None)))
