@@ -4,7 +4,7 @@ import pytest
 from layer_capture import capture_layers
 import torch
 
-from captum_normattr import ALTILogitAttribution
+from captum_normattr import ALTILogitAttribution, UnsupportedModelError
 
 from conftest import make_model
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
@@ -131,8 +131,8 @@ def test_contract_and_errors():
     assert torch.equal(al.attribute(ids, additional_forward_args=mask), al.attribute(ids, predicted, mask))
     with pytest.raises(ValueError, match="token ids must lie"):
         al.attribute(ids, target=999)
-    with pytest.raises(ValueError, match="pre-LN decoders"):
-        ALTILogitAttribution(make_model("bert"))
+    with pytest.raises(UnsupportedModelError, match="post_ln layers.*'alti_logit'.*not implemented"):
+        ALTILogitAttribution(make_model("bert"))  # the post-LN kind does not decompose ALTI-Logit
     res = al.decompose(ids, 1, mask)
     assert res.layer_logit_updates.shape == (2, 2, 6) and res.ff.shape == (2, 2)
     assert (res.extras["completeness_error"] < 1e-10).all()

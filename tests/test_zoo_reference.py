@@ -31,8 +31,8 @@ def _path(root, path):
 
 
 def _value_and_out(layer, spec, config):
-    r"""(W_V (D, Hkv*Dh), b_V, W_O (H*Dh, D), b_O) read from the modules (nn.Linear, Phi-3's fused qkv_proj
-    or GPT-2 Conv1D); W_O times Granite's residual multiplier (its residual join is x + m * o_proj(.))."""
+    r"""(W_V (D, Hkv*Dh), b_V, W_O (H*Dh, D), b_O) read from the modules (nn.Linear, Phi-3's fused qkv_proj,
+    BLOOM's per-head interleaved query_key_value or GPT-2 Conv1D); W_O times Granite's residual multiplier (its residual join is x + m * o_proj(.))."""
     attn = _path(layer, spec.attention)
     m = getattr(config, "residual_multiplier", 1.0)
     if hasattr(attn, "v_proj"):
@@ -43,6 +43,12 @@ def _value_and_out(layer, spec, config):
         kv = config.num_key_value_heads * dh
         w, o = attn.qkv_proj.weight, attn.o_proj
         return w[w.shape[0] - kv:].T, None, m * o.weight.T, o.bias
+    if hasattr(attn, "query_key_value"):  # BLOOM: rows per head [q_h | k_h | v_h], each Dh long
+        h = config.num_attention_heads
+        w, bias, o = attn.query_key_value.weight, attn.query_key_value.bias, attn.dense
+        dh = w.shape[0] // (3 * h)
+        wv = w.reshape(h, 3, dh, -1)[:, 2].reshape(h * dh, -1)
+        return wv.T, bias.reshape(h, 3, dh)[:, 2].reshape(-1), o.weight.T, o.bias
     d = attn.c_attn.weight.shape[0]  # GPT-2 Conv1D: weight (in, out), out = [q | k | v]
     return attn.c_attn.weight[:, 2 * d:], attn.c_attn.bias[2 * d:], attn.c_proj.weight, attn.c_proj.bias
 

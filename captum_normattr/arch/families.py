@@ -170,7 +170,7 @@ OLMO = ArchitectureSpec(
         ff=replace(_LLAMA_LAYER.ff, pre_norm=Norm("post_attention_layernorm", **_OLMO_NORM)),
     ),
     head=Head(final_norm=Norm("norm", **_OLMO_NORM), lm_head="lm_head"),
-    notes="LayerNorm without parameters; OLMo 2 (no pre-norms) is not supported",
+    notes="LayerNorm without parameters (OLMo 2: its own entry)",
 )
 
 #: GPT-NeoX (Pythia): LayerNorm pre-norms, one fused projection laid out per head [q_h | k_h | v_h],

@@ -51,8 +51,10 @@ __all__ = [
     "Variant",
 ]
 
-#: The norm types a description can name.
-NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm")
+#: The norm types a description can name. ``identity`` stands for a branch without a pre-norm
+#: (OLMo 2): :attr:`ArchitectureSpec.norm1` / :attr:`~ArchitectureSpec.norm2` give one, recorded
+#: at the input of the branch's first module (its output is its input).
+NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm", "identity")
 #: The feed-forward types: ``plain`` act(u W1 + b1) W2 + b2; ``gated`` (act(u Wg) * (u W1)) W2
 #: (SwiGLU, GeGLU); ``fused_gate_up``: a gated FF whose gate and up projections are one module
 #: (Phi-3's ``gate_up_proj``), split into its two halves when the weights are read.
@@ -145,8 +147,16 @@ class Attention:
         out: the output projection W_O.
         value: the value projection (:class:`ValueProjection`), or None where no method needs
             it (DecompX propagates parts through it).
-        pre_norm: the norm applied to the branch input (pre-LN kinds), or None.
+        pre_norm: the norm applied to the branch input (pre-LN kinds), or None (post-LN
+            layers; a sandwich layer without pre-norms, OLMo 2: the branch reads the raw stream).
         post_norm: the norm applied to the branch output before the residual (sandwich), or None.
+        probabilities: where the real attention probabilities come from: ``"interface"`` (the
+            module calls transformers' attention function, which the capture replaces by a
+            recording one) or ``"returned"`` (the module computes its attention itself, as
+            BLOOM's with its ALiBi biases, and returns ``(output, probabilities)``; the capture
+            records what it returns, the value states from the value projection's output, the
+            context from the output projection's input; the module's first input is the
+            attention input, BLOOM passes the residual beside it).
         scale: a per-channel layer-scale module after the branch (DINOv2's ``layer_scale1``),
             folded into W_O and b_O when the weights are read, or None.
         softcap: the config attribute of attention-score soft-capping (Gemma 2:
@@ -166,6 +176,15 @@ class Attention:
     scale: Optional[str] = None
     softcap: Optional[str] = None
     multiplier: Optional[str] = None
+    probabilities: str = "interface"
+
+    def __post_init__(self) -> None:
+        if self.probabilities not in ("interface", "returned"):
+            raise ValueError(f"Attention {self.module!r}: probabilities must be 'interface' or 'returned', "
+                             f"got {self.probabilities!r}")
+        if self.probabilities == "returned" and self.value is None:
+            raise ValueError(f"Attention {self.module!r}: returned probabilities need the value projection (the value "
+                             "states are read from its output)")
 
 
 @dataclass(frozen=True)
@@ -255,6 +274,11 @@ class Head:
             (Cohere's ``logit_scale``), or None.
         logit_divisor: config attribute of a divisor of the logits (Granite's
             ``logits_scaling``), or None.
+        projection: a linear map (no bias) between the final norm (or, without one, the last
+            layer) and the LM head, from the base model (OPT's ``decoder.project_out`` when
+            ``word_embed_proj_dim != hidden_size``): folded into the unembedding, so the
+            explained logit stays the model's own; None, or a path whose module is None
+            (OPT with equal widths): no projection.
         final_softcap: config attribute of the final-logit soft-cap
             ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
             A tanh is not linear: the decompositions explain the pre-cap logit, say so in
@@ -266,6 +290,7 @@ class Head:
     logit_multiplier: Optional[str] = None
     logit_divisor: Optional[str] = None
     final_softcap: Optional[str] = None
+    projection: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +309,9 @@ class Inputs:
         embedding_scale: what the model multiplies the token embeddings by before the first
             layer (Gemma: ``"sqrt(hidden_size)"``), for the docs; the decompositions start at
             the first layer's real input, so it needs no handling.
+        embedding_norm: a norm applied to the embeddings before the first layer (BLOOM's
+            ``word_embeddings_layernorm``), for the docs: the decompositions start at the
+            first layer's real input, the embeddings after that norm.
     """
 
     max_positions_offset: int = 0
@@ -292,6 +320,7 @@ class Inputs:
     prefix_names: Tuple[str, ...] = ("[CLS]",)
     interpolates_positions: str = "flag"
     embedding_scale: Optional[str] = None
+    embedding_norm: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -325,6 +354,9 @@ class ArchitectureSpec:
         head: the :class:`Head`.
         inputs: the :class:`Inputs` quirks.
         variants: :class:`Variant` descriptions chosen by a config attribute.
+        refused_configs: ``(config attribute, value, why)``: configs of the family that no
+            description covers (BLOOM's ``apply_residual_connection_post_layernorm=True``),
+            refused with ``why`` (:meth:`refusal`).
         notes: one line for the docs' table (what is special about the family).
         decoder_layers: an encoder-decoder's second stack: the path of the decoder's layer
             list, from the model holding ``encoder`` and ``decoder`` (``layers`` is then the
@@ -342,6 +374,7 @@ class ArchitectureSpec:
     head: Head = field(default_factory=Head)
     inputs: Inputs = field(default_factory=Inputs)
     variants: Tuple[Variant, ...] = ()
+    refused_configs: Tuple[Tuple[str, Any, str], ...] = ()
     notes: str = ""
     decoder_layers: Optional[str] = None
     decoder_layer: Optional[Layer] = None
@@ -364,10 +397,10 @@ class ArchitectureSpec:
         if lay.stream_norms and len(lay.stream_norms) != len(lay.branches()):
             raise ValueError(f"{self.family}: a post-LN layer names one stream norm per branch "
                              f"({len(lay.branches())}: after each residual join)")
-        if not lay.stream_norms and any(b.pre_norm is None for _, b in lay.branches()):
+        if not lay.stream_norms and lay.attention.post_norm is None and any(b.pre_norm is None for _, b in lay.branches()):
             raise ValueError(
-                f"{self.family}: a layer without stream norms needs a pre-norm on every branch (a layer without "
-                "pre-norms, as OLMo 2's, is not supported yet)"
+                f"{self.family}: a layer without stream norms needs a pre-norm on every branch, or post-norms on every "
+                "branch (a sandwich layer, whose pre-norms may be missing: OLMo 2)"
             )
         if lay.parallel and (lay.attention.post_norm or lay.ff.post_norm or lay.cross_attention is not None):
             raise ValueError(f"{self.family}: parallel branches with post-norms or cross-attention are not supported")
@@ -410,15 +443,31 @@ class ArchitectureSpec:
         return self.topology != "post_ln"
 
     # --- the names the engine reads (one per recorded tensor) ------------------------------
+    def refusal(self, config: Any) -> Optional[str]:
+        r"""Why this family's model with ``config`` is not supported (:attr:`refused_configs`), or None."""
+        for attribute, value, why in self.refused_configs:
+            if config is not None and getattr(config, attribute, object()) == value:
+                return f"{self.family} with {attribute}={value!r} is not supported: {why}"
+        return None
+
     @property
     def norm1(self) -> Norm:
-        r"""The first norm: the attention pre-norm, or post-LN's norm after the attention residual."""
-        return self.layer.stream_norms[0] if self.layer.stream_norms else self.layer.attention.pre_norm
+        r"""The first norm: the attention pre-norm, or post-LN's norm after the attention residual.
+
+        A branch without a pre-norm (OLMo 2) gives an ``identity`` norm at the attention
+        module (recorded at its input)."""
+        if self.layer.stream_norms:
+            return self.layer.stream_norms[0]
+        return self.layer.attention.pre_norm or Norm(self.layer.attention.module, "identity")
 
     @property
     def norm2(self) -> Norm:
-        r"""The second norm: the feed-forward pre-norm, or post-LN's norm after the FF residual."""
-        return self.layer.stream_norms[1] if self.layer.stream_norms else self.layer.ff.pre_norm
+        r"""The second norm: the feed-forward pre-norm, or post-LN's norm after the FF residual.
+
+        A branch without a pre-norm gives an ``identity`` norm at the FF's first projection."""
+        if self.layer.stream_norms:
+            return self.layer.stream_norms[1]
+        return self.layer.ff.pre_norm or Norm(self.layer.ff.up, "identity")
 
     @property
     def ln1(self) -> str:
@@ -505,6 +554,8 @@ class ArchitectureSpec:
         out.append("RMSNorm" if kinds == {"rmsnorm"} else "LayerNorm" if kinds == {"layernorm"} else "mixed norms")
         if any(n.weight_offset for n in self.norms()):
             out.append("1 + w gain")
+        if not lay.stream_norms and (lay.attention.pre_norm is None or lay.ff.pre_norm is None):
+            out.append("no pre-norms")
         out.append({"plain": "plain FF", "gated": "gated FF", "fused_gate_up": "fused gate-up FF"}.get(lay.ff.kind, lay.ff.kind))
         v = lay.attention.value
         if v is not None and v.layout != "plain":
@@ -512,6 +563,8 @@ class ArchitectureSpec:
                 v.layout, f"{v.layout} QKV"))
         if lay.attention.softcap:
             out.append("attention soft-cap")
+        if lay.attention.probabilities == "returned":
+            out.append("attention inside its module")
         if self.head.final_softcap:
             out.append("final-logit soft-cap")
         if self.head.logit_multiplier or self.head.logit_divisor:
@@ -522,6 +575,8 @@ class ArchitectureSpec:
             out.append("residual multiplier")
         if self.inputs.embedding_scale:
             out.append("embedding scale")
+        if self.inputs.embedding_norm:
+            out.append("embedding norm")
         if self.is_encoder_decoder:
             out.append("encoder-decoder with cross-attention")
         else:

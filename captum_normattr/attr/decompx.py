@@ -265,8 +265,6 @@ class DecompXAttribution(Attribution):
         self.decoder = not self.vision and explains_next_token(model, self.adapter)
         self.output: Union[ClassLogit, NextTokenLogit]
         if self.decoder:
-            if self.adapter.final_norm is None:
-                raise ValueError(f"the {self.adapter.family} adapter names no final norm; DecompX needs it for decoders")
             self.output = NextTokenLogit(model, self.adapter, unembedding)
         else:
             if explained_position is not None or unembedding is not None:

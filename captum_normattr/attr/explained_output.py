@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
-from captum_normattr.models.adapters import ArchitectureAdapter, get_path, unwrap_model
+from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, unwrap_model
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 from captum_normattr.models.weights import weight_and_bias
 
@@ -185,8 +185,9 @@ class NextTokenLogit:
         unembedding: optional (V, D) unembedding matrix (rows = tokens).
 
     The model's own logit scaling (:func:`logit_scale`: Granite's ``logits_scaling``, Cohere's
-    ``logit_scale``) is folded into the LM head's rows and bias, so the explained logit is the
-    one the model outputs; an explicit ``unembedding`` is used as given.
+    ``logit_scale``) is folded into the LM head's rows and bias, and so is a linear projection
+    between the final norm and the LM head (``Head.projection``: OPT's ``project_out``), so the
+    explained logit is the one the model outputs; an explicit ``unembedding`` is used as given.
 
     Raises:
         ValueError: for a model without an LM head and no ``unembedding``.
@@ -216,6 +217,13 @@ class NextTokenLogit:
                 f"unembedding=(vocab, {d}) matrix"
             )
         self._head, self._weights = head, None
+        self._projection = None
+        path = getattr(adapter.head, "projection", None)
+        if path is not None:  # a linear map between the final norm and the LM head (OPT's project_out): folded in
+            try:
+                self._projection = get_path(base_model(model), path)
+            except AttributeError:
+                self._projection = None
         self.softcap = final_softcap(model, adapter)
         #: the model's logit scaling (:func:`logit_scale`), folded into every direction and logit
         self.scale = logit_scale(model, adapter)
@@ -236,7 +244,17 @@ class NextTokenLogit:
     def _head_weights(self):
         if self._head is None:
             return self._weights
-        return weight_and_bias(self._head, "lm_head")  # read at use: an offloaded head is on meta until then
+        w, b = weight_and_bias(self._head, "lm_head")  # read at use: an offloaded head is on meta until then
+        if self._projection is not None:  # logits = (x P^T + c) W^T + b: the unembedding W P (V, D), bias b + W c
+            p, p_bias = weight_and_bias(self._projection, "projection")
+            key = (w.data_ptr(), w._version, p.data_ptr(), p._version, None if p_bias is None else p_bias._version)
+            cached = getattr(self, "_folded", None)
+            if cached is None or cached[0] != key:  # one product per weights, not one per use
+                w2 = w.detach() @ p.detach().to(w.dtype)
+                b2 = b if p_bias is None else (p_bias.detach().to(w.dtype) @ w.detach().T + (0 if b is None else b))
+                self._folded = cached = (key, w2, b2)
+            w, b = cached[1], cached[2]
+        return w, b
 
     @property
     def vocab_size(self) -> int:

@@ -915,7 +915,7 @@ def _norm_transpose(w: Tensor, real: Tensor, params: NormParams) -> Tensor:
     scale = norm_scale(real, params).unsqueeze(-1)
     out = w * params.weight.to(w.dtype) if params.weight is not None else w
     out = out / scale
-    return out if params.kind == "rmsnorm" else out - out.mean(-1, keepdim=True)
+    return out if params.kind != "layernorm" else out - out.mean(-1, keepdim=True)
 
 
 #: Query blocks of the causal transpose in :func:`_mix_transpose` (the blocks above the diagonal are skipped).

@@ -43,6 +43,9 @@ class PostLNKind(LayerKind):
     r"""Post-LN encoder layers (BERT family)."""
 
     name = "post_ln"
+    #: ALTI-Logit splits the logit over additive residual updates, which the stream norms of post-LN
+    #: layers rescale token by token: not decomposed (the other methods are)
+    methods = frozenset(m for m in KIND_METHODS if m != "alti_logit")
     globenc_maps = encoder.GLOBENC_MAPS
     default_map = "N_ENC"
     whole_layer_scope = "LN2"

@@ -1,7 +1,10 @@
-r"""Sandwich layers (Gemma 2, Gemma 3): a norm before AND after each branch (docs/design.md, "Sandwich layers").
+r"""Sandwich layers (Gemma 2, Gemma 3, OLMo 2): norms after each branch, and before it (docs/design.md, "Sandwich layers").
 
 Sandwich layer:  h = x + P1(Attn(N1(x))),  y = h + P2(FF(N2(h))),  P1, P2 RMSNorms (Gemma: gain
 1 + w, folded into :class:`~captum_normattr.decompose.records.NormParams` by the capture).
+A layer without pre-norms (OLMo 2: h = x + P1(Attn(x)), y = h + P2(FF(h))) has N1 and N2 the
+``identity`` norm (scale 1, no gain, no centering): the value path reads the raw stream and
+every formula below holds as written.
 
 Every method freezes a post-norm at the REAL per-token scale of its input: with
 r1_i = rms(a_i) of the real attention output a_i (the recorded ``attn_post_in``) and
@@ -262,7 +265,7 @@ register_decompx_steps("sandwich", sandwich_layer_parts, frozen_sandwich_layer, 
 
 
 class SandwichKind(LayerKind):
-    r"""Sandwich layers (Gemma 2, Gemma 3): pre- and post-norms on both branches (see the module docstring)."""
+    r"""Sandwich layers (Gemma 2, Gemma 3; OLMo 2 with identity pre-norms): post-norms on both branches (see the module docstring)."""
 
     name = "sandwich"
     methods = frozenset(m for m in KIND_METHODS if m != "routes")

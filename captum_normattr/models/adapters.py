@@ -115,6 +115,9 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     model_type = getattr(config, "model_type", None)
     spec = lookup(model_type, config)
     if spec is not None:
+        reason = spec.refusal(config)
+        if reason is not None:
+            raise UnsupportedModelError(f"captum_normattr cannot attribute {type(model).__name__}: {reason}.")
         return spec
     vision = ""
     if getattr(config, "patch_size", None) is not None or getattr(config, "image_size", None) is not None:
@@ -239,6 +242,45 @@ def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Te
 
         return grouped(w), None if b is None else grouped(b)
     return w, b
+
+
+def value_states(projection_output: Tensor, layer: nn.Module, adapter: ArchitectureAdapter, heads: int) -> Tensor:
+    r"""The value states (B, H, T, Dh) in the model's own output of its value projection.
+
+    For an attention module that computes its probabilities itself (``Attention.probabilities
+    == "returned"``, BLOOM): the value states are read from the real output of the projection
+    the description names, laid out as :func:`value_projection` reads its weights (a fused
+    projection's value slice, an interleaved one's per-head value blocks, grouped-query key/value
+    heads repeated for the ``heads`` query heads).
+
+    Args:
+        projection_output: (B, T, W) the projection's output (b_V inside).
+        layer: the layer module.
+        adapter: its description.
+        heads: H, the query heads (the probabilities' second dimension).
+
+    Returns:
+        (B, H, T, Dh).
+    """
+    spec = adapter.layer.attention.value
+    out = projection_output
+    b, t, width = out.shape
+    if spec.layout == "interleaved":
+        dh = width // (spec.count * heads)
+        v = out.reshape(b, t, heads, spec.count, dh)[..., spec.index, :]
+    else:
+        if spec.layout == "fused":
+            size = width // spec.count
+            out = out[..., spec.index * size:(spec.index + 1) * size]
+        elif spec.layout == "fused_gqa":
+            h, kv, dh = _head_counts(get_path(layer, adapter.attention))
+            out = out[..., h * dh + kv * dh:]
+        dh = _head_dim(get_path(layer, adapter.attention), out.shape[-1] // heads)
+        v = out.reshape(b, t, out.shape[-1] // dh, dh)
+    v = v.transpose(1, 2)
+    if v.shape[1] != heads:  # grouped-query attention: one key/value head serves several query heads
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    return v
 
 
 def _head_counts(attention: nn.Module) -> Tuple[int, int, int]:

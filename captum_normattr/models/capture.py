@@ -4,7 +4,10 @@ For the duration of one call the model's attention implementation is switched to
 function registered in transformers' ``AttentionInterface``. It computes the usual eager
 attention (head by head in chunks, so that no more than one (B, H, T, T) probability
 tensor and one chunk of scores exist at a time) and records the probabilities and value
-states of the modules the calling thread is recording. Forward hooks record the inputs
+states of the modules the calling thread is recording (an attention module that computes its
+own probabilities, as BLOOM's with ALiBi, is described with ``probabilities="returned"``: a
+forward hook records the probabilities it returns, the value states from its value
+projection's output). Forward hooks record the inputs
 and outputs of the norms, the feed-forward block and each layer. When a layer's forward
 hook fires, its tensors become one :class:`~captum_normattr.decompose.records.LayerTensors`
 that is passed to the caller's ``on_layer`` callback and then dropped: the memory of a
@@ -45,6 +48,7 @@ from captum_normattr.models.adapters import (
     layer_modules,
     layer_scale,
     linear_params,
+    value_states,
 )
 from captum_normattr.models.weights import module_tensor
 
@@ -315,6 +319,8 @@ def norm_params(
     also from the hook of a module offloaded by accelerate.
     """
     offset, described_eps = 0.0, None
+    if kind == "identity" or (isinstance(kind, Norm) and kind.kind == "identity"):
+        return NormParams(weight=None, bias=None, eps=0.0, kind="identity")  # a branch without a pre-norm
     if isinstance(kind, Norm):
         kind, offset, described_eps = kind.kind, kind.weight_offset, kind.eps
     eps = getattr(module, "eps", None)
@@ -591,7 +597,7 @@ class Recorder(AttentionRecords):
 
             return hook
 
-        def compare_inputs(idx: int, name: str, assumed_key: str, all_tensors: bool):
+        def compare_inputs(idx: int, name: str, assumed_key: str, all_tensors: bool, first_only: bool = False):
             # kwargs=None: torch adds a with_kwargs hook in two steps, so another thread's forward pass may call
             # it without kwargs in between; it is not that thread's recording, so the hook does nothing then
             def pre_hook(module, args, kwargs=None):
@@ -602,6 +608,8 @@ class Recorder(AttentionRecords):
                 if assumed is None:
                     return
                 given = list(args) + (list((kwargs or {}).values()) if all_tensors else [])
+                if first_only:  # the module's first input is its input (BLOOM's attention takes the residual too)
+                    given = given[:1] if args else [(kwargs or {}).get("hidden_states")]
                 for x in given:
                     if isinstance(x, Tensor) and x.shape == assumed.shape:
                         self._check(idx, name, x, assumed)
@@ -619,6 +627,60 @@ class Recorder(AttentionRecords):
                         self._check(idx, "output projection input vs the attention context", x, ctx)
 
             return pre_hook
+
+        def identity_norm(idx: int, key: str):
+            # a branch without a pre-norm (OLMo 2): the "norm" output is the branch module's input
+            def pre_hook(module, args, kwargs=None):
+                if not self._mine():
+                    return
+                x = args[0] if args else (kwargs or {}).get("hidden_states")
+                self._keep(idx, key + "_in", x)
+                self._keep(idx, key + "_out", x)
+
+            return pre_hook
+
+        def norm_hook(module: nn.Module, norm: Norm, idx: int, key: str):
+            if norm.kind == "identity":
+                return module.register_forward_pre_hook(identity_norm(idx, key), with_kwargs=True)
+            return module.register_forward_hook(store(idx, key, "both"))
+
+        returned = a.layer.attention.probabilities == "returned"
+
+        def returned_attention(idx: int, layer: nn.Module):
+            # a module computing its own attention (BLOOM): (output, probabilities) returned, values from the projection
+            attention = get_path(layer, a.attention)
+
+            def value_hook(module, args, output):
+                if self._mine():
+                    self.records.setdefault(idx, {})["_projection"] = _first_tensor(output).detach()
+
+            def context_hook(module, args):
+                if self._mine() and args and isinstance(args[0], Tensor):
+                    self.records.setdefault(idx, {})["_context"] = args[0].detach()
+
+            def attention_hook(module, args, output):
+                if not self._mine():
+                    return
+                rec = self.records.setdefault(idx, {})
+                probs = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+                projection = rec.pop("_projection", None)
+                if not isinstance(probs, Tensor) or probs.dim() != 4 or projection is None:
+                    raise RuntimeError(
+                        f"layer {idx}: the {a.family} description says the attention module returns (output, "
+                        "probabilities) and reads its value projection, but the forward pass gave "
+                        f"{type(probs).__name__} probabilities" + (" and no value projection output" if projection is None
+                                                                    else ""))
+                values = value_states(projection, layer, a, probs.shape[1])
+                ctx = rec.pop("_context", None)
+                if ctx is not None and ctx.numel() == values.numel():
+                    ctx = ctx.reshape(values.shape[0], values.shape[2], values.shape[1], values.shape[3])
+                else:
+                    ctx = None
+                self.record_attention(module, probs, values, ctx)
+
+            return [get_path(layer, a.layer.attention.value.path).register_forward_hook(value_hook),
+                    get_path(layer, a.attn_out).register_forward_pre_hook(context_hook),
+                    attention.register_forward_hook(attention_hook)]
 
         attention_input = "ln1_out" if a.pre_ln else "hidden_in"
         ff_input = "ln2_out" if a.pre_ln else "ln1_out"
@@ -641,11 +703,18 @@ class Recorder(AttentionRecords):
                     if not self._mine():
                         return
                     self._keep(idx, "layer_out", _first_tensor(output))
+                    if a.final_norm is None and idx == len(self.layers) - 1 and not self._rerunning:
+                        # no final norm (post-LN OPT): the LM head reads the last layer's output (an identity "norm")
+                        out = self.records[idx]["layer_out"]
+                        self.final["in"] = self.final["out"] = out
+                        self.final_versions["in"] = self.final_versions["out"] = _version(out)
                     self._finish_layer(idx)
 
                 handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                handles.append(get_path(layer, a.ln1).register_forward_hook(store(i, "ln1", "both")))
-                handles.append(get_path(layer, a.ln2).register_forward_hook(store(i, "ln2", "both")))
+                handles.append(norm_hook(get_path(layer, a.ln1), a.norm1, i, "ln1"))
+                handles.append(norm_hook(get_path(layer, a.ln2), a.norm2, i, "ln2"))
+                if returned:
+                    handles.extend(returned_attention(i, layer))
                 for key, norm in (("attn_post", a.layer.attention.post_norm), ("ff_post", a.layer.ff.post_norm)):
                     if norm is not None:  # sandwich: the norms on the branch outputs
                         handles.append(get_path(layer, norm.path).register_forward_hook(store(i, key, "both")))
@@ -656,7 +725,7 @@ class Recorder(AttentionRecords):
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
                 handles.append(get_path(layer, a.attention).register_forward_pre_hook(
                     compare_inputs(i, "attention input vs " + ("the first norm's output" if a.pre_ln else "the layer input"),
-                                   attention_input, True), with_kwargs=True))
+                                   attention_input, True, returned), with_kwargs=True))
                 for path in (a.ff_in, a.ff_gate):
                     if path is not None:
                         handles.append(get_path(layer, path).register_forward_pre_hook(compare_inputs(
@@ -762,6 +831,14 @@ class Recorder(AttentionRecords):
         layer = self.layers[idx]
         device = rec["probs"].device
         cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
+        b, t_len = rec["hidden_in"].shape[:2]
+
+        def tokens(t: Optional[Tensor]) -> Optional[Tensor]:
+            # a layer that flattens its tokens (OPT's FF runs on (B * T, D)): back to (B, T, D)
+            if t is not None and t.dim() == 2 and t.shape[0] == b * t_len:
+                t = t.reshape(b, t_len, t.shape[-1])
+            return cast(t)
+
         w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
         w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
         w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
@@ -790,37 +867,40 @@ class Recorder(AttentionRecords):
             out_weight=cast(w_o),
             out_bias=cast(b_o),
             ln1=norm_params(get_path(layer, a.ln1), a.norm1, dtype, device),
-            ln1_in=cast(rec["ln1_in"]),
-            ln1_out=cast(rec["ln1_out"]),
+            ln1_in=tokens(rec["ln1_in"]),
+            ln1_out=tokens(rec["ln1_out"]),
             ln2=norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
-            ln2_in=cast(rec["ln2_in"]),
-            ln2_out=cast(rec["ln2_out"]),
-            ff_out=_times(cast(rec["ff_out"]), m_ff),
-            layer_out=cast(rec["layer_out"]),
+            ln2_in=tokens(rec["ln2_in"]),
+            ln2_out=tokens(rec["ln2_out"]),
+            ff_out=_times(tokens(rec["ff_out"]), m_ff),
+            layer_out=tokens(rec["layer_out"]),
             pre_ln=a.pre_ln,
             ff=ff,
             causal=a.causal,
             index=idx,
             source_dtype=rec["layer_out"].dtype,
             topology=a.topology,
-            attn_branch_out=_times(cast(rec.get("attn_branch_out")), m_attn),
+            attn_branch_out=_times(tokens(rec.get("attn_branch_out")), m_attn),
         )
         if a.topology == "sandwich":
             tensors.attn_post = norm_params(get_path(layer, a.layer.attention.post_norm.path), a.layer.attention.post_norm,
                                             dtype, device)
             tensors.ff_post = norm_params(get_path(layer, a.layer.ff.post_norm.path), a.layer.ff.post_norm, dtype, device)
             for key in ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"):
-                setattr(tensors, key, cast(rec[key]))
+                setattr(tensors, key, tokens(rec[key]))
         tensors.checks = self._layer_checks(idx, rec, tensors)
         return tensors
 
     def final_norm_tensors(self) -> Tuple[NormParams, Tensor, Tensor]:
         r"""The final norm of a pre-LN model: (parameters, real input, real output), in the compute dtype.
 
+        A model whose LM head reads the last layer's output (a post-LN decoder without a final
+        norm, OPT with ``do_layer_norm_before=False``) gives the identity norm over that output.
+
         Raises:
-            RuntimeError: if the adapter has no final norm or the forward pass did not reach it.
+            RuntimeError: if the forward pass did not reach the final norm (or the last layer).
         """
-        if self.adapter.final_norm is None or "in" not in self.final:
+        if "in" not in self.final:
             raise RuntimeError(f"the forward pass recorded no final norm for the {self.adapter.family} adapter")
         changed = [k for k, v in self.final_versions.items() if v is not None and _version(self.final[k]) != v]
         if changed:
@@ -831,7 +911,10 @@ class Recorder(AttentionRecords):
                 f"the forward pass changed the recorded final norm {changed} in place after it was recorded; it is "
                 "recorded as a copy from now on: run the call again", len(self.layers), tuple(changed), False)
         device = self.final["out"].device
-        p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.head.final_norm, self.dtype, device)
+        if self.adapter.final_norm is None:  # the LM head reads the last layer's output: an identity final norm
+            p = norm_params(None, "identity")
+        else:
+            p = norm_params(get_path(self.base, self.adapter.final_norm), self.adapter.head.final_norm, self.dtype, device)
         return p, self.final["in"].to(device=device, dtype=self.dtype), self.final["out"].to(self.dtype)
 
     def rerun_layer(self, idx: int, hidden_in: Tensor) -> LayerTensors:
