@@ -698,8 +698,8 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
     r"""Raise a ValueError unless the model is a pre-LN decoder with a final norm."""
     if not adapter.pre_ln or adapter.final_norm is None:
         raise ValueError(
-            f"{method} explains next-token logits of pre-LN decoders (GPT-2, Llama, Mistral, Qwen2) through their "
-            f"final norm; {adapter.family} is not one"
+            f"{method} explains next-token logits of decoders with norms inside the branches, through their final "
+            f"norm ({supported_causal_families()}); {adapter.family} is not one"
         )
 
 

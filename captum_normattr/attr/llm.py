@@ -24,6 +24,7 @@ from captum.attr import Attribution, LLMAttributionResult, TextTemplateInput, Te
 from captum.log import log_usage
 from torch import Tensor, nn
 
+from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.attr.alti_logit import ALTILogitAttribution
 from captum_normattr.attr.base import LayerDecompositionAttribution, compute_dtype, streamed_forward
 from captum_normattr.attr.decompx import DecompXAttribution
@@ -759,7 +760,8 @@ class DecompositionLLMAttribution(Attribution):
             )
         adapter = attr_method.adapter
         if not adapter.causal or isinstance(attr_method, DecompXAttribution) and not attr_method.decoder:
-            raise ValueError("DecompositionLLMAttribution explains causal LMs (GPT-2, Llama, Mistral, Qwen2)")
+            raise ValueError(f"DecompositionLLMAttribution explains causal LMs ({supported_causal_families()}); "
+                             f"{adapter.family} is not one")
         super().__init__(attr_method.model)
         self.attr_method = attr_method
         self.model: nn.Module = attr_method.model
