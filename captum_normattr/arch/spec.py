@@ -41,6 +41,7 @@ __all__ = [
     "UnsupportedModelError",
     "ArchitectureSpec",
     "Attention",
+    "ClassifierHead",
     "FeedForward",
     "Head",
     "Inputs",
@@ -65,6 +66,12 @@ FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: H_kv * Dh key and value columns each, the head counts read from the attention module:
 #: Phi-3's ``qkv_proj`` with grouped-query attention).
 VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa")
+#: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
+#: attention function, which the capture replaces by its recording one), ``module_output`` (the
+#: module computes its attention itself, as DeBERTa's disentangled attention, and returns its
+#: probabilities as its second output when called with ``output_attentions=True``: the capture
+#: asks for them and records the value projection's output as the values).
+PROBABILITY_SOURCES: Tuple[str, ...] = ("interface", "module_output")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.layer_kinds``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -153,6 +160,8 @@ class Attention:
             by before the residual join (Granite's ``residual_multiplier``:
             h = x + m * Attn(N1(x))), folded into W_O and b_O when the weights are read, or
             None.
+        probabilities: one of :data:`PROBABILITY_SOURCES`: how the module's real
+            probabilities are recorded (never by re-implementing its attention).
     """
 
     module: str
@@ -163,6 +172,15 @@ class Attention:
     scale: Optional[str] = None
     softcap: Optional[str] = None
     multiplier: Optional[str] = None
+    probabilities: str = "interface"
+
+    def __post_init__(self) -> None:
+        if self.probabilities not in PROBABILITY_SOURCES:
+            raise ValueError(f"Attention {self.module!r}: probabilities must be one of {PROBABILITY_SOURCES}, "
+                             f"got {self.probabilities!r}")
+        if self.probabilities == "module_output" and (self.value is None or self.value.layout != "plain"):
+            raise ValueError(f"Attention {self.module!r}: probabilities from the module's output need its own "
+                             "value projection (layout 'plain'), whose output is recorded as the values")
 
 
 @dataclass(frozen=True)
@@ -229,6 +247,41 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class ClassifierHead:
+    r"""A sequence-classification head: logits = N(act(h_p W_d + b_d)) W_c + b_c.
+
+    ``h_p`` is the head's input at token ``position``: the last layer's output (post-LN
+    models), or the final norm's output (models whose :class:`Head` names a final norm). Paths
+    are from the model with the head (``*ForSequenceClassification``).
+
+    Attributes:
+        dense: the first dense layer W_d (DeBERTa: ``pooler.dense``).
+        classifier: the output projection W_c.
+        activation: the activation module's path, or None (see ``activation_config``).
+        activation_config: the config attribute naming a transformers activation that the
+            head applies by name (DeBERTa's ``ContextPooler``: ``ACT2FN[config.pooler_hidden_act]``),
+            or None.
+        norm: a norm after the activation (ModernBERT's ``head.norm``), or None.
+        position: the token the head reads.
+        pooling_config: the config attribute choosing how the head pools the tokens
+            (ModernBERT's ``classifier_pooling``: ``"cls"`` reads ``position``; any other value
+            is refused by the methods that need the head), or None: always ``position``.
+    """
+
+    dense: str
+    classifier: str
+    activation: Optional[str] = None
+    activation_config: Optional[str] = None
+    norm: Optional[Norm] = None
+    position: int = 0
+    pooling_config: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if (self.activation is None) == (self.activation_config is None):
+            raise ValueError(f"ClassifierHead {self.dense!r}: name the activation module or its config attribute (one)")
+
+
+@dataclass(frozen=True)
 class Head:
     r"""What follows the last layer.
 
@@ -243,6 +296,9 @@ class Head:
             ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
             A tanh is not linear: the decompositions explain the pre-cap logit, say so in
             the result, and report the capped one beside it.
+        classifier: the sequence-classification head (:class:`ClassifierHead`), for the
+            families whose classification head is described here rather than in
+            :data:`captum_normattr.models.heads.HEAD_ADAPTERS`, or None.
     """
 
     final_norm: Optional[Norm] = None
@@ -250,6 +306,7 @@ class Head:
     logit_multiplier: Optional[str] = None
     logit_divisor: Optional[str] = None
     final_softcap: Optional[str] = None
+    classifier: Optional[ClassifierHead] = None
 
 
 @dataclass(frozen=True)
@@ -307,6 +364,9 @@ class ArchitectureSpec:
         head: the :class:`Head`.
         inputs: the :class:`Inputs` quirks.
         variants: :class:`Variant` descriptions chosen by a config attribute.
+        refused_configs: (config attribute, reason) pairs: a model whose config sets the
+            attribute to a true value (non-zero, non-empty) is refused with the reason
+            (DeBERTa's ``conv_kernel_size``: a convolution after the first layer).
         notes: one line for the docs' table (what is special about the family).
     """
 
@@ -320,6 +380,7 @@ class ArchitectureSpec:
     head: Head = field(default_factory=Head)
     inputs: Inputs = field(default_factory=Inputs)
     variants: Tuple[Variant, ...] = ()
+    refused_configs: Tuple[Tuple[str, str], ...] = ()
     notes: str = ""
 
     def __post_init__(self) -> None:

@@ -115,6 +115,13 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
     model_type = getattr(config, "model_type", None)
     spec = lookup(model_type, config)
     if spec is not None:
+        for attribute, why in spec.refused_configs:
+            value = getattr(config, attribute, None)
+            if value:
+                raise UnsupportedModelError(
+                    f"captum_normattr cannot attribute {type(model).__name__} with config.{attribute}={value!r}: {why}. "
+                    f"Models of the {spec.family} family without it are supported (docs/architectures.md)."
+                )
         return spec
     vision = ""
     if getattr(config, "patch_size", None) is not None or getattr(config, "image_size", None) is not None:
