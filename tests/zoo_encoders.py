@@ -55,6 +55,28 @@ def build_deberta(head: str = "cls", seed: int = 0, **extra) -> torch.nn.Module:
     return _perturb_encoder(cls(cfg).double().eval(), seed)
 
 
+def modernbert_config(**extra) -> tf.ModernBertConfig:
+    kw = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=20, num_hidden_layers=3, num_attention_heads=4,
+              max_position_embeddings=64, layer_types=["full_attention", "sliding_attention", "full_attention"],
+              local_attention=4, norm_bias=True, mlp_bias=True, attention_bias=True, classifier_bias=True,
+              hidden_activation="gelu", classifier_activation="gelu", classifier_pooling="cls", pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, num_labels=3, norm_eps=1e-5)
+    kw.update(extra)
+    return tf.ModernBertConfig(**kw)
+
+
+def build_modernbert(head: str = "cls", seed: int = 0, **extra) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    attn = extra.pop("attn_implementation", "sdpa")
+    cfg = modernbert_config(**extra)
+    cfg._attn_implementation = attn
+    cls = {"cls": tf.ModernBertForSequenceClassification, "bare": tf.ModernBertModel}.get(head)
+    if cls is None:
+        raise NotImplementedError(f"no {head} builder for modernbert (cls or bare)")
+    return _perturb_encoder(cls(cfg).double().eval(), seed)
+
+
 BUILDERS: Dict[str, Callable[..., torch.nn.Module]] = {
     "deberta-v2": build_deberta,
+    "modernbert": build_modernbert,
 }

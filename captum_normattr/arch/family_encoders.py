@@ -50,4 +50,19 @@ DEBERTA_V2 = ArchitectureSpec(
     notes="DeBERTa-v3; disentangled relative-position attention recorded from its module; conv layer refused",
 )
 
-BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("deberta-v2", DEBERTA_V2),)
+MODERNBERT = ArchitectureSpec(
+    family="ModernBERT", model_types=("modernbert",), layers="layers",
+    layer=Layer(
+        attention=Attention("attn", out="attn.Wo", value=ValueProjection("attn.Wqkv", "fused", 2, 3),
+                            pre_norm=Norm("attn_norm")),
+        ff=FeedForward(up="mlp.Wi", act="mlp.act", down="mlp.Wo", kind="fused_gate_up", gate_first=True,
+                       pre_norm=Norm("mlp_norm")),
+    ),
+    head=Head(final_norm=Norm("final_norm"),
+              classifier=ClassifierHead(dense="head.dense", activation="head.act", norm=Norm("head.norm"),
+                                        classifier="classifier", pooling_config="classifier_pooling")),
+    notes="first attention norm is an Identity; global and sliding-window layers (mask); rotary positions; "
+          "DecompX with classifier_pooling='cls'",
+)
+
+BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("deberta-v2", DEBERTA_V2), ("modernbert", MODERNBERT))

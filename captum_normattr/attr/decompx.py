@@ -449,14 +449,14 @@ class DecompXAttribution(Attribution):
             if adj is not None:
                 slope = head_slope(kept["pooled"], hp)
                 if target_only:  # one vector-Jacobian product per layer in all
-                    scores, bias_t = adjoint_head_scores(adj, self._rerun(rec), hp, slope, tgt)
+                    scores, bias_t = adjoint_head_scores(adj, self._rerun(rec), hp, slope, tgt, kept["pooled"])
                     scores = scores * valid.to(dtype)
                     delta = (scores.sum(-1) + bias_t - logits[ar, tgt]).abs()
                     return DecompXResult(
                         method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
                         target=tgt, logits=logits, bias_mode=self.bias_mode, algorithm=algorithm,
                     )
-                cls_scores, bias_scores = adjoint_head_scores(adj, self._rerun(rec), hp, slope)
+                cls_scores, bias_scores = adjoint_head_scores(adj, self._rerun(rec), hp, slope, real_input=kept["pooled"])
         with torch.no_grad():
             res = None
             if prop is not None:
@@ -465,6 +465,7 @@ class DecompXAttribution(Attribution):
                 cls_scores, bias_scores = head_scores(
                     res.parts[:, row], res.bias[:, row], kept["pooled"],
                     hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
+                    pre_norm=hp.pre_norm, norm=hp.norm,
                 )
             cls_scores = cls_scores * valid.to(dtype).unsqueeze(-1)
             scores = cls_scores[ar, :, tgt]

@@ -204,7 +204,7 @@ def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[T
         ``scale`` (B, T) s(h_i), ``bias`` (B, T, F) ((gamma2 c(b_O) / s_i + beta2) W + b).
     """
     lin = weight if layer.ln2.weight is None else layer.ln2.weight.to(weight.dtype)[:, None] * weight
-    if layer.ln2.kind != "rmsnorm":
+    if layer.ln2.kind == "layernorm":
         lin = lin - lin.mean(0, keepdim=True)  # C diag(gamma) W, C = I - 11^T / D: no (D, D) product
     pre_bias = norm_bias_part(_out_bias(layer), layer.ln2_in, layer.ln2) @ weight
     if bias is not None:
@@ -407,7 +407,7 @@ def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
         (B, D).
     """
     w = unembed if params.weight is None else unembed * params.weight
-    if params.kind != "rmsnorm":
+    if params.kind == "layernorm":
         w = w - w.mean(-1, keepdim=True)
     return w / norm_scale(real_input, params).unsqueeze(-1)
 

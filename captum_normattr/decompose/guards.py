@@ -43,6 +43,8 @@ def rebuild_norm(x: Tensor, params: NormParams) -> Tensor:
     LayerNorm: gamma * (x - mean) / sqrt(var + eps) + beta; RMSNorm: gamma * x / sqrt(mean(x^2) + eps).
     """
     d = x.shape[-1]
+    if params.kind == "identity":
+        return x.clone()
     weight = None if params.weight is None else params.weight.to(x.dtype)
     if params.kind == "rmsnorm":
         return F.rms_norm(x, (d,), weight, params.eps)

@@ -38,6 +38,8 @@ def norm_scale(u: Tensor, params: NormParams) -> Tensor:
 
 
 def _norm_scale_rows(u: Tensor, params: NormParams) -> Tensor:
+    if params.kind == "identity":  # an nn.Identity in a norm's place (ModernBERT's first attention norm)
+        return torch.ones(u.shape[:-1], dtype=u.dtype, device=u.device)
     if params.kind == "rmsnorm":
         return torch.sqrt(u.pow(2).mean(-1) + params.eps)
     # the biased variance as a norm of the centred input: same value, several times faster than
@@ -62,7 +64,7 @@ def norm_linear_map(params: NormParams, dim: int, dtype: torch.dtype, device: to
     """
     gamma = params.weight if params.weight is not None else torch.ones(dim, dtype=dtype, device=device)
     gamma = gamma.to(dtype=dtype, device=device)
-    if params.kind == "rmsnorm":
+    if params.kind != "layernorm":  # RMSNorm, identity: no centering
         return torch.diag(gamma)
     center = torch.eye(dim, dtype=dtype, device=device) - 1.0 / dim
     return center * gamma.unsqueeze(0)
@@ -91,7 +93,7 @@ class NormLinearMap:
     def __init__(self, *params: NormParams, dim: int, dtype: torch.dtype, device) -> None:
         self.dim, self.dtype, self.device = dim, dtype, device
         self.steps = [
-            (p.kind != "rmsnorm", None if p.weight is None else p.weight.to(dtype=dtype, device=device)) for p in params
+            (p.kind == "layernorm", None if p.weight is None else p.weight.to(dtype=dtype, device=device)) for p in params
         ]
 
     def apply(self, x: Tensor) -> Tensor:
@@ -132,7 +134,7 @@ def apply_norm_to_parts(parts: Tensor, real_input: Tensor, params: NormParams) -
     """
     scale = norm_scale(real_input, params)  # (B, T)
     scale = scale.reshape(scale.shape + (1,) * (parts.dim() - 2))
-    if params.kind == "rmsnorm":
+    if params.kind != "layernorm":  # RMSNorm, identity: no centering
         out = parts
     else:
         out = parts - parts.mean(-1, keepdim=True)

@@ -304,11 +304,14 @@ def norm_params(
 
     Returns:
         :class:`NormParams` whose ``weight`` is the effective gain (``weight + weight_offset``:
-        Gemma's ``1 + w``).
+        Gemma's ``1 + w``); an ``nn.Identity`` in the norm's place gives the identity norm
+        (kind ``"identity"``).
 
     The parameters are read wherever they live (:func:`~captum_normattr.models.weights.module_tensor`),
     also from the hook of a module offloaded by accelerate.
     """
+    if isinstance(module, nn.Identity):  # no norm in this layer (ModernBERT's first attention norm)
+        return NormParams(weight=None, bias=None, eps=0.0, kind="identity")
     offset, described_eps = 0.0, None
     if isinstance(kind, Norm):
         kind, offset, described_eps = kind.kind, kind.weight_offset, kind.eps
