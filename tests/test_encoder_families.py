@@ -253,3 +253,26 @@ def test_modernbert_first_attention_norm_is_the_identity():
     with torch.no_grad(), recording(model, get_adapter(model), lambda layer: kinds.append(layer.ln1.kind), torch.float64):
         model(input_ids=ids, attention_mask=mask)
     assert kinds == ["identity", "layernorm", "layernorm"]
+
+
+@pytest.mark.parametrize("contribution", ["norm", "alti"])
+@pytest.mark.parametrize("key", FAMILIES)
+def test_ff_scopes_and_globenc_maps_complete_and_padding(key, contribution):
+    r"""Every FF scope (GlobEnc+FF with ``"norm"``, ALTI+FF with ``"alti"``) and every GlobEnc map of the
+    layer kind: completeness at rounding level, padded batch equal to the single example."""
+    from captum_normattr.decompose.layer_kinds import layer_kind
+    from captum_normattr.decompose.feed_forward import SCOPES
+
+    model = build(key, "cls")
+    ids, mask = decoder_batch([6, 4], seed=13, left=False)
+    kind = layer_kind(get_adapter(model).topology)
+    runs = [FFIntegratedDecomposition(model, scope=s, contribution=contribution, strict=True) for s in SCOPES]
+    if contribution == "norm":
+        runs += [GlobEncAttribution(model, map_name=m, strict=True) for m in kind.globenc_maps]
+    for attr in runs:
+        res = attr.decompose(ids, additional_forward_args=(mask,))
+        err = res.extras.get("completeness_error")
+        if err is not None:
+            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+        alone = attr.decompose(ids[1:, :4])
+        torch.testing.assert_close(res.scores[1, :4], alone.scores[0], rtol=0, atol=1e-10 * float(res.scores.abs().max()))
