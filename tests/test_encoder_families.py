@@ -276,3 +276,12 @@ def test_ff_scopes_and_globenc_maps_complete_and_padding(key, contribution):
             assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
         alone = attr.decompose(ids[1:, :4])
         torch.testing.assert_close(res.scores[1, :4], alone.scores[0], rtol=0, atol=1e-10 * float(res.scores.abs().max()))
+
+
+@pytest.mark.parametrize("head", ["cls", "bare"])
+@pytest.mark.parametrize("key", FAMILIES)
+def test_alti_logit_refuses_encoders(key, head):
+    from captum_normattr import ALTILogitAttribution
+
+    with pytest.raises(ValueError, match="bidirectional encoder"):
+        ALTILogitAttribution(build(key, head))

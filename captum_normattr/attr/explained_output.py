@@ -684,6 +684,12 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
 
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
     r"""Raise a ValueError unless the model is a pre-LN decoder with a final norm."""
+    if not adapter.causal and adapter.modality == "text":  # a bidirectional encoder (ModernBERT) has no next token
+        raise ValueError(
+            f"{method} explains next-token logits of pre-LN decoders; {adapter.family} is a bidirectional encoder, "
+            "which predicts no next token: explain its class logits with DecompXAttribution and its token mixing with "
+            "ALTIAttribution or GlobEncAttribution"
+        )
     if not adapter.pre_ln or adapter.final_norm is None:
         raise ValueError(
             f"{method} explains next-token logits of pre-LN decoders (GPT-2, Llama, Mistral, Qwen2) through their "
