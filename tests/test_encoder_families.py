@@ -285,3 +285,51 @@ def test_alti_logit_refuses_encoders(key, head):
 
     with pytest.raises(ValueError, match="bidirectional encoder"):
         ALTILogitAttribution(build(key, head))
+
+
+VARIANTS = [
+    ("deberta-v2", dict(share_att_key=False, position_buckets=-1, pos_att_type=["c2p"], norm_rel_ebd="none",
+                        position_biased_input=True, type_vocab_size=2, hidden_act="relu")),  # DeBERTa-v2-like
+    ("modernbert", dict(norm_bias=False, mlp_bias=False, attention_bias=False, classifier_bias=False,
+                        layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)),  # the defaults' biases
+]
+
+
+@pytest.mark.parametrize("key,config", VARIANTS, ids=[k for k, _ in VARIANTS])
+def test_config_variants_every_method(key, config):
+    model = build(key, "cls", **config)
+    ids, mask = decoder_batch([6, 4], seed=14, left=False)
+    extra = (mask,)
+    kw = {}
+    if config.get("type_vocab_size"):
+        types = torch.zeros_like(ids)
+        types[:, 3:] = 1
+        extra, kw = (mask, types), dict(token_type_ids=types)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, **kw).logits
+    res = DecompXAttribution(model, strict=True).decompose(ids, additional_forward_args=extra)
+    assert _rel(res.class_scores.sum(1) + res.bias_scores, logits) < 1e-10
+    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
+        out = cls(model, strict=True).decompose(ids, additional_forward_args=extra)
+        assert float(out.extras["completeness_error"].max()) < 1e-10 * max(1.0, float(out.layer_maps.abs().max()))
+
+
+def test_a_head_description_without_its_norm_is_caught():
+    r"""The explained class logit is compared with the model's own: a ModernBERT head described without its
+    LayerNorm is an error on the first call, not a number."""
+    from dataclasses import replace
+
+    from captum_normattr.arch import ARCHITECTURES, register_architecture
+    from captum_normattr.attr.explained_output import ExplainedOutputMismatchError
+
+    spec = ARCHITECTURES["modernbert"]
+    wrong = replace(spec, head=replace(spec.head, classifier=replace(spec.head.classifier, norm=None)))
+    model = build("modernbert", "cls")
+    ids, mask = decoder_batch([5], seed=15, left=False)
+    register_architecture(wrong, "modernbert", replace=True)
+    try:
+        with pytest.raises(ExplainedOutputMismatchError):
+            DecompXAttribution(model).decompose(ids, additional_forward_args=(mask,))
+    finally:
+        register_architecture(spec, "modernbert", replace=True)
+    assert ARCHITECTURES["modernbert"] is spec

@@ -166,7 +166,9 @@ class DecompXAttribution(Attribution):
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
     ``RobertaForSequenceClassification`` (and XLM-R/CamemBERT), ``ElectraForSequenceClassification``,
-    ``DistilBertForSequenceClassification``. A bare encoder (``BertModel`` ...) has no classes
+    ``DistilBertForSequenceClassification``, and the heads that the architecture registry
+    describes (``Head.classifier``: DeBERTa-v2's pooler, ModernBERT's head, whose final norm and
+    head LayerNorm are frozen at their real scales). A bare encoder (``BertModel`` ...) has no classes
     to explain and raises :class:`~captum_normattr.UnsupportedModelError`; its per-layer parts are
     available from :func:`captum_normattr.decompose.decompx.propagate_parts`.
 
