@@ -174,9 +174,10 @@ def test_deberta_relative_positions_are_in_the_recorded_probabilities():
 
 
 @pytest.mark.parametrize("algorithm,bias_mode", [("adjoint", "separate"), ("forward", "separate"), ("forward", "spread")])
-@pytest.mark.parametrize("key", FAMILIES)
+@pytest.mark.parametrize("key", FAMILIES + ["modernbert-mean"])
 def test_decompx_sums_to_the_models_class_logit(key, algorithm, bias_mode):
-    model = build(key, "cls")
+    r"""``modernbert-mean``: ``classifier_pooling="mean"``, the head reads the mean of the real tokens' final-norm outputs."""
+    model = build(key, "cls") if key != "modernbert-mean" else build("modernbert", "cls", classifier_pooling="mean")
     state = copy.deepcopy(model.state_dict())
     ids, mask = decoder_batch([7, 5], seed=8, left=False)
     with torch.no_grad():
@@ -237,12 +238,30 @@ def test_bare_models_maps_and_refusals(key):
 def test_refused_configurations():
     with pytest.raises(UnsupportedModelError, match="conv_kernel_size"):
         GlobEncAttribution(build("deberta-v2", "cls", conv_kernel_size=3))
-    mean = build("modernbert", "cls", classifier_pooling="mean")
-    with pytest.raises(UnsupportedModelError, match="classifier_pooling='mean'"):
-        DecompXAttribution(mean)
+    model = build("modernbert", "cls")
+    model.config.__dict__["classifier_pooling"] = "max"  # a pooling the decompositions do not follow (the config refuses it)
+    with pytest.raises(UnsupportedModelError, match="classifier_pooling='max'"):
+        DecompXAttribution(model)
     ids, mask = decoder_batch([5, 3], seed=11, left=False)
-    res = ALTIAttribution(mean, strict=True).decompose(ids, additional_forward_args=(mask,))  # the maps do not need the head
+    res = ALTIAttribution(model, strict=True).decompose(ids, additional_forward_args=(mask,))  # the maps do not need the head
     assert float(res.extras["completeness_error"].max()) < 1e-12
+
+
+def test_mean_pooling_is_not_the_first_token():
+    r"""With ``classifier_pooling="mean"`` every real token's final-norm output reaches the logit: the same model
+    explained as if its head read the first token only is caught by the explained-output guard (the mean
+    test above could fail)."""
+    from dataclasses import replace
+
+    from captum_normattr.attr.explained_output import ExplainedOutputMismatchError
+
+    model = build("modernbert", "cls", classifier_pooling="mean")
+    ids, mask = decoder_batch([6], seed=16, left=False)
+    dx = DecompXAttribution(model)
+    assert dx.output.head.pooling == "mean"
+    dx.output.head = replace(dx.output.head, pooling="first")
+    with pytest.raises(ExplainedOutputMismatchError):
+        dx.decompose(ids, additional_forward_args=(mask,))
 
 
 def test_modernbert_first_attention_norm_is_the_identity():

@@ -14,7 +14,7 @@ r"""Family descriptions of the encoders group (see :mod:`captum_normattr.arch.fa
   alternating global / sliding-window layers (the window is in the attention mask, the
   probabilities are recorded), a final norm, then a head ``LayerNorm(act(dense(.)))`` and a
   linear classifier on the first token's (``classifier_pooling="cls"``) or the mean of the
-  real tokens' final-norm outputs (``"mean"``).
+  real tokens' final-norm outputs (``"mean"``); both are explained.
 
 ``BUILTIN`` lists them by registry key; :mod:`captum_normattr.arch.registry` registers them after
 the text families of :mod:`captum_normattr.arch.families` and before the vision ones.
@@ -62,7 +62,7 @@ MODERNBERT = ArchitectureSpec(
               classifier=ClassifierHead(dense="head.dense", activation="head.act", norm=Norm("head.norm"),
                                         classifier="classifier", pooling_config="classifier_pooling")),
     notes="first attention norm is an Identity; global and sliding-window layers (mask); rotary positions; "
-          "DecompX with classifier_pooling='cls'",
+          "head on the first token or the mean (classifier_pooling)",
 )
 
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("deberta-v2", DEBERTA_V2), ("modernbert", MODERNBERT))

@@ -264,8 +264,9 @@ class ClassifierHead:
         norm: a norm after the activation (ModernBERT's ``head.norm``), or None.
         position: the token the head reads.
         pooling_config: the config attribute choosing how the head pools the tokens
-            (ModernBERT's ``classifier_pooling``: ``"cls"`` reads ``position``; any other value
-            is refused by the methods that need the head), or None: always ``position``.
+            (ModernBERT's ``classifier_pooling``: ``"cls"`` reads ``position``, ``"mean"`` the
+            mean over the real tokens; another value is refused by the methods that need the
+            head), or None: always ``position``.
     """
 
     dense: str

@@ -812,6 +812,46 @@ def head_real_tensors(real_input: Tensor, head: "object") -> Tuple[Tensor, Tenso
     return pooled, pre, head.act(pre)
 
 
+def mean_pool_weights(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    r"""(B, T) weights of a mean over the real tokens: valid / (number of real tokens)."""
+    v = valid.to(dtype)
+    return v / v.sum(-1, keepdim=True).clamp_min(1.0)
+
+
+def pool_head_parts(
+    parts: Tensor, bias: Tensor, real: Tensor, weights: Tensor, pre_norm: Optional[NormParams], bias_mode: str = "separate",
+) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""Parts of a head input that is a weighted mean of (final-norm) rows (ModernBERT's mean pooling).
+
+    h = sum_r w_r P(x_r): each row's final norm P at the real scale of that row, then the mean.
+
+    Args:
+        parts: (B, R, K, D) parts of the last layer's output rows; bias: (B, R, D) their bias parts.
+        real: (B, R, D) the rows' real values (the final norm's real inputs).
+        weights: (B, R) the pooling weights (0 at pads).
+        pre_norm: the final norm, or None.
+        bias_mode: one of :data:`BIAS_MODES` (spread: the final norm's beta is spread over
+            each row's parts, the row itself taking it when every dot product is 0).
+
+    Returns:
+        (pooled parts (B, K, D), pooled bias part (B, D), real pooled vector (B, D)).
+    """
+    if pre_norm is not None:
+        parts, bias = apply_norm_to_parts(parts, real, pre_norm), norm_bias_part(bias, real, pre_norm)
+        if bias_mode in SPREAD_MODES:
+            parts, bias = absorb_bias(parts, bias, torch.arange(parts.shape[1], device=parts.device))
+        real = rebuild_norm(real, pre_norm)
+    w = weights.to(parts.dtype)
+    return torch.einsum("brkd,br->bkd", parts, w), torch.einsum("brd,br->bd", bias, w), torch.einsum("brd,br->bd", real, w)
+
+
+def pool_frozen_rows(y: Tensor, real: Tensor, weights: Tensor, pre_norm: Optional[NormParams], with_bias: bool) -> Tensor:
+    r"""The frozen mean pooling of :func:`pool_head_parts` applied to rows ``y`` (B, R, D) (linear without biases)."""
+    if pre_norm is not None:
+        y = norm_bias_part(y, real, pre_norm) if with_bias else apply_norm_to_parts(y, real, pre_norm)
+    return torch.einsum("brd,br->bd", y, weights.to(y.dtype))
+
+
 def _normed_head_scores(parts, bias, real_input, w_dense, b_dense, act, w_cls, b_cls, spread, fb, pre_norm, norm):
     r""":func:`head_scores` through a head with a final norm before it and/or a norm after its activation."""
     real = real_input
@@ -1369,6 +1409,7 @@ def adjoint_head_scores(
     slope: Tensor,
     target: Optional[Tensor] = None,
     real_input: Optional[Tensor] = None,
+    pool: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
     r"""Class scores of a streamed adjoint pass through a classification head (its backward phase).
 
@@ -1379,6 +1420,8 @@ def adjoint_head_scores(
         head: a :class:`~captum_normattr.models.heads.HeadParams`; slope: :func:`head_slope`.
         target: (B,) long: compute only these classes (one product in all); None: all classes.
         real_input: (B, D) the head's real input (a head with norms: :func:`frozen_head`).
+        pool: maps the frozen last-layer rows (B, R, D) to the head's input (B, D), with the
+            biases (:func:`pool_frozen_rows`); None: the first row (the head's token).
 
     Returns:
         Without ``target``: (scores (B, T, C), bias scores (B, C)); with it: (scores (B, T),
@@ -1386,11 +1429,12 @@ def adjoint_head_scores(
         F(e) = sum of the scores + bias score.
     """
     e = adj.embeddings
+    pool = (lambda y: y[:, 0]) if pool is None else pool
     if target is not None:
         pick = lambda out: out.gather(1, target.view(-1, 1)).squeeze(1)
-        (g,) = adj.backward(frozen_at, lambda y: [pick(frozen_head(y[:, 0], head, slope, True, real_input))])
+        (g,) = adj.backward(frozen_at, lambda y: [pick(frozen_head(pool(y), head, slope, True, real_input))])
         return (g * e).sum(-1).detach(), adj.constants[0]
-    grads = adj.backward(frozen_at, lambda y: list(frozen_head(y[:, 0], head, slope, True, real_input).unbind(-1)))
+    grads = adj.backward(frozen_at, lambda y: list(frozen_head(pool(y), head, slope, True, real_input).unbind(-1)))
     scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
     return scores.detach(), torch.stack(adj.constants, -1)
 

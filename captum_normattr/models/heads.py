@@ -41,6 +41,8 @@ class HeadAdapter:
         norm: a norm after the activation (ModernBERT's ``head.norm``), path from the model.
         pre_norm: the final norm the head's input passes first (pre-LN encoders), path from
             the base model.
+        pooling: ``"first"`` (the head reads token ``position``) or ``"mean"`` (the mean of
+            the real tokens' (final-norm) outputs, ModernBERT's ``classifier_pooling="mean"``).
     """
 
     family: str
@@ -54,6 +56,7 @@ class HeadAdapter:
     activation_config: Optional[str] = None
     norm: Optional[Norm] = None
     pre_norm: Optional[Norm] = None
+    pooling: str = "first"
 
 
 HEAD_ADAPTERS: Dict[str, HeadAdapter] = {
@@ -100,6 +103,8 @@ class HeadParams:
             logits = N(act(h W_d + b_d)) W_c + b_c.
         pre_norm: the final norm before the head (pre-LN encoders), or None: then h is
             that norm's output of the last layer's output.
+        pooling: ``"first"`` (h is token ``position``'s) or ``"mean"`` (h is the mean over the
+            real tokens).
     """
 
     w_dense: Tensor
@@ -110,6 +115,7 @@ class HeadParams:
     position: int = 0
     norm: Optional[NormParams] = None
     pre_norm: Optional[NormParams] = None
+    pooling: str = "first"
 
 
 def get_head_adapter(model: nn.Module) -> HeadAdapter:
@@ -160,19 +166,20 @@ def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> O
     desc = None if spec is None else spec.head.classifier
     if desc is None or not name.endswith("ForSequenceClassification"):
         return None
+    pooling = "first"
     if desc.pooling_config is not None:
-        pooling = getattr(config, desc.pooling_config, None)
-        if pooling != "cls":
+        value = getattr(config, desc.pooling_config, None)
+        pooling = {"cls": "first", "mean": "mean"}.get(value)
+        if pooling is None:
             raise UnsupportedModelError(
-                f"{name} pools its tokens with {desc.pooling_config}={pooling!r}: its head reads the mean of every real "
-                f"token's final-norm output, and explaining a class logit through that pooling is not implemented; a "
-                f"{spec.family} classifier with {desc.pooling_config}='cls' (the head reads token {desc.position}) is "
-                "supported, and the maps (GlobEnc, ALTI, FF) do not depend on the head"
+                f"{name} pools its tokens with {desc.pooling_config}={value!r}, which the decompositions do not follow "
+                f"(supported: 'cls', the head reads token {desc.position}, and 'mean', the mean over the real tokens); "
+                "the maps (GlobEnc, ALTI, FF) do not depend on the head"
             )
     head = HeadAdapter(
         family=spec.family, model_types=spec.model_types, dense=desc.dense, classifier=desc.classifier,
         activation=desc.activation, activation_config=desc.activation_config, norm=desc.norm,
-        pre_norm=spec.head.final_norm, position=desc.position,
+        pre_norm=spec.head.final_norm, position=desc.position, pooling=pooling,
     )
     try:
         for path in (head.dense, head.classifier) + tuple(p for p in (head.activation, desc.norm and desc.norm.path) if p):
@@ -219,7 +226,7 @@ def head_params(
     norm = None if head.norm is None else norm_params(get_path(model, head.norm.path), head.norm, dtype, device)
     pre = None if head.pre_norm is None else norm_params(
         get_path(base_model(model), head.pre_norm.path), head.pre_norm, dtype, device)
-    return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position, norm, pre)
+    return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position, norm, pre, head.pooling)
 
 
 # --------------------------------------------------------------------------------------
