@@ -527,6 +527,8 @@ class ArchitectureSpec:
         v = lay.attention.value
         if v is not None and v.layout != "plain":
             out.append({"fused_gqa": "fused QKV with GQA"}.get(v.layout, f"{v.layout} QKV"))
+        if lay.attention.probabilities == "module_output":
+            out.append("attention computed in its module")
         if lay.attention.softcap:
             out.append("attention soft-cap")
         if self.head.final_softcap:
