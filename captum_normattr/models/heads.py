@@ -7,7 +7,11 @@ dense layer, an elementwise activation and an output projection:
 
 (dropout is the identity in eval mode). Paths are dotted attribute paths from the model
 with the head (``*ForSequenceClassification``). Adding a family is one
-:class:`HeadAdapter` entry in :data:`HEAD_ADAPTERS`.
+:class:`HeadAdapter` entry in :data:`HEAD_ADAPTERS`, or a
+:class:`~captum_normattr.arch.spec.ClassifierHead` in the family's architecture description
+(``Head.classifier``: DeBERTa-v2's pooler, whose activation is named by the config;
+ModernBERT's head, which reads the final norm's output of token 0 or the mean over the real
+tokens and has a norm after its activation: logits = N(act(h W_d + b_d)) W_c + b_c).
 """
 from __future__ import annotations
 
@@ -17,9 +21,11 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.arch.registry import ARCHITECTURES, lookup
 from captum_normattr.arch.spec import Norm
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
+from captum_normattr.models.capture import norm_params
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,6 @@ HEAD_ADAPTERS: Dict[str, HeadAdapter] = {
 
 def supported_heads() -> str:
     r"""Readable list of the supported classification heads (those of :data:`HEAD_ADAPTERS` and of the registry)."""
-    from captum_normattr.arch.registry import ARCHITECTURES
-
     described = [(s.family, s.model_types) for s in ARCHITECTURES.values() if s.head.classifier is not None]
     return ", ".join(
         [f"{a.family} (*{a.model_class_suffix}, model_type {'/'.join(a.model_types)})" for a in HEAD_ADAPTERS.values()]
@@ -156,11 +160,9 @@ def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> O
 
     Raises:
         UnsupportedModelError: the description's head pools the tokens in a way the
-            decompositions do not follow (ModernBERT's ``classifier_pooling="mean"``), or the
-            model lacks one of its modules.
+            decompositions do not follow (a ``pooling_config`` value other than ``"cls"`` and
+            ``"mean"``), or the model lacks one of its modules.
     """
-    from captum_normattr.arch.registry import lookup
-
     config = getattr(model, "config", None)
     spec = lookup(model_type, config)
     desc = None if spec is None else spec.head.classifier
@@ -221,8 +223,6 @@ def head_params(
     w_d, b_d = linear_params(get_path(model, head.dense))
     w_c, b_c = linear_params(get_path(model, head.classifier))
     act = _head_activation(model, head)
-    from captum_normattr.models.capture import norm_params
-
     norm = None if head.norm is None else norm_params(get_path(model, head.norm.path), head.norm, dtype, device)
     pre = None if head.pre_norm is None else norm_params(
         get_path(base_model(model), head.pre_norm.path), head.pre_norm, dtype, device)
