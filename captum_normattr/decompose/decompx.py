@@ -14,7 +14,10 @@ post-LN layer (BERT, RoBERTa, ELECTRA, DistilBERT), per head h (never an (H, T, 
                (DecompX's "zero-origin slope"; the closed form of
                :func:`captum_normattr.decompose.feed_forward.ig_closed_form`)
   y_{i<-k}   = gamma2 c(zt_{i<-k} + FF_{i<-k}) / s(zt_i + FF_i)             (bias part + beta2)
-classification head on token 0: the same closed form through its elementwise activation.
+classification head on token 0: the same closed form through its elementwise activation
+(a head with norms, ModernBERT's N(act(P(h) W_d + b_d)) W_c + b_c: the final norm P and the
+head norm N at the real per-example scales; its mean pooling: every last-layer row through P
+at its own scale, then averaged over the real tokens, :func:`pool_head_parts`).
 
 Bias handling (``bias_mode``):
 - ``"separate"`` (default): every bias travels in its own part; exact, and the token
