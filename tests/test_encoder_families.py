@@ -352,3 +352,25 @@ def test_a_head_description_without_its_norm_is_caught():
     finally:
         register_architecture(spec, "modernbert", replace=True)
     assert ARCHITECTURES["modernbert"] is spec
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_model_unchanged_afterwards(key):
+    r"""After every method: the same weights, attention implementation, training flag and outputs; no hook is
+    left behind (DeBERTa's attention is asked for its probabilities only during the recorded pass)."""
+    model = build(key, "cls")
+    ids, mask = decoder_batch([6, 4], seed=17, left=False)
+    state = copy.deepcopy(model.state_dict())
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask)
+    for attr in (GlobEncAttribution(model), ALTIAttribution(model), FFIntegratedDecomposition(model),
+                 DecompXAttribution(model), DecompXAttribution(model, algorithm="forward")):
+        attr.decompose(ids, additional_forward_args=(mask,))
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask)
+    assert torch.equal(before.logits, after.logits) and after.attentions is None
+    assert model.config._attn_implementation == impl and not model.training
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    hooks = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not hooks, [type(m).__name__ for m in hooks]
