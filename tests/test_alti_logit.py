@@ -131,7 +131,7 @@ def test_contract_and_errors():
     assert torch.equal(al.attribute(ids, additional_forward_args=mask), al.attribute(ids, predicted, mask))
     with pytest.raises(ValueError, match="token ids must lie"):
         al.attribute(ids, target=999)
-    with pytest.raises(UnsupportedModelError, match="post_ln layers.*'alti_logit'.*not implemented"):
+    with pytest.raises(ValueError, match="bidirectional encoder.*DecompXAttribution"):
         ALTILogitAttribution(make_model("bert"))  # the post-LN kind does not decompose ALTI-Logit
     res = al.decompose(ids, 1, mask)
     assert res.layer_logit_updates.shape == (2, 2, 6) and res.ff.shape == (2, 2)

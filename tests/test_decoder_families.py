@@ -250,6 +250,6 @@ def test_refused_configs_and_descriptions():
     with pytest.raises(UnsupportedModelError, match="_remove_final_layer_norm"):
         GlobEncAttribution(build("opt", "lm", _remove_final_layer_norm=True))
     spec = ARCHITECTURES["olmo2"]
-    with pytest.raises(ValueError, match="pre-norm on both branches, or post-norms on both"):
+    with pytest.raises(ValueError, match="pre-norm on every branch, or post-norms on every"):
         replace(spec, layer=replace(spec.layer, attention=replace(spec.layer.attention, post_norm=None),
                                     ff=replace(spec.layer.ff, post_norm=None)))

@@ -41,6 +41,7 @@ __all__ = [
     "UnsupportedModelError",
     "ArchitectureSpec",
     "Attention",
+    "ClassifierHead",
     "FeedForward",
     "Head",
     "Inputs",
@@ -70,6 +71,14 @@ FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: H / H_kv query heads, then its key and its value head, Dh columns each: Falcon's new decoder
 #: architecture).
 VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped")
+#: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
+#: attention function, which the capture replaces by its recording one), ``returned`` (the module
+#: computes its attention itself and returns its probabilities, as BLOOM's ALiBi attention),
+#: ``module_output`` (the module computes its attention itself, as DeBERTa's disentangled
+#: attention, and returns its probabilities as its second output when called with
+#: ``output_attentions=True``: the capture asks for them and records the value projection's
+#: output as the values).
+PROBABILITY_SOURCES: Tuple[str, ...] = ("interface", "returned", "module_output")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.layer_kinds``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -166,6 +175,8 @@ class Attention:
             by before the residual join (Granite's ``residual_multiplier``:
             h = x + m * Attn(N1(x))), folded into W_O and b_O when the weights are read, or
             None.
+        probabilities: one of :data:`PROBABILITY_SOURCES`: how the module's real
+            probabilities are recorded (never by re-implementing its attention).
     """
 
     module: str
@@ -179,12 +190,15 @@ class Attention:
     probabilities: str = "interface"
 
     def __post_init__(self) -> None:
-        if self.probabilities not in ("interface", "returned"):
-            raise ValueError(f"Attention {self.module!r}: probabilities must be 'interface' or 'returned', "
+        if self.probabilities not in PROBABILITY_SOURCES:
+            raise ValueError(f"Attention {self.module!r}: probabilities must be one of {PROBABILITY_SOURCES}, "
                              f"got {self.probabilities!r}")
         if self.probabilities == "returned" and self.value is None:
             raise ValueError(f"Attention {self.module!r}: returned probabilities need the value projection (the value "
                              "states are read from its output)")
+        if self.probabilities == "module_output" and (self.value is None or self.value.layout != "plain"):
+            raise ValueError(f"Attention {self.module!r}: probabilities from the module's output need its own "
+                             "value projection (layout 'plain'), whose output is recorded as the values")
 
 
 @dataclass(frozen=True)
@@ -264,6 +278,42 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class ClassifierHead:
+    r"""A sequence-classification head: logits = N(act(h_p W_d + b_d)) W_c + b_c.
+
+    ``h_p`` is the head's input at token ``position``: the last layer's output (post-LN
+    models), or the final norm's output (models whose :class:`Head` names a final norm). Paths
+    are from the model with the head (``*ForSequenceClassification``).
+
+    Attributes:
+        dense: the first dense layer W_d (DeBERTa: ``pooler.dense``).
+        classifier: the output projection W_c.
+        activation: the activation module's path, or None (see ``activation_config``).
+        activation_config: the config attribute naming a transformers activation that the
+            head applies by name (DeBERTa's ``ContextPooler``: ``ACT2FN[config.pooler_hidden_act]``),
+            or None.
+        norm: a norm after the activation (ModernBERT's ``head.norm``), or None.
+        position: the token the head reads.
+        pooling_config: the config attribute choosing how the head pools the tokens
+            (ModernBERT's ``classifier_pooling``: ``"cls"`` reads ``position``, ``"mean"`` the
+            mean over the real tokens; another value is refused by the methods that need the
+            head), or None: always ``position``.
+    """
+
+    dense: str
+    classifier: str
+    activation: Optional[str] = None
+    activation_config: Optional[str] = None
+    norm: Optional[Norm] = None
+    position: int = 0
+    pooling_config: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if (self.activation is None) == (self.activation_config is None):
+            raise ValueError(f"ClassifierHead {self.dense!r}: name the activation module or its config attribute (one)")
+
+
+@dataclass(frozen=True)
 class Head:
     r"""What follows the last layer.
 
@@ -283,6 +333,9 @@ class Head:
             ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
             A tanh is not linear: the decompositions explain the pre-cap logit, say so in
             the result, and report the capped one beside it.
+        classifier: the sequence-classification head (:class:`ClassifierHead`), for the
+            families whose classification head is described here rather than in
+            :data:`captum_normattr.models.heads.HEAD_ADAPTERS`, or None.
     """
 
     final_norm: Optional[Norm] = None
@@ -291,6 +344,7 @@ class Head:
     logit_divisor: Optional[str] = None
     final_softcap: Optional[str] = None
     projection: Optional[str] = None
+    classifier: Optional[ClassifierHead] = None
 
 
 @dataclass(frozen=True)
@@ -355,8 +409,9 @@ class ArchitectureSpec:
         inputs: the :class:`Inputs` quirks.
         variants: :class:`Variant` descriptions chosen by a config attribute.
         refused_configs: ``(config attribute, value, why)``: configs of the family that no
-            description covers (BLOOM's ``apply_residual_connection_post_layernorm=True``),
-            refused with ``why`` (:meth:`refusal`).
+            description covers, refused with ``why`` (:meth:`refusal`): the config sets the
+            attribute to ``value`` (BLOOM's ``apply_residual_connection_post_layernorm=True``),
+            or, with ``value`` ``...``, to any true value (DeBERTa's ``conv_kernel_size``).
         notes: one line for the docs' table (what is special about the family).
         decoder_layers: an encoder-decoder's second stack: the path of the decoder's layer
             list, from the model holding ``encoder`` and ``decoder`` (``layers`` is then the
@@ -446,8 +501,9 @@ class ArchitectureSpec:
     def refusal(self, config: Any) -> Optional[str]:
         r"""Why this family's model with ``config`` is not supported (:attr:`refused_configs`), or None."""
         for attribute, value, why in self.refused_configs:
-            if config is not None and getattr(config, attribute, object()) == value:
-                return f"{self.family} with {attribute}={value!r} is not supported: {why}"
+            got = getattr(config, attribute, None) if config is not None else None
+            if (bool(got) if value is ... else got == value and hasattr(config, attribute)):
+                return f"{self.family} with {attribute}={got!r} is not supported: {why}"
         return None
 
     @property
@@ -561,6 +617,8 @@ class ArchitectureSpec:
         if v is not None and v.layout != "plain":
             out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head"}.get(
                 v.layout, f"{v.layout} QKV"))
+        if lay.attention.probabilities == "module_output":
+            out.append("attention computed in its module")
         if lay.attention.softcap:
             out.append("attention soft-cap")
         if lay.attention.probabilities == "returned":

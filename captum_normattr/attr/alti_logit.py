@@ -17,12 +17,12 @@ from captum_normattr.attr.base import (
     mark_non_finite,
     streamed_forward,
 )
-from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model
+from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model, check_next_token_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at, logit_direction
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.rollout import LayerMapStore
-from captum_normattr.models.adapters import layer_modules, unwrap_model
+from captum_normattr.models.adapters import get_adapter, layer_modules, unwrap_model
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.result import LogitDecompositionResult
 
@@ -134,6 +134,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
         strict: bool = False,
     ) -> None:
+        check_next_token_model(get_adapter(model), "ALTILogitAttribution")  # before the layer kind's refusal
         super().__init__(model, explained_position, "raw", strict=strict)
         self.model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside
         check_logit_model(self.adapter, "ALTILogitAttribution")

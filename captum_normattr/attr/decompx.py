@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -26,6 +26,9 @@ from captum_normattr.decompose.decompx import (
     head_scores,
     head_slope,
     logit_scores,
+    mean_pool_weights,
+    pool_frozen_rows,
+    pool_head_parts,
 )
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.layer_kinds import layer_kind
@@ -166,7 +169,9 @@ class DecompXAttribution(Attribution):
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
     ``RobertaForSequenceClassification`` (and XLM-R/CamemBERT), ``ElectraForSequenceClassification``,
-    ``DistilBertForSequenceClassification``. A bare encoder (``BertModel`` ...) has no classes
+    ``DistilBertForSequenceClassification``, and the heads that the architecture registry
+    describes (``Head.classifier``: DeBERTa-v2's pooler, ModernBERT's head, whose final norm and
+    head LayerNorm are frozen at their real scales). A bare encoder (``BertModel`` ...) has no classes
     to explain and raises :class:`~captum_normattr.UnsupportedModelError`; its per-layer parts are
     available from :func:`captum_normattr.decompose.decompx.propagate_parts`.
 
@@ -415,7 +420,8 @@ class DecompXAttribution(Attribution):
         dtype = compute_dtype(self.model)
         n = len(self._modules_list)
         pos = self.output.position
-        head_rows = torch.tensor([pos], device=valid.device)
+        mean = self.output.head.pooling == "mean"  # ModernBERT's classifier_pooling="mean": the head reads every row
+        head_rows = torch.arange(valid.shape[1], device=valid.device) if mean else torch.tensor([pos], device=valid.device)
         kept: Dict[str, Tensor] = {}
         prop: Optional[PartsPropagation] = None
         adj: Optional[AdjointPass] = None
@@ -431,7 +437,7 @@ class DecompXAttribution(Attribution):
             else:
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
             if layer.index == n - 1:
-                kept["pooled"] = layer.layer_out[:, pos]  # the head's real input
+                kept["pooled"] = layer.layer_out if mean else layer.layer_out[:, pos]  # the head's real input (rows)
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
                              guard=ConsistencyGuard(self.get_name(), self.strict)) as (
@@ -442,27 +448,41 @@ class DecompXAttribution(Attribution):
             logits = model_logits.to(valid.device, dtype)
             tgt = self.output.resolve(target, logits)
             hp = self.output.params(dtype, kept["pooled"].device)
+            pool = None
+            if mean:  # the head's input: the weighted mean of the final-norm rows; the head itself then has no pre-norm
+                rows_real, weights, final = kept["pooled"], mean_pool_weights(valid, dtype), hp.pre_norm
+                kept["pooled"] = pool_frozen_rows(rows_real, rows_real, weights, final, with_bias=True)
+                hp = replace(hp, pre_norm=None)
+                pool = lambda y: pool_frozen_rows(y, rows_real, weights, final, with_bias=True)
             self.output.check_against_model(kept["pooled"], hp, model_logits, self.strict)
             ar = torch.arange(logits.shape[0], device=logits.device)
             if adj is not None:
                 slope = head_slope(kept["pooled"], hp)
                 if target_only:  # one vector-Jacobian product per layer in all
-                    scores, bias_t = adjoint_head_scores(adj, self._rerun(rec), hp, slope, tgt)
+                    scores, bias_t = adjoint_head_scores(adj, self._rerun(rec), hp, slope, tgt, kept["pooled"], pool)
                     scores = scores * valid.to(dtype)
                     delta = (scores.sum(-1) + bias_t - logits[ar, tgt]).abs()
                     return DecompXResult(
                         method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
                         target=tgt, logits=logits, bias_mode=self.bias_mode, algorithm=algorithm,
                     )
-                cls_scores, bias_scores = adjoint_head_scores(adj, self._rerun(rec), hp, slope)
+                cls_scores, bias_scores = adjoint_head_scores(adj, self._rerun(rec), hp, slope, real_input=kept["pooled"],
+                                                              pool=pool)
         with torch.no_grad():
             res = None
             if prop is not None:
                 res = prop.result()
-                row = int((res.rows == pos).nonzero()[0, 0])
+                if mean:
+                    idx = torch.searchsorted(res.rows, head_rows)
+                    head_parts, head_bias, _ = pool_head_parts(res.parts[:, idx], res.bias[:, idx], rows_real, weights,
+                                                               final, self.bias_mode)
+                else:
+                    row = int((res.rows == pos).nonzero()[0, 0])
+                    head_parts, head_bias = res.parts[:, row], res.bias[:, row]
                 cls_scores, bias_scores = head_scores(
-                    res.parts[:, row], res.bias[:, row], kept["pooled"],
+                    head_parts, head_bias, kept["pooled"],
                     hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
+                    pre_norm=hp.pre_norm, norm=hp.norm,
                 )
             cls_scores = cls_scores * valid.to(dtype).unsqueeze(-1)
             scores = cls_scores[ar, :, tgt]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
+from captum_normattr.decompose.guards import rebuild_norm
 from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, unwrap_model
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 from captum_normattr.models.weights import weight_and_bias
@@ -487,14 +488,19 @@ class ClassLogit:
         r"""Guard: the head applied to the recorded last-layer output at its token gives the model's own logits.
 
         Args:
-            pooled: (B, D) the last layer's real output at the head's token.
+            pooled: (B, D) the last layer's real output at the head's token (a head with a
+                final norm, :attr:`~captum_normattr.models.heads.HeadParams.pre_norm`, applies it).
             params: the head parameters the decomposition propagates through.
             model_logits: (B, C) the model's forward output.
             strict: see :func:`check_explained_logit`.
         """
         x = pooled.to(params.w_dense.dtype)
+        if params.pre_norm is not None:  # a pre-LN encoder: the head reads the final norm's output
+            x = rebuild_norm(x, params.pre_norm)
         hidden = x @ params.w_dense + (params.b_dense if params.b_dense is not None else 0.0)
         a = params.act(hidden)
+        if params.norm is not None:  # ModernBERT's head: a norm after the activation
+            a = rebuild_norm(a, params.norm)
         rebuilt = a @ params.w_cls + (params.b_cls if params.b_cls is not None else 0.0)
         magnitude = a.abs() @ params.w_cls.abs() + (params.b_cls.abs() if params.b_cls is not None else 0.0)
         check_explained_logit(rebuilt, model_logits, magnitude, params.w_cls.shape[0], "class logits", strict)
@@ -694,8 +700,19 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
         return False
 
 
+def check_next_token_model(adapter: ArchitectureAdapter, method: str) -> None:
+    r"""Raise a ValueError for a bidirectional text encoder (it predicts no next token)."""
+    if not adapter.causal and adapter.modality == "text":  # a bidirectional encoder (ModernBERT) has no next token
+        raise ValueError(
+            f"{method} explains next-token logits of decoders; {adapter.family} is a bidirectional encoder, "
+            "which predicts no next token: explain its class logits with DecompXAttribution and its token mixing with "
+            "ALTIAttribution or GlobEncAttribution"
+        )
+
+
 def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
-    r"""Raise a ValueError unless the model is a pre-LN decoder with a final norm."""
+    r"""Raise a ValueError unless the model is a decoder with norms inside its branches and a final norm."""
+    check_next_token_model(adapter, method)
     if not adapter.pre_ln or adapter.final_norm is None:
         raise ValueError(
             f"{method} explains next-token logits of decoders with norms inside the branches, through their final "
@@ -705,7 +722,7 @@ def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
 
 __all__ = [
     "ClassLogit", "ExplainedOutputMismatchError", "ExplainedOutputMismatchWarning", "ImageClassLogit", "LogitDirection",
-    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model", "logit_scale",
+    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model", "check_next_token_model", "logit_scale",
     "logit_tolerances", "with_forward_kwargs",
 ]
 

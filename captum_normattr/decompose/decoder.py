@@ -407,7 +407,7 @@ def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
         (B, D).
     """
     w = unembed if params.weight is None else unembed * params.weight
-    if params.kind != "rmsnorm":
+    if params.kind == "layernorm":
         w = w - w.mean(-1, keepdim=True)
     return w / norm_scale(real_input, params).unsqueeze(-1)
 

@@ -41,6 +41,8 @@ def norm_scale(u: Tensor, params: NormParams) -> Tensor:
 
 
 def _norm_scale_rows(u: Tensor, params: NormParams) -> Tensor:
+    if params.kind == "identity":  # an nn.Identity in a norm's place (ModernBERT's first attention norm)
+        return torch.ones(u.shape[:-1], dtype=u.dtype, device=u.device)
     if params.kind == "rmsnorm":
         return torch.sqrt(u.pow(2).mean(-1) + params.eps)
     # the biased variance as a norm of the centred input: same value, several times faster than

@@ -16,7 +16,8 @@ class NormParams:
         weight: gamma, shape (D,), or None for no affine scale.
         bias: beta, shape (D,), or None (always None for RMSNorm).
         eps: the epsilon inside the square root.
-        kind: ``"layernorm"`` or ``"rmsnorm"``.
+        kind: ``"layernorm"``, ``"rmsnorm"`` or ``"identity"`` (an ``nn.Identity`` module in a
+            norm's place, as ModernBERT's first attention norm: scale 1, no centering, no parameters).
     """
 
     weight: Optional[Tensor]

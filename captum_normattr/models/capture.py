@@ -32,6 +32,7 @@ version counter), after which that tensor is recorded as a copy.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -313,11 +314,14 @@ def norm_params(
 
     Returns:
         :class:`NormParams` whose ``weight`` is the effective gain (``weight + weight_offset``:
-        Gemma's ``1 + w``).
+        Gemma's ``1 + w``); an ``nn.Identity`` in the norm's place gives the identity norm
+        (kind ``"identity"``).
 
     The parameters are read wherever they live (:func:`~captum_normattr.models.weights.module_tensor`),
     also from the hook of a module offloaded by accelerate.
     """
+    if isinstance(module, nn.Identity):  # no norm in this layer (ModernBERT's first attention norm)
+        return NormParams(weight=None, bias=None, eps=0.0, kind="identity")
     offset, described_eps = 0.0, None
     if kind == "identity" or (isinstance(kind, Norm) and kind.kind == "identity"):
         return NormParams(weight=None, bias=None, eps=0.0, kind="identity")  # a branch without a pre-norm
@@ -732,6 +736,8 @@ class Recorder(AttentionRecords):
                             i, "feed-forward input vs " + ("the second norm's output" if a.pre_ln else "the first norm's output"),
                             ff_input, False)))
                 handles.append(get_path(layer, a.attn_out).register_forward_pre_hook(context_check(i)))
+                if a.layer.attention.probabilities == "module_output":  # DeBERTa: the module computes its attention
+                    handles.extend(self._module_output_hooks(layer))
                 handles.append(layer.register_forward_hook(post_hook))
             if a.final_norm is not None:
 
@@ -745,6 +751,57 @@ class Recorder(AttentionRecords):
 
                 handles.append(get_path(self.base, a.final_norm).register_forward_hook(final_hook))
         return handles
+
+    def _module_output_hooks(self, layer: nn.Module) -> list:
+        r"""Hooks that record the probabilities an attention module computes itself (``probabilities="module_output"``).
+
+        The module is called with ``output_attentions=True`` (its own forward then returns
+        ``(context, probabilities)``; what its caller receives does not change, DeBERTa's
+        attention block drops the probabilities unless it asked for them); its value
+        projection's output, reshaped per head, is recorded as the values, and its context
+        output (B, T, H * Dh) as the attention context.
+        """
+        a = self.adapter
+        module = get_path(layer, a.attention)
+        value_module = get_path(layer, a.attn_value)
+        signature = inspect.signature(module.forward)
+        if "output_attentions" not in signature.parameters:
+            raise ValueError(
+                f"the {a.family} description records the probabilities from the output of {type(module).__name__}, "
+                "whose forward takes no output_attentions argument"
+            )
+        got: Dict[str, Tensor] = {}
+
+        def ask(mod, args, kwargs):
+            if not self._mine():
+                return None
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["output_attentions"] = True
+            return bound.args, bound.kwargs
+
+        def keep_values(mod, args, output):
+            if self._mine():
+                got["values"] = _first_tensor(output)
+
+        def record(mod, args, output):
+            if not self._mine():
+                return
+            values = got.pop("values", None)
+            if not isinstance(output, (tuple, list)) or len(output) < 2 or output[1] is None or values is None:
+                raise RuntimeError(
+                    f"{type(mod).__name__} returned no attention probabilities with output_attentions=True (or its value "
+                    f"projection did not run); the {a.family} description does not match the model"
+                )
+            probs, context = output[1], output[0]
+            b, h, t, s = probs.shape
+            values = values.reshape(b, s, h, -1).transpose(1, 2)
+            self.record_attention(mod, probs, values, context.reshape(b, t, h, -1))
+
+        return [
+            module.register_forward_pre_hook(ask, with_kwargs=True),
+            value_module.register_forward_hook(keep_values),
+            module.register_forward_hook(record),
+        ]
 
     def _changed_in_place(self, idx: int, rec: Dict[str, Tensor]) -> None:
         versions = self.versions.pop(idx, {})

@@ -7,7 +7,11 @@ dense layer, an elementwise activation and an output projection:
 
 (dropout is the identity in eval mode). Paths are dotted attribute paths from the model
 with the head (``*ForSequenceClassification``). Adding a family is one
-:class:`HeadAdapter` entry in :data:`HEAD_ADAPTERS`.
+:class:`HeadAdapter` entry in :data:`HEAD_ADAPTERS`, or a
+:class:`~captum_normattr.arch.spec.ClassifierHead` in the family's architecture description
+(``Head.classifier``: DeBERTa-v2's pooler, whose activation is named by the config;
+ModernBERT's head, which reads the final norm's output of token 0 or the mean over the real
+tokens and has a norm after its activation: logits = N(act(h W_d + b_d)) W_c + b_c).
 """
 from __future__ import annotations
 
@@ -17,7 +21,11 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params, unwrap_model
+from captum_normattr.arch.registry import ARCHITECTURES, lookup
+from captum_normattr.arch.spec import Norm
+from captum_normattr.decompose.records import NormParams
+from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
+from captum_normattr.models.capture import norm_params
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,13 @@ class HeadAdapter:
         activation: path of the activation module, from the model, or None when the
             head applies a fixed function (see ``activation_fn``).
         activation_fn: the fixed elementwise activation when ``activation`` is None.
+        activation_config: the config attribute naming a transformers activation
+            (``ACT2FN[config.<attribute>]``) when neither of the above is given.
+        norm: a norm after the activation (ModernBERT's ``head.norm``), path from the model.
+        pre_norm: the final norm the head's input passes first (pre-LN encoders), path from
+            the base model.
+        pooling: ``"first"`` (the head reads token ``position``) or ``"mean"`` (the mean of
+            the real tokens' (final-norm) outputs, ModernBERT's ``classifier_pooling="mean"``).
     """
 
     family: str
@@ -44,6 +59,10 @@ class HeadAdapter:
     activation_fn: Optional[Callable[[Tensor], Tensor]] = None
     model_class_suffix: str = "ForSequenceClassification"
     position: int = 0
+    activation_config: Optional[str] = None
+    norm: Optional[Norm] = None
+    pre_norm: Optional[Norm] = None
+    pooling: str = "first"
 
 
 HEAD_ADAPTERS: Dict[str, HeadAdapter] = {
@@ -67,9 +86,11 @@ HEAD_ADAPTERS: Dict[str, HeadAdapter] = {
 
 
 def supported_heads() -> str:
-    r"""Readable list of the supported classification heads."""
+    r"""Readable list of the supported classification heads (those of :data:`HEAD_ADAPTERS` and of the registry)."""
+    described = [(s.family, s.model_types) for s in ARCHITECTURES.values() if s.head.classifier is not None]
     return ", ".join(
-        f"{a.family} (*{a.model_class_suffix}, model_type {'/'.join(a.model_types)})" for a in HEAD_ADAPTERS.values()
+        [f"{a.family} (*{a.model_class_suffix}, model_type {'/'.join(a.model_types)})" for a in HEAD_ADAPTERS.values()]
+        + [f"{family} (*ForSequenceClassification, model_type {'/'.join(types)})" for family, types in described]
     )
 
 
@@ -82,6 +103,12 @@ class HeadParams:
         act: the elementwise activation.
         w_cls: (D2, C) right-multiplied output weight; b_cls: (C,) or None.
         position: the token the head reads.
+        norm: the norm after the activation, or None:
+            logits = N(act(h W_d + b_d)) W_c + b_c.
+        pre_norm: the final norm before the head (pre-LN encoders), or None: then h is
+            that norm's output of the last layer's output.
+        pooling: ``"first"`` (h is token ``position``'s) or ``"mean"`` (h is the mean over the
+            real tokens).
     """
 
     w_dense: Tensor
@@ -90,6 +117,9 @@ class HeadParams:
     w_cls: Tensor
     b_cls: Optional[Tensor]
     position: int = 0
+    norm: Optional[NormParams] = None
+    pre_norm: Optional[NormParams] = None
+    pooling: str = "first"
 
 
 def get_head_adapter(model: nn.Module) -> HeadAdapter:
@@ -116,10 +146,61 @@ def get_head_adapter(model: nn.Module) -> HeadAdapter:
             except (AttributeError, IndexError) as err:
                 raise UnsupportedModelError(f"{name} does not have the expected {head.family} head ({err})") from err
             return head
+    described = _described_head(model, model_type, name)
+    if described is not None:
+        return described
     raise UnsupportedModelError(
         f"{name} (model type {model_type!r}) has no supported classification head. "
         f"Supported heads: {supported_heads()}."
     )
+
+
+def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> Optional[HeadAdapter]:
+    r"""The head of a sequence classifier whose architecture description names one (``Head.classifier``), or None.
+
+    Raises:
+        UnsupportedModelError: the description's head pools the tokens in a way the
+            decompositions do not follow (a ``pooling_config`` value other than ``"cls"`` and
+            ``"mean"``), or the model lacks one of its modules.
+    """
+    config = getattr(model, "config", None)
+    spec = lookup(model_type, config)
+    desc = None if spec is None else spec.head.classifier
+    if desc is None or not name.endswith("ForSequenceClassification"):
+        return None
+    pooling = "first"
+    if desc.pooling_config is not None:
+        value = getattr(config, desc.pooling_config, None)
+        pooling = {"cls": "first", "mean": "mean"}.get(value)
+        if pooling is None:
+            raise UnsupportedModelError(
+                f"{name} pools its tokens with {desc.pooling_config}={value!r}, which the decompositions do not follow "
+                f"(supported: 'cls', the head reads token {desc.position}, and 'mean', the mean over the real tokens); "
+                "the maps (GlobEnc, ALTI, FF) do not depend on the head"
+            )
+    head = HeadAdapter(
+        family=spec.family, model_types=spec.model_types, dense=desc.dense, classifier=desc.classifier,
+        activation=desc.activation, activation_config=desc.activation_config, norm=desc.norm,
+        pre_norm=spec.head.final_norm, position=desc.position, pooling=pooling,
+    )
+    try:
+        for path in (head.dense, head.classifier) + tuple(p for p in (head.activation, desc.norm and desc.norm.path) if p):
+            get_path(model, path)
+        if head.pre_norm is not None:
+            get_path(base_model(model), head.pre_norm.path)
+    except (AttributeError, IndexError) as err:
+        raise UnsupportedModelError(f"{name} does not have the expected {head.family} head ({err})") from err
+    return head
+
+
+def _head_activation(model: nn.Module, head: HeadAdapter) -> Callable[[Tensor], Tensor]:
+    if head.activation:
+        return get_path(model, head.activation)
+    if head.activation_fn is not None:
+        return head.activation_fn
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[getattr(model.config, head.activation_config)]
 
 
 def head_params(
@@ -141,8 +222,11 @@ def head_params(
     cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
     w_d, b_d = linear_params(get_path(model, head.dense))
     w_c, b_c = linear_params(get_path(model, head.classifier))
-    act = get_path(model, head.activation) if head.activation else head.activation_fn
-    return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position)
+    act = _head_activation(model, head)
+    norm = None if head.norm is None else norm_params(get_path(model, head.norm.path), head.norm, dtype, device)
+    pre = None if head.pre_norm is None else norm_params(
+        get_path(base_model(model), head.pre_norm.path), head.pre_norm, dtype, device)
+    return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position, norm, pre, head.pooling)
 
 
 # --------------------------------------------------------------------------------------
