@@ -137,8 +137,14 @@ def _same_activation(a: Callable, b: Callable) -> bool:
         return bool(torch.allclose(a(probe.float()), b(probe.float()), rtol=1e-6, atol=0))
 
 
-def _stacked_expert_weights(module: nn.Module, where: str) -> Tuple[Tensor, Tensor, Tensor]:
-    r"""(W_gate (E, D, F), W_up (E, D, F), W_down (E, F, D)) of a fused experts module, right-multiplied."""
+def _stacked_expert_weights(module: nn.Module, where: str) -> Tuple[Tensor, Tensor, Tensor, int]:
+    r"""The experts of a fused experts module side by side, in ``nn.Linear`` layout (out, in).
+
+    Returns:
+        (gate (E F, D), up (E F, D), down (D, E F), E): row e F + f of ``gate`` / ``up`` is hidden
+        neuron f of expert e, so that ``u @ gate.T`` is every expert's gate pre-activation.
+        Copies of whole rows (the 3-D parameters are (E, 2F, D) and (E, D, F)), no strided transpose.
+    """
     for flag, refused in (("has_bias", True), ("has_gate", False), ("has_post_expert_norm", True)):
         if bool(getattr(module, flag, not refused)) == refused:
             raise NotImplementedError(
@@ -152,14 +158,15 @@ def _stacked_expert_weights(module: nn.Module, where: str) -> Tuple[Tensor, Tens
             f"the experts module {where} ({type(module).__name__}) has no 3-D gate_up_proj / down_proj parameters "
             "(transformers 5's fused experts)"
         )
-    if not getattr(module, "is_transposed", False):  # (E, 2F, D) and (E, D, F), applied as x @ W[e].T
+    if getattr(module, "is_transposed", False):  # (E, D, 2F) and (E, F, D), applied as x @ W[e]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    f = gate_up.shape[-1] // 2
-    if getattr(module, "is_concatenated", True):  # [gate | up]
-        w_gate, w_up = gate_up[..., :f], gate_up[..., f:]
-    else:  # [g0, u0, g1, u1, ...]
-        w_gate, w_up = gate_up[..., 0::2], gate_up[..., 1::2]
-    return w_gate, w_up, down
+    e, two_f, d = gate_up.shape
+    f = two_f // 2
+    if getattr(module, "is_concatenated", True):  # rows [gate | up]
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+    else:  # rows [g0, u0, g1, u1, ...]
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return gate.reshape(e * f, d), up.reshape(e * f, d), down.permute(1, 0, 2).reshape(d, e * f), e
 
 
 def routing_scale(index: Tensor, weights: Tensor, num_experts: int) -> Tensor:
@@ -210,28 +217,27 @@ def experts_ff_params(
     missing = [k for k in EXPERT_KEYS + (("shared_gate_logit",) if ex.shared_gate else ()) if k not in rec]
     if missing:
         raise RuntimeError(f"the forward pass recorded no {missing} for the experts module {ex.module!r}")
-    w_gate, w_up, w_down = _stacked_expert_weights(module, ex.module)
-    e, d, f = w_gate.shape
+    gate, up, down, e = _stacked_expert_weights(module, ex.module)  # (E F, D), (E F, D), (D, E F)
+    f = gate.shape[0] // e
     b, t = rec["ln2_out"].shape[:2]
     index, weights = rec["expert_index"], rec["expert_weights"]
     if index.shape[0] != b * t:
         raise RuntimeError(f"the experts module routed {index.shape[0]} tokens, not the batch's {b} x {t}")
     act = _path(layer, ff.act)
     scale = cast(routing_scale(index.to(device), cast(weights), e)).repeat_interleave(f, dim=1)  # (N, E F)
-    to_cols = lambda w: cast(w).permute(1, 0, 2).reshape(d, e * f)  # (E, D, F) -> (D, E F), expert-major
-    w_g, w_u, w_d = to_cols(w_gate), to_cols(w_up), cast(w_down).reshape(e * f, d)
     if ex.shared is not None:
-        sg, sgb, su, sub, sd, sdb = _gated_weights(layer, ex.shared)
+        sg, sgb, su, sub, sd, sdb = _gated_weights(layer, ex.shared)  # right-multiplied: (D, Fs), (Fs, D)
         if any(x is not None for x in (sgb, sub, sdb)):
             raise NotImplementedError("a shared expert with biases is not decomposed")
         if not _same_activation(act, _path(layer, ex.shared.act)):
             raise NotImplementedError("the shared expert's activation differs from the experts': not decomposed")
         fs = sd.shape[0]
         if ex.shared_gate is not None:  # sigmoid in the dtype the model computed it in, then cast (held fixed)
-            logit = rec["shared_gate_logit"].detach()
-            gate = cast(torch.sigmoid(logit)).reshape(b * t, 1)
+            gate_value = cast(torch.sigmoid(rec["shared_gate_logit"].detach())).reshape(b * t, 1)
         else:
-            gate = scale.new_ones(b * t, 1)
-        w_g, w_u, w_d = torch.cat([w_g, cast(sg)], 1), torch.cat([w_u, cast(su)], 1), torch.cat([w_d, cast(sd)], 0)
-        scale = torch.cat([scale, gate.expand(b * t, fs)], 1)
+            gate_value = scale.new_ones(b * t, 1)
+        gate, up = torch.cat([cast(gate), cast(sg.T)], 0), torch.cat([cast(up), cast(su.T)], 0)
+        down = torch.cat([cast(down), cast(sd.T)], 1)
+        scale = torch.cat([scale, gate_value.expand(b * t, fs)], 1)
+    w_g, w_u, w_d = cast(gate).T, cast(up).T, cast(down).T  # right-multiplied views: (D, F), (D, F), (F, D)
     return FFParams(w_u, None, w_d, None, act, w_g, None, hidden_scale=scale.reshape(b, t, -1))
