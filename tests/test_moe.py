@@ -208,6 +208,36 @@ def test_the_ff_guard_fires_when_the_experts_compute_something_else():
         handle.remove()
 
 
+def test_the_ff_guard_fires_when_the_expert_weights_are_read_in_another_layout():
+    r"""The eager experts always split gate_up_proj as [gate | up]; a module flag claiming the interleaved layout
+    makes the package read other weights than the model computes with: the FF guard names it."""
+    model = build_moe("mixtral", "lm")
+    model.model.layers[0].mlp.experts.is_concatenated = False
+    ids, mask = decoder_batch([6, 4], seed=1)
+    with pytest.raises(ConsistencyError, match="layer 0 .*feed-forward output rebuilt"):
+        FFIntegratedDecomposition(model, strict=True).attribute(ids, additional_forward_args=(mask,))
+
+
+def test_dense_layers_of_a_sparse_family():
+    r"""Qwen2-MoE with layer 1 dense (``mlp_only_layers``): that layer is read as the dense gated FF of the
+    description; every method still sums to the model's logit."""
+    model = build_moe("qwen2_moe", "lm", mlp_only_layers=[1])
+    assert not hasattr(model.model.layers[1].mlp, "experts") and hasattr(model.model.layers[0].mlp, "experts")
+    ids, mask = decoder_batch([6, 4], seed=2)
+    layers = recorded_layers(model, ids, mask)
+    assert layers[0].ff.hidden_scale is not None and layers[1].ff.hidden_scale is None
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]
+    target = logits.argmax(-1)
+    expect = logits.gather(1, target[:, None])[:, 0]
+    res = ALTILogitAttribution(model, strict=True).decompose(ids, target=target, additional_forward_args=(mask,))
+    assert _rel(res.scores.sum(-1) + res.no_token_total, expect) < 1e-10
+    dx = DecompXAttribution(model, strict=True).decompose(ids, target=target, additional_forward_args=mask)
+    assert _rel(dx.class_scores.sum(1)[:, 0] + dx.bias_scores[:, 0], expect) < 1e-10
+    ff = FFIntegratedDecomposition(model, strict=True).decompose(ids, additional_forward_args=(mask,))
+    assert float(ff.extras["completeness_error"].max()) < 1e-10 * float(layers[0].ff_out.abs().max())
+
+
 def test_the_experts_input_guard_fires():
     model = build_moe("mixtral", "lm")
 
