@@ -245,7 +245,7 @@ def table(header: list, rows: list) -> str:
 
 def section_depth(R: Runner, methods: list) -> None:
     a = R.args
-    print(f"\n## depth: bare LlamaModel {SMALL_LLAMA}, {a.depth_tokens} tokens, batch 1, layers {a.layers}", flush=True)
+    print(f"\n## depth: bare {a.family} model shaped like {SMALL_LLAMA}, {a.depth_tokens} tokens, batch 1, layers {a.layers}", flush=True)
     res = {}
     for n_layers in a.layers:
         for m in methods:
