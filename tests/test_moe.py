@@ -153,6 +153,11 @@ def test_one_token_equals_a_naive_per_expert_reference(key):
     ids, mask = decoder_batch([6], seed=4)
     _, routing = real_ff(model, ids, mask)
     i = 4
+    with torch.no_grad():
+        _naive_token(model, ids, mask, routing, i)
+
+
+def _naive_token(model, ids, mask, routing, i):
     for layer in recorded_layers(model, ids, mask):
         mlp = model.model.layers[layer.index].mlp
         t = ids.shape[1]
@@ -279,3 +284,24 @@ def test_float32_with_the_default_grouped_mm_kernel(key):
     real, _ = real_ff(model, ids, mask)
     scale = max(float(v.abs().max()) for v in real.values())
     assert float(ff.extras["completeness_error"].max()) < FLOAT32_TOLERANCE * scale
+
+
+@pytest.mark.parametrize("head", ["bare", "cls"])
+@pytest.mark.parametrize("key", KEYS)
+def test_bare_and_classifier_models(key, head):
+    r"""The bare ``*Model`` and ``*ForSequenceClassification``: the attention maps and FF scopes complete (the
+    FF parts against the recorded real FF output), padded == single for the FF maps."""
+    from captum_normattr import ALTIAttribution, GlobEncAttribution
+
+    model = build_moe(key, head)
+    ids, mask = decoder_batch([6, 4], seed=3)
+    t = ids.shape[1]
+    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
+        attr = cls(model, strict=True)
+        res = attr.decompose(ids, additional_forward_args=(mask,))
+        err = res.extras.get("completeness_error")
+        if err is not None:
+            assert float(err.max()) < 1e-9 * max(1.0, float(res.layer_maps.abs().max()))
+        alone = attr.decompose(ids[1:, t - 4:])
+        torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0,
+                                   atol=1e-9 * float(res.scores.abs().max()))
