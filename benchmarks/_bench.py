@@ -25,7 +25,7 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json", "random_ids", "LLAMA_100M",
-           "llama_model", "decoder_runner", "DECODER_TARGET"]
+           "llama_model", "decoder_runner", "DECODER_TARGET", "DECODER_FAMILIES", "family_model"]
 
 # The ~100M Llama-family decoder of benchmarks/speed_decoder.py and memory_engine.py (97.6M parameters).
 LLAMA_100M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -284,6 +284,53 @@ def llama_model(config: Mapping[str, Any], layers: Optional[int] = None, seed: i
     cfg = LlamaConfig(**{**config, **({} if layers is None else {"num_hidden_layers": layers})})
     cfg._attn_implementation = "sdpa"
     return LlamaModel(cfg).eval()
+
+
+#: the decoder families :func:`family_model` builds beside Llama (one of each new topology's figures)
+DECODER_FAMILIES = ("llama", "mixtral", "qwen2_moe")
+
+
+def family_model(family: str, config: Mapping[str, Any], layers: Optional[int] = None, seed: int = 0):
+    r"""A bare decoder of ``family`` shaped like the Llama ``config``, random weights (seeded), sdpa, eval mode.
+
+    ``llama``: :func:`llama_model`. ``mixtral``: the same attention and norms, the FF a sparse block of
+    4 experts, top-2, each of half the Llama FF width (the FF width a token uses is the Llama one), the
+    default ``grouped_mm`` experts kernel; ``qwen2_moe``: the same plus a shared expert of half the
+    width (sigmoid-gated) and qkv biases.
+
+    Args:
+        family (str): one of :data:`DECODER_FAMILIES`.
+        config (Mapping[str, Any]): ``LlamaConfig`` keyword arguments (e.g. :data:`LLAMA_100M`).
+        layers (int, optional): ``num_hidden_layers`` instead of the config's. Default: None.
+        seed (int, optional): ``torch.manual_seed`` before the weights are drawn. Default: 0.
+
+    Returns:
+        The bare model, float32, on the CPU.
+    """
+    if family == "llama":
+        return llama_model(config, layers, seed)
+    import transformers as tf
+
+    cfg = {**config, **({} if layers is None else {"num_hidden_layers": layers})}
+    half = int(cfg.pop("intermediate_size")) // 2
+    if family == "mixtral":
+        config_obj = tf.MixtralConfig(**cfg, num_local_experts=4, num_experts_per_tok=2, intermediate_size=half)
+        cls = tf.MixtralModel
+    elif family == "qwen2_moe":
+        config_obj = tf.Qwen2MoeConfig(**cfg, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=half,
+                                       shared_expert_intermediate_size=half, intermediate_size=2 * half,
+                                       use_sliding_window=False)
+        cls = tf.Qwen2MoeModel
+    else:
+        raise ValueError(f"unknown decoder family {family!r}; choose from {DECODER_FAMILIES}")
+    torch.manual_seed(seed)
+    config_obj._attn_implementation = "sdpa"
+    model = cls(config_obj).eval()
+    with torch.no_grad():  # routers drawn at std 1 (Qwen's start at zero: every token would tie)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    return model
 
 
 def decoder_runner(name: str, model: Any, target: int = DECODER_TARGET) -> Callable[[torch.Tensor], Any]:

@@ -47,7 +47,9 @@ fit the time budget of a shared 2-core machine):
 
     nice -n 10 python benchmarks/memory_engine.py --json benchmarks/results/memory_engine_after.json
 
-Options: ``--sections depth length encoder``, ``--lengths 1024 2048 4096 8192``, ``--layers 4 8``,
+Options: ``--family llama|mixtral|qwen2_moe`` (the decoder sections' model, shaped like the Llama one:
+``_bench.family_model``; a mixture of experts has 4 experts, top-2, of half the Llama FF width),
+``--sections depth length encoder``, ``--lengths 1024 2048 4096 8192``, ``--layers 4 8``,
 ``--limit-gb 8``, ``--skip METHOD ...`` (any of forward globenc alti alti_logit decompx ff ff_alti),
 ``--timeout``/``--ff-timeout`` (seconds per child), ``--json out.json`` (with ``--merge-json``: keep the
 file's records of the sections not run now, to fill a file over several runs), ``--package-root DIR``.
@@ -69,7 +71,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from _bench import (  # noqa: E402
-    LLAMA_100M, decoder_runner, llama_model, measure_peak, print_json, random_ids, rss_mb, run_child)
+    DECODER_FAMILIES, LLAMA_100M, decoder_runner, family_model, measure_peak, print_json, random_ids, rss_mb, run_child)
 
 SMALL_LLAMA = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704,
                    vocab_size=1000, max_position_embeddings=16384, hidden_act="silu")
@@ -145,11 +147,11 @@ def child(args, package_file: str) -> None:
         inputs = (ids, torch.ones_like(ids))
         fn = _encoder_runner(name, model)
     else:
-        model = llama_model(SMALL_LLAMA if section == "depth" else LLAMA_100M, layers=args._layers)
+        model = family_model(args.family, SMALL_LLAMA if section == "depth" else LLAMA_100M, layers=args._layers)
         inputs = (random_ids(args._batch, args._tokens, low=1 if section == "depth" else 100,
                              high=1000 if section == "depth" else 30000, cls=None),)
         fn = decoder_runner(name, model)
-    record = {"section": section, "method": name, "layers": args._layers if section != "encoder" else 12,
+    record = {"section": section, "family": args.family, "method": name, "layers": args._layers if section != "encoder" else 12,
               "tokens": args._tokens, "batch": args._batch, "threads": torch.get_num_threads(),
               "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
               "package_file": _rel(package_file), "exceeded": False, "timed_out": False}
@@ -197,7 +199,7 @@ class Runner:
 
     def run(self, section: str, name: str, *, layers: int, tokens: int, batch: int) -> dict:
         timeout = self.args.ff_timeout if name.startswith("ff") else self.args.timeout
-        argv = ["--package-root", self.args.package_root, "--_child", f"{section}:{name}", "--_layers", layers,
+        argv = ["--package-root", self.args.package_root, "--family", self.args.family, "--_child", f"{section}:{name}", "--_layers", layers,
                 "--_tokens", tokens, "--_batch", batch, "--_limit", self.limit_mb, "--_timeout", timeout]
         what = f"{section} {name} ({layers} layers, {tokens} tokens, batch {batch})"
         t0 = time.perf_counter()
@@ -243,7 +245,7 @@ def table(header: list, rows: list) -> str:
 
 def section_depth(R: Runner, methods: list) -> None:
     a = R.args
-    print(f"\n## depth: bare LlamaModel {SMALL_LLAMA}, {a.depth_tokens} tokens, batch 1, layers {a.layers}", flush=True)
+    print(f"\n## depth: bare {a.family} model shaped like {SMALL_LLAMA}, {a.depth_tokens} tokens, batch 1, layers {a.layers}", flush=True)
     res = {}
     for n_layers in a.layers:
         for m in methods:
@@ -263,7 +265,7 @@ def section_depth(R: Runner, methods: list) -> None:
 
 def section_length(R: Runner, methods: list) -> None:
     a = R.args
-    print(f"\n## length: bare LlamaModel {LLAMA_100M}, batch 1, tokens {a.lengths}, limit {a.limit_gb:g} GB",
+    print(f"\n## length: bare {a.family} model shaped like {LLAMA_100M}, batch 1, tokens {a.lengths}, limit {a.limit_gb:g} GB",
           flush=True)
     res, over = {}, set()
     for t in a.lengths:
@@ -301,6 +303,8 @@ def main() -> None:
     p.add_argument("--package-root", default=os.path.dirname(HERE),
                    help="checkout whose captum_normattr is measured (default: the repository holding this script)")
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="depth section: layer counts")
+    p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,
+                   help="decoder sections: the family of the model, shaped like the Llama config (_bench.family_model)")
     p.add_argument("--depth-tokens", type=int, default=2048)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="length section: tokens")
     p.add_argument("--encoder-tokens", type=int, default=512)

@@ -34,15 +34,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
 sys.path.insert(0, HERE)
 
-from _bench import LLAMA_100M, decoder_runner, llama_model, measure_peak, print_json, random_ids, time_interleaved  # noqa: E402
+from _bench import DECODER_FAMILIES, LLAMA_100M, decoder_runner, family_model, measure_peak, print_json, random_ids, time_interleaved  # noqa: E402
 from _bench import run_child as _run_script  # noqa: E402
 
 CONFIG = LLAMA_100M
 METHODS = ("forward", "globenc", "alti", "alti_logit", "ff")
+#: the family of the measured model (``--family``; ``_bench.family_model``: a mixture of experts shaped like the Llama)
+FAMILY = ["llama"]
 
 
 def _model():
-    return llama_model(CONFIG)
+    return family_model(FAMILY[0], CONFIG)
 
 
 def _runner(name: str, model):
@@ -82,7 +84,7 @@ def child(name: str, tokens: int, limit_mb: float) -> None:
 
 
 def run_child(name: str, tokens: int, limit_mb: float) -> dict:
-    return _run_script(__file__, ["--_child", name, "--_tokens", str(tokens), "--_limit", str(limit_mb)],
+    return _run_script(__file__, ["--family", FAMILY[0], "--_child", name, "--_tokens", str(tokens), "--_limit", str(limit_mb)],
                        ok_returncodes=(0, 3), what=f"{name} at {tokens} tokens")
 
 
@@ -144,16 +146,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ratios-only", action="store_true", help="stop after the ratio table")
+    p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,
+                   help="the model's family, shaped like the Llama config (mixtral, qwen2_moe: 4 experts, top-2)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_tokens", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_limit", type=float, default=1e12, help=argparse.SUPPRESS)
     args = p.parse_args()
+    FAMILY[0] = args.family
     if args._child:
         child(args._child, args._tokens, args._limit)
         return
     if args.ratio_tokens:
         sec = ratios(args.ratio_tokens, args.repeats, args.threads)
-        print(f"1 x {args.ratio_tokens} tokens, {args.threads} threads, min of {args.repeats}: "
+        print(f"{args.family}: 1 x {args.ratio_tokens} tokens, {args.threads} threads, min of {args.repeats}: "
               f"forward (sdpa) {sec['forward']:.2f} s")
         for m in RATIO_METHODS:
             print(f"  {m:<11} {sec[m]:7.2f} s = {sec[m] / sec['forward']:.2f} x forward (goal <= {GOALS[m]:g})", flush=True)
@@ -161,7 +166,7 @@ def main() -> None:
             return
     limit_mb = args.limit_gb * 1024
     n_params = sum(q.numel() for q in _model().parameters())
-    print(f"Llama-family config {CONFIG}, {n_params / 1e6:.1f}M parameters, float32, batch 1, 1 thread")
+    print(f"{args.family} model shaped like the Llama config {CONFIG}, {n_params / 1e6:.1f}M parameters, float32, batch 1, 1 thread")
     results = {}
     for t in args.tokens:
         for m in METHODS:

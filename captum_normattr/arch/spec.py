@@ -42,6 +42,7 @@ __all__ = [
     "ArchitectureSpec",
     "Attention",
     "ClassifierHead",
+    "Experts",
     "FeedForward",
     "Head",
     "Inputs",
@@ -59,7 +60,9 @@ NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm", "identity")
 #: The feed-forward types: ``plain`` act(u W1 + b1) W2 + b2; ``gated`` (act(u Wg) * (u W1)) W2
 #: (SwiGLU, GeGLU); ``fused_gate_up``: a gated FF whose gate and up projections are one module
 #: (Phi-3's ``gate_up_proj``), split into its two halves when the weights are read.
-#: ``experts`` is described but not decomposed yet.
+#: ``experts``: a mixture of gated experts with a top-k router and an optional shared expert
+#: (:class:`Experts`; Mixtral, Qwen2-MoE, Qwen3-MoE), decomposed with the routing of the real
+#: forward pass held fixed (``docs/architectures.md``, "Mixtures of experts").
 FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: Value projection layouts: ``plain`` (its own projection), ``fused`` (one projection whose
 #: output is ``count`` equal slices, the value being slice ``index``: GPT-2's [q | k | v]),
@@ -202,6 +205,42 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class Experts:
+    r"""A mixture of gated experts: what an ``experts`` feed-forward branch is made of.
+
+    FF(u_i) = sum_{e in top_k(i)} r_ie (g(u_i W_gate^e) * (u_i W_up^e)) W_down^e
+              [+ sigmoid(u_i w_s) (g(u_i W_gate^s) * (u_i W_up^s)) W_down^s]
+
+    with the chosen experts top_k(i) and their routing weights r_ie read from the real
+    forward pass (the arguments the experts module is called with) and held fixed, as is
+    the shared expert's gate sigmoid(u_i w_s) (Qwen2-MoE).
+
+    Attributes:
+        module: the experts module (transformers' fused ``*Experts``: 3-D ``gate_up_proj``
+            (E, 2 F, D) and ``down_proj`` (E, D, F), called as ``experts(hidden, top_k_index,
+            top_k_weights)``), from the layer.
+        shared: the shared expert (a gated :class:`FeedForward` whose paths are from the
+            layer), or None.
+        shared_gate: the shared expert's gate projection (D -> 1, its output passed through
+            a sigmoid), or None (a shared expert without gate is added as it is).
+        dense: the feed-forward of the layers that have no experts module (Qwen2-MoE's and
+            Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``), or None.
+    """
+
+    module: str
+    shared: Optional["FeedForward"] = None
+    shared_gate: Optional[str] = None
+    dense: Optional["FeedForward"] = None
+
+    def __post_init__(self) -> None:
+        for name, ff in (("shared expert", self.shared), ("dense feed-forward", self.dense)):
+            if ff is not None and ff.kind not in ("gated", "fused_gate_up"):
+                raise ValueError(f"Experts: the {name} is a gated FeedForward, got kind {ff.kind!r}")
+        if self.shared_gate is not None and self.shared is None:
+            raise ValueError("Experts: a shared_gate needs a shared expert")
+
+
+@dataclass(frozen=True)
 class FeedForward:
     r"""The feed-forward branch of a layer.
 
@@ -221,6 +260,9 @@ class FeedForward:
             y = h + m * FF(N2(h))), folded into W_down and b_down.
         gate_first: for ``fused_gate_up``: the output's first half is the gate (Phi-3's
             ``gate, up = gate_up_proj(x).chunk(2, -1)``); False: the up half comes first.
+        experts: for ``experts``: the :class:`Experts`; ``up`` then names the module that
+            receives the FF input and ``down`` the one whose output is FF(u) (both the
+            sparse block, ``mlp``), ``act`` the experts' activation.
     """
 
     up: str
@@ -233,10 +275,14 @@ class FeedForward:
     scale: Optional[str] = None
     multiplier: Optional[str] = None
     gate_first: bool = True
+    experts: Optional[Experts] = None
 
     def __post_init__(self) -> None:
         if self.kind is None:
-            object.__setattr__(self, "kind", "gated" if self.gate is not None else "plain")
+            object.__setattr__(self, "kind", "experts" if self.experts is not None else
+                               "gated" if self.gate is not None else "plain")
+        if (self.kind == "experts") != (self.experts is not None):
+            raise ValueError("FeedForward: an experts FF names its Experts (experts=...), and only an experts FF does")
         if self.kind not in FF_KINDS:
             raise ValueError(f"FeedForward: kind must be one of {FF_KINDS}, got {self.kind!r}")
         if self.kind == "gated" and self.gate is None:
@@ -461,6 +507,10 @@ class ArchitectureSpec:
             raise ValueError(f"{self.family}: parallel branches with post-norms or cross-attention are not supported")
         if len({b.post_norm is None for _, b in lay.branches()}) > 1:
             raise ValueError(f"{self.family}: a sandwich layer has post-norms on every branch")
+        if lay.ff.kind == "experts" and (lay.parallel or lay.stream_norms or lay.ff.post_norm is not None
+                                          or lay.ff.scale is not None or lay.ff.multiplier is not None):
+            raise ValueError(f"{self.family}: a mixture of experts is supported in pre-LN layers without a post-norm, "
+                             "layer scale or multiplier on its branch")
         for name, branch in lay.branches():
             if branch.multiplier is not None and (branch.post_norm is not None or branch.scale is not None):
                 raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
@@ -612,7 +662,10 @@ class ArchitectureSpec:
             out.append("1 + w gain")
         if not lay.stream_norms and (lay.attention.pre_norm is None or lay.ff.pre_norm is None):
             out.append("no pre-norms")
-        out.append({"plain": "plain FF", "gated": "gated FF", "fused_gate_up": "fused gate-up FF"}.get(lay.ff.kind, lay.ff.kind))
+        out.append({"plain": "plain FF", "gated": "gated FF", "fused_gate_up": "fused gate-up FF",
+                    "experts": "top-k gated experts"}.get(lay.ff.kind, lay.ff.kind))
+        if lay.ff.experts is not None and lay.ff.experts.shared is not None:
+            out.append("sigmoid-gated shared expert" if lay.ff.experts.shared_gate else "shared expert")
         v = lay.attention.value
         if v is not None and v.layout != "plain":
             out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head"}.get(

@@ -258,7 +258,10 @@ def pre_ln_ff_parts(
     The FF input is LN2(h_i), split into the LN2 parts of h_{i<-j} and a bias part. A gated
     FF (Llama family) is integrated by Gauss-Legendre quadrature (``nodes``), an elementwise
     one (GPT-2) in closed form or by a Riemann sum (``method``, ``steps``), as in
-    :mod:`~captum_normattr.decompose.feed_forward`.
+    :mod:`~captum_normattr.decompose.feed_forward`. A mixture of experts is the gated FF of
+    its experts side by side, the up pre-activation of each hidden neuron times the token's
+    frozen routing weight (``FFParams.hidden_scale``): each chosen expert's parts weighted
+    by its routing weight, the other experts' exactly 0.
 
     Args:
         layer: the layer's tensors (``layer.ff`` holds the weights and activation).
@@ -282,6 +285,10 @@ def pre_ln_ff_parts(
     if f.w_gate is not None:
         a, a_b = ff_preactivation_parts(layer, cache["gate"], rows, cols)
         b, b_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
+        if f.hidden_scale is not None:  # experts: each hidden neuron times its token's frozen routing weight
+            scale = f.hidden_scale[:, rows]
+            b.mul_(scale.unsqueeze(-2))
+            b_b = b_b * scale
         return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f.act, f.w_out, f.b_out, nodes or DEFAULT_NODES)
     pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
     allp = torch.cat([pre, pre_b.unsqueeze(-2)], -2)

@@ -299,6 +299,8 @@ def ff_coefficients(
       (Gauss-Legendre, :func:`~captum_normattr.decompose.gated_feed_forward.gate_integrals`):
       ``{"gate": b * I1, "up": I2, "quadrature_error": (B, T) max over neurons of
       |b (a I1 + I2) - b g(a)|}`` — the completeness error that the quadrature leaves.
+    - experts (``FFParams.hidden_scale`` r, the frozen routing weights per hidden neuron):
+      the gated form with b = r (u W_up + b_up), i.e. ``"gate"`` r b I1 and ``"up"`` r I2.
 
     Args:
         layer: the layer's real tensors.
@@ -323,10 +325,13 @@ def ff_coefficients(
         a = u @ f.w_gate
         if f.b_gate is not None:
             a += f.b_gate
+    if f.hidden_scale is not None:  # experts: b = r (u W_up), r the frozen routing weight of the neuron's expert
+        pre = pre * f.hidden_scale
     i1, i2 = gate_integrals(a, f.act, nodes)
     # |b (a I1 + I2) - b g(a)| = |b| |a I1 + I2 - g(a)|, in place
     err = torch.mul(a, i1).add_(i2).sub_(f.act(a)).mul_(pre).abs_().amax(-1)
-    return {"gate": i1.mul_(pre), "up": i2, "quadrature_error": err}
+    up = i2 if f.hidden_scale is None else i2.mul_(f.hidden_scale)  # part k of b is r b_k
+    return {"gate": i1.mul_(pre), "up": up, "quadrature_error": err}
 
 
 def _value_heads(v: Tensor, kv_heads: int, groups: int) -> Tensor:

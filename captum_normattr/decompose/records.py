@@ -38,6 +38,12 @@ class FFParams:
         w_out: (F, D). b_out: (D,) or None.
         act: the elementwise activation (a callable module or function).
         w_gate: (D, F) or None (not gated). b_gate: (F,) or None.
+        hidden_scale: (B, T, F) a per-token factor on every hidden neuron, or None (1):
+            FF(u_i) = ((g(u_i W_gate + b_gate) * (u_i W_in + b_in)) * hidden_scale_i) W_out + b_out,
+            frozen at the real forward pass. A mixture of experts is this FF with the experts'
+            hidden neurons side by side (F = E F_e [+ F_shared]) and the factor the routing
+            weight of the token's chosen experts (0 for the others; the shared expert's
+            sigmoid gate): ``docs/architectures.md``, "Mixtures of experts". Gated FFs only.
     """
 
     w_in: Tensor
@@ -47,6 +53,11 @@ class FFParams:
     act: Callable[[Tensor], Tensor]
     w_gate: Optional[Tensor] = None
     b_gate: Optional[Tensor] = None
+    hidden_scale: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_scale is not None and self.w_gate is None:
+            raise ValueError("FFParams: a per-token hidden scale (experts) is supported for gated FFs only")
 
     @property
     def gated(self) -> bool:

@@ -51,6 +51,7 @@ from captum_normattr.models.adapters import (
     linear_params,
     value_states,
 )
+from captum_normattr.models.experts import experts_ff_params, register_expert_hooks
 from captum_normattr.models.weights import module_tensor
 
 ATTENTION_NAME = "captum_normattr_capture"
@@ -414,6 +415,8 @@ def _ff_rebuild_error(t: LayerTensors) -> Tensor:
         return x @ w if b is None else x @ w + b
 
     pre = linear(u, ff.w_in, ff.b_in)
+    if ff.hidden_scale is not None:  # experts: the recorded routing weights (and shared gate) of the last token
+        pre = pre * ff.hidden_scale[:, -1:]
     h = ff.act(pre) if ff.w_gate is None else ff.act(linear(u, ff.w_gate, ff.b_gate)) * pre
     out = linear(h, ff.w_out, ff.b_out)
     return relative_difference(t.ff_out[:, -1:], out, temporary=True)
@@ -725,6 +728,11 @@ class Recorder(AttentionRecords):
                 if a.topology == "parallel":  # the attention branch output, which joins the stream beside the FF's
                     attn_branch = get_path(layer, a.attn_scale if a.attn_scale is not None else a.attn_out)
                     handles.append(attn_branch.register_forward_hook(store(i, "attn_branch", "out")))
+                if a.layer.ff.kind == "experts":  # the routing the experts module is called with, and the shared gate
+                    handles.extend(register_expert_hooks(
+                        layer, a.layer.ff, self._mine, lambda key, t, idx=i: self._keep(idx, key, t),
+                        lambda name, real, assumed, idx=i: self._check(idx, name, real, assumed),
+                        lambda idx=i: self.records.get(idx, {}).get(ff_input)))
                 ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
                 handles.append(get_path(layer, a.attention).register_forward_pre_hook(
@@ -897,8 +905,9 @@ class Recorder(AttentionRecords):
             return cast(t)
 
         w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
-        w_in, b_in = linear_params(get_path(layer, a.ff_in), a.transposed_weights)
-        w_out, b_out = linear_params(get_path(layer, a.ff_out), a.transposed_weights)
+        experts = a.layer.ff.kind == "experts"  # the sparse block's weights are read by experts_ff_params below
+        w_in, b_in = (None, None) if experts else linear_params(get_path(layer, a.ff_in), a.transposed_weights)
+        w_out, b_out = (None, None) if experts else linear_params(get_path(layer, a.ff_out), a.transposed_weights)
         if a.attn_scale is not None or a.ff_scale is not None:  # DINOv2 layer scale, folded (a per-channel scale is linear)
             w_o, b_o = _scaled(w_o, b_o, layer_scale(layer, a.attn_scale))
             w_out, b_out = _scaled(w_out, b_out, layer_scale(layer, a.ff_scale))
@@ -915,7 +924,10 @@ class Recorder(AttentionRecords):
             w_in, b_in, w_g, b_g = _split_gate_up(w_in, b_in, a.layer.ff.gate_first)
         elif a.ff_gate is not None:
             w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
-        ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
+        if experts:
+            ff = experts_ff_params(layer, a.layer.ff, rec, dtype, device)
+        else:
+            ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
         tensors = LayerTensors(
             hidden_in=cast(rec["hidden_in"]),
             probs=cast(rec["probs"]),

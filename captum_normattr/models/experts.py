@@ -1,0 +1,243 @@
+r"""Mixtures of experts: the routing of the real forward pass, recorded, and the experts read as one gated FF.
+
+A sparse feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE) computes, per token i,
+
+    FF(u_i) = sum_{e in top_k(i)} r_ie FF_e(u_i) [+ sigmoid(u_i w_s) FF_s(u_i)],
+    FF_e(u) = (g(u W_gate^e) * (u W_up^e)) W_down^e,
+
+with the experts top_k(i) and the routing weights r_ie chosen by the router. The capture
+records the routing the experts module was really called with (its arguments ``top_k_index``
+and ``top_k_weights``, so a hook or a patched router is seen as it acted) and the shared
+expert's gate logit; nothing of the router is recomputed. With the routing frozen, the block
+is one gated FF of width E F_e [+ F_s]: the experts' hidden neurons side by side, each
+neuron's up pre-activation times the token's weight of its expert (0 for the experts the
+token did not choose, the sigmoid gate for the shared expert) — the per-token
+:attr:`~captum_normattr.decompose.records.FFParams.hidden_scale`. Every FF decomposition of
+a gated FF then applies unchanged: each chosen expert's parts are its dense gated parts
+times its routing weight, the other experts' are exactly 0, and the parts sum to the real
+FF output (``docs/architectures.md``, "Mixtures of experts"). The capture's FF guard rebuilds
+the FF output at the last position from these weights and the recorded routing.
+
+The expert kernels (transformers' ``grouped_mm``) may refuse float64: nothing here needs the
+model to run in float64 (the weights are read and cast to the compute dtype).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from captum_normattr.arch.spec import FeedForward
+from captum_normattr.decompose.records import FFParams
+from captum_normattr.models.adapters import linear_params
+from captum_normattr.models.weights import module_tensor
+
+__all__ = ["EXPERT_KEYS", "experts_ff_params", "experts_module", "register_expert_hooks"]
+
+#: what the capture records of a sparse block: the routing the experts module was called with
+#: and (with a gated shared expert) the shared gate's logit
+EXPERT_KEYS: Tuple[str, ...] = ("expert_index", "expert_weights")
+
+
+def _path(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def experts_module(layer: nn.Module, ff: FeedForward) -> Optional[nn.Module]:
+    r"""The experts module of one layer, or None for a layer without one (a dense layer of the family)."""
+    try:
+        return _path(layer, ff.experts.module)
+    except (AttributeError, IndexError):
+        return None
+
+
+def _routing_arguments(args: tuple, kwargs: Optional[dict]) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""(hidden (N, D), top_k_index (N, k), top_k_weights (N, k)) of a call ``experts(hidden, index, weights)``."""
+    kwargs = kwargs or {}
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
+    if len(values) < 3 or any(not isinstance(v, Tensor) for v in values):
+        raise RuntimeError(
+            "the experts module was not called as experts(hidden_states, top_k_index, top_k_weights): its routing "
+            "cannot be recorded; describe the family's experts module (Experts.module) as the fused experts of "
+            "transformers 5"
+        )
+    return values[0], values[1], values[2]
+
+
+def register_expert_hooks(
+    layer: nn.Module,
+    ff: FeedForward,
+    mine: Callable[[], bool],
+    keep: Callable[[str, Tensor], None],
+    check: Callable[[str, Tensor, Tensor], None],
+    ff_input: Callable[[], Optional[Tensor]],
+) -> List:
+    r"""Hooks recording one layer's routing (and shared gate) for a recorder.
+
+    Args:
+        layer: the layer module.
+        ff: its feed-forward description (kind ``experts``).
+        mine: whether the current forward pass is the recorder's.
+        keep: ``keep(key, tensor)`` records a tensor of this layer.
+        check: ``check(name, real, assumed)`` keeps a consistency check of this layer.
+        ff_input: the recorded FF input (the second norm's output) so far, or None.
+
+    Returns:
+        The hook handles (none for a layer without an experts module).
+    """
+    module = experts_module(layer, ff)
+    if module is None:
+        return []
+
+    def pre_hook(mod, args, kwargs=None):  # kwargs=None: see the capture's compare_inputs
+        if not mine():
+            return
+        hidden, index, weights = _routing_arguments(args, kwargs)
+        keep("expert_index", index)
+        keep("expert_weights", weights)
+        u = ff_input()
+        if u is not None and u.numel() == hidden.numel():
+            check("experts input vs the second norm's output", hidden, u.reshape(hidden.shape))
+
+    handles = [module.register_forward_pre_hook(pre_hook, with_kwargs=True)]
+    if ff.experts.shared_gate is not None:
+
+        def gate_hook(mod, args, output):
+            if mine():
+                keep("shared_gate_logit", output[0] if isinstance(output, (tuple, list)) else output)
+
+        handles.append(_path(layer, ff.experts.shared_gate).register_forward_hook(gate_hook))
+    return handles
+
+
+def _gated_weights(layer: nn.Module, ff: FeedForward) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
+    r"""(W_gate, b_gate, W_up, b_up, W_down, b_down), right-multiplied, of a gated FF description (plain modules)."""
+    w_in, b_in = linear_params(_path(layer, ff.up))
+    w_out, b_out = linear_params(_path(layer, ff.down))
+    if ff.kind == "fused_gate_up":
+        half = w_in.shape[1] // 2
+        first, second = slice(0, half), slice(half, 2 * half)
+        g, u = (first, second) if ff.gate_first else (second, first)
+        pick = lambda t, cols: None if t is None else t[..., cols]
+        return w_in[:, g], pick(b_in, g), w_in[:, u], pick(b_in, u), w_out, b_out
+    w_g, b_g = linear_params(_path(layer, ff.gate))
+    return w_g, b_g, w_in, b_in, w_out, b_out
+
+
+def _same_activation(a: Callable, b: Callable) -> bool:
+    probe = torch.linspace(-6.0, 6.0, 25, dtype=torch.float64)
+    try:
+        return bool(torch.allclose(a(probe), b(probe), rtol=1e-12, atol=0))
+    except Exception:  # an activation that takes another dtype
+        return bool(torch.allclose(a(probe.float()), b(probe.float()), rtol=1e-6, atol=0))
+
+
+def _stacked_expert_weights(module: nn.Module, where: str) -> Tuple[Tensor, Tensor, Tensor, int]:
+    r"""The experts of a fused experts module side by side, in ``nn.Linear`` layout (out, in).
+
+    Returns:
+        (gate (E F, D), up (E F, D), down (D, E F), E): row e F + f of ``gate`` / ``up`` is hidden
+        neuron f of expert e, so that ``u @ gate.T`` is every expert's gate pre-activation.
+        Copies of whole rows (the 3-D parameters are (E, 2F, D) and (E, D, F)), no strided transpose.
+    """
+    for flag, refused in (("has_bias", True), ("has_gate", False), ("has_post_expert_norm", True)):
+        if bool(getattr(module, flag, not refused)) == refused:
+            raise NotImplementedError(
+                f"the experts module {where} ({type(module).__name__}) has {flag}={refused}: only gated experts "
+                "without biases or post-expert norms are decomposed"
+            )
+    gate_up = module_tensor(module, "gate_up_proj", where)
+    down = module_tensor(module, "down_proj", where)
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(
+            f"the experts module {where} ({type(module).__name__}) has no 3-D gate_up_proj / down_proj parameters "
+            "(transformers 5's fused experts)"
+        )
+    if getattr(module, "is_transposed", False):  # (E, D, 2F) and (E, F, D), applied as x @ W[e]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    e, two_f, d = gate_up.shape
+    f = two_f // 2
+    if getattr(module, "is_concatenated", True):  # rows [gate | up]
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+    else:  # rows [g0, u0, g1, u1, ...]
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return gate.reshape(e * f, d), up.reshape(e * f, d), down.permute(1, 0, 2).reshape(d, e * f), e
+
+
+def routing_scale(index: Tensor, weights: Tensor, num_experts: int) -> Tensor:
+    r"""(N, E): token n's routing weight of expert e (0 where e is not among its chosen experts).
+
+    Args:
+        index: (N, k) long, the chosen experts (an index ``num_experts`` marks a slot to skip,
+            as transformers' expert-parallel masking does).
+        weights: (N, k) their routing weights.
+        num_experts: E.
+    """
+    out = weights.new_zeros(index.shape[0], num_experts + 1)
+    out.scatter_add_(1, index.long().clamp(0, num_experts), weights)
+    return out[:, :num_experts]
+
+
+def experts_ff_params(
+    layer: nn.Module, ff: FeedForward, rec: dict, dtype: torch.dtype, device: torch.device
+) -> FFParams:
+    r"""One layer's sparse block as a gated :class:`FFParams` with its frozen per-token hidden scale.
+
+    Args:
+        layer: the layer module.
+        ff: its feed-forward description (kind ``experts``).
+        rec: the layer's recorded tensors (``ln2_out`` (B, T, D) and :data:`EXPERT_KEYS`, with
+            ``shared_gate_logit`` for a gated shared expert).
+        dtype, device: of the returned tensors.
+
+    Returns:
+        :class:`FFParams` of width E F_e [+ F_s]: W_gate, W_in (up) (D, F), W_out (F, D) the
+        experts' (and the shared expert's) blocks side by side, ``hidden_scale`` (B, T, F).
+        A layer without an experts module (a dense layer) gives its dense FF
+        (``Experts.dense``), without a hidden scale.
+
+    Raises:
+        RuntimeError: the forward pass recorded no routing for a sparse layer.
+        NotImplementedError: experts with biases, without a gate, or whose activation
+            differs from the shared expert's.
+    """
+    ex = ff.experts
+    cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
+    module = experts_module(layer, ff)
+    if module is None:
+        if ex.dense is None:
+            raise ValueError(f"the layer has no experts module {ex.module!r} and the description names no dense FF")
+        w_g, b_g, w_u, b_u, w_d, b_d = _gated_weights(layer, ex.dense)
+        return FFParams(cast(w_u), cast(b_u), cast(w_d), cast(b_d), _path(layer, ex.dense.act), cast(w_g), cast(b_g))
+    missing = [k for k in EXPERT_KEYS + (("shared_gate_logit",) if ex.shared_gate else ()) if k not in rec]
+    if missing:
+        raise RuntimeError(f"the forward pass recorded no {missing} for the experts module {ex.module!r}")
+    gate, up, down, e = _stacked_expert_weights(module, ex.module)  # (E F, D), (E F, D), (D, E F)
+    f = gate.shape[0] // e
+    b, t = rec["ln2_out"].shape[:2]
+    index, weights = rec["expert_index"], rec["expert_weights"]
+    if index.shape[0] != b * t:
+        raise RuntimeError(f"the experts module routed {index.shape[0]} tokens, not the batch's {b} x {t}")
+    act = _path(layer, ff.act)
+    scale = cast(routing_scale(index.to(device), cast(weights), e)).repeat_interleave(f, dim=1)  # (N, E F)
+    if ex.shared is not None:
+        sg, sgb, su, sub, sd, sdb = _gated_weights(layer, ex.shared)  # right-multiplied: (D, Fs), (Fs, D)
+        if any(x is not None for x in (sgb, sub, sdb)):
+            raise NotImplementedError("a shared expert with biases is not decomposed")
+        if not _same_activation(act, _path(layer, ex.shared.act)):
+            raise NotImplementedError("the shared expert's activation differs from the experts': not decomposed")
+        fs = sd.shape[0]
+        if ex.shared_gate is not None:  # sigmoid in the dtype the model computed it in, then cast (held fixed)
+            gate_value = cast(torch.sigmoid(rec["shared_gate_logit"].detach())).reshape(b * t, 1)
+        else:
+            gate_value = scale.new_ones(b * t, 1)
+        gate, up = torch.cat([cast(gate), cast(sg.T)], 0), torch.cat([cast(up), cast(su.T)], 0)
+        down = torch.cat([cast(down), cast(sd.T)], 1)
+        scale = torch.cat([scale, gate_value.expand(b * t, fs)], 1)
+    w_g, w_u, w_d = cast(gate).T, cast(up).T, cast(down).T  # right-multiplied views: (D, F), (D, F), (F, D)
+    return FFParams(w_u, None, w_d, None, act, w_g, None, hidden_scale=scale.reshape(b, t, -1))
