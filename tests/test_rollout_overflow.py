@@ -55,6 +55,12 @@ def test_ff_raw_rollout_past_float32_range_is_finite_and_exact_up_to_its_power_o
                                                                           return_rollout=False)
     assert "rollout_log2_scale" not in ref.extras and torch.isfinite(ref.scores).all()
     torch.testing.assert_close(unscaled[real], ref.scores[real], rtol=1e-3, atol=0)
+    # padded batch == single examples: each example carries its own power of two
+    for b, n in enumerate((7, 5)):
+        with pytest.warns(RuntimeWarning, match="exceeds"):
+            one = FFIntegratedDecomposition(model32).decompose(ids[b : b + 1, -n:], return_rollout=False)
+        alone = one.scores[0].double() * 2.0 ** float(one.extras["rollout_log2_scale"][0])
+        torch.testing.assert_close(alone, unscaled[b, -n:], rtol=1e-5, atol=0)
     # the full rollout's explained rows agree with the scores
     full = res.rollout.double() * torch.exp2(res.extras["full_rollout_log2_scale"].double())[:, None, None]
     rows = full[torch.arange(2), res.explained_position]
