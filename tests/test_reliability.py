@@ -360,9 +360,10 @@ def test_bert_as_decoder_runs_the_decompx_adjoint():
 
 
 def test_overflowed_scores_are_told_apart_from_a_non_finite_forward_pass():
-    r"""Scores that leave the dtype's range in the method's own arithmetic (a raw rollout of
-    unnormalised maps over many layers) are NaN with a warning that says so and what to do,
-    not one that blames the inputs; a non-finite forward pass keeps its own message."""
+    r"""Scores that leave the dtype's range in the method's own arithmetic inside a layer are NaN
+    with a warning that says so and what to do, not one that blames the inputs; a non-finite
+    forward pass keeps its own message. (A raw rollout past the range is carried with a power
+    of two instead: tests/test_rollout_overflow.py.)"""
     from dataclasses import replace
 
     from captum_normattr.attr.base import mark_non_finite
@@ -371,7 +372,7 @@ def test_overflowed_scores_are_told_apart_from_a_non_finite_forward_pass():
     res = GlobEncAttribution(make_model("bert")).decompose(ids, (mask,))
     scores = res.scores.clone()
     scores[1, 0] = float("inf")
-    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[1\] overflowed.*row_normalized") as caught:
+    with pytest.warns(RuntimeWarning, match=r"example\(s\) \[1\] overflowed.*inside a layer.*float64") as caught:
         out = mark_non_finite(replace(res, scores=scores), torch.tensor([True, True]))
     assert not any("inputs or forward pass" in str(w.message) for w in caught)
     assert torch.isnan(out.scores[1]).all() and torch.isfinite(out.scores[0]).all()

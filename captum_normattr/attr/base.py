@@ -22,7 +22,7 @@ from captum_normattr.attr.inputs import PreparedInputs, explained_positions, pre
 from captum_normattr.decompose.guards import guard_tolerance
 from captum_normattr.decompose.layer_kinds import LayerKind, layer_kind
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout
+from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout_scaled
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
 from captum_normattr.models.capture import Recorder, RecordedTensorModifiedError, recording
 from captum_normattr.models.weights import tensors_to
@@ -107,9 +107,8 @@ def mark_non_finite(result: R, finite: Optional[Tensor]) -> R:
     if bool(overflow.any()):
         messages.append(
             f"the scores of example(s) {overflow.nonzero().flatten().tolist()} overflowed although their inputs and "
-            "forward pass were finite: the method's own arithmetic left the dtype's range (a 'raw' rollout multiplies "
-            "maps whose rows are not normalised over every layer; use rollout='row_normalized', or run the model in "
-            "float64)")
+            "forward pass were finite: the method's own arithmetic left the dtype's range inside a layer (rollouts "
+            "are carried with a power of two and do not overflow); run the model in float64")
     warnings.warn("; ".join(messages) + "; their scores are NaN", RuntimeWarning, stacklevel=3)
     updates = {}
     for f in fields(result):
@@ -121,6 +120,49 @@ def mark_non_finite(result: R, finite: Optional[Tensor]) -> R:
         rows = bad.to(value.device).view(b, *([1] * (value.dim() - 1)))
         updates[f.name] = value.masked_fill(rows, float("nan"))
     return replace(result, **updates)
+
+
+def rollout_scale_extras(
+    name: str, scores: Tensor, score_scale: Tensor, joint_scale: Optional[Tensor], stacklevel: int = 3
+) -> Dict[str, Tensor]:
+    r"""The powers of two of a rollout beyond the dtype's range, and a warning that says so.
+
+    A ``"raw"`` rollout of maps whose rows are not normalised grows like the product of
+    their row sums; when the explained row (or the full rollout) does not fit the dtype it
+    is returned divided by an exact power of two (``decompose.rollout.rollout_scaled``):
+    ratios and ranks are exact, nothing is NaN.
+
+    Args:
+        name: the method's name, for the warning.
+        scores: (B, T) the scaled explained rows.
+        score_scale: (B,) int64: the rollout rows = scores * 2**score_scale.
+        joint_scale: (B,) int64 of the full rollout, or None.
+        stacklevel: of the warning.
+
+    Returns:
+        ``{"rollout_log2_scale": score_scale}`` (and ``"full_rollout_log2_scale"``) when a
+        scale is not 0, else ``{}``.
+    """
+    extras: Dict[str, Tensor] = {}
+    if bool((score_scale != 0).any()):
+        extras["rollout_log2_scale"] = score_scale
+    if joint_scale is not None and bool((joint_scale != 0).any()):
+        extras["full_rollout_log2_scale"] = joint_scale
+    if extras:
+        which = (score_scale != 0) | (joint_scale != 0 if joint_scale is not None else False)
+        finite = torch.where(torch.isfinite(scores), scores.abs(), torch.zeros_like(scores)).amax(1).clamp(min=1e-300)
+        decades = (torch.log10(finite.double()) + score_scale.double() * 0.30102999566398120).amax()
+        warnings.warn(
+            f"{name}: the raw rollout of example(s) {which.nonzero().flatten().tolist()} exceeds {scores.dtype}'s "
+            f"range (the explained row reaches about 1e{float(decades):.0f}): the layer maps' rows are not normalised "
+            "and their product over the layers grows past the dtype. The scores are that row divided by "
+            "2**extras['rollout_log2_scale'] (exact ratios and ranks; the full rollout by "
+            "2**extras['full_rollout_log2_scale']); rollout='row_normalized' divides each map by its row sums "
+            "first and stays bounded.",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+    return extras
 
 
 class ConsistencyWarning(RuntimeWarning):
@@ -402,10 +444,11 @@ class LayerDecompositionAttribution(Attribution):
             pass
         with torch.no_grad():
             maps = collector.store.dense()
-            scores = collector.store.rollout_rows(pos, self.rollout_convention)
+            scores, score_scale = collector.store.rollout_rows_scaled(pos, self.rollout_convention)
             scores = scores * valid.to(scores.dtype)
-            joint = rollout(maps, self.rollout_convention) if return_rollout else None
+            joint, joint_scale = rollout_scaled(maps, self.rollout_convention) if return_rollout else (None, None)
             extras = self.finish_extras(collector.stacked_errors())
+            extras.update(rollout_scale_extras(self.get_name(), scores, score_scale, joint_scale, stacklevel=4))
             extras.update(image_extras(prepared, scores))
             for name, m in collector.extra_maps.items():
                 extras[name] = m

@@ -35,7 +35,7 @@ from captum_normattr.decompose.multi_position import (
     alti_logit_rows,
     attention_logit_updates,
     multi_logit_outputs,
-    rollout_rows_at,
+    rollout_rows_at_scaled,
     unscaled_logit_directions,
 )
 from captum_normattr.decompose.records import LayerTensors
@@ -312,13 +312,22 @@ def _explain_rollout(
     with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
         f_out = rec.final_norm_tensors()[2] if (output is not None and adapter.final_norm is not None) else None
     with torch.no_grad():
-        scores = rollout_rows_at(store, positions, attr.rollout_convention)[0] * valid[0].to(store.dense().dtype)
+        scores, scale = rollout_rows_at_scaled(store, positions, attr.rollout_convention)
+        scores, scale = scores[0] * valid[0].to(store.dense().dtype), scale[0]
         f_rows = None if f_out is None else f_out[0, positions.to(f_out.device)].to(valid.device)
         log_probs = None if f_rows is None else _log_probs(output, f_rows, target)
     if _warn_non_finite(prepared):
         scores = torch.full_like(scores, float("nan"))
+    extras = {}
+    if bool((scale != 0).any()):  # a raw rollout beyond the dtype: returned divided by 2**scale (docs/reliability.md)
+        extras["rollout_log2_scale"] = scale
+        warnings.warn(
+            f"{attr.get_name()}: the raw rollout of explained position(s) {positions[scale != 0].tolist()} exceeds "
+            f"{scores.dtype}'s range (the layer maps' rows are not normalised and their product over the layers grows "
+            "past the dtype); those rows are divided by 2**extras['rollout_log2_scale'] (exact ratios and ranks); "
+            "rollout='row_normalized' stays bounded.", RuntimeWarning, stacklevel=3)
     return PositionExplanation(method=attr.get_name(), scores=scores, positions=positions, signed=False, target=target,
-                               quantity="rollout", log_probs=log_probs)
+                               quantity="rollout", log_probs=log_probs, extras=extras)
 
 
 def explain_positions(

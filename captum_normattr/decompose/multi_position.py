@@ -21,7 +21,7 @@ floating-point rounding (``tests/test_llm_attribution.py``).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from captum_normattr.decompose.decompx import frozen_next_token_logit
 from captum_normattr.decompose.layer_norm import norm_scale
 from captum_normattr.decompose.mixing import row_normalize
 from captum_normattr.decompose.records import LayerTensors, NormParams
-from captum_normattr.decompose.rollout import LayerMapStore, check_convention
+from captum_normattr.decompose.rollout import LayerMapStore, carried_rows_times, check_convention, ldexp_exact, unscale
 
 
 def _dense_layers(maps: Union[Tensor, LayerMapStore, Sequence[Tensor]]) -> List[Tensor]:
@@ -66,13 +66,32 @@ def rollout_rows_at(
         >>> torch.allclose(rollout_rows_at(m, torch.tensor([1, 4]))[0], rollout(m)[0, [1, 4]])
         True
     """
+    rows, scale = rollout_rows_at_scaled(maps, positions, convention)
+    return ldexp_exact(rows, scale)
+
+
+def rollout_rows_at_scaled(
+    maps: Union[Tensor, LayerMapStore, Sequence[Tensor]], positions: Tensor, convention: str = "raw"
+) -> Tuple[Tensor, Tensor]:
+    r""":func:`rollout_rows_at` carried with a power of two per row, so that it cannot overflow.
+
+    As :func:`~captum_normattr.decompose.rollout.rollout_rows_scaled`, one exponent per
+    explained row: the rows of the rollout = rows * 2**log2_scale[..., None].
+
+    Args:
+        maps, positions, convention: as in :func:`rollout_rows_at`.
+
+    Returns:
+        (rows (B, n, T), log2_scale (B, n) int64; 0 wherever a row fits the dtype).
+    """
     check_convention(convention)
     layers = _dense_layers(maps)
     prep = row_normalize if convention == "row_normalized" else (lambda m: m)
     rows = prep(layers[-1])[:, positions]  # (B, n, T)
+    scale = torch.zeros(rows.shape[:2], dtype=torch.int64, device=rows.device)
     for m in reversed(layers[:-1]):
-        rows = rows @ prep(m)
-    return rows
+        rows, scale = carried_rows_times(rows, scale, prep(m))
+    return unscale(rows, scale)
 
 
 def unscaled_logit_directions(final_params: NormParams, unembed: Tensor) -> Tensor:
@@ -228,5 +247,6 @@ __all__ = [
     "attention_logit_updates",
     "multi_logit_outputs",
     "rollout_rows_at",
+    "rollout_rows_at_scaled",
     "unscaled_logit_directions",
 ]
