@@ -191,7 +191,7 @@ def prepare_inputs(
             raise ValueError(f"example(s) {empty} have no tokens (attention_mask all 0)")
     if token_types is not None:
         token_types = _check_token_types(token_types, model, adapter, (b, t), mask).to(device=device)
-    if adapter.causal and _has_gaps(mask):
+    if adapter.causal and has_gaps(mask):
         raise ValueError("attention_mask of a decoder must be one contiguous block of 1s (left or right padding)")
     finite = torch.ones(b, dtype=torch.bool, device=device)
     if embeds is not None:
@@ -256,10 +256,67 @@ def _check_token_types(token_types: Tensor, model: nn.Module, adapter: Architect
     return token_types.to(dtype=torch.long)
 
 
-def _has_gaps(mask: Tensor) -> bool:
-    r"""True where some row's 1s are not one contiguous block."""
+def has_gaps(mask: Tensor) -> bool:
+    r"""True where some row's 1s are not one contiguous block (a decoder's mask must be one block)."""
     rises = ((mask[:, 1:] == 1) & (mask[:, :-1] == 0)).sum(-1) + (mask[:, 0] == 1).long()
     return bool((rises > 1).any())
+
+
+def _token_shapes(inputs: Any) -> set:
+    r"""The (B, T) of every token-id (B, T) or embedding (B, T, D) tensor in ``inputs`` (a tensor or a tuple)."""
+    shapes = set()
+    for x in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
+        if isinstance(x, Tensor) and (x.dim() == 2 or (x.dim() == 3 and x.is_floating_point())):
+            shapes.add(tuple(x.shape[:2]))
+    return shapes
+
+
+def check_target_is_not_forward_args(target: Any, inputs: Any, method: str = "this method") -> None:
+    r"""Raise a ValueError for a ``target`` that is an attention mask, or a tuple holding one.
+
+    ``decompose(inputs, target=None, additional_forward_args=None, ...)`` follows Captum's order,
+    so ``decompose(ids, (mask,))`` passes the mask as ``target``. A tensor of two or more
+    dimensions whose leading (B, T) is that of a token-id or embedding input, alone or inside
+    a tuple or list, is such a mask: no method takes a target of that shape.
+
+    Args:
+        target: what the caller passed as ``target``.
+        inputs: what the caller passed as ``inputs`` (a tensor, or a tuple of them).
+        method: the method's name, for the message.
+
+    Raises:
+        ValueError: saying to pass the mask as ``additional_forward_args=``.
+
+    Examples:
+        >>> ids, mask = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5)
+        >>> check_target_is_not_forward_args(3, ids)
+        >>> check_target_is_not_forward_args((mask,), ids)
+        Traceback (most recent call last):
+        ...
+        ValueError: this method: target=(tensor of shape (2, 5),) has the shape of the inputs' (B, T) ...
+    """
+    if target is None or isinstance(target, (int, str)):
+        return
+    items = tuple(target) if isinstance(target, (tuple, list)) else (target,)
+    shapes = _token_shapes(inputs)
+
+    def mask_like(x: Any) -> bool:
+        return (isinstance(x, Tensor) or type(x).__module__ == "numpy") and getattr(x, "ndim", 0) >= 2 and (
+            tuple(x.shape[:2]) in shapes)
+
+    if not any(mask_like(x) for x in items):
+        return
+    described = ", ".join(f"tensor of shape {tuple(x.shape)}" if hasattr(x, "shape") else repr(x) for x in items)
+    if isinstance(target, list):
+        described = f"[{described}]"
+    elif isinstance(target, tuple):
+        described = f"({described}{',' if len(items) == 1 else ''})"
+    raise ValueError(
+        f"{method}: target={described} has the shape of the inputs' (B, T): it looks like an attention mask passed "
+        "in the place of target. The arguments are Captum's: decompose(inputs, target=None, "
+        "additional_forward_args=None, ...) and attribute(inputs, target=None, additional_forward_args=None, ...); "
+        "pass the mask by keyword, e.g. decompose(ids, additional_forward_args=(mask,))"
+    )
 
 
 def explained_positions(explained_position: Union[int, str, Tensor], valid: Tensor) -> Tensor:
