@@ -98,7 +98,7 @@ def main() -> None:
         ids, mask = batch["input_ids"], batch["attention_mask"]
         valid = mask.bool()
         with torch.no_grad():
-            res = ffd.decompose(ids, (mask,))
+            res = ffd.decompose(ids, additional_forward_args=(mask,))
         max_err = torch.maximum(max_err, res.extras["example_completeness_error"].max())
         n_tokens += int(mask.sum())
         for s, v in scope_contextualization_changes(res.extras, valid).items():

@@ -575,7 +575,7 @@ def aggregate_to_words(
         >>> from captum_normattr import GlobEncAttribution, load_default_model  # doctest: +SKIP
         >>> model, tok = load_default_model()  # doctest: +SKIP
         >>> enc = tok(["an unbelievably good film"], return_tensors="pt")  # doctest: +SKIP
-        >>> res = GlobEncAttribution(model).decompose(enc["input_ids"], (enc["attention_mask"],))  # doctest: +SKIP
+        >>> res = GlobEncAttribution(model).decompose(enc["input_ids"], additional_forward_args=(enc["attention_mask"],))  # doctest: +SKIP
         >>> [(words, s)] = aggregate_to_words(res.scores, enc)  # doctest: +SKIP
     """
     s = _rows(scores, _batch_size(encoding))

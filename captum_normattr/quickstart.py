@@ -29,8 +29,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     model, tokenizer = load_default_model()
     batch = tokenizer([args.sentence], return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    globenc = GlobEncAttribution(model, map_name="N_ENC").decompose(ids, (mask,))
-    alti = ALTIAttribution(model).decompose(ids, (mask,))
+    globenc = GlobEncAttribution(model, map_name="N_ENC").decompose(ids, additional_forward_args=(mask,))
+    alti = ALTIAttribution(model).decompose(ids, additional_forward_args=(mask,))
     tokens = readable_tokens(tokenizer, ids[0])
     g = globenc.scores[0] / globenc.scores[0].sum()
     a = alti.scores[0]

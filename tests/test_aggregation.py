@@ -148,7 +148,7 @@ def test_map_aggregation_of_a_real_alti_rollout(tok):
 
     model, _ = load_default_model(dtype=torch.float64)
     enc = tok(TEXTS[:1], return_tensors="pt")
-    res = ALTIAttribution(model).decompose(enc["input_ids"], (enc["attention_mask"],))
+    res = ALTIAttribution(model).decompose(enc["input_ids"], additional_forward_args=(enc["attention_mask"],))
     [(words, wm)] = aggregate_map_to_words(res.rollout, enc, keep_special=True, texts=TEXTS[:1])
     torch.testing.assert_close(wm.sum(-1), torch.ones(len(words), dtype=torch.float64))
     # the explained row ([CLS], a word of its own) equals the word scores of res.scores

@@ -113,7 +113,7 @@ def test_scope_parts_complete_and_alti_equals_naive(name):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_causal_rows_give_nothing_to_later_tokens(name):
     model, ids, mask, valid, _ = _model_and_batch(name)
-    res = FFIntegratedDecomposition(model, contribution="alti").decompose(ids, (mask,))
+    res = FFIntegratedDecomposition(model, contribution="alti").decompose(ids, additional_forward_args=(mask,))
     assert res.extras["layer_completeness_error"].max() < 1e-10
     maps = [res.layer_maps] + [res.extras[f"scope_{s}"] for s in PRE_LN_SCOPES]
     for m in maps:
@@ -122,7 +122,7 @@ def test_causal_rows_give_nothing_to_later_tokens(name):
         rows = m.sum(-1)[valid[:, None].expand(-1, m.shape[1], -1)]
         assert ((rows - 1).abs() < 1e-12).logical_or(rows == 0).all()
     assert torch.equal(res.layer_maps, res.extras["scope_RES2"])  # ALTI+FF = the whole-layer scope
-    plain = ALTIAttribution(model).decompose(ids, (mask,))
+    plain = ALTIAttribution(model).decompose(ids, additional_forward_args=(mask,))
     assert torch.allclose(res.extras["scope_ATB"], plain.layer_maps, atol=1e-12, rtol=0)
 
 
@@ -131,7 +131,7 @@ def test_padded_batch_equals_each_example_alone(name, left):
     model, x, mask, valid, _ = _model_and_batch(name, left=bool(left))
     for scope in ("RES2", "FF"):
         attr = FFIntegratedDecomposition(model, contribution="alti", scope=scope, chunk_rows=2)
-        batch = attr.decompose(x, None if mask is None else (mask,))
+        batch = attr.decompose(x, additional_forward_args=None if mask is None else (mask,))
         assert (batch.delta < 1e-10).all() and (batch.scores[~valid] == 0).all()
         assert (batch.layer_maps * ~(valid[:, None, :, None] & valid[:, None, None, :]) == 0).all()
         for e in range(x.shape[0]):
@@ -139,7 +139,7 @@ def test_padded_batch_equals_each_example_alone(name, left):
             if mask is None:
                 alone = attr.decompose(x[e : e + 1])
             else:
-                alone = attr.decompose(x[e : e + 1, keep], (mask[e : e + 1, keep],))
+                alone = attr.decompose(x[e : e + 1, keep], additional_forward_args=(mask[e : e + 1, keep],))
             assert torch.allclose(batch.scores[e, keep], alone.scores[0], atol=1e-10, rtol=0), (scope, e)
             got = batch.layer_maps[e][:, keep][:, :, keep]
             assert torch.allclose(got, alone.layer_maps[0], atol=1e-10, rtol=0), (scope, e)

@@ -407,7 +407,10 @@ def test_registry_lists_every_exported_attribution_class():
         init = inspect.signature(spec.cls.__init__).parameters
         decompose = inspect.signature(spec.cls.decompose).parameters
         # Captum's order for every class; uses_target says whether the CLI's --target changes the scores
-        assert list(decompose)[1:2] == ["inputs"] and (not spec.uses_target or "target" in decompose), spec.key
+        assert list(decompose)[1:4] == ["inputs", "target", "additional_forward_args"], spec.key
+        assert list(inspect.signature(spec.cls.attribute).parameters)[1:5] == [
+            "inputs", "target", "additional_forward_args", "return_convergence_delta"], spec.key
+        assert not spec.uses_target or spec.cls.uses_target, spec.key
         assert spec.maps == ("return_layer_maps" in decompose and "return_rollout" in decompose), spec.key
         assert set(spec.families) <= set(registry.FAMILIES) and spec.description and spec.explains
         for opt in spec.options:  # every option is a constructor keyword with the same default

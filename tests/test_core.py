@@ -58,9 +58,9 @@ def test_padded_batch_equals_single(family, method):
     model = make_model(family)
     attr = ALTIAttribution(model) if method == "ALTI" else GlobEncAttribution(model, method)
     ids, mask = random_batch([8, 5, 3], seed=3)
-    res = attr.decompose(ids, (mask,))
+    res = attr.decompose(ids, additional_forward_args=(mask,))
     for b, n in enumerate([8, 5, 3]):
-        single = attr.decompose(ids[b : b + 1, :n], (mask[b : b + 1, :n],))
+        single = attr.decompose(ids[b : b + 1, :n], additional_forward_args=(mask[b : b + 1, :n],))
         assert torch.allclose(res.scores[b, :n], single.scores[0], rtol=1e-10, atol=1e-12)
         assert torch.allclose(res.layer_maps[b, :, :n, :n], single.layer_maps[0], rtol=1e-10, atol=1e-12)
         assert (res.scores[b, n:] == 0).all()
@@ -147,8 +147,12 @@ def test_captum_contract():
     tup = attr.attribute((ids,), additional_forward_args=(mask,))
     assert isinstance(tup, tuple) and torch.equal(tup[0], out)
     with torch.no_grad():
-        assert torch.equal(attr.attribute(ids, target=1, additional_forward_args=mask), out)
+        assert torch.equal(attr.attribute(ids, None, mask), out)  # Captum's positional order
+    # the maps are class-agnostic: a target would be ignored, so it is refused (not silently dropped)
+    with pytest.raises(ValueError, match="do not depend on the target"):
+        attr.attribute(ids, target=1, additional_forward_args=mask)
     assert attr.get_name() == "GlobEnc (N_ENC)" and ALTIAttribution(model).get_name() == "ALTI"
+    assert GlobEncAttribution.get_name() == "GlobEnc"  # Captum's classmethod form
     assert hasattr(GlobEncAttribution.attribute, "__wrapped__")
     # NoiseTunnel on word embeddings (a float input)
     emb = model.bert.embeddings.word_embeddings(ids).detach()
@@ -179,8 +183,8 @@ def test_rollout_conventions():
 def test_explained_position():
     model = make_model("bert")
     ids, mask = random_batch([6, 4], seed=8)
-    res = GlobEncAttribution(model, explained_position="last").decompose(ids, (mask,))
+    res = GlobEncAttribution(model, explained_position="last").decompose(ids, additional_forward_args=(mask,))
     assert res.explained_position.tolist() == [5, 3]
     assert torch.equal(res.scores[1], res.rollout[1, 3])
     with pytest.raises(ValueError, match="real"):
-        GlobEncAttribution(model, explained_position=5).decompose(ids, (mask,))
+        GlobEncAttribution(model, explained_position=5).decompose(ids, additional_forward_args=(mask,))

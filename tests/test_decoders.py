@@ -185,7 +185,7 @@ def _run(attr, ids, mask):
     if isinstance(attr, ALTILogitAttribution):
         res = attr.decompose(ids, 5, mask)
         return res.scores, res.layer_token_contributions
-    res = attr.decompose(ids, mask)
+    res = attr.decompose(ids, additional_forward_args=mask)
     return res.scores, res.layer_maps
 
 
@@ -253,7 +253,7 @@ def test_defaults_and_contract():
     ids, mask = decoder_batch([6, 4], seed=9)
     g = GlobEncAttribution(model)
     assert g.map_name == "N_RESLN" and g.get_name() == "GlobEnc (N_RESLN)"
-    res = g.decompose(ids, mask)
+    res = g.decompose(ids, additional_forward_args=mask)
     assert res.explained_position.tolist() == [5, 5]  # left padding: the last real token is the last column
     assert res.mixing_ratio.shape == (2, 2, 6)
     assert FFIntegratedDecomposition(model).scope == "RES2"

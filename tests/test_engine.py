@@ -85,7 +85,7 @@ def test_scores_are_the_rollout_of_independently_computed_maps(convention):
     attr = GlobEncAttribution(model, rollout=convention)
     scores = attr.attribute(ids, additional_forward_args=(mask,))
     assert torch.allclose(scores, joint[:, 0] * valid, atol=1e-12, rtol=0)
-    res = attr.decompose(ids, (mask,))
+    res = attr.decompose(ids, additional_forward_args=(mask,))
     assert torch.allclose(res.rollout, joint * (valid[:, :, None] & valid[:, None, :]), atol=1e-12, rtol=0)
     other = GlobEncAttribution(model, rollout="raw" if convention == "row_normalized" else "row_normalized")
     assert not torch.allclose(other.attribute(ids, additional_forward_args=(mask,)), scores, atol=1e-6)
@@ -127,7 +127,7 @@ def test_every_class_rolls_out_independently_computed_maps(case, convention):
     maps = _independent_maps(case, capture_layers(model, ids, mask), valid)
     joint = naive_rollout(maps, convention)
     attr = build(model, convention)
-    res = attr.decompose(ids, (mask,))
+    res = attr.decompose(ids, additional_forward_args=(mask,))
     assert torch.allclose(res.layer_maps, maps, atol=1e-10, rtol=0)
     pos = res.explained_position
     assert pos.tolist() == ([6, 6] if decoder else [0, 0])
@@ -144,8 +144,8 @@ def test_long_input_switches_off_maps_and_rollout():
     model = make_decoder("llama")
     ids, mask = decoder_batch([9, 6], seed=2)
     attr = ALTIAttribution(model)
-    full = attr.decompose(ids, (mask,))
-    lean = attr.decompose(ids, (mask,), return_layer_maps=False, return_rollout=False)
+    full = attr.decompose(ids, additional_forward_args=(mask,))
+    lean = attr.decompose(ids, additional_forward_args=(mask,), return_layer_maps=False, return_rollout=False)
     assert lean.layer_maps is None and lean.rollout is None
     assert torch.allclose(full.scores, lean.scores, atol=1e-14, rtol=0)
     assert torch.allclose(full.rollout[torch.arange(2), full.explained_position], full.scores, atol=1e-12, rtol=0)

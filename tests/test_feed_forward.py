@@ -97,7 +97,7 @@ def test_padded_batch_equals_single(family):
 def test_scopes_and_extras():
     model = make_model("bert")
     ids, mask = random_batch([7, 5], seed=2)
-    res = FFIntegratedDecomposition(model, scope="RES2").decompose(ids, (mask,))
+    res = FFIntegratedDecomposition(model, scope="RES2").decompose(ids, additional_forward_args=(mask,))
     assert res.method == "FF decomposition (RES2)"
     assert torch.equal(res.layer_maps, res.extras["scope_RES2"])
     assert res.extras["completeness_error"].shape == (2,)
@@ -114,15 +114,15 @@ def test_minilm_completeness():
 
     model, tok = load_default_model()
     batch = tok(["a gripping , funny film .", "dull ."], return_tensors="pt", padding=True)
-    res = FFIntegratedDecomposition(model).decompose(batch["input_ids"], (batch["attention_mask"],))
+    res = FFIntegratedDecomposition(model).decompose(batch["input_ids"], additional_forward_args=(batch["attention_mask"],))
     layers = capture_layers(model, batch["input_ids"], batch["attention_mask"])
     for l, e, le in zip(layers, res.extras["completeness_error"], res.extras["layer_completeness_error"]):
         assert e <= 1e-4 * l.ff_out.abs().max() and le <= 1e-4 * l.ln2_out.abs().max()
     assert torch.isfinite(res.scores).all()
-    alti = FFIntegratedDecomposition(model, contribution="alti", chunk_rows=3).decompose(batch["input_ids"], (batch["attention_mask"],))
+    alti = FFIntegratedDecomposition(model, contribution="alti", chunk_rows=3).decompose(batch["input_ids"], additional_forward_args=(batch["attention_mask"],))
     v = batch["attention_mask"].bool()
     assert torch.allclose(alti.layer_maps.sum(-1)[v[:, None].expand(-1, alti.num_layers, -1)], torch.tensor(1.0), atol=1e-5)
-    assert torch.allclose(alti.extras["scope_ATB"], ALTIAttribution(model).decompose(batch["input_ids"], (batch["attention_mask"],)).layer_maps, atol=1e-5)
+    assert torch.allclose(alti.extras["scope_ATB"], ALTIAttribution(model).decompose(batch["input_ids"], additional_forward_args=(batch["attention_mask"],)).layer_maps, atol=1e-5)
 
 
 # --- contributions, chunking, ALTI+FF -----------------------------------------------------------------------------
@@ -167,8 +167,8 @@ def test_alti_ff_equals_naive_and_chunks_agree(name):
 def test_alti_atb_scope_is_plain_alti(family):
     model = make_model(family)
     ids, mask = random_batch([6, 4], seed=7)
-    plain = ALTIAttribution(model).decompose(ids, (mask,))
-    ff = FFIntegratedDecomposition(model, scope="ATB", contribution="alti").decompose(ids, (mask,))
+    plain = ALTIAttribution(model).decompose(ids, additional_forward_args=(mask,))
+    ff = FFIntegratedDecomposition(model, scope="ATB", contribution="alti").decompose(ids, additional_forward_args=(mask,))
     assert torch.allclose(ff.layer_maps, plain.layer_maps, atol=1e-12)
     assert torch.allclose(ff.scores, plain.scores, atol=1e-12)
 
@@ -180,8 +180,8 @@ def test_memory_budget_sets_chunks():
     per_row = 8 * (40 + 8 * 24) * 8 / 2**20  # T * (F + 8 D) * bytes, in MB
     assert ff_rows_per_chunk(layer, 3 * per_row) == 3
     assert ff_rows_per_chunk(layer, 1e-9) == 1 and ff_rows_per_chunk(layer, 1e3) == 8
-    a = FFIntegratedDecomposition(model, memory_budget_mb=3 * per_row).decompose(ids, (mask,))
-    b = FFIntegratedDecomposition(model).decompose(ids, (mask,))
+    a = FFIntegratedDecomposition(model, memory_budget_mb=3 * per_row).decompose(ids, additional_forward_args=(mask,))
+    b = FFIntegratedDecomposition(model).decompose(ids, additional_forward_args=(mask,))
     assert torch.allclose(a.layer_maps, b.layer_maps, atol=1e-12, rtol=0)
 
 
@@ -228,7 +228,7 @@ def test_half_precision_decomposed_in_float32(dtype, tol):
     ids, mask = random_batch([7, 5], seed=1)
     for contribution in ("norm", "alti"):
         attr = FFIntegratedDecomposition(model, contribution=contribution)
-        res = attr.decompose(ids, (mask,))
+        res = attr.decompose(ids, additional_forward_args=(mask,))
         assert res.layer_maps.dtype == torch.float32 and torch.isfinite(res.scores).all()
         layers = capture_layers(model, ids, mask)
         for l, e, le in zip(layers, res.extras["completeness_error"], res.extras["layer_completeness_error"]):
@@ -255,8 +255,8 @@ def test_names_and_errors():
 def test_riemann_through_the_class():
     model = make_model("electra")
     ids, mask = random_batch([6], seed=11)
-    exact = FFIntegratedDecomposition(model).decompose(ids, (mask,))
-    num = FFIntegratedDecomposition(model, method="riemann", steps=64).decompose(ids, (mask,))
+    exact = FFIntegratedDecomposition(model).decompose(ids, additional_forward_args=(mask,))
+    num = FFIntegratedDecomposition(model, method="riemann", steps=64).decompose(ids, additional_forward_args=(mask,))
     assert (num.layer_maps - exact.layer_maps).abs().max() < 1e-3 * exact.layer_maps.abs().max()
     assert 0 < num.extras["completeness_error"].max() < 1e-2  # relu: the midpoint rule is not exact
 
@@ -339,7 +339,7 @@ def test_low_gamma_ablation():
     k1 = low_gamma_keep(layer.ln1, 0.1, 24)
     assert torch.allclose(maps["ATB_ablated"], zt[..., k1].norm(dim=-1) * m2, atol=1e-12)
     # the class uses the ablated map of its scope and reports both
-    res = FFIntegratedDecomposition(model, ignore_low_gamma=0.1).decompose(ids, (mask,))
+    res = FFIntegratedDecomposition(model, ignore_low_gamma=0.1).decompose(ids, additional_forward_args=(mask,))
     assert torch.equal(res.layer_maps, res.extras["scope_LN2_ablated"])
     assert not torch.allclose(res.extras["scope_LN2_ablated"], res.extras["scope_LN2"])
     ch = scope_contextualization_changes(res.extras, v, ablated=True)

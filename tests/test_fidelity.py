@@ -158,7 +158,7 @@ def test_captum_infidelity_on_embeddings_with_broadcast_scores():
     mask = (ids != 0).long()
     special = (ids == 2) | (ids == 3) | (mask == 0)
     target = torch.tensor([1, 0])
-    scores = ALTIAttribution(model).decompose(ids, (mask,)).scores
+    scores = ALTIAttribution(model).decompose(ids, additional_forward_args=(mask,)).scores
     emb = model.get_input_embeddings()
     x = emb(ids).detach()
     baseline = emb(torch.tensor([[4]])).detach()  # the "absent token" embedding ([MASK]-like id 4)

@@ -90,7 +90,7 @@ def test_tokens_rolled_before_attention_encoder(name):
     clean = METHODS[name](model).attribute(ids, additional_forward_args=(mask,))
     model.bert.encoder.layer[0].attention.self.register_forward_pre_hook(_roll_hidden_states, with_kwargs=True)
     with pytest.warns(ConsistencyWarning):
-        res = METHODS[name](model).decompose(ids, (mask,), return_layer_maps=False, return_rollout=False)
+        res = METHODS[name](model).decompose(ids, additional_forward_args=(mask,), return_layer_maps=False, return_rollout=False)
     assert float(res.extras["completeness_error"].max()) < 1e-10  # the old check alone saw nothing
     assert float((res.scores - clean).abs().max()) > 1e-3  # while the scores moved
     _fires(METHODS[name], model, "attention input vs the layer input")

@@ -26,16 +26,16 @@ def minilm():
 def test_minilm_maps(minilm):
     model, batch = minilm
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    res_n = GlobEncAttribution(model, "N").decompose(ids, (mask,))
-    res_enc = GlobEncAttribution(model, "N_ENC").decompose(ids, (mask,))
-    res_alti = ALTIAttribution(model).decompose(ids, (mask,))
+    res_n = GlobEncAttribution(model, "N").decompose(ids, additional_forward_args=(mask,))
+    res_enc = GlobEncAttribution(model, "N_ENC").decompose(ids, additional_forward_args=(mask,))
+    res_alti = ALTIAttribution(model).decompose(ids, additional_forward_args=(mask,))
     for res in (res_n, res_enc, res_alti):
         assert torch.isfinite(res.layer_maps).all() and torch.isfinite(res.scores).all()
         assert (res.extras["completeness_error"] < 1e-4).all()
     valid = mask.bool()
     rows = res_alti.layer_maps.sum(-1)
     assert torch.allclose(rows[valid[:, None, :].expand_as(rows)], torch.ones(()), atol=1e-5)
-    rn = GlobEncAttribution(model, "N_ENC", rollout="row_normalized").decompose(ids, (mask,))
+    rn = GlobEncAttribution(model, "N_ENC", rollout="row_normalized").decompose(ids, additional_forward_args=(mask,))
     assert torch.allclose(rn.rollout.sum(-1)[valid], torch.ones(()), atol=1e-4)
     sel = valid[:, None, :].expand_as(res_enc.mixing_ratio)
     ratio_enc = res_enc.mixing_ratio[sel].mean().item()

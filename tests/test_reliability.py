@@ -104,11 +104,11 @@ def test_non_finite_example_decompose_results_are_nan(decoder):
     e = _embeds(model, ids)
     e[0, 4] = float("nan")
     with pytest.warns(RuntimeWarning):
-        res = ALTIAttribution(model).decompose(e, (mask,))
+        res = ALTIAttribution(model).decompose(e, additional_forward_args=(mask,))
     for field in (res.scores, res.layer_maps, res.rollout):
         assert torch.isnan(field[0]).all() and torch.isfinite(field[1]).all()
     with pytest.warns(RuntimeWarning):
-        ff = FFIntegratedDecomposition(model).decompose(e, (mask,))
+        ff = FFIntegratedDecomposition(model).decompose(e, additional_forward_args=(mask,))
     assert torch.isnan(ff.delta[0]) and torch.isfinite(ff.delta[1])
     with pytest.warns(RuntimeWarning):
         dx = DecompXAttribution(model, algorithm="forward").decompose(e, target=1, additional_forward_args=(mask,))
@@ -221,7 +221,7 @@ def test_positions_outside_an_example_and_float_tensors_are_refused():
     with pytest.raises(TypeError, match="integer dtype"):
         ALTIAttribution(model, explained_position=torch.tensor([5.0, 5.9])).attribute(ids, additional_forward_args=(mask,))
     # a (B,) integer tensor is read as positions in the padded tensor (what results return)
-    res = ALTIAttribution(model, explained_position=torch.tensor([4, 5])).decompose(ids, (mask,))
+    res = ALTIAttribution(model, explained_position=torch.tensor([4, 5])).decompose(ids, additional_forward_args=(mask,))
     assert res.explained_position.tolist() == [4, 5]
 
 
@@ -369,7 +369,7 @@ def test_overflowed_scores_are_told_apart_from_a_non_finite_forward_pass():
     from captum_normattr.attr.base import mark_non_finite
 
     ids, mask = random_batch([6, 4])
-    res = GlobEncAttribution(make_model("bert")).decompose(ids, (mask,))
+    res = GlobEncAttribution(make_model("bert")).decompose(ids, additional_forward_args=(mask,))
     scores = res.scores.clone()
     scores[1, 0] = float("inf")
     with pytest.warns(RuntimeWarning, match=r"example\(s\) \[1\] overflowed.*inside a layer.*float64") as caught:

@@ -189,9 +189,9 @@ def test_attention_in_blocks_of_one_example_equals_each_example_alone(monkeypatc
     lengths = [9, 4, 7]
     ids, mask = random_batch(lengths, seed=10)
     for attr in (ALTIAttribution(bert), GlobEncAttribution(bert)):
-        batch = attr.decompose(ids, (mask,))
+        batch = attr.decompose(ids, additional_forward_args=(mask,))
         for i, n in enumerate(lengths):
-            alone = attr.decompose(ids[i : i + 1, :n], (mask[i : i + 1, :n],))
+            alone = attr.decompose(ids[i : i + 1, :n], additional_forward_args=(mask[i : i + 1, :n],))
             torch.testing.assert_close(batch.layer_maps[i, :, :n, :n], alone.layer_maps[0], atol=1e-12, rtol=0)
             torch.testing.assert_close(batch.scores[i, :n], alone.scores[0], atol=1e-12, rtol=0)
     t5 = ALTIPlusAttribution(model_for("t5"))

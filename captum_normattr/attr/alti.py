@@ -16,7 +16,9 @@ class ALTIAttribution(LayerDecompositionAttribution):
     r"""ALTI token attributions: c_ij = max(0, |y_i|_1 - |y_i - T_i(x_j)|_1), rolled out.
 
     Parts are built in chunks of query rows under ``memory_budget_mb``. Rows already
-    sum to 1, so both rollout conventions agree. Does not depend on ``target``.
+    sum to 1, so both rollout conventions agree. Does not depend on a target: ``decompose``
+    and ``attribute`` take ``target=None`` only. The convergence delta is, per example, the
+    largest completeness error of the attention-block parts over layers and real tokens.
     Post-LN encoders: T_i(x_j) are the LN1-output parts. Pre-LN decoders (GPT-2, Llama,
     Mistral, Qwen2): T_i(x_j) = h_{i<-j} = [i=j] x_i + sum_h alpha^h_ij f^h(LN1(x_j)) and
     y_i = h_i, the real residual stream after attention (b_O inside); the maps are causal.
@@ -54,5 +56,5 @@ class ALTIAttribution(LayerDecompositionAttribution):
     def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:
         return LayerContribution(
             map=self.kind.alti_map(layer, valid, self.memory_budget_mb),
-            errors={"completeness_error": self.kind.completeness_error(layer, valid)},
+            errors=self.attention_block_errors(layer, valid),
         )

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.alti import ALTI_MEMORY_BUDGET_MB
@@ -125,6 +124,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
 
     method_name = "ALTI-Logit"
     kind_method = "alti_logit"
+    uses_target = True
 
     def __init__(
         self,
@@ -152,13 +152,15 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             target: token id (int, numpy integer, 0-d tensor) or per-example ids (list or (B,)
                 tensor); None (default): the token the model predicts at the explained position
                 (argmax of its real logits). A tuple raises a ValueError pointing to ``foil``
-                (it meant (target, foil) before).
+                (it meant (target, foil) before); an attention mask passed here raises one
+                pointing to ``additional_forward_args=``.
             additional_forward_args: attention_mask (B, T) (left or right padding).
             foil: None, or token id(s) of the same forms: explains logit(target) - logit(foil).
 
         Returns:
             :class:`ALTILogitResult`.
         """
+        self.check_target(target, inputs)
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
@@ -223,35 +225,15 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             final_bias=terms["final_bias"],
             unattributed=terms["unattributed"],
         ), prepared.finite)
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Union[Tensor, Tuple[Tensor]],
-        target: Any = None,
-        additional_forward_args: Any = None,
-        return_convergence_delta: bool = False,
-        foil: Any = None,
-    ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
-        r"""Signed token contributions to the target logit at the explained position.
 
-        Args:
-            inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple of them.
-            target: token id or (B,) ids — see :meth:`decompose`; None (default): the token
-                the model predicts at the explained position.
-            additional_forward_args: attention_mask (B, T).
-            return_convergence_delta: also return delta (B,): the real logit minus token
-                scores minus the no-token terms.
-            foil: token id(s) whose logit is subtracted (see :meth:`decompose`).
+    def attribution_and_delta(self, inputs, target, additional_forward_args, foil: Any = None):
+        r"""(signed token contributions to the target logit, delta (B,)): ``attribute``'s output.
 
-        Returns:
-            (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
-            ``return_convergence_delta``, (scores, delta).
+        ``attribute(inputs, target=None, additional_forward_args=None,
+        return_convergence_delta=False, foil=None)``: the scores of :meth:`decompose` ((B, T),
+        a 1-tuple for tuple inputs, pads exactly 0); the delta is ``|the real logit - token
+        scores - the no-token terms|`` plus the attention-block completeness (see
+        :class:`ALTILogitResult`).
         """
         res = self.decompose(inputs, target, additional_forward_args, foil=foil)
-        return format_output(inputs, res.scores, res.delta, return_convergence_delta)
-
-    def has_convergence_delta(self) -> bool:
-        return True
-
-    def get_name(self) -> str:
-        return "ALTI-Logit"
+        return format_output(inputs, res.scores), res.delta

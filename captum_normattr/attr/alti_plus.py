@@ -14,11 +14,10 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from captum.attr import Attribution
-from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import mark_non_finite
-from captum_normattr.attr.inputs import _has_gaps, explained_positions
+from captum_normattr.attr.base import DecompositionAttribution, mark_non_finite
+from captum_normattr.attr.inputs import explained_positions, has_gaps
 from captum_normattr.decompose.alti_plus import (
     DEFAULT,
     OFFICIAL,
@@ -153,7 +152,7 @@ def _check_mask(name: str, mask: Any, shape: Tuple[int, int], device, contiguous
     empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"example(s) {empty} have no tokens in {name} (all 0)")
-    if contiguous and _has_gaps(mask):
+    if contiguous and has_gaps(mask):
         raise ValueError(f"{name} must be one contiguous block of 1s per example (left or right padding)")
     return mask
 
@@ -196,7 +195,7 @@ def _legacy_call(src_ids, tgt_ids, src_mask, args, kwargs, return_layer_maps):
         "decompose((src_ids, tgt_ids), target, (src_mask, tgt_mask), return_layer_maps=...) as attribute() "
         "(target: the explained decoder position, the former explained_position)",
         DeprecationWarning,
-        stacklevel=4,
+        stacklevel=3,
     )
     if len(args) > 3:
         raise TypeError(f"decompose() takes at most 6 arguments in its old form, got {3 + len(args)}")
@@ -271,7 +270,7 @@ class _Stream:
             self._self_map = None
 
 
-class ALTIPlusAttribution(Attribution):
+class ALTIPlusAttribution(DecompositionAttribution):
     r"""ALTI+ source and target-prefix contributions of encoder-decoder Transformers.
 
     Supported: BART, Marian (post-LN), mBART, M2M100/NLLB, Pegasus (pre-LN) and T5/mT5
@@ -345,8 +344,7 @@ class ALTIPlusAttribution(Attribution):
         return src_ids, tgt_ids, src_mask, tgt_mask
 
     # --- decomposition ------------------------------------------------------------------
-    @log_usage()
-    def decompose(
+    def decompose(  # type: ignore[override]
         self,
         inputs: Tuple[Tensor, Tensor],
         target: Union[int, str, Tensor, None] = None,
@@ -398,6 +396,7 @@ class ALTIPlusAttribution(Attribution):
                     f"decompose() got unexpected arguments {extra}: call decompose((src_ids, tgt_ids), target, "
                     "(src_mask, tgt_mask), return_layer_maps=...) (target: the explained decoder position)"
                 )
+            self.check_target(target, inputs)
             src_ids, tgt_ids = _split_inputs(inputs)
             src_mask, tgt_mask = _split_masks(additional_forward_args)
             position = "last" if target is None else target
@@ -451,37 +450,22 @@ class ALTIPlusAttribution(Attribution):
         bad = ~(torch.isfinite(r_src).flatten(1).all(1) & torch.isfinite(r_tgt).flatten(1).all(1) & torch.isfinite(delta))
         return mark_non_finite(result, ~bad)
 
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Tuple[Tensor, Tensor],
-        target: Union[int, str, Tensor, None] = None,
-        additional_forward_args: Any = None,
-    ) -> Tuple[Tensor, Tensor]:
-        r"""Source and target-prefix scores of one decoder position per example.
+    def attribution_and_delta(self, inputs, target, additional_forward_args):
+        r"""((source scores (B, S), target scores (B, T)), delta (B,)): ``attribute``'s output.
 
-        Args:
-            inputs: ``(src_ids (B, S), tgt_ids (B, T))``; ``tgt_ids`` are decoder input ids
-                starting with the decoder start token.
-            target: the explained decoder position: None or ``"last"`` (the last real
-                position, which predicts the next token), an int (k >= 0 counted from the
-                first real position, k < 0 from the last) or a (B,) tensor of positions.
-            additional_forward_args: ``(src_mask, tgt_mask)``, ``src_mask`` alone, or None.
-
-        Returns:
-            ``(source scores (B, S), target scores (B, T))``; together they sum to 1 per
-            example; pads and positions after the explained one are 0.
+        ``attribute(inputs, target=None, additional_forward_args=None,
+        return_convergence_delta=False)`` takes what :meth:`decompose` takes: ``inputs`` =
+        ``(src_ids, tgt_ids)``, ``target`` = the explained decoder position (None or
+        ``"last"``: the last real position, which predicts the next token; an int, k >= 0
+        counted from the first real position, k < 0 from the last; or a (B,) tensor of
+        positions), ``additional_forward_args`` = ``(src_mask, tgt_mask)``, ``src_mask`` alone
+        or None. The source and target scores sum to 1 per example (pads and positions after
+        the explained one are 0); the delta is the largest completeness error of every
+        block's parts (:attr:`ALTIPlusResult.delta`).
         """
-        src_ids, tgt_ids = _split_inputs(inputs)
-        src_mask, tgt_mask = _split_masks(additional_forward_args)
-        res = self._decompose(src_ids, tgt_ids, src_mask, tgt_mask, False, "last" if target is None else target)
-        return res.scores, res.target_scores
-
-    def has_convergence_delta(self) -> bool:
-        return False
-
-    def get_name(self) -> str:
-        return self.method_name
+        _split_inputs(inputs)  # attribute takes the pair only (decompose also the old form)
+        res = self.decompose(inputs, target, additional_forward_args)
+        return (res.scores, res.target_scores), res.delta
 
 
 @dataclass

@@ -8,6 +8,7 @@ grow with depth: only the per-layer maps and a few per-layer numbers are kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
@@ -18,7 +19,12 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.images import image_extras, pixel_attributions
-from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
+from captum_normattr.attr.inputs import (
+    PreparedInputs,
+    check_target_is_not_forward_args,
+    explained_positions,
+    prepare_inputs,
+)
 from captum_normattr.decompose.guards import guard_tolerance
 from captum_normattr.decompose.layer_kinds import LayerKind, layer_kind
 from captum_normattr.decompose.records import LayerTensors
@@ -345,10 +351,134 @@ class _MapCollector:
         return torch.stack(self.ratios, 1)
 
 
-class LayerDecompositionAttribution(Attribution):
+class configured_name:
+    r"""``get_name`` in Captum's classmethod form, refined on an instance by its options.
+
+    Captum's :meth:`~captum.attr.Attribution.get_name` is a classmethod: ``Cls.get_name()``
+    names the method. Every ``get_name(self)`` of a :class:`DecompositionAttribution` subclass is
+    wrapped in it (by the class itself), which keeps that form
+    (``GlobEncAttribution.get_name()`` is the class's :attr:`method_name`) while an instance
+    names its configuration (``GlobEncAttribution(model, "N").get_name()`` is
+    ``"GlobEnc (N)"``), the name its results carry.
+
+    Examples::
+
+        >>> class Demo(DecompositionAttribution):
+        ...     method_name = "Demo"
+        ...     def get_name(self):
+        ...         return f"Demo ({self.option})"
+        >>> Demo.get_name()
+        'Demo'
+    """
+
+    def __init__(self, instance_name: Callable[[Any], str]) -> None:
+        self.instance_name = instance_name
+        functools.update_wrapper(self, instance_name)
+
+    def __get__(self, obj: Any, cls: Optional[type] = None) -> Callable[[], str]:
+        if obj is None:
+            owner = cls
+
+            def class_name() -> str:
+                return owner.method_name
+
+            return class_name
+        return functools.partial(self.instance_name, obj)
+
+
+class DecompositionAttribution(Attribution):
+    r"""Captum's interface, once for every decomposition class.
+
+    ``decompose(inputs, target=None, additional_forward_args=None, ...)`` returns the typed
+    result (every term of the decomposition); ``attribute(inputs, target=None,
+    additional_forward_args=None, return_convergence_delta=False, ...)`` returns Captum's
+    output: the scores (a tuple for tuple inputs), paired with the (B,) convergence delta when
+    ``return_convergence_delta`` is True. A subclass implements :meth:`decompose` and, where
+    its scores are not ``decompose(...).scores`` in Captum's form, :meth:`attribution_and_delta`.
+
+    ``target`` is checked once here: an attention mask passed in its place (the positional
+    ``decompose(ids, (mask,))`` of an older order) raises a ValueError; a method whose scores do
+    not depend on the target (:attr:`uses_target` False: the norm-based and ALTI maps) raises
+    one for any target other than None, instead of ignoring it.
+    """
+
+    #: the method's name (``Cls.get_name()``; an instance may name its options too)
+    method_name = "decomposition"
+    #: the scores depend on ``target`` (False: the class-agnostic maps refuse a target)
+    uses_target = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("get_name")
+        if callable(name) and not isinstance(name, (configured_name, classmethod, staticmethod)):
+            cls.get_name = configured_name(name)  # Captum's classmethod form kept (see configured_name)
+
+    def check_target(self, target: Any, inputs: Any) -> None:
+        r"""Raise a ValueError for a mask passed as ``target``, or any target of a class-agnostic method."""
+        check_target_is_not_forward_args(target, inputs, self.get_name())
+        if target is not None and not self.uses_target:
+            raise ValueError(
+                f"{self.get_name()}: the scores do not depend on the target (the maps are class-agnostic), so "
+                f"target={target!r} would be ignored. Pass target=None: the same scores explain every class; for "
+                "signed scores of one class use DecompXAttribution (or ALTILogitAttribution for a next-token logit)"
+            )
+
+    def decompose(self, inputs: Any, target: Any = None, additional_forward_args: Any = None, **options: Any) -> AttributionResult:
+        r"""Every term of the decomposition (a typed :class:`~captum_normattr.result.AttributionResult`)."""
+        raise NotImplementedError
+
+    def attribution_and_delta(
+        self, inputs: Any, target: Any, additional_forward_args: Any, **options: Any
+    ) -> Tuple[Any, Optional[Tensor]]:
+        r"""(Captum-shaped scores, (B,) delta); by default from :meth:`decompose`."""
+        res = self.decompose(inputs, target, additional_forward_args, **options)
+        return format_output(inputs, pixel_attributions(inputs, res)), res.delta
+
+    @log_usage()
+    def attribute(
+        self,
+        inputs: Any,
+        target: Any = None,
+        additional_forward_args: Any = None,
+        return_convergence_delta: bool = False,
+        **options: Any,
+    ) -> Any:
+        r"""Captum's ``attribute``: token (or patch, pixel) scores, and optionally the convergence delta.
+
+        Args:
+            inputs: what :meth:`decompose` takes (token ids (B, T), embeddings (B, T, D),
+                pixel values, or a tuple of them).
+            target: what :meth:`decompose` takes (None for the class-agnostic maps).
+            additional_forward_args: attention mask(s), as for :meth:`decompose`.
+            return_convergence_delta: also return the (B,) convergence delta, the
+                completeness error of the decomposition (see the class; never negative).
+            **options: the method's own keywords (``foil=`` for the logit methods).
+
+        Returns:
+            The scores ((B, T); a tuple for tuple inputs); with ``return_convergence_delta``,
+            ``(scores, delta)``.
+        """
+        if not isinstance(return_convergence_delta, bool):
+            raise TypeError(f"return_convergence_delta must be True or False, got {return_convergence_delta!r}")
+        out, delta = self.attribution_and_delta(inputs, target, additional_forward_args, **options)
+        if not return_convergence_delta:
+            return out
+        if delta is None:  # pragma: no cover - every class here has a delta
+            raise ValueError(f"{self.get_name()} has no convergence delta")
+        return out, delta
+
+    def has_convergence_delta(self) -> bool:
+        return True
+
+
+class LayerDecompositionAttribution(DecompositionAttribution):
     r"""Base class: per-layer token-to-token maps rolled out into token attributions.
 
-    Subclasses implement :meth:`layer_contribution` (one layer's map, from its tensors).
+    Subclasses implement :meth:`layer_contribution` (one layer's map, from its tensors). The
+    maps do not depend on a target (:attr:`uses_target` False: ``decompose`` and ``attribute``
+    take ``target=None`` only). The convergence delta of GlobEnc and ALTI is, per example, the
+    largest completeness error of the attention-block parts their maps are built from (over
+    layers and real tokens: ``|sum of the parts + bias part - the model's real tensor|``).
 
     Args:
         model: a supported Hugging Face model (``*Model``, ``*ForSequenceClassification`` or
@@ -368,6 +498,7 @@ class LayerDecompositionAttribution(Attribution):
     """
 
     method_name = "decomposition"
+    uses_target = False
     #: what this method asks of the layer kind (one of ``layer_kinds.KIND_METHODS``)
     kind_method = "maps"
     #: judge the attention block's completeness error (methods without a delta: GlobEnc, ALTI)
@@ -403,13 +534,26 @@ class LayerDecompositionAttribution(Attribution):
         raise NotImplementedError
 
     def finish_extras(self, errors: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        r"""The result's extras from the stacked per-layer errors (override to derive more)."""
+        r"""The result's extras from the stacked per-layer errors (override to derive more).
+
+        ``example_completeness_error`` (B, L) becomes its largest value over the layers (B,):
+        the result's delta.
+        """
+        if "example_completeness_error" in errors:
+            errors["example_completeness_error"] = errors["example_completeness_error"].amax(1)
         return errors
 
+    def attention_block_errors(self, layer: LayerTensors, valid: Tensor) -> Dict[str, Tensor]:
+        r"""The attention block's completeness error of one layer: largest over the batch (0-dim,
+        ``completeness_error``) and per example ((B,), ``example_completeness_error``)."""
+        example = self.kind.example_completeness_error(layer, valid)
+        return {"completeness_error": example.max(), "example_completeness_error": example}
+
     # --- shared -------------------------------------------------------------------
-    def decompose(
+    def decompose(  # type: ignore[override]
         self,
         inputs: Union[Tensor, Tuple[Tensor]],
+        target: None = None,
         additional_forward_args: Any = None,
         return_layer_maps: bool = True,
         return_rollout: bool = True,
@@ -418,6 +562,8 @@ class LayerDecompositionAttribution(Attribution):
 
         Args:
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple.
+            target: None: the maps are class-agnostic (any other value raises a ValueError,
+                an attention mask passed here too: give it as ``additional_forward_args=``).
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
             return_layer_maps: keep the (B, L, T, T) layer maps (and, for the FF
                 decomposition, every scope's maps) in the result.
@@ -427,6 +573,7 @@ class LayerDecompositionAttribution(Attribution):
         Returns:
             :class:`~captum_normattr.DecompositionResult`.
         """
+        self.check_target(target, inputs)
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
@@ -466,28 +613,10 @@ class LayerDecompositionAttribution(Attribution):
         )
         return mark_non_finite(result, prepared.finite)
 
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Union[Tensor, Tuple[Tensor]],
-        target: Any = None,
-        additional_forward_args: Any = None,
-    ) -> Union[Tensor, Tuple[Tensor]]:
-        r"""Token attributions: the explained row of the rolled-out layer maps.
-
-        Args:
-            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
-            target: accepted for Captum compatibility and ignored (the maps are class-agnostic).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
-
-        Returns:
-            (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0.
-        """
-        res = self.decompose(inputs, additional_forward_args, return_layer_maps=False, return_rollout=False)
-        return format_output(inputs, pixel_attributions(inputs, res))
-
-    def has_convergence_delta(self) -> bool:
-        return False
+    def attribution_and_delta(self, inputs, target, additional_forward_args, **options):
+        res = self.decompose(inputs, target, additional_forward_args, return_layer_maps=False, return_rollout=False,
+                             **options)
+        return format_output(inputs, pixel_attributions(inputs, res)), res.delta
 
     def get_name(self) -> str:
         return self.method_name

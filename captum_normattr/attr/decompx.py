@@ -8,10 +8,17 @@ from typing import Any, Callable, ClassVar, Dict, Iterator, Optional, Tuple, Uni
 
 import torch
 from captum.attr import Attribution
-from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import ConsistencyGuard, check_memory_budget, compute_dtype, format_output, mark_non_finite, streamed_forward
+from captum_normattr.attr.base import (
+    ConsistencyGuard,
+    DecompositionAttribution,
+    check_memory_budget,
+    compute_dtype,
+    format_output,
+    mark_non_finite,
+    streamed_forward,
+)
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
@@ -141,7 +148,7 @@ class DecompXResult(LogitDecompositionResult):
         return None if self.layer_part_norms is None else self.layer_part_norms.shape[1]
 
 
-class DecompXAttribution(Attribution):
+class DecompXAttribution(DecompositionAttribution):
     r"""DecompX: signed, class-specific token attributions by exact propagation of parts.
 
     The embedding output of every input token is carried as its own part through every
@@ -237,6 +244,8 @@ class DecompXAttribution(Attribution):
         >>> lm = AutoModelForCausalLM.from_pretrained("gpt2")
         >>> scores, delta = DecompXAttribution(lm).attribute(ids, target=paris_id, return_convergence_delta=True)
     """
+
+    method_name = "DecompX"
 
     def __init__(
         self,
@@ -382,7 +391,8 @@ class DecompXAttribution(Attribution):
                 ``scores`` and ``delta`` depend on it. Decoders: the token id(s) whose
                 next-token logit is explained (None: the predicted next token). A tuple is
                 Captum's output index: ``(c,)`` for a classifier; the old ``(target, foil)``
-                form raises a ValueError pointing to ``foil``.
+                form raises a ValueError pointing to ``foil``, an attention mask passed here one
+                pointing to ``additional_forward_args=``.
             additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
             layer_parts: run the ``"forward"`` algorithm whatever ``algorithm`` says, so that
                 the per-layer part norms and completeness errors are filled in.
@@ -397,6 +407,7 @@ class DecompXAttribution(Attribution):
 
     def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool,
                  foil: Any = None) -> DecompXResult:
+        self.check_target(target, inputs)
         if foil is not None and not self.decoder:
             raise ValueError(
                 "foil= applies to the next-token logit of a decoder. A classifier explains every class at once: "
@@ -629,36 +640,17 @@ class DecompXAttribution(Attribution):
             bias_mode=self.bias_mode, algorithm=algorithm,
         )
 
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Union[Tensor, Tuple[Tensor]],
-        target: Any = None,
-        additional_forward_args: Any = None,
-        return_convergence_delta: bool = False,
-        foil: Any = None,
-    ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
-        r"""Signed token scores for the target class.
+    def attribution_and_delta(self, inputs, target, additional_forward_args, foil: Any = None):
+        r"""(signed token scores for the target class, delta (B,)): ``attribute``'s output.
 
-        Args:
-            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
-            target: the explained class: None (the predicted class), an int, a list of ints
-                or a (B,) integer tensor. Decoders: token id(s); None: the predicted next
-                token (see :meth:`decompose`).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
-            return_convergence_delta: also return delta (B,) = |sum of the token scores +
-                bias score - real logit of the target class|.
-            foil: decoders: token id(s) whose logit is subtracted (see :meth:`decompose`).
-
-        Returns:
-            (B, T) scores (a 1-tuple for tuple inputs); pads exactly 0; with
-            ``return_convergence_delta``, (scores, delta).
+        ``attribute(inputs, target=None, additional_forward_args=None,
+        return_convergence_delta=False, foil=None)``: the scores of :meth:`decompose` for
+        ``target`` ((B, T), a 1-tuple for tuple inputs, pads exactly 0; pixels for an image
+        classifier) computed for that target only (one vector-Jacobian product per layer with the
+        adjoint algorithm); delta (B,) = ``|sum of the token scores + bias score - real logit|``.
         """
         res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True, foil=foil)
-        return format_output(inputs, pixel_attributions(inputs, res), res.delta, return_convergence_delta)
-
-    def has_convergence_delta(self) -> bool:
-        return True
+        return format_output(inputs, pixel_attributions(inputs, res)), res.delta
 
     def get_name(self) -> str:
         return {"separate": "DecompX", "spread": "DecompX (spread bias)"}.get(self.bias_mode, "DecompX (spread bias per key)")

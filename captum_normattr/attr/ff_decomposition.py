@@ -1,14 +1,12 @@
 r"""Feed-forward-inclusive decomposition (Kobayashi et al. 2023): GlobEnc+FF, ALTI+FF, post-LN and pre-LN."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget, format_output
-from captum_normattr.attr.images import pixel_attributions
+from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
 from captum_normattr.decompose.layer_kinds import FFOptions
 from captum_normattr.decompose.records import LayerTensors
@@ -26,7 +24,10 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
     **GlobEnc+FF**, and ``ATB`` is the N_RESLN map) or ``"alti"`` (ALTI's L1 contribution of
     each part against the real output of the scope, rows normalised; with ``LN2`` this is
     **ALTI+FF**, and ``ATB`` is plain ALTI). The maps are rolled out over layers like
-    GlobEnc and ALTI, and do not depend on ``target`` (class-agnostic).
+    GlobEnc and ALTI, and do not depend on a target (class-agnostic: ``decompose`` and
+    ``attribute`` take ``target=None`` only). The convergence delta is, per example, the largest
+    ``|parts + bias part - real tensor|`` over layers, real tokens and features, for the FF output
+    and the layer output.
 
     Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``ATB`` = |h_{i<-j}| (attention block with
     residual), ``LN2`` = LN2-output parts (the FF input), ``FF`` = FF-output parts, ``RES2`` =
@@ -63,6 +64,8 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
         ...                               return_convergence_delta=True)
         >>> alti_ff = FFIntegratedDecomposition(model, contribution="alti")  # ALTI+FF
     """
+
+    method_name = "GlobEnc+FF"
 
     def __init__(
         self,
@@ -117,38 +120,6 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             },
             maps={f"scope_{name}": m for name, m in maps.items()} if keep_maps else {},
         )
-
-    def finish_extras(self, errors: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        errors["example_completeness_error"] = errors["example_completeness_error"].amax(1)
-        return errors
-
-    @log_usage()
-    def attribute(
-        self,
-        inputs: Union[Tensor, Tuple[Tensor]],
-        target: Any = None,
-        additional_forward_args: Any = None,
-        return_convergence_delta: bool = False,
-    ) -> Union[Tensor, Tuple[Tensor], Tuple[Union[Tensor, Tuple[Tensor]], Tensor]]:
-        r"""Token attributions: the explained row of the rolled-out maps.
-
-        Args:
-            inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple of them.
-            target: accepted for Captum compatibility and ignored (the maps are class-agnostic).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
-            return_convergence_delta: also return delta (B,), the completeness error of the
-                decomposition: per example, the largest |parts + bias part - real tensor| over
-                layers, valid tokens and features, for the FF output and the layer output.
-
-        Returns:
-            (B, T) scores (a 1-tuple for tuple inputs); pad positions are exactly 0; with
-            ``return_convergence_delta``, (scores, delta).
-        """
-        res = self.decompose(inputs, additional_forward_args, return_layer_maps=False, return_rollout=False)
-        return format_output(inputs, pixel_attributions(inputs, res), res.delta, return_convergence_delta)
-
-    def has_convergence_delta(self) -> bool:
-        return True
 
     def get_name(self) -> str:
         if self.scope == self.kind.whole_layer_scope:

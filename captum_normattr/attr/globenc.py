@@ -18,7 +18,10 @@ class GlobEncAttribution(LayerDecompositionAttribution):
     the N_ENC mixing ratio), ``N`` (Attn-N), ``N_FIXEDRES``, ``N_RES`` (AttnRes-N),
     ``N_RESLN`` (AttnResLn-N) and ``N_ENC`` (GlobEnc: both LayerNorms; the default).
     Computed exactly from per-token head Gram matrices: no (H, T, T, D) tensor is formed.
-    The maps do not depend on ``target`` (class-agnostic).
+    The maps do not depend on a target (class-agnostic): ``decompose`` and ``attribute`` take
+    ``target=None`` only. The convergence delta (``attribute(...,
+    return_convergence_delta=True)``, ``decompose(...).delta``) is, per example, the largest
+    completeness error of the attention-block parts over layers and real tokens.
 
     Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``W``, ``W_FIXEDRES``, ``N``,
     ``N_FIXEDRES``, ``N_RES`` (attention + residual, h_{i<-j}) and ``N_RESLN`` (the parts of
@@ -43,7 +46,10 @@ class GlobEncAttribution(LayerDecompositionAttribution):
         >>> batch = tok(["a gripping, funny film"], return_tensors="pt")
         >>> globenc = GlobEncAttribution(model)
         >>> scores = globenc.attribute(batch["input_ids"], additional_forward_args=(batch["attention_mask"],))
+        >>> res = globenc.decompose(batch["input_ids"], additional_forward_args=(batch["attention_mask"],))
     """
+
+    method_name = "GlobEnc"
 
     def __init__(
         self,
@@ -70,7 +76,7 @@ class GlobEncAttribution(LayerDecompositionAttribution):
         return LayerContribution(
             map=maps[self.map_name],
             mixing_ratio=ratios.get(ratio_name) if ratio_name else None,
-            errors={"completeness_error": self.kind.completeness_error(layer, valid)},
+            errors=self.attention_block_errors(layer, valid),
         )
 
     def get_name(self) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.inputs import PreparedInputs, single_input
+from captum_normattr.attr.prepared import PreparedInputs, single_input
 from captum_normattr.models.adapters import ArchitectureAdapter
 from captum_normattr.models.weights import input_device
 

@@ -3,65 +3,15 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.attr.prepared import PreparedInputs, single_input
 from captum_normattr.models.adapters import ArchitectureAdapter, base_model, max_positions
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
-
-
-@dataclass
-class PreparedInputs:
-    r"""Validated model inputs of one call."""
-
-    input_ids: Optional[Tensor]
-    inputs_embeds: Optional[Tensor]
-    attention_mask: Tensor  # (B, T) long
-    token_type_ids: Optional[Tensor]
-    is_tuple: bool
-    causal: bool = False
-    #: pass ``use_cache=False`` (the model's forward takes it): no key/value cache is built, so a
-    #: recorded layer call can be run again (e.g. BERT with ``is_decoder=True``)
-    no_cache: bool = False
-    #: (B,) bool: False for an example whose input or recorded forward tensors hold a
-    #: non-finite value at a real token (updated layer by layer by ``streamed_forward``)
-    finite: Optional[Tensor] = None
-
-    @property
-    def valid(self) -> Tensor:
-        return self.attention_mask.bool()
-
-    @property
-    def shape(self) -> Tuple[int, int]:
-        x = self.input_ids if self.input_ids is not None else self.inputs_embeds
-        return int(x.shape[0]), int(x.shape[1])
-
-    def forward_kwargs(self) -> dict:
-        kw = {"attention_mask": self.attention_mask}
-        if self.input_ids is not None:
-            kw["input_ids"] = self.input_ids
-        else:
-            kw["inputs_embeds"] = self.inputs_embeds
-        if self.token_type_ids is not None:
-            kw["token_type_ids"] = self.token_type_ids
-        if self.causal:
-            kw["position_ids"] = self.position_ids
-        if self.causal or self.no_cache:
-            kw["use_cache"] = False
-        return kw
-
-    @property
-    def position_ids(self) -> Tensor:
-        r"""Decoder positions counted over real tokens only (cumsum of the mask - 1; pads get 0).
-
-        A left-padded example thereby gets the positions it has alone (GPT-2's absolute
-        positions and the rotary positions of the Llama family alike).
-        """
-        return (self.attention_mask.cumsum(-1) - 1).clamp_min(0)
 
 
 def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -85,30 +35,6 @@ def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optio
         "additional_forward_args must be attention_mask (B, T), or a tuple (attention_mask, token_type_ids); "
         f"got {type(additional_forward_args).__name__}"
     )
-
-
-def single_input(inputs: Any, what: str, shape: str) -> Tuple[Tensor, bool]:
-    r"""The one input tensor of a Captum call, given as a tensor or a 1-tuple.
-
-    Args:
-        inputs: what the caller passed.
-        what: what the tensor holds, for the messages (``"token ids"``, ``"pixel values"``).
-        shape: its expected shape, for the messages (``"(B, T)"``).
-
-    Returns:
-        (the tensor, True if it came in a tuple: Captum returns a tuple then).
-
-    Raises:
-        ValueError: a tuple of more than one element. TypeError: not a tensor.
-    """
-    is_tuple = isinstance(inputs, tuple)
-    if is_tuple:
-        if len(inputs) != 1:
-            raise ValueError(f"inputs must be one tensor of {what} (or a 1-tuple); got a tuple of {len(inputs)}")
-        inputs = inputs[0]
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor of {what} {shape}; got {type(inputs).__name__}")
-    return inputs, is_tuple
 
 
 def prepare_inputs(
@@ -191,7 +117,7 @@ def prepare_inputs(
             raise ValueError(f"example(s) {empty} have no tokens (attention_mask all 0)")
     if token_types is not None:
         token_types = _check_token_types(token_types, model, adapter, (b, t), mask).to(device=device)
-    if adapter.causal and _has_gaps(mask):
+    if adapter.causal and has_gaps(mask):
         raise ValueError("attention_mask of a decoder must be one contiguous block of 1s (left or right padding)")
     finite = torch.ones(b, dtype=torch.bool, device=device)
     if embeds is not None:
@@ -256,10 +182,67 @@ def _check_token_types(token_types: Tensor, model: nn.Module, adapter: Architect
     return token_types.to(dtype=torch.long)
 
 
-def _has_gaps(mask: Tensor) -> bool:
-    r"""True where some row's 1s are not one contiguous block."""
+def has_gaps(mask: Tensor) -> bool:
+    r"""True where some row's 1s are not one contiguous block (a decoder's mask must be one block)."""
     rises = ((mask[:, 1:] == 1) & (mask[:, :-1] == 0)).sum(-1) + (mask[:, 0] == 1).long()
     return bool((rises > 1).any())
+
+
+def _token_shapes(inputs: Any) -> set:
+    r"""The (B, T) of every token-id (B, T) or embedding (B, T, D) tensor in ``inputs`` (a tensor or a tuple)."""
+    shapes = set()
+    for x in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
+        if isinstance(x, Tensor) and (x.dim() == 2 or (x.dim() == 3 and x.is_floating_point())):
+            shapes.add(tuple(x.shape[:2]))
+    return shapes
+
+
+def check_target_is_not_forward_args(target: Any, inputs: Any, method: str = "this method") -> None:
+    r"""Raise a ValueError for a ``target`` that is an attention mask, or a tuple holding one.
+
+    ``decompose(inputs, target=None, additional_forward_args=None, ...)`` follows Captum's order,
+    so ``decompose(ids, (mask,))`` passes the mask as ``target``. A tensor of two or more
+    dimensions whose leading (B, T) is that of a token-id or embedding input, alone or inside
+    a tuple or list, is such a mask: no method takes a target of that shape.
+
+    Args:
+        target: what the caller passed as ``target``.
+        inputs: what the caller passed as ``inputs`` (a tensor, or a tuple of them).
+        method: the method's name, for the message.
+
+    Raises:
+        ValueError: saying to pass the mask as ``additional_forward_args=``.
+
+    Examples:
+        >>> ids, mask = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5)
+        >>> check_target_is_not_forward_args(3, ids)
+        >>> check_target_is_not_forward_args((mask,), ids)
+        Traceback (most recent call last):
+        ...
+        ValueError: this method: target=(tensor of shape (2, 5),) has the shape of the inputs' (B, T) ...
+    """
+    if target is None or isinstance(target, (int, str)):
+        return
+    items = tuple(target) if isinstance(target, (tuple, list)) else (target,)
+    shapes = _token_shapes(inputs)
+
+    def mask_like(x: Any) -> bool:
+        return (isinstance(x, Tensor) or type(x).__module__ == "numpy") and getattr(x, "ndim", 0) >= 2 and (
+            tuple(x.shape[:2]) in shapes)
+
+    if not any(mask_like(x) for x in items):
+        return
+    described = ", ".join(f"tensor of shape {tuple(x.shape)}" if hasattr(x, "shape") else repr(x) for x in items)
+    if isinstance(target, list):
+        described = f"[{described}]"
+    elif isinstance(target, tuple):
+        described = f"({described}{',' if len(items) == 1 else ''})"
+    raise ValueError(
+        f"{method}: target={described} has the shape of the inputs' (B, T): it looks like an attention mask passed "
+        "in the place of target. The arguments are Captum's: decompose(inputs, target=None, "
+        "additional_forward_args=None, ...) and attribute(inputs, target=None, additional_forward_args=None, ...); "
+        "pass the mask by keyword, e.g. decompose(ids, additional_forward_args=(mask,))"
+    )
 
 
 def explained_positions(explained_position: Union[int, str, Tensor], valid: Tensor) -> Tensor:

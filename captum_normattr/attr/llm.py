@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.attr.alti_logit import ALTILogitAttribution
-from captum_normattr.attr.base import LayerDecompositionAttribution, compute_dtype, streamed_forward
+from captum_normattr.attr.base import LayerDecompositionAttribution, compute_dtype, configured_name, streamed_forward
 from captum_normattr.attr.decompx import DecompXAttribution
 from captum_normattr.attr.explained_output import VOCAB_BLOCK, NextTokenLogit
 from captum_normattr.attr.inputs import prepare_inputs
@@ -749,6 +749,8 @@ class DecompositionLLMAttribution(Attribution):
         >>> res = llm.attribute(inp, gen_args={"max_new_tokens": 8})  # generate first
     """
 
+    method_name = "LLM attribution"
+
     SUPPORTED_INPUTS = (TextTemplateInput, TextTokenInput)
 
     def __init__(
@@ -912,6 +914,7 @@ class DecompositionLLMAttribution(Attribution):
     def has_convergence_delta(self) -> bool:
         return isinstance(self.attr_method, (ALTILogitAttribution, DecompXAttribution))
 
+    @configured_name
     def get_name(self) -> str:
         return f"{self.attr_method.get_name()} (LLM)"
 

@@ -140,7 +140,15 @@ def post_ln_ln1_parts_sum(layer: LayerTensors) -> Tensor:
 
 
 def post_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
-    r"""Largest absolute error of parts + bias part against the real LN1 output (valid tokens).
+    r"""Largest absolute error of parts + bias part against the real LN1 output (valid tokens; 0-dim).
+
+    The largest of :func:`post_ln_example_completeness_error` over the examples.
+    """
+    return post_ln_example_completeness_error(layer, valid).max()
+
+
+def post_ln_example_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
+    r"""Per example (B,): largest absolute error of parts + bias part against the real LN1 output.
 
     The parts' sum is :func:`post_ln_ln1_parts_sum`, worked out block by block of tokens
     (one product through W_O per block, the residual and b_O added into it, the norm's
@@ -148,7 +156,7 @@ def post_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
     """
     if layer.context is None:
         err = (post_ln_ln1_parts_sum(layer) - layer.ln1_out).abs().amax(-1)
-        return (err * valid.to(err.dtype)).max()
+        return (err * valid.to(err.dtype)).amax(-1)
     b, t, d = layer.hidden_in.shape
     ctx = layer.context.reshape(b * t, -1)
     x, real_in, real_out = (u.reshape(b * t, d) for u in (layer.hidden_in, layer.ln1_in, layer.ln1_out))
@@ -162,4 +170,4 @@ def post_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
         if beta is not None:
             z += beta
         err[rows] = z.sub_(real_out[rows]).abs_().amax(-1)
-    return (err.view(b, t) * valid.to(err.dtype)).max()
+    return (err.view(b, t) * valid.to(err.dtype)).amax(-1)

@@ -68,6 +68,9 @@ class PostLNKind(LayerKind):
     def completeness_error(self, layer, valid):
         return encoder.post_ln_completeness_error(layer, valid)
 
+    def example_completeness_error(self, layer, valid):
+        return encoder.post_ln_example_completeness_error(layer, valid)
+
     def attention_block_output(self, layer):
         return layer.ln1_out
 

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.capture import _switch_off, _switch_on
+from captum_normattr.models.capture import eval_mode as model_eval_mode
 
 __all__ = ["SequenceClassifier", "logits_of"]
 
@@ -121,11 +121,8 @@ class SequenceClassifier:
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[None]:
         r"""Run the block with the model in eval mode; restore every submodule's flag afterwards."""
-        _switch_on(self.model, ())
-        try:
+        with model_eval_mode(self.model):
             yield
-        finally:
-            _switch_off(self.model, ())
 
     def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         r"""Logits (B, C) of token ids (B, T) with their attention mask (eval mode)."""

@@ -579,7 +579,7 @@ class FaithfulnessHarness:
             are reported in the original order).
         max_batch: largest batch given to the model at once by the perturbation metrics
             (None = one call per perturbation set).
-        progress: show a progress bar (tqdm).
+        progress: show a progress bar (:func:`captum_normattr.progress.progress_bar`).
         seed: base seed of the random perturbations.
         warmup: call the forward and every method once, untimed, before the run.
         forward_repeats: the forward pass is timed this many times per batch (mean taken).

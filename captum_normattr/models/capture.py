@@ -1066,6 +1066,21 @@ def _switch_off(model: nn.Module, configs) -> None:
 
 
 @contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    r"""Run the block with ``model`` in eval mode; every submodule's training flag is restored afterwards.
+
+    Reference-counted together with the recorded forward passes (:func:`recording`), so that a
+    block nested in a recording (or a recording in the block) restores the flags only when the
+    last of them ends.
+    """
+    _switch_on(model, ())
+    try:
+        yield
+    finally:
+        _switch_off(model, ())
+
+
+@contextlib.contextmanager
 def recording(
     model: nn.Module,
     adapter: ArchitectureAdapter,
