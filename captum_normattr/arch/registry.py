@@ -6,7 +6,7 @@ and the engine's lookup (:func:`lookup`) read this registry; nothing keeps a lis
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from captum_normattr.arch import family_decoders, family_encoders, family_moe, family_parallel, family_seq2seq
 from captum_normattr.arch.families import BUILTIN, REFUSED
@@ -16,6 +16,7 @@ __all__ = [
     "ARCHITECTURES",
     "ENCODER_DECODERS",
     "encoder_decoder_table_markdown",
+    "family_methods",
     "lookup_encoder_decoder",
     "REFUSED",
     "architecture_table_markdown",
@@ -121,6 +122,24 @@ def supported_causal_families() -> str:
     return ", ".join(s.family for s in ARCHITECTURES.values() if s.causal)
 
 
+#: The methods the docs' table lists per family (the layer kind's, as tested on every family's tiny model).
+_TABLE_METHODS = (("maps", "GlobEnc"), ("alti", "ALTI"), ("ff", "FF"), ("decompx", "DecompX"), ("alti_logit", "ALTI-Logit"))
+
+
+def family_methods(spec: ArchitectureSpec) -> Tuple[str, ...]:
+    r"""The methods that decompose a family: its layer kind's (ALTI-Logit for causal models only);
+    ``("ALTI+",)`` for an encoder-decoder."""
+    if spec.is_encoder_decoder:
+        return ("ALTI+",)
+    from captum_normattr.decompose.layer_kinds import LAYER_KINDS  # the kinds sit above the descriptions
+
+    kind = LAYER_KINDS.get(spec.topology)
+    methods = set() if kind is None else set(kind.methods)
+    if not spec.causal:
+        methods.discard("alti_logit")
+    return tuple(name for key, name in _TABLE_METHODS if key in methods)
+
+
 def architecture_table_markdown(specs: Optional[Dict[str, ArchitectureSpec]] = None) -> str:
     r"""The docs' supported-architectures table (Markdown), rendered from the registry.
 
@@ -128,13 +147,14 @@ def architecture_table_markdown(specs: Optional[Dict[str, ArchitectureSpec]] = N
         specs: the descriptions to list (default: :data:`ARCHITECTURES`, the one-stack families).
 
     Returns:
-        Columns: family, ``config.model_type`` values, topology kind, features, notes.
+        Columns: family, ``config.model_type`` values, topology kind, methods (:func:`family_methods`),
+        features, notes.
     """
-    rows = ["| family | model types | topology | features | notes |", "|---|---|---|---|---|"]
+    rows = ["| family | model types | topology | methods | features | notes |", "|---|---|---|---|---|---|"]
     for spec in (ARCHITECTURES if specs is None else specs).values():
         rows.append(
             f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
-            f"{', '.join(spec.features())} | {spec.notes or '—'} |"
+            f"{', '.join(family_methods(spec))} | {', '.join(spec.features())} | {spec.notes or '—'} |"
         )
     return "\n".join(rows)
 
