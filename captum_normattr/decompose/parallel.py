@@ -246,12 +246,8 @@ def parallel_layer_parts(
     Returns:
         (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
     """
-    rows = torch.arange(parts.shape[1], device=parts.device) if rows is None else rows.to(parts.device)
-    coefs = decompx.ff_coefficients(layer) if coefs is None else coefs
-    h, h_b = decompx.attention_block_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb)
-    out, ff_b = decompx.ff_branch_parts(parts[:, rows], bias[:, rows], layer.ln2_in[:, rows], layer, coefs, rows,
-                                        bias_mode, memory_budget_mb, out=h)
-    return out, h_b + ff_b
+    return decompx.two_branch_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows,
+                                          memory_budget_mb, coefs, ff_reads_block=False)
 
 
 def frozen_parallel_layer(
