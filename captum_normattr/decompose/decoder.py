@@ -34,6 +34,7 @@ from torch import Tensor
 from captum_normattr.decompose.alti import alti_map, l1_contributions
 from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS
+from captum_normattr.decompose.kind_base import LayerKind
 from captum_normattr.decompose.attention import (
     attention_context,
     attention_parts_rows,
@@ -657,3 +658,51 @@ def logit_terms(
         "reconstruction": recon,
         "delta": logit - recon,
     }
+
+
+class PreLNKind(LayerKind):
+    r"""Pre-LN layers (GPT-2 and Llama families; causal or bidirectional by the layer record)."""
+
+    name = "pre_ln"
+    globenc_maps = PRE_LN_MAPS
+    default_map = PRE_LN_DEFAULT_MAP
+    whole_layer_scope = "RES2"
+
+    def check_map(self, name: str) -> None:
+        check_pre_ln_map(name)
+
+    def norm_maps(self, layer, valid, names):
+        return pre_ln_layer_maps(layer, valid, names, layer.causal)
+
+    def mixing_ratio_name(self, map_name):
+        return map_name if map_name in PRE_LN_NORM_MAPS else None
+
+    def alti_map(self, layer, valid, memory_budget_mb):
+        return pre_ln_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb), layer.causal)
+
+    def completeness_error(self, layer, valid):
+        return pre_ln_completeness_error(layer, valid)
+
+    def example_completeness_error(self, layer, valid):
+        return pre_ln_example_completeness_error(layer, valid)
+
+    def attention_block_output(self, layer):
+        return layer.ln2_in
+
+    def scope_maps(self, layer, valid, options):
+        return pre_ln_component_scope_maps(
+            layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,
+            options.memory_budget_mb, options.contribution,
+        )
+
+    def logit_form(self, layer):
+        return layer
+
+    def check_ff_options(self, options, family):
+        if options.ignore_low_gamma:
+            raise ValueError(
+                f"{family} is a pre-LN model: ignore_low_gamma is not supported there. The LayerNorm-gamma "
+                "ablation of Kobayashi et al. 2023 acts on the LayerNorms that close the attention block and the "
+                "layer of a post-LN encoder; a pre-LN layer's norms sit before its blocks and no norm follows its "
+                "residuals. Use ignore_low_gamma=0 (contribution='norm' or 'alti' both work)"
+            )

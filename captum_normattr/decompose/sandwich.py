@@ -39,7 +39,7 @@ from torch import Tensor
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose import decoder
 from captum_normattr.decompose.decompx import register_form_steps
-from captum_normattr.decompose.kind_base import KIND_METHODS, LayerKind
+from captum_normattr.decompose.kind_base import KIND_METHODS
 from captum_normattr.decompose.layer_norm import norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
@@ -223,23 +223,18 @@ def frozen_form(layer: LayerTensors, coefs: Dict[str, Tensor]) -> Tuple[LayerTen
 sandwich_layer_parts, frozen_sandwich_layer, frozen_sandwich_layer_vjp = register_form_steps("sandwich", frozen_form)
 
 
-class SandwichKind(LayerKind):
-    r"""Sandwich layers (Gemma 2, Gemma 3; OLMo 2 with identity pre-norms): post-norms on both branches (see the module docstring)."""
+class SandwichKind(decoder.PreLNKind):
+    r"""Sandwich layers (Gemma 2, Gemma 3; OLMo 2 with identity pre-norms): post-norms on both branches (see the module docstring).
+
+    The pre-LN kind's maps, scopes and block output (h_i, the second norm's real input), each
+    computed on :func:`pre_ln_form`.
+    """
 
     name = "sandwich"
     methods = frozenset(m for m in KIND_METHODS if m != "routes")
-    globenc_maps = decoder.PRE_LN_MAPS
-    default_map = decoder.PRE_LN_DEFAULT_MAP
-    whole_layer_scope = "RES2"
-
-    def check_map(self, name: str) -> None:
-        decoder.check_pre_ln_map(name)
 
     def norm_maps(self, layer, valid, names):
         return sandwich_layer_maps(layer, valid, names)
-
-    def mixing_ratio_name(self, map_name):
-        return map_name if map_name in decoder.PRE_LN_NORM_MAPS else None
 
     def alti_map(self, layer, valid, memory_budget_mb):
         return sandwich_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb))
