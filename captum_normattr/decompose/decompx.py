@@ -313,7 +313,7 @@ def ff_coefficients(
         dict of (B, T, F) tensors (and the (B, T) quadrature error for a gated FF).
     """
     f = layer.ff
-    u = layer.ln2_out if layer.pre_ln else layer.ln1_out
+    u = layer.ff_input
     if f.w_gate is not None and preactivations is not None:
         a, pre = preactivations
     else:
