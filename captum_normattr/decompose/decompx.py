@@ -567,7 +567,7 @@ def two_branch_layer_parts(
     coefs: Optional[Dict[str, Tensor]],
     ff_reads_block: bool,
 ) -> Tuple[Tensor, Tensor]:
-    r"""DecompX's step of a layer x + Attn(N1(x)) + FF(N2(z)): :func:`attention_block_parts`, then :func:`ff_branch_parts`.
+    r"""DecompX's step of x + Attn(N1(x)) + FF(N2(z)): :func:`attention_block_parts`, then :func:`ff_branch_parts`.
 
     The FF branch reads z = h = x + Attn(N1(x)) (``ff_reads_block``: pre-LN) or z = x
     (parallel), N2 frozen at its real input ``ln2_in``; its parts are added to those of h.
@@ -622,7 +622,9 @@ def register_decompx_steps(topology: str, step: Callable[..., Tuple[Tensor, Tens
 PreLNForm = Callable[[LayerTensors, Dict[str, Tensor]], Tuple[LayerTensors, Dict[str, Tensor]]]
 
 
-def register_form_steps(topology: str, form: PreLNForm) -> Tuple[Callable[..., Tuple[Tensor, Tensor]], Callable[..., Tensor], Callable[..., Tensor]]:
+def register_form_steps(
+    topology: str, form: PreLNForm
+) -> Tuple[Callable[..., Tuple[Tensor, Tensor]], Callable[..., Tensor], Callable[..., Tensor]]:
     r"""Register DecompX's steps of a topology whose frozen layer is the frozen pre-LN layer of ``form``.
 
     Each step is the pre-LN one (:func:`pre_ln_layer_parts`, :func:`frozen_pre_ln_layer`,
@@ -638,22 +640,27 @@ def register_form_steps(topology: str, form: PreLNForm) -> Tuple[Callable[..., T
         (step, frozen, vjp), as registered (:func:`register_decompx_steps`).
     """
 
-    def step(parts, bias, layer, value_weight, value_bias, bias_mode="separate", rows=None, memory_budget_mb=256.0,
-             coefs=None):
+    def step(parts: Tensor, bias: Tensor, layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor],
+             bias_mode: str = "separate", rows: Optional[Tensor] = None, memory_budget_mb: float = 256.0,
+             coefs: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor]:
         view, scaled = form(layer, ff_coefficients(layer) if coefs is None else coefs)
-        return pre_ln_layer_parts(parts, bias, view, value_weight, value_bias, bias_mode, rows, memory_budget_mb, scaled)
+        return pre_ln_layer_parts(parts, bias, view, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                  scaled)
 
-    def frozen(x, layer, value_weight, value_bias, with_bias, coefs, rows=None):
+    def frozen(x: Tensor, layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor], with_bias: bool,
+               coefs: Dict[str, Tensor], rows: Optional[Tensor] = None) -> Tensor:
         view, scaled = form(layer, coefs)
         return frozen_pre_ln_layer(x, view, value_weight, value_bias, with_bias, scaled, rows)
 
-    def vjp(g, layer, value_weight, coefs, rows=None, valid=None):
+    def vjp(g: Tensor, layer: LayerTensors, value_weight: Tensor, coefs: Dict[str, Tensor],
+            rows: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
         view, scaled = form(layer, coefs)
         return frozen_pre_ln_layer_vjp(g, view, value_weight, scaled, rows, valid)
 
     step.__doc__ = f"DecompX's parts step of a {topology} layer: :func:`pre_ln_layer_parts` on its pre-LN form."
     frozen.__doc__ = f"The frozen {topology} layer: :func:`frozen_pre_ln_layer` on its pre-LN form."
-    vjp.__doc__ = f"The transpose of the frozen {topology} layer's linear part: :func:`frozen_pre_ln_layer_vjp` on its pre-LN form."
+    vjp.__doc__ = (f"The transpose of the frozen {topology} layer's linear part: :func:`frozen_pre_ln_layer_vjp` "
+                   "on its pre-LN form.")
     register_decompx_steps(topology, step, frozen, vjp)
     return step, frozen, vjp
 
