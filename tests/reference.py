@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.attention import project_values
-from captum_normattr.decompose.decoder import _out_bias, residual_parts
+from captum_normattr.decompose.decoder import output_bias, residual_parts
 from captum_normattr.decompose.feed_forward import _ln1_parts_rows, ff_parts
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.decompose.records import LayerTensors
@@ -98,7 +98,7 @@ def ln2_parts(layer: LayerTensors, rows: Optional[slice] = None) -> Tuple[Tensor
     rows = rows if rows is not None else slice(0, t)
     h = layer.ln2_in[:, rows]
     parts = apply_norm_to_parts(residual_parts(layer, rows), h, layer.ln2)
-    return parts, norm_bias_part(_out_bias(layer), h, layer.ln2)
+    return parts, norm_bias_part(output_bias(layer), h, layer.ln2)
 
 
 # --- naive references written from the definitions (no package helper inside) ---

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from captum_normattr import ALTILogitAttribution, DecompXAttribution, FFIntegratedDecomposition
 from captum_normattr.attr.base import ConsistencyError
-from captum_normattr.decompose.decoder import _out_bias, pre_ln_ff_parts, residual_parts
+from captum_normattr.decompose.decoder import output_bias, pre_ln_ff_parts, residual_parts
 from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.capture import recording
 from decoder_models import decoder_batch
@@ -162,7 +162,7 @@ def _naive_token(model, ids, mask, routing, i):
         mlp = model.model.layers[layer.index].mlp
         t = ids.shape[1]
         h = residual_parts(layer)[0, i]  # (T, D) parts h_{i<-j} of the LN2 input (validated by the zoo's reference)
-        h = torch.cat([h, _out_bias(layer)[None]])  # the bias part b_O
+        h = torch.cat([h, output_bias(layer)[None]])  # the bias part b_O
         ln2 = model.model.layers[layer.index].post_attention_layernorm
         u_parts = h / torch.sqrt(layer.ln2_in[0, i].pow(2).mean() + ln2.eps) * ln2.weight  # RMSNorm at the real scale
         index, weights = routing[layer.index]

@@ -209,7 +209,7 @@ class ConsistencyGuard:
             # the attention block's real output; its scale over every token (pads are computed like real
             # tokens, so this is at least the scale at the real ones: never a stricter tolerance)
             if real is None:
-                real = layer.ln2_in if layer.pre_ln else layer.ln1_out
+                real = layer_kind(layer.topology).attention_block_output(layer)
             lo, hi = torch.aminmax(real)
             scale = torch.maximum(hi, -lo).clamp_min(torch.finfo(real.dtype).tiny)
             names.append("completeness of the attention block")

@@ -73,9 +73,9 @@ def _checked_preactivations(layer: LayerTensors, got: Dict[str, Tensor]) -> Opti
     recorded FF input is never taken). Otherwise None: the coefficients recompute them.
     """
     f = layer.ff
-    if "gate" not in got or "up" not in got or f.w_gate is None or not layer.pre_ln:
+    if "gate" not in got or "up" not in got or f.w_gate is None:
         return None
-    u = layer.ln2_out
+    u = layer.ff_input
     shape = u.shape[:-1] + (f.w_out.shape[0],)
     pair = []
     for key, w, b in (("gate", f.w_gate, f.b_gate), ("up", f.w_in, f.b_in)):

@@ -34,6 +34,7 @@ from torch import Tensor
 from captum_normattr.decompose.alti import alti_map, l1_contributions
 from captum_normattr.decompose.chunking import rows_for_budget
 from captum_normattr.decompose.feed_forward import CONTRIBUTIONS
+from captum_normattr.decompose.kind_base import LayerKind
 from captum_normattr.decompose.attention import (
     attention_context,
     attention_parts_rows,
@@ -66,7 +67,8 @@ def check_pre_ln_map(name: str) -> None:
         raise ValueError(f"map {name!r} is not defined for pre-LN decoder layers{why}; choose from {PRE_LN_MAPS}")
 
 
-def _out_bias(layer: LayerTensors) -> Tensor:
+def output_bias(layer: LayerTensors) -> Tensor:
+    r"""b_O of the attention output, (D,): zeros where the layer has none."""
     return layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
 
 
@@ -81,13 +83,27 @@ def attention_update_sum(layer: LayerTensors) -> Tensor:
 
 def residual_parts_sum(layer: LayerTensors) -> Tensor:
     r"""x_i + sum_j attention parts + b_O: the reconstruction of the real h_i (= the LN2 input)."""
-    return layer.hidden_in + attention_update_sum(layer) + _out_bias(layer)
+    return layer.hidden_in + attention_update_sum(layer) + output_bias(layer)
+
+
+def block_example_completeness_error(layer: LayerTensors, block_output: Tensor, valid: Tensor) -> Tensor:
+    r"""Per example (B,): largest |sum_j h_{i<-j} + b_O - real block output| over its real tokens.
+
+    Args:
+        layer: the layer's tensors.
+        block_output: (B, T) the real output of the attention block with its residual, h_i.
+        valid: (B, T) bool, real tokens.
+
+    Returns:
+        (B,) the largest error of each example (0 for one without real tokens).
+    """
+    err = (residual_parts_sum(layer) - block_output).abs().amax(-1)
+    return (err * valid.to(err.dtype)).amax(-1)
 
 
 def pre_ln_example_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
     r"""Per example (B,): largest |sum_j h_{i<-j} + b_O - h_i| over its real tokens, h_i the model's real LN2 input."""
-    err = (residual_parts_sum(layer) - layer.ln2_in).abs().amax(-1)
-    return (err * valid.to(err.dtype)).amax(-1)
+    return block_example_completeness_error(layer, layer.ln2_in, valid)
 
 
 def pre_ln_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
@@ -127,16 +143,41 @@ def pre_ln_layer_maps(
     names = tuple(names)
     for n in names:
         check_pre_ln_map(n)
-    dtype = layer.hidden_in.dtype
-    mask2d = pair_mask(valid, dtype, causal)
-    head_w = layer.head_out_weight()
-    needed = {n for n in names if n in PRE_LN_NORM_MAPS}
+    # block output sum_j h_{i<-j}: the real h less b_O
+    return residual_layer_maps(layer, valid, names, layer.ln2_in, PRE_LN_NORM_MAPS,
+                               lambda name: pre_ln_norm_map_spec(layer, name), causal)
+
+
+def residual_layer_maps(
+    layer: LayerTensors,
+    valid: Tensor,
+    names: Tuple[str, ...],
+    block_output: Tensor,
+    norm_names: Tuple[str, ...],
+    norm_spec: Callable[[str], Tuple[Optional[Tensor], Optional[Tensor], bool]],
+    causal: bool = True,
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""The GlobEnc-table maps of an attention block whose residual adds the layer input x (names already checked).
+
+    Args:
+        layer: the layer's tensors.
+        valid: (B, T) bool, real tokens.
+        names: the maps (``W``, ``W_FIXEDRES``, ``N_FIXEDRES`` and the norm maps ``norm_names``).
+        block_output: (B, T, D) the real x_i + attention output (b_O inside).
+        norm_names: the norm maps the layer kind defines (a mixing ratio each).
+        norm_spec: a norm map's (linear map or None, row scale or None, with residual).
+        causal: zero the entries j > i.
+
+    Returns:
+        (maps name -> (B, T, T), ratios name -> (B, T)); pad rows and columns exactly 0.
+    """
+    mask2d = pair_mask(valid, layer.hidden_in.dtype, causal)
+    needed = {n for n in names if n in norm_names}
     if "N_FIXEDRES" in names:
         needed.add("N")
     maps, ratios = norm_maps_and_ratios(
-        layer.probs, layer.values, head_w, layer.hidden_in, layer.ln2_in,  # sum_j h_{i<-j}: the real h less b_O
-        [n for n in PRE_LN_NORM_MAPS if n in needed], lambda name: pre_ln_norm_map_spec(layer, name), mask2d, valid,
-        causal, total_bias=layer.out_bias,
+        layer.probs, layer.values, layer.head_out_weight(), layer.hidden_in, block_output,
+        [n for n in norm_names if n in needed], norm_spec, mask2d, valid, causal, total_bias=layer.out_bias,
     )
     if "W" in names or "W_FIXEDRES" in names:
         maps["W"] = layer.probs.mean(1) * mask2d
@@ -160,8 +201,26 @@ def pre_ln_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int
     Returns:
         (B, T, T), real rows summing to 1.
     """
+    return residual_alti_map(layer, layer.ln2_in, valid, chunk_rows, causal)
+
+
+def residual_alti_map(
+    layer: LayerTensors, block_output: Tensor, valid: Tensor, chunk_rows: Optional[int] = None, causal: bool = True
+) -> Tensor:
+    r"""ALTI map of an attention block whose residual adds the layer input: parts h_{i<-j} against ``block_output``.
+
+    Args:
+        layer: the layer's tensors.
+        block_output: (B, T, D) the real x_i + attention output (b_O inside).
+        valid: (B, T) bool.
+        chunk_rows: query rows per chunk.
+        causal: the attention is causal (see :func:`pre_ln_alti_map`).
+
+    Returns:
+        (B, T, T), real rows summing to 1.
+    """
     projected = project_values(layer.values, layer.head_out_weight(), token_major=True)
-    return alti_map(layer.probs, projected, layer.hidden_in, layer.ln2_in, valid, None, chunk_rows, causal)
+    return alti_map(layer.probs, projected, layer.hidden_in, block_output, valid, None, chunk_rows, causal)
 
 
 def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Optional[int] = None) -> Tensor:
@@ -206,7 +265,7 @@ def ff_preactivation_setup(layer: LayerTensors, weight: Tensor, bias: Optional[T
     lin = weight if layer.ln2.weight is None else layer.ln2.weight.to(weight.dtype)[:, None] * weight
     if layer.ln2.kind == "layernorm":
         lin = lin - lin.mean(0, keepdim=True)  # C diag(gamma) W, C = I - 11^T / D: no (D, D) product
-    pre_bias = norm_bias_part(_out_bias(layer), layer.ln2_in, layer.ln2) @ weight
+    pre_bias = norm_bias_part(output_bias(layer), layer.ln2_in, layer.ln2) @ weight
     if bias is not None:
         pre_bias = pre_bias + bias
     return {
@@ -354,26 +413,14 @@ def pre_ln_component_scope_maps(
         tokens of |FF parts + bias - real FF output|), ``"layer"`` (the same against the
         real layer output) and ``"ff_per_example"`` (B,).
     """
-    if contribution not in CONTRIBUTIONS:
-        raise ValueError(f"contribution must be one of {CONTRIBUTIONS}, got {contribution!r}")
-    b, t, d = layer.hidden_in.shape
-    if chunk_rows is None:
-        width = max(d, layer.ff.width)
-        chunk = rows_for_budget(b, t, width, layer.hidden_in.element_size(), memory_budget_mb, 4, causal)
-    else:
-        chunk = max(1, int(chunk_rows))
-    dtype = layer.hidden_in.dtype
+    score = scope_scorer(contribution, pre_ln_scope_outputs(layer))
+    b, t, _ = layer.hidden_in.shape
+    chunk = scope_chunk_rows(layer, chunk_rows, memory_budget_mb, causal)
     maps = {s: layer.hidden_in.new_zeros(b, t, t) for s in PRE_LN_SCOPES}
     ff_err = layer.hidden_in.new_zeros(b, t)
     layer_err = layer.hidden_in.new_zeros(b, t)
-    bias_o = _out_bias(layer)
+    bias_o = output_bias(layer)
     cache: Dict[str, Dict[str, Tensor]] = {}
-    outputs = pre_ln_scope_outputs(layer)
-
-    def score(scope: str, parts: Tensor, rows: slice) -> Tensor:
-        if contribution == "norm":
-            return parts.norm(dim=-1)
-        return l1_contributions(parts, outputs[scope][:, rows])
 
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
@@ -388,6 +435,60 @@ def pre_ln_component_scope_maps(
         maps["RES2"][:, rows, :cols] = score("RES2", h, rows)
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, ffp
+    return finish_scope_maps(maps, ff_err, layer_err, valid, causal, contribution)
+
+
+def scope_scorer(contribution: str, outputs: Dict[str, Tensor]) -> Callable[[str, Tensor, slice], Tensor]:
+    r"""The map entries of a scope's parts: ``score(scope, parts (B, R, C, D), rows) -> (B, R, C)``.
+
+    Args:
+        contribution: ``"norm"`` (L2 norms of the parts) or ``"alti"`` (L1 contributions
+            against the scope's real output at ``rows``).
+        outputs: scope -> (B, T, D) the real output of the scope.
+
+    Returns:
+        the scoring function.
+
+    Raises:
+        ValueError: for an unknown ``contribution``.
+    """
+    if contribution not in CONTRIBUTIONS:
+        raise ValueError(f"contribution must be one of {CONTRIBUTIONS}, got {contribution!r}")
+
+    def score(scope: str, parts: Tensor, rows: slice) -> Tensor:
+        if contribution == "norm":
+            return parts.norm(dim=-1)
+        return l1_contributions(parts, outputs[scope][:, rows])
+
+    return score
+
+
+def scope_chunk_rows(layer: LayerTensors, chunk_rows: Optional[int], memory_budget_mb: float, causal: bool) -> int:
+    r"""Query rows per chunk of the scope maps: ``chunk_rows``, or what four (B, R, T, max(D, F)) temporaries allow."""
+    if chunk_rows is not None:
+        return max(1, int(chunk_rows))
+    b, t, d = layer.hidden_in.shape
+    width = max(d, layer.ff.width)
+    return rows_for_budget(b, t, width, layer.hidden_in.element_size(), memory_budget_mb, 4, causal)
+
+
+def finish_scope_maps(
+    maps: Dict[str, Tensor], ff_err: Tensor, layer_err: Tensor, valid: Tensor, causal: bool, contribution: str
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""Scope maps with pad (and causal) entries zeroed, rows normalised for ``"alti"``, and their errors.
+
+    Args:
+        maps: scope -> (B, T, T) raw map (zeroed in place).
+        ff_err, layer_err: (B, T) per-token FF and whole-layer completeness errors.
+        valid: (B, T) bool, real tokens.
+        causal: zero the entries j > i.
+        contribution: ``"norm"`` or ``"alti"``.
+
+    Returns:
+        (maps, errors ``"ff"``, ``"layer"`` (max over real tokens) and ``"ff_per_example"``,
+        ``"layer_per_example"`` (B,)).
+    """
+    dtype = ff_err.dtype
     m2 = pair_mask(valid, dtype, causal)
     maps = {s: v.mul_(m2) for s, v in maps.items()}
     if contribution == "alti":
@@ -557,3 +658,51 @@ def logit_terms(
         "reconstruction": recon,
         "delta": logit - recon,
     }
+
+
+class PreLNKind(LayerKind):
+    r"""Pre-LN layers (GPT-2 and Llama families; causal or bidirectional by the layer record)."""
+
+    name = "pre_ln"
+    globenc_maps = PRE_LN_MAPS
+    default_map = PRE_LN_DEFAULT_MAP
+    whole_layer_scope = "RES2"
+
+    def check_map(self, name: str) -> None:
+        check_pre_ln_map(name)
+
+    def norm_maps(self, layer, valid, names):
+        return pre_ln_layer_maps(layer, valid, names, layer.causal)
+
+    def mixing_ratio_name(self, map_name):
+        return map_name if map_name in PRE_LN_NORM_MAPS else None
+
+    def alti_map(self, layer, valid, memory_budget_mb):
+        return pre_ln_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb), layer.causal)
+
+    def completeness_error(self, layer, valid):
+        return pre_ln_completeness_error(layer, valid)
+
+    def example_completeness_error(self, layer, valid):
+        return pre_ln_example_completeness_error(layer, valid)
+
+    def attention_block_output(self, layer):
+        return layer.ln2_in
+
+    def scope_maps(self, layer, valid, options):
+        return pre_ln_component_scope_maps(
+            layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,
+            options.memory_budget_mb, options.contribution,
+        )
+
+    def logit_form(self, layer):
+        return layer
+
+    def check_ff_options(self, options, family):
+        if options.ignore_low_gamma:
+            raise ValueError(
+                f"{family} is a pre-LN model: ignore_low_gamma is not supported there. The LayerNorm-gamma "
+                "ablation of Kobayashi et al. 2023 acts on the LayerNorms that close the attention block and the "
+                "layer of a post-LN encoder; a pre-LN layer's norms sit before its blocks and no norm follows its "
+                "residuals. Use ignore_low_gamma=0 (contribution='norm' or 'alti' both work)"
+            )

@@ -313,7 +313,7 @@ def ff_coefficients(
         dict of (B, T, F) tensors (and the (B, T) quadrature error for a gated FF).
     """
     f = layer.ff
-    u = layer.ln2_out if layer.pre_ln else layer.ln1_out
+    u = layer.ff_input
     if f.w_gate is not None and preactivations is not None:
         a, pre = preactivations
     else:
@@ -551,11 +551,41 @@ def pre_ln_layer_parts(
     Returns:
         (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
     """
+    return two_branch_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                  coefs, ff_reads_block=True)
+
+
+def two_branch_layer_parts(
+    parts: Tensor,
+    bias: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    bias_mode: str,
+    rows: Optional[Tensor],
+    memory_budget_mb: float,
+    coefs: Optional[Dict[str, Tensor]],
+    ff_reads_block: bool,
+) -> Tuple[Tensor, Tensor]:
+    r"""DecompX's step of x + Attn(N1(x)) + FF(N2(z)): :func:`attention_block_parts`, then :func:`ff_branch_parts`.
+
+    The FF branch reads z = h = x + Attn(N1(x)) (``ff_reads_block``: pre-LN) or z = x
+    (parallel), N2 frozen at its real input ``ln2_in``; its parts are added to those of h.
+
+    Args:
+        parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb, coefs:
+            as in :func:`pre_ln_layer_parts`.
+        ff_reads_block: the FF input is the attention block's output (else the layer input).
+
+    Returns:
+        (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
+    """
     rows = torch.arange(parts.shape[1], device=parts.device) if rows is None else rows.to(parts.device)
     coefs = ff_coefficients(layer) if coefs is None else coefs
     a, a_b = attention_block_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb)
-    a, ff_b = ff_branch_parts(a, a_b, layer.ln2_in[:, rows], layer, coefs, rows, bias_mode, memory_budget_mb, out=a)
-    return a, a_b + ff_b
+    z, z_b = (a, a_b) if ff_reads_block else (parts[:, rows], bias[:, rows])
+    out, ff_b = ff_branch_parts(z, z_b, layer.ln2_in[:, rows], layer, coefs, rows, bias_mode, memory_budget_mb, out=a)
+    return out, a_b + ff_b
 
 
 #: One step function per layer kind.
@@ -586,6 +616,53 @@ def register_decompx_steps(topology: str, step: Callable[..., Tuple[Tensor, Tens
         STEPS_WITH_COEFS.add(topology)
     else:
         STEPS_WITH_COEFS.discard(topology)
+
+
+#: ``form(layer, coefs) -> (pre-LN record, its FF coefficients)`` (see :func:`register_form_steps`).
+PreLNForm = Callable[[LayerTensors, Dict[str, Tensor]], Tuple[LayerTensors, Dict[str, Tensor]]]
+
+
+def register_form_steps(
+    topology: str, form: PreLNForm
+) -> Tuple[Callable[..., Tuple[Tensor, Tensor]], Callable[..., Tensor], Callable[..., Tensor]]:
+    r"""Register DecompX's steps of a topology whose frozen layer is the frozen pre-LN layer of ``form``.
+
+    Each step is the pre-LN one (:func:`pre_ln_layer_parts`, :func:`frozen_pre_ln_layer`,
+    :func:`frozen_pre_ln_layer_vjp`) on ``form(layer, coefs)``; the parts step computes the
+    coefficients of the real layer (:func:`ff_coefficients`) when none are given.
+
+    Args:
+        topology: one of :data:`captum_normattr.arch.spec.TOPOLOGIES`.
+        form: the pre-LN record and FF coefficients whose frozen pre-LN layer is the
+            topology's frozen layer (exactly, linear maps folded into the weights).
+
+    Returns:
+        (step, frozen, vjp), as registered (:func:`register_decompx_steps`).
+    """
+
+    def step(parts: Tensor, bias: Tensor, layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor],
+             bias_mode: str = "separate", rows: Optional[Tensor] = None, memory_budget_mb: float = 256.0,
+             coefs: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+        view, scaled = form(layer, ff_coefficients(layer) if coefs is None else coefs)
+        return pre_ln_layer_parts(parts, bias, view, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                  scaled)
+
+    def frozen(x: Tensor, layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor], with_bias: bool,
+               coefs: Dict[str, Tensor], rows: Optional[Tensor] = None) -> Tensor:
+        view, scaled = form(layer, coefs)
+        return frozen_pre_ln_layer(x, view, value_weight, value_bias, with_bias, scaled, rows)
+
+    def vjp(g: Tensor, layer: LayerTensors, value_weight: Tensor, coefs: Dict[str, Tensor],
+            rows: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
+        view, scaled = form(layer, coefs)
+        return frozen_pre_ln_layer_vjp(g, view, value_weight, scaled, rows, valid)
+
+    step.__doc__ = f"DecompX's parts step of a {topology} layer: :func:`pre_ln_layer_parts` on its pre-LN form."
+    frozen.__doc__ = f"The frozen {topology} layer: :func:`frozen_pre_ln_layer` on its pre-LN form."
+    vjp.__doc__ = (f"The transpose of the frozen {topology} layer's linear part: :func:`frozen_pre_ln_layer_vjp` "
+                   "on its pre-LN form.")
+    register_decompx_steps(topology, step, frozen, vjp)
+    return step, frozen, vjp
 
 
 def _steps(table: Dict[str, Callable], layer: LayerTensors) -> Callable:

@@ -93,7 +93,7 @@ class LayerKind:
 
     def attention_block_output(self, layer: LayerTensors) -> Tensor:
         r"""The real tensor (B, T, D) the attention block's parts sum to (the scale of its completeness guard)."""
-        return layer.ln2_in if layer.pre_ln else layer.ln1_out
+        raise NotImplementedError
 
     def scope_maps(self, layer: LayerTensors, valid: Tensor, options: FFOptions):
         r"""Maps of the FF component scopes and their completeness errors (see the kind's function)."""

@@ -22,15 +22,16 @@ decomposes, or a method a kind does not implement, is refused with
 :class:`~captum_normattr.arch.spec.UnsupportedModelError` (never decomposed as another kind).
 The formulas are in ``docs/design.md`` ("Layer kinds"); the functions that compute them
 live in :mod:`~captum_normattr.decompose.encoder` (post-LN) and
-:mod:`~captum_normattr.decompose.decoder` (pre-LN); the parallel kind is
-:mod:`~captum_normattr.decompose.parallel`.
+:mod:`~captum_normattr.decompose.decoder` (pre-LN, with :class:`PreLNKind`); the parallel kind is
+:mod:`~captum_normattr.decompose.parallel`, the sandwich kind :mod:`~captum_normattr.decompose.sandwich`.
 """
 from __future__ import annotations
 
 from typing import Dict, Union
 
 from captum_normattr.arch.spec import TOPOLOGIES, UnsupportedModelError
-from captum_normattr.decompose import decoder, encoder
+from captum_normattr.decompose import encoder
+from captum_normattr.decompose.decoder import PreLNKind
 from captum_normattr.decompose.feed_forward import component_scope_maps
 from captum_normattr.decompose.kind_base import KIND_METHODS, FFOptions, LayerKind
 from captum_normattr.decompose.parallel import ParallelKind
@@ -79,54 +80,6 @@ class PostLNKind(LayerKind):
             layer, valid, options.chunk_rows, options.method, options.steps, options.contribution,
             options.ignore_low_gamma, options.memory_budget_mb,
         )
-
-
-class PreLNKind(LayerKind):
-    r"""Pre-LN layers (GPT-2 and Llama families; causal or bidirectional by the layer record)."""
-
-    name = "pre_ln"
-    globenc_maps = decoder.PRE_LN_MAPS
-    default_map = decoder.PRE_LN_DEFAULT_MAP
-    whole_layer_scope = "RES2"
-
-    def check_map(self, name: str) -> None:
-        decoder.check_pre_ln_map(name)
-
-    def norm_maps(self, layer, valid, names):
-        return decoder.pre_ln_layer_maps(layer, valid, names, layer.causal)
-
-    def mixing_ratio_name(self, map_name):
-        return map_name if map_name in decoder.PRE_LN_NORM_MAPS else None
-
-    def alti_map(self, layer, valid, memory_budget_mb):
-        return decoder.pre_ln_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb), layer.causal)
-
-    def completeness_error(self, layer, valid):
-        return decoder.pre_ln_completeness_error(layer, valid)
-
-    def example_completeness_error(self, layer, valid):
-        return decoder.pre_ln_example_completeness_error(layer, valid)
-
-    def attention_block_output(self, layer):
-        return layer.ln2_in
-
-    def scope_maps(self, layer, valid, options):
-        return decoder.pre_ln_component_scope_maps(
-            layer, valid, options.chunk_rows, options.method, options.steps, options.nodes, layer.causal,
-            options.memory_budget_mb, options.contribution,
-        )
-
-    def logit_form(self, layer):
-        return layer
-
-    def check_ff_options(self, options, family):
-        if options.ignore_low_gamma:
-            raise ValueError(
-                f"{family} is a pre-LN model: ignore_low_gamma is not supported there. The LayerNorm-gamma "
-                "ablation of Kobayashi et al. 2023 acts on the LayerNorms that close the attention block and the "
-                "layer of a post-LN encoder; a pre-LN layer's norms sit before its blocks and no norm follows its "
-                "residuals. Use ignore_low_gamma=0 (contribution='norm' or 'alti' both work)"
-            )
 
 
 #: The layer kinds by topology name (a kind module adds its own with :func:`register_layer_kind`).

@@ -36,15 +36,20 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose import decompx
-from captum_normattr.decompose.alti import alti_map, l1_contributions
-from captum_normattr.decompose.attention import norm_maps_and_ratios, project_values
-from captum_normattr.decompose.chunking import rows_for_budget
-from captum_normattr.decompose.decoder import attention_update_sum, residual_parts
-from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, ff_parts
+from captum_normattr.decompose.decoder import (
+    block_example_completeness_error,
+    finish_scope_maps,
+    output_bias,
+    residual_alti_map,
+    residual_layer_maps,
+    residual_parts,
+    scope_chunk_rows,
+    scope_scorer,
+)
+from captum_normattr.decompose.feed_forward import ff_parts
 from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES, gated_ff_parts
 from captum_normattr.decompose.kind_base import KIND_METHODS, LayerKind
 from captum_normattr.decompose.layer_norm import apply_norm_to_parts, norm_bias_part
-from captum_normattr.decompose.mixing import fixed_residual, pair_mask, row_normalize
 from captum_normattr.decompose.records import LayerTensors
 
 __all__ = [
@@ -98,15 +103,9 @@ def attention_block_output(layer: LayerTensors) -> Tensor:
     return layer.hidden_in + layer.attn_branch_out
 
 
-def _out_bias(layer: LayerTensors) -> Tensor:
-    return layer.out_bias if layer.out_bias is not None else torch.zeros_like(layer.hidden_in[0, 0])
-
-
 def parallel_example_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
     r"""Per example (B,): largest |sum_j h_{i<-j} + b_O - (x_i + attn_branch_out_i)| over real tokens."""
-    recon = layer.hidden_in + attention_update_sum(layer) + _out_bias(layer)
-    err = (recon - attention_block_output(layer)).abs().amax(-1)
-    return (err * valid.to(err.dtype)).amax(-1)
+    return block_example_completeness_error(layer, attention_block_output(layer), valid)
 
 
 def parallel_completeness_error(layer: LayerTensors, valid: Tensor) -> Tensor:
@@ -131,23 +130,8 @@ def parallel_layer_maps(
     names = tuple(names)
     for n in names:
         check_parallel_map(n)
-    dtype = layer.hidden_in.dtype
-    mask2d = pair_mask(valid, dtype, causal)
-    needed = {n for n in names if n in PARALLEL_NORM_MAPS}
-    if "N_FIXEDRES" in names:
-        needed.add("N")
-    maps, ratios = norm_maps_and_ratios(
-        layer.probs, layer.values, layer.head_out_weight(), layer.hidden_in, attention_block_output(layer),
-        [n for n in PARALLEL_NORM_MAPS if n in needed], lambda name: (None, None, name == "N_RES"), mask2d, valid,
-        causal, total_bias=layer.out_bias,
-    )
-    if "W" in names or "W_FIXEDRES" in names:
-        maps["W"] = layer.probs.mean(1) * mask2d
-    if "W_FIXEDRES" in names:
-        maps["W_FIXEDRES"] = fixed_residual(maps["W"], valid) * mask2d
-    if "N_FIXEDRES" in names:
-        maps["N_FIXEDRES"] = fixed_residual(maps["N"], valid) * mask2d
-    return {n: maps[n] for n in names}, ratios
+    return residual_layer_maps(layer, valid, names, attention_block_output(layer), PARALLEL_NORM_MAPS,
+                               lambda name: (None, None, name == "N_RES"), causal)
 
 
 def parallel_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[int] = None, causal: bool = True) -> Tensor:
@@ -156,8 +140,7 @@ def parallel_alti_map(layer: LayerTensors, valid: Tensor, chunk_rows: Optional[i
     Returns:
         (B, T, T), real rows summing to 1.
     """
-    projected = project_values(layer.values, layer.head_out_weight(), token_major=True)
-    return alti_map(layer.probs, projected, layer.hidden_in, attention_block_output(layer), valid, None, chunk_rows, causal)
+    return residual_alti_map(layer, attention_block_output(layer), valid, chunk_rows, causal)
 
 
 def parallel_ff_parts(
@@ -205,24 +188,16 @@ def parallel_component_scope_maps(
         ``"ff"`` / ``"layer"`` (max over real tokens of |FF parts + bias - real FF output| and
         |layer parts + biases - real layer output|) and their ``*_per_example`` (B,).
     """
-    if contribution not in CONTRIBUTIONS:
-        raise ValueError(f"contribution must be one of {CONTRIBUTIONS}, got {contribution!r}")
-    b, t, d = layer.hidden_in.shape
-    if chunk_rows is None:
-        chunk = rows_for_budget(b, t, max(d, layer.ff.width), layer.hidden_in.element_size(), memory_budget_mb, 4, causal)
-    else:
-        chunk = max(1, int(chunk_rows))
-    dtype = layer.hidden_in.dtype
+    score = scope_scorer(
+        contribution,
+        {"ATB": attention_block_output(layer), "LN2": layer.ln2_out, "FF": layer.ff_out, "RES2": layer.layer_out},
+    )
+    b, t, _ = layer.hidden_in.shape
+    chunk = scope_chunk_rows(layer, chunk_rows, memory_budget_mb, causal)
     maps = {s: layer.hidden_in.new_zeros(b, t, t) for s in PARALLEL_SCOPES}
     ff_err = layer.hidden_in.new_zeros(b, t)
     layer_err = layer.hidden_in.new_zeros(b, t)
-    bias_o = _out_bias(layer)
-    outputs = {"ATB": attention_block_output(layer), "LN2": layer.ln2_out, "FF": layer.ff_out, "RES2": layer.layer_out}
-
-    def score(scope: str, parts: Tensor, rows: slice) -> Tensor:
-        if contribution == "norm":
-            return parts.norm(dim=-1)
-        return l1_contributions(parts, outputs[scope][:, rows])
+    bias_o = output_bias(layer)
 
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
@@ -239,14 +214,7 @@ def parallel_component_scope_maps(
         maps["RES2"][:, rows, :cols] = score("RES2", h, rows)
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, own
-    m2 = pair_mask(valid, dtype, causal)
-    maps = {s: v.mul_(m2) for s, v in maps.items()}
-    if contribution == "alti":
-        maps = {s: row_normalize(v) for s, v in maps.items()}
-    vm = valid.to(dtype)
-    ff_ex = (ff_err * vm).amax(-1)
-    layer_ex = (layer_err * vm).amax(-1)
-    return maps, {"ff": ff_ex.max(), "layer": layer_ex.max(), "ff_per_example": ff_ex, "layer_per_example": layer_ex}
+    return finish_scope_maps(maps, ff_err, layer_err, valid, causal, contribution)
 
 
 # --- DecompX ------------------------------------------------------------------------------
@@ -278,12 +246,8 @@ def parallel_layer_parts(
     Returns:
         (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
     """
-    rows = torch.arange(parts.shape[1], device=parts.device) if rows is None else rows.to(parts.device)
-    coefs = decompx.ff_coefficients(layer) if coefs is None else coefs
-    h, h_b = decompx.attention_block_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb)
-    out, ff_b = decompx.ff_branch_parts(parts[:, rows], bias[:, rows], layer.ln2_in[:, rows], layer, coefs, rows,
-                                        bias_mode, memory_budget_mb, out=h)
-    return out, h_b + ff_b
+    return decompx.two_branch_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows,
+                                          memory_budget_mb, coefs, ff_reads_block=False)
 
 
 def frozen_parallel_layer(

@@ -148,6 +148,15 @@ class LayerTensors:
             self.topology = "pre_ln" if self.pre_ln else "post_ln"
 
     @property
+    def ff_input(self) -> Tensor:
+        r"""The feed-forward branch's real input u, (B, T, D), from the record's own topology.
+
+        The second norm's output in a pre-LN, parallel or sandwich layer, the first norm's
+        output (the attention block's, which the FF reads) in a post-LN layer.
+        """
+        return self.ln2_out if self.pre_ln else self.ln1_out
+
+    @property
     def num_heads(self) -> int:
         return self.probs.shape[1]
 

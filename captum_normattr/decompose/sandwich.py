@@ -38,14 +38,8 @@ from torch import Tensor
 
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose import decoder
-from captum_normattr.decompose.decompx import (
-    ff_coefficients,
-    frozen_pre_ln_layer,
-    frozen_pre_ln_layer_vjp,
-    pre_ln_layer_parts,
-    register_decompx_steps,
-)
-from captum_normattr.decompose.kind_base import KIND_METHODS, LayerKind
+from captum_normattr.decompose.decompx import register_form_steps
+from captum_normattr.decompose.kind_base import KIND_METHODS
 from captum_normattr.decompose.layer_norm import norm_scale
 from captum_normattr.decompose.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
@@ -222,65 +216,25 @@ def frozen_form(layer: LayerTensors, coefs: Dict[str, Tensor]) -> Tuple[LayerTen
     return view, scaled
 
 
-def sandwich_layer_parts(
-    parts: Tensor,
-    bias: Tensor,
-    layer: LayerTensors,
-    value_weight: Tensor,
-    value_bias: Optional[Tensor],
-    bias_mode: str = "separate",
-    rows: Optional[Tensor] = None,
-    memory_budget_mb: float = 256.0,
-    coefs: Optional[Dict[str, Tensor]] = None,
-) -> Tuple[Tensor, Tensor]:
-    r"""DecompX's forward step of a sandwich layer: :func:`~captum_normattr.decompose.decompx.pre_ln_layer_parts` on :func:`frozen_form`.
+#: DecompX's steps of a sandwich layer, the pre-LN steps on :func:`frozen_form`:
+#: h_{i<-k} = x_{i<-k} + gamma1 (sum_h (sum_j alpha^h_ij N1(x)_{j<-k} W_V^h) W_O^h) / r1_i,
+#: out_{i<-k} = h_{i<-k} + gamma2 FF_{i<-k}(N2(h)_{i<-k}) / r2_i, the probabilities, the four norm
+#: scales and the FF coefficients frozen at their real values.
+sandwich_layer_parts, frozen_sandwich_layer, frozen_sandwich_layer_vjp = register_form_steps("sandwich", frozen_form)
 
-    h_{i<-k} = x_{i<-k} + gamma1 (sum_h (sum_j alpha^h_ij N1(x)_{j<-k} W_V^h) W_O^h) / r1_i,
-    out_{i<-k} = h_{i<-k} + gamma2 FF_{i<-k}(N2(h)_{i<-k}) / r2_i.
+
+class SandwichKind(decoder.PreLNKind):
+    r"""Sandwich layers (Gemma 2, Gemma 3; OLMo 2 with identity pre-norms): post-norms on both branches (see the module docstring).
+
+    The pre-LN kind's maps, scopes and block output (h_i, the second norm's real input), each
+    computed on :func:`pre_ln_form`.
     """
-    coefs = ff_coefficients(layer) if coefs is None else coefs
-    view, scaled = frozen_form(layer, coefs)
-    return pre_ln_layer_parts(parts, bias, view, value_weight, value_bias, bias_mode, rows, memory_budget_mb, scaled)
-
-
-def frozen_sandwich_layer(
-    x: Tensor, layer: LayerTensors, value_weight: Tensor, value_bias: Optional[Tensor], with_bias: bool,
-    coefs: Dict[str, Tensor], rows: Optional[Tensor] = None,
-) -> Tensor:
-    r"""A sandwich layer with its nonlinear quantities (probabilities, the four norm scales, FF coefficients) frozen."""
-    view, scaled = frozen_form(layer, coefs)
-    return frozen_pre_ln_layer(x, view, value_weight, value_bias, with_bias, scaled, rows)
-
-
-def frozen_sandwich_layer_vjp(
-    g: Tensor, layer: LayerTensors, value_weight: Tensor, coefs: Dict[str, Tensor], rows: Optional[Tensor] = None,
-    valid: Optional[Tensor] = None,
-) -> Tensor:
-    r"""The transpose of :func:`frozen_sandwich_layer`'s linear part at ``g`` (see :func:`~captum_normattr.decompose.decompx.frozen_pre_ln_layer_vjp`)."""
-    view, scaled = frozen_form(layer, coefs)
-    return frozen_pre_ln_layer_vjp(g, view, value_weight, scaled, rows, valid)
-
-
-register_decompx_steps("sandwich", sandwich_layer_parts, frozen_sandwich_layer, frozen_sandwich_layer_vjp)
-
-
-class SandwichKind(LayerKind):
-    r"""Sandwich layers (Gemma 2, Gemma 3; OLMo 2 with identity pre-norms): post-norms on both branches (see the module docstring)."""
 
     name = "sandwich"
     methods = frozenset(m for m in KIND_METHODS if m != "routes")
-    globenc_maps = decoder.PRE_LN_MAPS
-    default_map = decoder.PRE_LN_DEFAULT_MAP
-    whole_layer_scope = "RES2"
-
-    def check_map(self, name: str) -> None:
-        decoder.check_pre_ln_map(name)
 
     def norm_maps(self, layer, valid, names):
         return sandwich_layer_maps(layer, valid, names)
-
-    def mixing_ratio_name(self, map_name):
-        return map_name if map_name in decoder.PRE_LN_NORM_MAPS else None
 
     def alti_map(self, layer, valid, memory_budget_mb):
         return sandwich_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb))

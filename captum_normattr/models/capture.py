@@ -409,7 +409,7 @@ def _ff_rebuild_error(t: LayerTensors) -> Tensor:
     description misses, a wrong activation), which the residual joins alone do not see.
     """
     ff = t.ff
-    u = (t.ln2_out if t.pre_ln else t.ln1_out)[:, -1:]
+    u = t.ff_input[:, -1:]
 
     def linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
         return x @ w if b is None else x @ w + b
