@@ -287,7 +287,7 @@ def llama_model(config: Mapping[str, Any], layers: Optional[int] = None, seed: i
 
 
 #: the decoder families :func:`family_model` builds beside Llama (one of each new topology's figures)
-DECODER_FAMILIES = ("llama", "mixtral", "qwen2_moe")
+DECODER_FAMILIES = ("llama", "mixtral", "qwen2_moe", "gpt_neox", "gemma2")
 
 
 def family_model(family: str, config: Mapping[str, Any], layers: Optional[int] = None, seed: int = 0):
@@ -296,7 +296,13 @@ def family_model(family: str, config: Mapping[str, Any], layers: Optional[int] =
     ``llama``: :func:`llama_model`. ``mixtral``: the same attention and norms, the FF a sparse block of
     4 experts, top-2, each of half the Llama FF width (the FF width a token uses is the Llama one), the
     default ``grouped_mm`` experts kernel; ``qwen2_moe``: the same plus a shared expert of half the
-    width (sigmoid-gated) and qkv biases.
+    width (sigmoid-gated) and qkv biases. ``gpt_neox`` (parallel attention + FF): LayerNorms, one fused
+    per-head QKV, full multi-head attention (as many key/value heads as heads), rotary on a quarter of
+    each head (Pythia's ``rotary_pct``), a GELU FF of the Llama FF width (2 matrices, not 3), untied
+    embeddings; ``gemma2`` (sandwich norms): the Llama heads and key/value heads (``head_dim`` = hidden /
+    heads, ``query_pre_attn_scalar`` = head_dim), GeGLU of the Llama FF width, ``1 + w`` RMSNorms, attention
+    soft-capping 50 and the default sliding window (4096, every other layer), with the eager attention (sdpa
+    has no soft-capping).
 
     Args:
         family (str): one of :data:`DECODER_FAMILIES`.
@@ -321,10 +327,23 @@ def family_model(family: str, config: Mapping[str, Any], layers: Optional[int] =
                                        shared_expert_intermediate_size=half, intermediate_size=2 * half,
                                        use_sliding_window=False)
         cls = tf.Qwen2MoeModel
+    elif family == "gpt_neox":
+        config_obj = tf.GPTNeoXConfig(
+            hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"], intermediate_size=2 * half, vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg["max_position_embeddings"], hidden_act="gelu", rotary_pct=0.25,
+            use_parallel_residual=True, tie_word_embeddings=False)
+        cls = tf.GPTNeoXModel
+    elif family == "gemma2":
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        cfg.pop("hidden_act", None)
+        config_obj = tf.Gemma2Config(**cfg, intermediate_size=2 * half, head_dim=head_dim,
+                                     query_pre_attn_scalar=head_dim, hidden_activation="gelu_pytorch_tanh")
+        cls = tf.Gemma2Model
     else:
         raise ValueError(f"unknown decoder family {family!r}; choose from {DECODER_FAMILIES}")
     torch.manual_seed(seed)
-    config_obj._attn_implementation = "sdpa"
+    config_obj._attn_implementation = "eager" if family == "gemma2" else "sdpa"  # sdpa has no soft-capping
     model = cls(config_obj).eval()
     with torch.no_grad():  # routers drawn at std 1 (Qwen's start at zero: every token would tie)
         for name, p in model.named_parameters():
@@ -337,12 +356,13 @@ def decoder_runner(name: str, model: Any, target: int = DECODER_TARGET) -> Calla
     r"""One call of a decoder method on a bare ``LlamaModel``, as a function of the token ids.
 
     ``forward`` (the plain forward pass), ``globenc`` (the pre-LN default map), ``alti``,
-    ``alti_logit`` and ``decompx`` (both with ``unembedding=model.embed_tokens.weight`` and
+    ``alti_logit`` and ``decompx`` (both with the input embedding matrix as ``unembedding`` and
     the next token ``target``; DecompX's call is :meth:`DecompXAttribution.decompose`, the
-    computation of ``attribute`` on a decoder, whose result also says which algorithm ran).
+    computation of ``attribute`` on a decoder, whose result also says which algorithm ran), ``ff``
+    (:class:`FFIntegratedDecomposition` with its defaults).
 
     Args:
-        name (str): one of ``forward``, ``globenc``, ``alti``, ``alti_logit``, ``decompx``.
+        name (str): one of ``forward``, ``globenc``, ``alti``, ``alti_logit``, ``decompx``, ``ff``.
         model: a bare decoder (``LlamaModel``).
         target (int, optional): the explained next token. Default: :data:`DECODER_TARGET`.
 
@@ -367,10 +387,16 @@ def decoder_runner(name: str, model: Any, target: int = DECODER_TARGET) -> Calla
     if name == "alti":
         a = ALTIAttribution(model)
         return lambda ids: a.attribute(ids)
+    emb = model.get_input_embeddings().weight  # embed_tokens (Llama, Gemma, MoE), embed_in (GPT-NeoX)
     if name == "alti_logit":
-        a = ALTILogitAttribution(model, unembedding=model.embed_tokens.weight)
+        a = ALTILogitAttribution(model, unembedding=emb)
         return lambda ids: a.attribute(ids, target=target)
     if name == "decompx":  # a bare model with an unembedding: no LM head needed
-        d = DecompXAttribution(model, unembedding=model.embed_tokens.weight)
+        d = DecompXAttribution(model, unembedding=emb)
         return lambda ids: d.decompose(ids, target=target)
-    raise ValueError(f"unknown decoder method {name!r}; choose forward, globenc, alti, alti_logit or decompx")
+    if name == "ff":  # the FF decomposition (GlobEnc+FF: RES2 scope, gated FF by Gauss-Legendre)
+        from captum_normattr import FFIntegratedDecomposition
+
+        f = FFIntegratedDecomposition(model)
+        return lambda ids: f.attribute(ids)
+    raise ValueError(f"unknown decoder method {name!r}; choose forward, globenc, alti, alti_logit, decompx or ff")

@@ -49,7 +49,9 @@ fit the time budget of a shared 2-core machine):
 
 Options: ``--family llama|mixtral|qwen2_moe`` (the decoder sections' model, shaped like the Llama one:
 ``_bench.family_model``; a mixture of experts has 4 experts, top-2, of half the Llama FF width),
-``--sections depth length encoder``, ``--lengths 1024 2048 4096 8192``, ``--layers 4 8``,
+``--sections depth length encoder kinds`` (``kinds``: ``--families llama gpt_neox gemma2 mixtral`` side by side
+on the depth section's small shape, ``--kinds-layers`` 2 layers, at ``--kinds-lengths 1024 4096``, ``--max-tokens
+alti=1024`` to run a slow method at the shorter lengths only), ``--lengths 1024 2048 4096 8192``, ``--layers 4 8``,
 ``--limit-gb 8``, ``--skip METHOD ...`` (any of forward globenc alti alti_logit decompx ff ff_alti),
 ``--timeout``/``--ff-timeout`` (seconds per child), ``--json out.json`` (with ``--merge-json``: keep the
 file's records of the sections not run now, to fill a file over several runs), ``--package-root DIR``.
@@ -79,7 +81,7 @@ BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, 
                  max_position_embeddings=512, num_labels=2)
 DECODER_METHODS = ("forward", "globenc", "alti", "alti_logit", "decompx")
 ENCODER_METHODS = ("forward", "globenc", "alti", "ff", "ff_alti", "decompx")
-LABELS = {"forward": "forward (sdpa)", "globenc": "GlobEnc", "alti": "ALTI", "alti_logit": "ALTI-Logit",
+LABELS = {"forward": "forward", "globenc": "GlobEnc", "alti": "ALTI", "alti_logit": "ALTI-Logit",
           "decompx": "DecompX", "ff": "GlobEnc+FF", "ff_alti": "ALTI+FF"}
 EXIT_OVER, EXIT_TIMEOUT = 3, 4
 
@@ -147,9 +149,10 @@ def child(args, package_file: str) -> None:
         inputs = (ids, torch.ones_like(ids))
         fn = _encoder_runner(name, model)
     else:
-        model = family_model(args.family, SMALL_LLAMA if section == "depth" else LLAMA_100M, layers=args._layers)
-        inputs = (random_ids(args._batch, args._tokens, low=1 if section == "depth" else 100,
-                             high=1000 if section == "depth" else 30000, cls=None),)
+        small = section in ("depth", "kinds")
+        model = family_model(args.family, SMALL_LLAMA if small else LLAMA_100M, layers=args._layers)
+        inputs = (random_ids(args._batch, args._tokens, low=1 if small else 100,
+                             high=1000 if small else 30000, cls=None),)
         fn = decoder_runner(name, model)
     record = {"section": section, "family": args.family, "method": name, "layers": args._layers if section != "encoder" else 12,
               "tokens": args._tokens, "batch": args._batch, "threads": torch.get_num_threads(),
@@ -182,12 +185,12 @@ class Runner:
     def __init__(self, args, meta: dict) -> None:
         self.args = args
         self.limit_mb = args.limit_gb * 1024
-        self.out = {"meta": meta, "runs": [meta], "depth": [], "length": [], "encoder": []}
+        self.out = {"meta": meta, "runs": [meta], "depth": [], "length": [], "encoder": [], "kinds": []}
         if args.merge_json and args.json and os.path.exists(args.json):  # keep the sections not run now
             with open(args.json) as f:
                 old = json.load(f)
             self.out["runs"] = old.get("runs", [old.get("meta", {})]) + [meta]
-            for s in ("depth", "length", "encoder"):
+            for s in ("depth", "length", "encoder", "kinds"):
                 if s not in args.sections:
                     self.out[s] = old.get(s, [])
 
@@ -197,17 +200,18 @@ class Runner:
             with open(self.args.json, "w") as f:
                 json.dump(self.out, f, indent=1)
 
-    def run(self, section: str, name: str, *, layers: int, tokens: int, batch: int) -> dict:
+    def run(self, section: str, name: str, *, layers: int, tokens: int, batch: int, family: str | None = None) -> dict:
         timeout = self.args.ff_timeout if name.startswith("ff") else self.args.timeout
-        argv = ["--package-root", self.args.package_root, "--family", self.args.family, "--_child", f"{section}:{name}", "--_layers", layers,
+        family = family or self.args.family
+        argv = ["--package-root", self.args.package_root, "--family", family, "--_child", f"{section}:{name}", "--_layers", layers,
                 "--_tokens", tokens, "--_batch", batch, "--_limit", self.limit_mb, "--_timeout", timeout]
-        what = f"{section} {name} ({layers} layers, {tokens} tokens, batch {batch})"
+        what = f"{section} {family} {name} ({layers} layers, {tokens} tokens, batch {batch})"
         t0 = time.perf_counter()
         try:
             r = run_child(__file__, argv, ok_returncodes=(0, EXIT_OVER, EXIT_TIMEOUT), what=what)
         except RuntimeError as e:  # report and go on with the next figure
-            r = {"section": section, "method": name, "layers": layers, "tokens": tokens, "batch": batch,
-                 "failed": True, "error": str(e)[-1500:]}
+            r = {"section": section, "family": family, "method": name, "layers": layers, "tokens": tokens,
+                 "batch": batch, "failed": True, "error": str(e)[-1500:]}
         r["child_wall_s"] = time.perf_counter() - t0
         self.out[section].append(r)
         self.save()
@@ -286,6 +290,37 @@ def section_length(R: Runner, methods: list) -> None:
               flush=True)
 
 
+def section_kinds(R: Runner, methods: list) -> None:
+    r"""Families side by side (``--families``) on the small Llama shape, at ``--kinds-lengths``, ``--kinds-layers`` layers."""
+    a = R.args
+    cap = dict(kv.split("=") for kv in a.max_tokens)
+    print(f"\n## kinds: bare {a.families} models shaped like {SMALL_LLAMA}, {a.kinds_layers} layers, batch 1, "
+          f"tokens {a.kinds_lengths}", flush=True)
+    res = {}
+    for t in a.kinds_lengths:  # the shortest length of every family first
+        for f in a.families:
+            for m in methods:
+                if m in cap and t > int(cap[m]):
+                    continue
+                res[(f, m, t)] = R.run("kinds", m, layers=a.kinds_layers, tokens=t, batch=1, family=f)
+    for t in a.kinds_lengths:
+        rows = []
+        for m in methods:
+            cells = []
+            for f in a.families:
+                r, fwd = res.get((f, m, t)), res.get((f, "forward", t))
+                if r is None:
+                    cells.append("not run")
+                elif not _ok(r):
+                    cells.append(cell(r, a.limit_gb))
+                else:
+                    ratio = f", {r['seconds'] / fwd['seconds']:.1f}x fwd" if m != "forward" and _ok(fwd) else ""
+                    cells.append(f"{r['extra_peak_mb']:.0f} MB ({r['seconds']:.1f} s{ratio})")
+            rows.append([LABELS[m], *cells])
+        print(f"\npeak extra memory (seconds) of one call, {t} tokens:\n" + table(["method", *a.families], rows),
+              flush=True)
+
+
 def section_encoder(R: Runner, methods: list) -> None:
     a = R.args
     print(f"\n## encoder: BertForSequenceClassification {BERT_BASE}, {a.encoder_tokens} tokens, "
@@ -299,13 +334,20 @@ def section_encoder(R: Runner, methods: list) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", nargs="+", default=["depth", "length", "encoder"], choices=["depth", "length", "encoder"])
+    p.add_argument("--sections", nargs="+", default=["depth", "length", "encoder"],
+                   choices=["depth", "length", "encoder", "kinds"])
     p.add_argument("--package-root", default=os.path.dirname(HERE),
                    help="checkout whose captum_normattr is measured (default: the repository holding this script)")
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="depth section: layer counts")
     p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,
                    help="decoder sections: the family of the model, shaped like the Llama config (_bench.family_model)")
     p.add_argument("--depth-tokens", type=int, default=2048)
+    p.add_argument("--families", nargs="+", default=["llama", "gpt_neox", "gemma2", "mixtral"], choices=DECODER_FAMILIES,
+                   help="kinds section: the families side by side (small Llama shape)")
+    p.add_argument("--kinds-lengths", type=int, nargs="+", default=[1024, 4096], help="kinds section: tokens")
+    p.add_argument("--kinds-layers", type=int, default=2, help="kinds section: layers")
+    p.add_argument("--max-tokens", nargs="*", default=[], metavar="METHOD=T",
+                   help="kinds section: run METHOD only up to T tokens (e.g. alti=1024)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="length section: tokens")
     p.add_argument("--encoder-tokens", type=int, default=512)
     p.add_argument("--encoder-batch", type=int, default=8)
@@ -356,6 +398,8 @@ def main() -> None:
         section_length(R, dec)
     if "encoder" in args.sections:
         section_encoder(R, [m for m in ENCODER_METHODS if m not in args.skip])
+    if "kinds" in args.sections:
+        section_kinds(R, dec + ([] if "ff" in args.skip else ["ff"]))
     R.out["meta"]["total_wall_s"] = time.perf_counter() - t0
     R.save()
     print(f"\ntotal {time.perf_counter() - t0:.0f} s" + (f"; saved {args.json}" if args.json else ""))

@@ -38,13 +38,18 @@ from _bench import DECODER_FAMILIES, LLAMA_100M, decoder_runner, family_model, m
 from _bench import run_child as _run_script  # noqa: E402
 
 CONFIG = LLAMA_100M
+#: ``--config small``: the small Llama shape of ``memory_engine.py``'s depth section (hidden 256, 8 heads, 4 kv heads,
+#: FF 704, vocab 1000), for side-by-side family figures at long lengths on a small CPU
+SMALL = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704,
+             vocab_size=1000, max_position_embeddings=16384, hidden_act="silu")
+LAYERS = [None]
 METHODS = ("forward", "globenc", "alti", "alti_logit", "ff")
 #: the family of the measured model (``--family``; ``_bench.family_model``: a mixture of experts shaped like the Llama)
 FAMILY = ["llama"]
 
 
 def _model():
-    return family_model(FAMILY[0], CONFIG)
+    return family_model(FAMILY[0], CONFIG, layers=LAYERS[0])
 
 
 def _runner(name: str, model):
@@ -61,13 +66,13 @@ RATIO_METHODS = ("globenc", "alti", "alti_logit", "decompx")
 GOALS = {"globenc": 2.0, "alti": 4.0, "alti_logit": 4.0, "decompx": 4.0}
 
 
-def ratios(tokens: int, repeats: int, threads: int) -> dict:
+def ratios(tokens: int, repeats: int, threads: int, methods=RATIO_METHODS, no_warm_up=()) -> dict:
     r"""Minimum seconds of the forward pass and of each method, side by side in this process."""
     torch.set_num_threads(threads)
     model = _model()
-    ids = random_ids(1, tokens, low=100, high=30000, cls=None)
-    runs = {n: _runner(n, model) for n in ("forward",) + RATIO_METHODS}
-    return time_interleaved(runs, (ids,), repeats, stat="min")
+    ids = random_ids(1, tokens, low=100, high=min(30000, CONFIG["vocab_size"]), cls=None)
+    runs = {n: _runner(n, model) for n in ("forward",) + tuple(methods)}
+    return time_interleaved(runs, (ids,), repeats, stat="min", no_warm_up=[m for m in no_warm_up if m in runs])
 
 
 def child(name: str, tokens: int, limit_mb: float) -> None:
@@ -131,6 +136,34 @@ def search(name: str, measured: dict, limit_mb: float, budget_s: float, cap: int
     return {"method": name, "fits": lo, "over": hi if hi <= cap else None, "complete": hi - lo <= 256, "probes": probes}
 
 
+def side_by_side(args) -> None:
+    r"""``--families``: the ratio table of every family at every length, one family after the other in this process."""
+    import json
+    import platform
+
+    import transformers
+
+    cap = {k: int(v) for k, v in (kv.split("=") for kv in args.max_tokens)}
+    out = {"meta": {"argv": sys.argv[1:], "config": CONFIG, "layers": args.layers, "threads": args.threads,
+                    "repeats": args.repeats, "stat": "min", "no_warm_up": args.no_warm_up, "torch": torch.__version__,
+                    "transformers": transformers.__version__, "python": platform.python_version(),
+                    "cpus": os.cpu_count(), "niceness": os.nice(0)}, "ratios": []}
+    for t in args.ratio_lengths or [args.ratio_tokens]:
+        for f in args.families:
+            FAMILY[0] = f
+            methods = [m for m in args.ratio_methods if t <= cap.get(m, t)]
+            t0 = time.perf_counter()
+            sec = ratios(t, args.repeats, args.threads, methods, args.no_warm_up)
+            rec = {"family": f, "tokens": t, "seconds": sec,
+                   "ratio_to_forward": {m: sec[m] / sec["forward"] for m in methods}, "wall_s": time.perf_counter() - t0}
+            out["ratios"].append(rec)
+            print(f"{f}: 1 x {t} tokens, {args.threads} threads, min of {args.repeats}: forward {sec['forward']:.2f} s; "
+                  + ", ".join(f"{m} {sec[m]:.2f} s = {sec[m] / sec['forward']:.1f}x" for m in methods), flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(out, fh, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
@@ -148,11 +181,30 @@ def main() -> None:
     p.add_argument("--ratios-only", action="store_true", help="stop after the ratio table")
     p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,
                    help="the model's family, shaped like the Llama config (mixtral, qwen2_moe: 4 experts, top-2)")
+    p.add_argument("--families", nargs="+", default=None, choices=DECODER_FAMILIES,
+                   help="ratio table only: these families one after the other in this process, each against its "
+                        "own forward pass (implies --ratios-only)")
+    p.add_argument("--config", default="100m", choices=["100m", "small"], help="the Llama shape (small: hidden 256)")
+    p.add_argument("--layers", type=int, default=None, help="num_hidden_layers instead of the config's")
+    p.add_argument("--ratio-lengths", type=int, nargs="+", default=None,
+                   help="with --families: lengths of the ratio table (default: --ratio-tokens)")
+    p.add_argument("--ratio-methods", nargs="+", default=list(RATIO_METHODS), choices=RATIO_METHODS + ("ff",))
+    p.add_argument("--max-tokens", nargs="*", default=[], metavar="METHOD=T",
+                   help="with --families: time METHOD only up to T tokens")
+    p.add_argument("--no-warm-up", nargs="*", default=[], help="methods timed without a warm-up call")
+    p.add_argument("--json", default=None, help="with --families: save the ratio table here")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_tokens", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_limit", type=float, default=1e12, help=argparse.SUPPRESS)
     args = p.parse_args()
     FAMILY[0] = args.family
+    LAYERS[0] = args.layers
+    if args.config == "small":
+        global CONFIG
+        CONFIG = SMALL
+    if args.families:
+        side_by_side(args)
+        return
     if args._child:
         child(args._child, args._tokens, args._limit)
         return
