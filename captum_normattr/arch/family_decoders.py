@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Tuple
 
+from captum_normattr.arch.families import GEMMA2
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
     Attention,
@@ -47,19 +48,11 @@ OLMO2 = ArchitectureSpec(
 #: position embeddings: the recorded probabilities include both). Its attention passes no
 #: soft-cap to the attention function (``attn_logit_softcapping`` is unused); the final-logit
 #: soft-cap applies when ``final_logit_softcapping`` is set (None by default).
-_GEMMA_NORM = dict(kind="rmsnorm", weight_offset=1.0)
 GEMMA3 = ArchitectureSpec(
     family="Gemma 3", model_types=("gemma3_text",), layers="layers", causal=True,
-    layer=Layer(
-        attention=Attention("self_attn", out="self_attn.o_proj", value=ValueProjection("self_attn.v_proj"),
-                            pre_norm=Norm("input_layernorm", **_GEMMA_NORM),
-                            post_norm=Norm("post_attention_layernorm", **_GEMMA_NORM)),
-        ff=FeedForward(up="mlp.up_proj", gate="mlp.gate_proj", act="mlp.act_fn", down="mlp.down_proj",
-                       pre_norm=Norm("pre_feedforward_layernorm", **_GEMMA_NORM),
-                       post_norm=Norm("post_feedforward_layernorm", **_GEMMA_NORM)),
-    ),
-    head=Head(final_norm=Norm("norm", **_GEMMA_NORM), lm_head="lm_head", final_softcap="final_logit_softcapping"),
-    inputs=Inputs(embedding_scale="sqrt(hidden_size)"),
+    layer=replace(GEMMA2.layer, attention=replace(GEMMA2.layer.attention, softcap=None)),
+    head=GEMMA2.head,
+    inputs=GEMMA2.inputs,
     refused_configs=(("use_bidirectional_attention", True,
                       "its attention is bidirectional, while the description is causal (causal positions and maps)"),),
     notes="text model (Gemma3ForCausalLM); sliding-window and global layers, q/k norms, recorded",
