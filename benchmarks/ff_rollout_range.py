@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    res = FFIntegratedDecomposition(m, rollout=conv).decompose(x, (mask,), return_layer_maps=True,
+                    res = FFIntegratedDecomposition(m, rollout=conv).decompose(x, additional_forward_args=(mask,), return_layer_maps=True,
                                                                                return_rollout=False)
                 s = res.scores[0]
                 scale = int(res.extras.get("rollout_log2_scale", torch.zeros(1, dtype=torch.long))[0])

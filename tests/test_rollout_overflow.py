@@ -36,7 +36,7 @@ def test_ff_raw_rollout_past_float32_range_is_finite_and_exact_up_to_its_power_o
     model32 = _loud_llama(torch.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = FFIntegratedDecomposition(model32).decompose(ids, (mask,), return_layer_maps=True, return_rollout=True)
+        res = FFIntegratedDecomposition(model32).decompose(ids, additional_forward_args=(mask,), return_layer_maps=True, return_rollout=True)
     messages = [str(w.message) for w in caught]
     # the raw product really is beyond float32 (what made every score NaN)
     naive = _naive_rows(res.layer_maps, res.explained_position)
@@ -51,7 +51,7 @@ def test_ff_raw_rollout_past_float32_range_is_finite_and_exact_up_to_its_power_o
     assert (res.scores[~real] == 0).all()
     torch.testing.assert_close(unscaled[real], naive[real], rtol=1e-5, atol=0)
     # against the same model in float64, where the raw rollout fits: the same numbers
-    ref = FFIntegratedDecomposition(_loud_llama(torch.float64)).decompose(ids, (mask,), return_layer_maps=False,
+    ref = FFIntegratedDecomposition(_loud_llama(torch.float64)).decompose(ids, additional_forward_args=(mask,), return_layer_maps=False,
                                                                           return_rollout=False)
     assert "rollout_log2_scale" not in ref.extras and torch.isfinite(ref.scores).all()
     torch.testing.assert_close(unscaled[real], ref.scores[real], rtol=1e-3, atol=0)
@@ -71,7 +71,7 @@ def test_row_normalized_rollout_of_the_same_model_needs_no_scale():
     ids, mask = decoder_batch([7, 5], seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning at all
-        res = FFIntegratedDecomposition(_loud_llama(torch.float32), rollout="row_normalized").decompose(ids, (mask,))
+        res = FFIntegratedDecomposition(_loud_llama(torch.float32), rollout="row_normalized").decompose(ids, additional_forward_args=(mask,))
     assert "rollout_log2_scale" not in res.extras and torch.isfinite(res.scores).all()
     torch.testing.assert_close(res.scores.sum(-1), torch.ones(2), rtol=1e-5, atol=0)
 
@@ -129,7 +129,7 @@ def test_globenc_on_an_ordinary_model_reports_no_scale():
     ids, mask = decoder_batch([7, 5], seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        res = GlobEncAttribution(make_decoder("llama")).decompose(ids, (mask,))
+        res = GlobEncAttribution(make_decoder("llama")).decompose(ids, additional_forward_args=(mask,))
     assert "rollout_log2_scale" not in res.extras and torch.isfinite(res.scores).all()
 
 
