@@ -6,7 +6,6 @@ description; Gemma 3's optional final-logit soft-cap; the bare ``*Model`` and th
 ``*ForSequenceClassification`` of every family; the refused configs. Float64 tiny models with
 perturbed weights (tests/zoo_decoders.py); completeness is compared with the model's own outputs.
 """
-import contextlib
 import math
 from dataclasses import replace
 
@@ -21,12 +20,13 @@ from captum_normattr import (
     GlobEncAttribution,
     UnsupportedModelError,
 )
-from captum_normattr.arch import ARCHITECTURES, Norm, register_architecture
+from captum_normattr.arch import ARCHITECTURES, Norm
 from captum_normattr.attr.base import ConsistencyError
 from captum_normattr.models.adapters import get_adapter, max_positions
 from captum_normattr.models.capture import recording
 from decoder_models import decoder_batch
 from test_zoo import real_next_token_logits
+from registry_state import described_as
 from zoo import build
 
 FAMILIES = ["olmo2", "gemma3_text", "bloom", "opt"]
@@ -34,18 +34,6 @@ FAMILIES = ["olmo2", "gemma3_text", "bloom", "opt"]
 
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
-
-
-@contextlib.contextmanager
-def described_as(key, spec):
-    r"""The registry with ``spec`` serving ``key`` for the block (restored afterwards)."""
-    saved = dict(ARCHITECTURES)
-    register_architecture(spec, key=key, replace=True)
-    try:
-        yield spec
-    finally:
-        ARCHITECTURES.clear()
-        ARCHITECTURES.update(saved)
 
 
 def _recorded(model, ids, mask):

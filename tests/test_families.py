@@ -6,7 +6,6 @@ fused [gate | up] projection, OLMo's parameter-free LayerNorm with the epsilon i
 StableLM's parallel variant, and the refusals of models that are not (plain) attention models.
 The families' completeness, padding and unchanged-model invariants run in tests/test_zoo.py.
 """
-import contextlib
 from dataclasses import replace
 
 import pytest
@@ -20,26 +19,15 @@ from captum_normattr import (
     GlobEncAttribution,
     UnsupportedModelError,
 )
-from captum_normattr.arch import ARCHITECTURES, Norm, ValueProjection, lookup, register_architecture
+from captum_normattr.arch import ARCHITECTURES, Norm, ValueProjection, lookup
 from captum_normattr.arch.registry import REFUSED
 from captum_normattr.attr.base import ConsistencyError
 from captum_normattr.attr.explained_output import ExplainedOutputMismatchError, logit_scale
 from captum_normattr.decompose.layer_kinds import LAYER_KINDS
 from captum_normattr.models.adapters import get_adapter, value_projection
 from decoder_models import decoder_batch
+from registry_state import described_as
 from zoo import build
-
-
-@contextlib.contextmanager
-def described_as(key, spec):
-    r"""The registry with ``spec`` serving ``key`` for the block (restored afterwards)."""
-    saved = dict(ARCHITECTURES)
-    register_architecture(spec, key=key, replace=True)
-    try:
-        yield spec
-    finally:
-        ARCHITECTURES.clear()
-        ARCHITECTURES.update(saved)
 
 
 def _batch(seed=1):

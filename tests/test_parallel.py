@@ -31,6 +31,7 @@ from captum_normattr.arch import ARCHITECTURES, register_architecture
 from captum_normattr.arch.spec import Norm
 from captum_normattr.decompose.layer_kinds import LAYER_KINDS
 from decoder_models import decoder_batch
+from registry_state import restored_registry
 from zoo import build
 
 
@@ -52,11 +53,9 @@ def neox():
 
 @pytest.fixture
 def registry():
-    r"""Restore the architecture registry after a test that re-registers an entry."""
-    saved = dict(ARCHITECTURES)
-    yield
-    ARCHITECTURES.clear()
-    ARCHITECTURES.update(saved)
+    r"""Restore the architecture registries after a test that re-registers an entry."""
+    with restored_registry():
+        yield
 
 
 # --- a naive per-token reference from the model's own modules -------------------------------

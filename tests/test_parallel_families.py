@@ -38,6 +38,7 @@ from captum_normattr.attr.explained_output import ExplainedOutputMismatchError
 from captum_normattr.models import capture
 from captum_normattr.models.adapters import get_adapter
 from decoder_models import decoder_batch
+from registry_state import restored_registry
 from zoo import EXACT_ATTENTION, build
 
 #: Falcon's config variants: name -> config overrides (the default build: new architecture, two norms, GQA 4/2)
@@ -66,11 +67,9 @@ def _real_logits(model, ids, mask):
 
 @pytest.fixture
 def registry():
-    r"""Restore the architecture registry after a test that re-registers an entry."""
-    saved = dict(ARCHITECTURES)
-    yield
-    ARCHITECTURES.clear()
-    ARCHITECTURES.update(saved)
+    r"""Restore the architecture registries after a test that re-registers an entry."""
+    with restored_registry():
+        yield
 
 
 # --- the naive reference -------------------------------------------------------------------
