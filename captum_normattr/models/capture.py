@@ -114,6 +114,59 @@ def _active() -> List["Recorder"]:
     return stack
 
 
+def _storage_users(t: Tensor, storage: Any) -> Optional[int]:
+    r"""How many tensors and storage objects hold ``t``'s memory (None: torch cannot tell)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        return int(count(storage._cdata))
+    except Exception:  # pragma: no cover - a torch without the private counter
+        return None
+
+
+class ProbabilityBuffers:
+    r"""The recording attention's large buffers, handed out again once nothing else holds them.
+
+    Every layer's probabilities (B, H, T, S) are a fresh allocation the size of the layer's
+    attention square (0.6 GB at 4096 tokens on SmolLM2): the operating system maps new zeroed
+    pages for it, and that page-faulting costs as much as writing the square once
+    (docs/performance.md, "Long prompts on real weights"). A recorder keeps the buffer of the
+    last layer and gives it to the next layer **only when no tensor refers to its memory any
+    more** (the consumer dropped the layer's record, as the streaming engine does): a caller
+    that keeps a layer's probabilities, or any view of them, gets a fresh buffer, so nothing
+    it holds is ever overwritten. Used without autograd only; cleared when the recording ends.
+    """
+
+    def __init__(self) -> None:
+        self._kept: Dict[Tuple, Tuple[Tensor, Any, int]] = {}  # key -> (tensor, its storage, users when free)
+
+    def take(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str = "probs") -> Tensor:
+        r"""An uninitialised tensor of ``shape``: a view of the kept one of that name when free, else a new one.
+
+        The kept tensor itself is never handed out, only views of it, so that every tensor a
+        caller holds counts as a user of its memory.
+        """
+        key = (name, tuple(shape), dtype, str(device))
+        entry = self._kept.get(key)
+        if entry is not None and not torch.is_grad_enabled() and _storage_users(entry[0], entry[1]) == entry[2]:
+            return entry[0].view(shape)  # nothing but this pool refers to its memory
+        for k in [k for k in self._kept if k[0] == name]:  # one kept buffer per name
+            del self._kept[k]
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if torch.is_grad_enabled():  # autograd may save it for the backward pass: never reused
+            return t
+        storage = t.untyped_storage()
+        users = _storage_users(t, storage)
+        if users is None:
+            return t
+        self._kept[key] = (t, storage, users)
+        return t.view(shape)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
 def _causal_row_blocks(attention_mask: Optional[Tensor], t: int, s: int) -> Optional[List[Tuple[int, int]]]:
     r"""Row blocks [r0, r1) whose key columns >= r1 are all masked, or None (no skipping).
 
@@ -134,7 +187,7 @@ def _causal_row_blocks(attention_mask: Optional[Tensor], t: int, s: int) -> Opti
 
 
 def _eager_attention(query, key, value, attention_mask, scaling, dropout, training, keep_probs: bool, position_bias=None,
-                     causal: bool = False, softcap: Optional[float] = None):
+                     causal: bool = False, softcap: Optional[float] = None, buffers: Optional[ProbabilityBuffers] = None):
     r"""Eager attention computed in chunks of heads; returns (output (B, T, H, Dh), probs or None).
 
     ``position_bias``: an additive (B or 1, H or 1, T, S) score bias added before the mask
@@ -144,6 +197,8 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     rest of the probabilities is exactly 0), about half the work of the full square.
     ``softcap``: attention-score soft-capping (Gemma 2): the scaled scores become
     ``softcap * tanh(scores / softcap)`` before the bias and the mask, as in the model's eager code.
+    ``buffers``: the recorder's :class:`ProbabilityBuffers` (the probabilities and the scores'
+    scratch are taken from it, reused across layers when free), or None (fresh tensors).
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: one key/value head serves `groups` query heads
@@ -159,18 +214,35 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     per_head = max(1, b * t * s * max(query.element_size(), 4))
     step = max(1, min(h, SCORE_CHUNK_BYTES // per_head))
     if step >= h and blocks is None and query.dtype == soft_dtype and not dropping:
-        return _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs, position_bias, softcap)
+        return _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs, position_bias, softcap,
+                                      buffers)
     # one chunk of every head and row: the softmax output is the probabilities (no copy into them)
     whole = step >= h and blocks is None
-    probs = None if whole else torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
+    if whole:
+        probs = None
+    elif buffers is not None:
+        probs = buffers.take((b, h, t, s), soft_dtype, query.device)
+    else:
+        probs = torch.empty(b, h, t, s, dtype=soft_dtype, device=query.device)
+    # the scores of a block in one reused scratch buffer, soft-maxed in place (same bits as out of place)
+    in_place = buffers is not None and not whole and query.dtype == soft_dtype
+    scratch = buffers.take((b * step * max(r1 - r0 for r0, r1 in blocks or [(0, t)]) * s,), query.dtype, query.device,
+                           "scores") if in_place else None
     for h0 in range(0, h, step):
         sl = slice(h0, min(h, h0 + step))
         for r0, r1, c1 in ((0, t, s),) if blocks is None else ((r0, r1, r1) for r0, r1 in blocks):
-            scores = torch.matmul(query[:, sl, r0:r1], key[:, sl, :c1].transpose(2, 3)).mul_(scaling)
+            q, k = query[:, sl, r0:r1], key[:, sl, :c1].transpose(2, 3)
+            if in_place:
+                shape = (b, sl.stop - sl.start, r1 - r0, c1)
+                scores = torch.matmul(q, k, out=scratch[: b * shape[1] * shape[2] * c1].view(shape)).mul_(scaling)
+            else:
+                scores = torch.matmul(q, k).mul_(scaling)
             _soft_cap(scores, softcap)
             _add_bias_and_mask(scores, position_bias, attention_mask, sl, slice(r0, r1), slice(0, c1))
             if whole:
                 probs = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+            elif in_place:
+                probs[:, sl, r0:r1, :c1] = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
             else:
                 probs[:, sl, r0:r1, :c1] = torch.softmax(scores, dim=-1, dtype=soft_dtype)
             if c1 < s:
@@ -219,7 +291,8 @@ def _soft_cap(scores: Tensor, softcap: Optional[float]) -> None:
         scores.div_(softcap).tanh_().mul_(softcap)
 
 
-def _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs: bool, position_bias, softcap=None):
+def _attention_by_examples(query, key, value, attention_mask, scaling, keep_probs: bool, position_bias, softcap=None,
+                           buffers: Optional[ProbabilityBuffers] = None):
     r"""Eager attention in blocks of examples of about :data:`EXAMPLE_BLOCK_BYTES` of probabilities.
 
     Each block's scores are written straight into the probabilities' buffer, the softmax runs
@@ -229,7 +302,7 @@ def _attention_by_examples(query, key, value, attention_mask, scaling, keep_prob
     """
     b, h, t, _ = query.shape
     s = key.shape[-2]
-    probs = query.new_empty(b, h, t, s)
+    probs = query.new_empty(b, h, t, s) if buffers is None else buffers.take((b, h, t, s), query.dtype, query.device)
     out = value.new_empty(b, h, t, value.shape[-1])
     step = max(1, EXAMPLE_BLOCK_BYTES // max(1, h * t * s * query.element_size()))
     for b0 in range(0, b, step):
@@ -272,7 +345,7 @@ def _recording_attention(
     out, probs, values = _eager_attention(
         query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching),
         position_bias=kwargs.get("position_bias"), causal=bool(getattr(module, "is_causal", False)),
-        softcap=kwargs.get("softcap"),
+        softcap=kwargs.get("softcap"), buffers=getattr(watching[0], "buffers", None) if watching else None,
     )
     for recorder in watching:
         recorder.record_attention(module, probs, values, out if not (module.training and dropout > 0) else None)
@@ -458,6 +531,8 @@ class AttentionRecords:
     _attn_keys: Dict[int, Any]
     records: Dict[Any, Dict[str, Tensor]]
     keeps_context: bool = True
+    #: the recording attention's reusable buffers (:class:`ProbabilityBuffers`; None: fresh tensors)
+    buffers: Optional[ProbabilityBuffers] = None
 
     def watches(self, module: nn.Module) -> bool:
         return id(module) in self._attn_keys
@@ -1152,11 +1227,15 @@ def recorder_session(model: nn.Module, recorder: Any, install_hooks: Callable[[]
     _switch_on(model, configs)
     try:
         handles = install_hooks()
+        if getattr(recorder, "buffers", None) is None:
+            recorder.buffers = ProbabilityBuffers()
         stack.append(recorder)
         yield recorder
     finally:
         if recorder in stack:
             stack.remove(recorder)
+        if getattr(recorder, "buffers", None) is not None:
+            recorder.buffers.clear()  # the kept buffers go with the recording
         for h in handles:
             h.remove()
         _switch_off(model, configs)
