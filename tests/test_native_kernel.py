@@ -202,3 +202,50 @@ def test_kept_layer_probabilities_are_never_overwritten(monkeypatch):
     assert len(set(ptrs)) < len(ptrs)  # the streaming consumer drops each layer: its buffer is reused
     for s, layer in zip(sums, layers):
         torch.testing.assert_close(s, layer.probs.sum(), atol=1e-10, rtol=0)
+
+
+# --- DecompX's checkpoint pass: the model's own attention, no probabilities ------------------
+def test_plain_causal_mask_detection():
+    from captum_normattr.models.capture import _plain_causal
+
+    t = 6
+    neg = torch.finfo(torch.float64).min
+    causal = torch.zeros(2, 1, t, t, dtype=torch.float64).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), neg)
+    assert _plain_causal(causal)
+    padded = causal.clone()
+    padded[1, ..., :2] = neg  # a left-padded example
+    assert not _plain_causal(padded)
+    biased = causal.clone()
+    biased[0, 0, 3, 1] = -0.5  # an additive bias on a kept key (ALiBi-like)
+    assert not _plain_causal(biased)
+    assert _plain_causal(torch.ones(t, t, dtype=torch.bool).tril().expand(1, 1, t, t))
+    assert not _plain_causal(None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("left", [False, True])
+def test_decompx_checkpoint_pass_runs_the_models_attention(family, left, monkeypatch):
+    r"""The adjoint's first pass records no probabilities and runs the model's sdpa (no eager attention there);
+    the scores equal those of a first pass that records them, to 1e-12 (float64, padded batches)."""
+    import captum_normattr as cn
+    from captum_normattr.attr import base
+    from captum_normattr.models import capture
+    from decoder_models import decoder_batch, make_decoder
+
+    model = make_decoder(family)
+    ids, mask = decoder_batch([9, 6], seed=2, left=left)
+    attr = cn.DecompXAttribution(model)
+    eager_calls = []
+    real_eager = capture._eager_attention
+    monkeypatch.setattr(capture, "_eager_attention", lambda *a, **k: eager_calls.append(1) or real_eager(*a, **k))
+    got = attr.decompose(ids, target=5, additional_forward_args=(mask,))
+    n_layers = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer
+    assert len(eager_calls) == n_layers  # only the reruns of the walk down record probabilities
+    real_stream = base.streamed_forward
+    monkeypatch.setattr("captum_normattr.attr.decompx.streamed_forward",
+                        lambda *a, **k: real_stream(*a, **dict(k, probabilities=True)))
+    want = attr.decompose(ids, target=5, additional_forward_args=(mask,))
+    assert len(eager_calls) == 3 * n_layers  # this time the first pass recorded them too
+    scale = want.scores.abs().max()
+    assert ((got.scores - want.scores).abs().max() / scale) < 1e-12
+    assert got.delta.max() < 1e-10 * got.logits.abs().max()

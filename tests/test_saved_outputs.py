@@ -145,7 +145,10 @@ def tolerance(saved: torch.Tensor, name: str, spec: dict, scale: float) -> float
     r"""Allowed max |new - saved| of one floating tensor: RTOL x its magnitude (+ floor for residuals)."""
     rtol = RTOL_ILL_CONDITIONED if ill_conditioned(spec) else RTOL
     tol = rtol * (float(saved.abs().max()) if saved.numel() else 0.0)
-    if any(r in name.rsplit(".", 1)[-1] for r in RESIDUAL_NAMES):
+    if any(r in name.rsplit(".", 1)[-1] for r in RESIDUAL_NAMES) or ill_conditioned(spec):
+        # residuals, and the ill-conditioned calls' small results (BERT's scope=FF scores are 1.8e-4, rollouts of
+        # maps whose entries reach 1): their rounding is that of the call's largest values, not their own
+        # (measured on this CPU: 1.6e-14 = 72 eps of the call's scale, 4e5 eps of the scores' own 1.8e-4)
         tol += RESIDUAL_FLOOR * scale
     return tol
 

@@ -173,12 +173,14 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             l = layer.index
             if "maps" not in kept:
                 b, t, d = layer.hidden_in.shape
-                kept["maps"] = LayerMapStore(n_layers, layer.causal, dense=False)
+                # the rollout of layer l's update uses the maps below l: the top layer's map is never read
+                kept["maps"] = LayerMapStore(max(1, n_layers - 1), layer.causal, dense=False)
                 kept["updates"] = layer.hidden_in.new_zeros(b, n_layers, t, d)
                 kept["ff"] = layer.hidden_in.new_zeros(b, n_layers, d)
             if l == 0:
                 kept["embedding"] = layer.hidden_in[bidx, pos]
-            kept["maps"].put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
+            if l < n_layers - 1:  # not the top layer's (never read): 1/L of the ALTI work and of the stored maps
+                kept["maps"].put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
             # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
             kept["example_errors"].append(self.kind.example_completeness_error(layer, valid))
             layer = self.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)

@@ -252,6 +252,7 @@ def streamed_forward(
     top_model: bool = False,
     keep_calls: bool = False,
     guard: Optional[ConsistencyGuard] = None,
+    probabilities: bool = True,
 ) -> Iterator[Tuple[Recorder, Any]]:
     r"""Run one recorded forward pass, handing every layer to ``on_layer`` as it is produced.
 
@@ -265,6 +266,9 @@ def streamed_forward(
         keep_calls: allow :meth:`Recorder.rerun_layer` inside the block.
         guard: judges every layer's consistency checks before ``on_layer`` runs, and warns
             (once) when the block ends; None: a non-strict :class:`ConsistencyGuard`.
+        probabilities: False: the layers' attention runs the model's own implementation
+            (sdpa, ...) and the handed-over layers carry no probabilities (``probs=None``);
+            reruns (``keep_calls``) still record them (:func:`~captum_normattr.models.capture.recording`).
 
     A forward pass that changes a recorded tensor in place before any layer was handed over
     (:class:`~captum_normattr.models.capture.RecordedTensorModifiedError`) is run once more,
@@ -290,7 +294,8 @@ def streamed_forward(
         on_layer(layer)
 
     for attempt in range(2):
-        with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls) as rec:
+        with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls,
+                                        probabilities) as rec:
             try:
                 out = (model if top_model else base_model(model))(**prepared.forward_kwargs())
             except RecordedTensorModifiedError as e:

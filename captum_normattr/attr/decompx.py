@@ -451,7 +451,7 @@ class DecompXAttribution(DecompositionAttribution):
                 kept["pooled"] = layer.layer_out if mean else layer.layer_out[:, pos]  # the head's real input (rows)
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
-                             guard=ConsistencyGuard(self.get_name(), self.strict)) as (
+                             guard=ConsistencyGuard(self.get_name(), self.strict), probabilities=adj is None) as (
             rec,
             out,
         ):
@@ -533,7 +533,7 @@ class DecompXAttribution(DecompositionAttribution):
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
-                             guard=ConsistencyGuard(self.get_name(), self.strict)) as (
+                             guard=ConsistencyGuard(self.get_name(), self.strict), probabilities=adj is None) as (
             rec,
             out,
         ):
@@ -603,8 +603,10 @@ class DecompXAttribution(DecompositionAttribution):
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
 
         run, top_model, kept = self.output.guarded_forward(self.model, prepared, pos)
+        # the adjoint keeps only each layer's input (its checkpoint) from this pass and reruns the layers on the way
+        # down: no probabilities here, the model's own (sdpa) attention runs (docs/performance.md, "Long prompts")
         with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model, keep_calls=adj is not None,
-                             guard=ConsistencyGuard(self.get_name(), self.strict)) as (
+                             guard=ConsistencyGuard(self.get_name(), self.strict), probabilities=adj is None) as (
             rec,
             model_out,
         ):

@@ -572,7 +572,8 @@ def alti_logit_terms(
     Args:
         updates: (B, L, T, D) per layer, :func:`attention_update_at` (source position j).
         alti_maps: the ALTI maps of the layers (a
-            :class:`~captum_normattr.decompose.rollout.LayerMapStore`).
+            :class:`~captum_normattr.decompose.rollout.LayerMapStore`); only layers 0 to L - 2 are
+            read (the top layer's update is carried down by the maps below it).
         embedding: (B, D) the first layer's input x_{0,i} at the explained positions.
         ff_updates: (B, L, D) every layer's FF output at the explained positions.
         attention_biases: (L, D) every layer's attention output bias b_O (zeros if none).

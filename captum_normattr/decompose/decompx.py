@@ -1131,7 +1131,7 @@ def _norm_transpose(w: Tensor, real: Tensor, params: NormParams) -> Tensor:
 
 
 #: Query blocks of the causal transpose in :func:`_mix_transpose` (the blocks above the diagonal are skipped).
-CAUSAL_BLOCKS = 4
+CAUSAL_BLOCKS = 8
 
 
 def _mix_transpose(g_mixed: Tensor, probs: Tensor, kv_heads: int, causal: bool = False) -> Tensor:

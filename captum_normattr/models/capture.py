@@ -331,25 +331,71 @@ def _recording_attention(
     implementation (sdpa, flash, ...), so other threads are unaffected.
     """
     watching = [r for r in _active() if r.watches(module)]
-    if not watching:
-        entry = _SWITCHED.get(id(getattr(module, "config", None)))
-        original = entry[1] if entry is not None else None
-        if original not in (None, "eager", ATTENTION_NAME):
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-            fn = ALL_ATTENTION_FUNCTIONS.get(original) if hasattr(ALL_ATTENTION_FUNCTIONS, "get") else None
-            if fn is not None:
-                return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    needs_probs = any(r.record_probabilities for r in watching)
+    # nobody watches, or the watchers need no probabilities: the model's own attention, where it computes what the
+    # recording attention would (a soft-cap or a position bias that the model's sdpa ignores keeps the eager code,
+    # so that a pass without probabilities agrees with the reruns that record them)
+    same = not watching or (kwargs.get("softcap") is None and kwargs.get("position_bias") is None)
+    if not needs_probs and same:
+        fn = _original_attention(module)
+        if fn is not None:
+            if (getattr(module, "is_causal", False) and query.shape[2] == key.shape[2] and query.shape[2] > 1
+                    and kwargs.get("position_bias") is None and _plain_causal(attention_mask)):
+                attention_mask = None  # as the model's own mask function gives sdpa: its causal kernel skips the triangle
+            out, _ = fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            if watching:
+                groups = query.shape[1] // key.shape[1]
+                values = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+                for recorder in watching:
+                    recorder.record_attention(module, None, values, out if not (module.training and dropout > 0) else None)
+            return out, None
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("learned attention sinks (s_aux) are not supported by captum_normattr")
     out, probs, values = _eager_attention(
-        query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=bool(watching),
+        query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=needs_probs,
         position_bias=kwargs.get("position_bias"), causal=bool(getattr(module, "is_causal", False)),
         softcap=kwargs.get("softcap"), buffers=getattr(watching[0], "buffers", None) if watching else None,
     )
     for recorder in watching:
         recorder.record_attention(module, probs, values, out if not (module.training and dropout > 0) else None)
     return out, probs
+
+
+_PLAIN_CAUSAL: Dict[str, Any] = {"mask": None, "answer": False}
+
+
+def _plain_causal(mask: Optional[Tensor]) -> bool:
+    r"""Whether an attention mask (B, 1 or H, T, T) is exactly the causal mask of unpadded examples.
+
+    The recording switches the model's mask function to the eager one (a full additive mask);
+    where that mask says no more than causality, the model's own attention is called without
+    it, as the model itself would be (sdpa's causal path). The answer for the last mask seen
+    is kept (every layer of a pass gets the same mask tensor).
+    """
+    if mask is None or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    if _PLAIN_CAUSAL["mask"] is mask:
+        return _PLAIN_CAUSAL["answer"]
+    t = mask.shape[-1]
+    kept = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    want = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril_()
+    answer = bool((kept == want).all())
+    if answer and mask.dtype != torch.bool:
+        answer = bool((mask.masked_select(want.expand_as(mask)) == 0).all())  # no additive bias on the kept keys
+    _PLAIN_CAUSAL["mask"], _PLAIN_CAUSAL["answer"] = mask, answer
+    return answer
+
+
+def _original_attention(module: nn.Module) -> Optional[Callable]:
+    r"""The attention function the model was configured with (sdpa, flash, ...) before the recording, or None
+    (eager, or not known to transformers): the one a module runs where nobody needs its probabilities."""
+    entry = _SWITCHED.get(id(getattr(module, "config", None)))
+    original = entry[1] if entry is not None else None
+    if original in (None, "eager", ATTENTION_NAME):
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get(original) if hasattr(ALL_ATTENTION_FUNCTIONS, "get") else None
 
 
 def _register() -> None:
@@ -533,6 +579,9 @@ class AttentionRecords:
     keeps_context: bool = True
     #: the recording attention's reusable buffers (:class:`ProbabilityBuffers`; None: fresh tensors)
     buffers: Optional[ProbabilityBuffers] = None
+    #: False: the watched modules run the model's own attention (sdpa, ...) and record no probabilities
+    #: (values and context only); a rerun of a layer (:meth:`Recorder.rerun_layer`) records them
+    record_probabilities: bool = True
 
     def watches(self, module: nn.Module) -> bool:
         return id(module) in self._attn_keys
@@ -540,12 +589,15 @@ class AttentionRecords:
     def _mine(self) -> bool:
         return self in _active()
 
-    def record_attention(self, module: nn.Module, probs: Tensor, values: Tensor, context: Optional[Tensor] = None) -> None:
-        r"""Keep a watched module's probabilities, values and (if kept and given) attention context (B, T, H, Dh)."""
+    def record_attention(self, module: nn.Module, probs: Optional[Tensor], values: Tensor,
+                         context: Optional[Tensor] = None) -> None:
+        r"""Keep a watched module's probabilities (None: not recorded, :attr:`record_probabilities`), values and
+        (if kept and given) attention context (B, T, H, Dh)."""
         key = self._attn_keys.get(id(module))
         if key is not None:
             rec = self.records.setdefault(key, {})
-            rec["probs"] = probs.detach()
+            if probs is not None:
+                rec["probs"] = probs.detach()
             rec["values"] = values.detach()
             if context is not None and self.keeps_context:
                 rec["context"] = context.detach()
@@ -904,7 +956,8 @@ class Recorder(AttentionRecords):
 
     def _finish_layer(self, idx: int) -> None:
         rec = self.records.pop(idx, {})
-        missing = [k for k in _RECORD_KEYS + _TOPOLOGY_KEYS.get(self.adapter.topology, ()) if k not in rec]
+        missing = [k for k in _RECORD_KEYS + _TOPOLOGY_KEYS.get(self.adapter.topology, ()) if k not in rec
+                   and not (k == "probs" and not self.record_probabilities)]
         if missing:
             raise RuntimeError(
                 f"layer {idx}: the forward pass recorded no {missing}; the model's structure does not match the "
@@ -969,7 +1022,7 @@ class Recorder(AttentionRecords):
         """
         a, dtype = self.adapter, self.dtype
         layer = self.layers[idx]
-        device = rec["probs"].device
+        device = (rec["probs"] if rec.get("probs") is not None else rec["values"]).device
         cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
         b, t_len = rec["hidden_in"].shape[:2]
 
@@ -1005,7 +1058,7 @@ class Recorder(AttentionRecords):
             ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
         tensors = LayerTensors(
             hidden_in=cast(rec["hidden_in"]),
-            probs=cast(rec["probs"]),
+            probs=cast(rec.get("probs")),
             values=cast(rec["values"]),
             context=cast(rec.get("context")),
             out_weight=cast(w_o),
@@ -1072,9 +1125,10 @@ class Recorder(AttentionRecords):
             raise RuntimeError(f"layer {idx} cannot be recomputed: its call was not recorded (keep_calls=True)")
         rest, kw, from_args = self.calls[idx]
         got: List[LayerTensors] = []
-        saved = self.on_layer
+        saved, saved_probs = self.on_layer, self.record_probabilities
         self.on_layer = got.append
         self._rerunning = True
+        self.record_probabilities = True  # the rerun is what needs them
         try:
             x = hidden_in.to(next(self.layers[idx].parameters()).dtype)
             if from_args:
@@ -1082,7 +1136,7 @@ class Recorder(AttentionRecords):
             else:
                 self.layers[idx](*rest, hidden_states=x, **kw)
         finally:
-            self.on_layer = saved
+            self.on_layer, self.record_probabilities = saved, saved_probs
             self._rerunning = False
         return got[0]
 
@@ -1162,6 +1216,7 @@ def recording(
     on_layer: Callable[[LayerTensors], None],
     dtype: torch.dtype = torch.float32,
     keep_calls: bool = False,
+    probabilities: bool = True,
 ) -> Iterator[Recorder]:
     r"""Record the forward passes run inside the block, handing each layer to ``on_layer``.
 
@@ -1176,6 +1231,10 @@ def recording(
         on_layer: callback receiving each layer's :class:`LayerTensors` in the compute dtype.
         dtype: the compute dtype.
         keep_calls: allow :meth:`Recorder.rerun_layer`.
+        probabilities: False: the attention modules run the model's own attention function
+            (sdpa, ...; the eager recording attention where the model was configured eager) and
+            the handed-over layers have ``probs=None``; :meth:`Recorder.rerun_layer` still
+            records them. For passes that keep only checkpoints (the DecompX adjoint).
 
     Yields:
         The :class:`Recorder`.
@@ -1187,6 +1246,7 @@ def recording(
         ...     model(input_ids=ids, attention_mask=mask)
     """
     recorder = Recorder(model, adapter, dtype, on_layer, keep_calls)
+    recorder.record_probabilities = probabilities
     with recorder_session(model, recorder, recorder._hooks):
         try:
             yield recorder
