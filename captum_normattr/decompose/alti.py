@@ -198,7 +198,7 @@ def alti_map(
         out.mul_((valid.unsqueeze(-1) & cols.unsqueeze(-2)).to(out.dtype))
     if causal:
         out.tril_()
-    return row_normalize(out)
+    return row_normalize(out, inplace=True)  # ``out`` is this function's own (dist): no second (B, Q, K) map
 
 
 def _native_kernel(probs: Tensor, projected: Tensor) -> Optional[Callable]:

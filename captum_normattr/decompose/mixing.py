@@ -40,18 +40,21 @@ def pair_mask(valid: Tensor, dtype: torch.dtype, causal: bool = False) -> Tensor
     return m.to(dtype)
 
 
-def row_normalize(maps: Tensor) -> Tensor:
+def row_normalize(maps: Tensor, inplace: bool = False) -> Tensor:
     r"""Divide every row by its sum (rows summing to 0 stay 0).
 
     Args:
         maps: (..., T, T).
+        inplace: divide ``maps`` itself (the same numbers; no second T x T tensor, for a caller
+            that owns ``maps``).
 
     Returns:
         Same shape, rows summing to 1 where they were non-zero.
     """
     sums = maps.sum(-1, keepdim=True)
     positive = sums > 0
-    out = maps / torch.where(positive, sums, torch.ones_like(sums))
+    divisor = torch.where(positive, sums, torch.ones_like(sums))
+    out = maps.div_(divisor) if inplace else maps / divisor
     return out.masked_fill_(~positive, 0.0)
 
 
