@@ -493,6 +493,9 @@ def report(results: Sequence[Dict]) -> str:
                              [m for m in t["methods"] if m.startswith("IG-")])
             if paired:
                 out.append("\nPaired differences of deletion AOPC (no sink), same items, mean ± s.e.: " + "; ".join(paired) + ".")
+                out.append("Medians (the per-item AOPC is relative to |d|, heavy-tailed where d is small): "
+                           + _medians_and_wins(t, "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
+                                               [m for m in t["methods"] if m.startswith("IG-")] + ["Random"]) + ".")
         for label, rows in res.get("exactness", {}).items():
             out.append(f"\n#### Exactness, float64, {label}\n")
             out.append("| method | median relative error | max | prompts |\n|---|---:|---:|---:|")
@@ -512,6 +515,21 @@ def _paired(t: Dict, metric: str, ours: Sequence[str], refs: Sequence[str]) -> L
                 diff = [x - y for x, y in zip(per[a][metric], per[b][metric])]
                 out.append(f"{a} − {b} = {_fmt(mean_se(diff))}")
     return out
+
+
+def _median(v: Sequence[float]) -> float:
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def _medians_and_wins(t: Dict, metric: str, ours: Sequence[str], refs: Sequence[str]) -> str:
+    r"""Per-method medians of a per-item metric, and on how many items each of ``ours`` is above each reference."""
+    per = t["per_item"]
+    meds = ", ".join(f"{m} {_median(per[m][metric]):.3f}" for m in [*ours, *refs] if metric in per.get(m, {}))
+    wins = "; ".join(f"{a} > {b} on {sum(x > y for x, y in zip(per[a][metric], per[b][metric]))} of {len(per[a][metric])} items"
+                     for a in ours for b in refs if metric in per.get(a, {}) and metric in per.get(b, {}))
+    return f"{meds}; {wins}"
 
 
 def _write(path: str, result: Dict) -> None:

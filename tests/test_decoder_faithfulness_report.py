@@ -34,3 +34,11 @@ def test_report_states_the_cost_subsample():
     text = df.report([res])
     assert "#### sva: 4 items (of 8 right among 9 candidates)" in text
     assert "× forward measured on 1 of the 4 items (every 5th, from the first)." in text
+
+
+def test_medians_and_wins():
+    t = {"per_item": {"ALTI-Logit": {"d": [1.0, 5.0, 2.0]}, "IG-16": {"d": [2.0, 1.0, 0.0, ]}, "Random": {"d": [0.0, 0.0, 9.0, 1.0][:3]}}}
+    text = df._medians_and_wins(t, "d", ["ALTI-Logit"], ["IG-16", "Random"])
+    assert text == ("ALTI-Logit 2.000, IG-16 1.000, Random 0.000; ALTI-Logit > IG-16 on 2 of 3 items; "
+                    "ALTI-Logit > Random on 2 of 3 items")
+    assert df._median([4.0, 1.0, 3.0, 2.0]) == 2.5
