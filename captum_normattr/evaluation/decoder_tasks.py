@@ -325,7 +325,7 @@ def make_task(name: str, tokenizer, n: int, seed: int = 0) -> List[TaskItem]:
     Args:
         name: ``"sva"``, ``"ioi"``, ``"facts"`` or ``"induction"``.
         tokenizer: a fast tokenizer.
-        n: number of candidates drawn (``facts`` has at most ``len(_fact_pool())`` distinct ones:
+        n: number of candidates drawn (``facts`` has at most 854 distinct ones:
             capitals, landmarks' cities, official languages and cities' countries).
         seed: the templates' random seed.
 
