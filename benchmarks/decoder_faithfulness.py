@@ -2,8 +2,9 @@ r"""Decoder faithfulness and plausibility on a real LM (SmolLM2-135M-Instruct), 
 
 Tasks with known evidence (captum_normattr.evaluation.decoder_tasks): subject-verb agreement
 with attractors (evidence: the subject), indirect-object identification (the indirect object;
-the repeated subject name is reported as ``alt``), factual recall (the subject entity; the foil
-is the model's strongest other city) and long-range induction (the earlier occurrence of the
+the repeated subject name is reported as ``alt``), factual recall (the subject entity; capitals,
+landmarks' cities, official languages, cities' countries; the foil is the model's strongest other
+answer of the same kind) and long-range induction (the earlier occurrence of the
 token to copy). Only items the model gets right (logit(target) > logit(foil)) are kept.
 
 Every method explains d = logit(target) - logit(foil) at the last position:
@@ -21,8 +22,14 @@ with ``exclude_sink=True`` (position 0 never ranked nor removed; scores unchange
 top-1 and MRR; deletion AOPC = mean over k in ``--ks`` of (d - d_without_top_k) / |d| with the
 top-k tokens deleted from the prompt; insertion AOPC = mean over k of d_only_top_k / |d|;
 ``sink_share`` = position 0's share of the absolute score mass; cost = time of the method /
-time of one forward of the same prompt, in the same process. The explained (last) token is
-never ranked nor removed.
+time of one forward of the same prompt (median of 3), in the same process, on every
+``--cost-every``-th item of a task (items 0, n, 2n, ...; the other metrics on every item). The
+explained (last) token is never ranked nor removed.
+
+The tasks are evaluated round-robin, one item of each per round, so a run stopped by
+``--total-seconds`` (or killed) leaves balanced counts; the JSON (``--out``) is rewritten every
+``--save-every`` rounds with the summaries, the evaluated items and per-item values of the main
+metrics (``PER_ITEM``; ``--report`` prints paired differences from them).
 
 Exactness (``--exact-prompts``, float64 weights, the Llama RMSNorms swapped for the exact
 ``torch.nn.RMSNorm``, and ALTI-Logit / DecompX also on the unmodified modules): completeness
@@ -31,12 +38,15 @@ Exactness (``--exact-prompts``, float64 weights, the Llama RMSNorms swapped for 
 Usage::
 
     python benchmarks/decoder_faithfulness.py --max-items 120 --out benchmarks/results/decoder_faithfulness.json
+    python benchmarks/decoder_faithfulness.py --max-items 260 --exact-prompts 0 --seed 2 --cost-every 5 \
+        --total-seconds 4800 --out benchmarks/results/decoder_faithfulness_seed2.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import sys
@@ -48,7 +58,8 @@ from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, Sa
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution, load_default_model
 from captum_normattr.decompose.rollout import rollout
-from captum_normattr.evaluation.decoder_tasks import TaskItem, evidence_ranks, make_task, removal_sequences, sink_share
+from captum_normattr.evaluation.decoder_tasks import (TaskItem, evidence_ranks, fact_answer_tokens, make_task, removal_sequences,
+                                                      sink_share)
 
 TASK_NAMES = ["sva", "ioi", "facts", "induction"]
 
@@ -71,9 +82,9 @@ def last_logits(model, ids_list: Sequence[Sequence[int]], chunk: int = 24) -> to
         for r, b in enumerate(part):
             ids[r, : len(ids_list[b])] = torch.tensor(ids_list[b])
             mask[r, : len(ids_list[b])] = 1
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        lg = logits[torch.arange(len(part)), mask.sum(1) - 1]
+        with torch.no_grad():  # the LM head on the last real position only (the same numbers, less work)
+            hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            lg = model.get_output_embeddings()(hidden[torch.arange(len(part)), mask.sum(1) - 1])
         if out is None:
             out = lg.new_empty(len(ids_list), lg.shape[-1])
         out[part] = lg
@@ -161,14 +172,16 @@ class Methods:
         raise ValueError(name)
 
 
-def keep_correct(model, items: List[TaskItem], task: str) -> List[TaskItem]:
-    r"""Items with logit(target) > logit(foil); for ``facts`` the foil becomes the model's strongest other city."""
+def keep_correct(model, items: List[TaskItem], task: str, tokenizer=None) -> List[TaskItem]:
+    r"""Items with logit(target) > logit(foil); for ``facts`` (``tokenizer`` given) the foil becomes the model's
+    strongest other answer of the same kind (``meta["group"]``: a city for capitals and landmarks, a
+    language, a country) among all the generator's answers (``fact_answer_tokens``)."""
     kept = []
-    cities = sorted({it.target for it in items})
+    groups = fact_answer_tokens(tokenizer) if task == "facts" else {}
     all_logits = last_logits(model, [it.input_ids for it in items])
     for it, lg in zip(items, all_logits):
         if task == "facts":
-            others = [c for c in cities if c != it.target]
+            others = [c for c in groups[it.meta.get("group", "city")] if c != it.target]
             it.foil = others[int(torch.argmax(lg[others]))]
         if lg[it.target] > lg[it.foil]:
             kept.append(it)
@@ -186,49 +199,83 @@ def forward_time(model, item: TaskItem, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def evaluate_task(model, methods: Methods, items: List[TaskItem], ks: Sequence[int], log, seconds: float = float("inf")) -> Dict:
-    per: Dict[str, Dict[str, List[float]]] = {m: {} for m in methods.names()}
+PER_ITEM = ["top1_no_sink", "deletion_aopc_no_sink", "deletion_aopc_with_sink", "insertion_aopc_no_sink", "cost_forwards"]
+
+
+def evaluate_item(model, methods: Methods, it: TaskItem, ks: Sequence[int], seed: int, time_cost: bool = True
+                  ) -> Dict[str, Dict[str, float]]:
+    r"""Every method's metrics on one item: ``{method: {metric: value}}``.
+
+    The cost (method time / median of 3 forwards of the prompt) only when ``time_cost``; every
+    perturbed prompt of every method, deduplicated, and the full prompt go through one batch.
+    """
+    t_fwd = forward_time(model, it) if time_cost else None
+    rows = {}
+    for name in methods.names():
+        t0 = time.perf_counter()
+        scores = methods.run(name, it, seed=seed).detach().double()
+        rows[name] = (scores, (time.perf_counter() - t0) / t_fwd if time_cost else None)
+    prompts: Dict[tuple, int] = {tuple(it.input_ids): 0}
+    plan = {}
+    for name, (scores, _) in rows.items():
+        for ex in (False, True):
+            dele, ins = removal_sequences(it.input_ids, scores, ks, exclude_sink=ex)
+            plan[(name, ex)] = ([prompts.setdefault(tuple(p), len(prompts)) for p in dele],
+                                [prompts.setdefault(tuple(p), len(prompts)) for p in ins])
+    d = last_logit_diff(model, list(prompts), it.target, it.foil).tolist()
+    d_full = d[0]
+    out: Dict[str, Dict[str, float]] = {}
+    for name, (scores, cost) in rows.items():
+        rec = out[name] = {}
+        if cost is not None:
+            rec["cost_forwards"] = cost
+        rec["sink_share"] = sink_share(scores)
+        for ex in (False, True):
+            tag = "no_sink" if ex else "with_sink"
+            r = evidence_ranks(scores, it.evidence, exclude_sink=ex)
+            rec[f"top1_{tag}"] = float(r == 1)
+            rec[f"mrr_{tag}"] = 1.0 / r if r else 0.0
+            if it.alt_evidence:
+                ra = evidence_ranks(scores, it.alt_evidence, exclude_sink=ex)
+                rec[f"alt_top1_{tag}"] = float(ra == 1)
+                rec[f"alt_mrr_{tag}"] = 1.0 / ra if ra else 0.0
+            dele, ins = plan[(name, ex)]
+            rec[f"deletion_aopc_{tag}"] = sum((d_full - d[j]) / abs(d_full) for j in dele) / len(dele)
+            rec[f"insertion_aopc_{tag}"] = sum(d[j] / abs(d_full) for j in ins) / len(ins)
+    return out
+
+
+class TaskState:
+    r"""One task's kept items and the per-item metric values gathered so far."""
+
+    def __init__(self, name: str, candidates: int, kept: List[TaskItem]):
+        self.name, self.candidates, self.correct = name, candidates, len(kept)
+        self.items = kept
+        self.done = 0
+        self.seconds = 0.0
+        self.values: Dict[str, Dict[str, List[float]]] = {}
+
+    def add(self, res: Dict[str, Dict[str, float]]) -> None:
+        for m, rec in res.items():
+            for k, v in rec.items():
+                self.values.setdefault(m, {}).setdefault(k, []).append(v)
+        self.done += 1
+
+    def summary(self) -> Dict[str, Dict[str, Dict[str, float]]]:
+        return {m: {k: mean_se(v) for k, v in rec.items()} for m, rec in self.values.items()}
+
+
+def evaluate_task(model, methods: Methods, items: List[TaskItem], ks: Sequence[int], log, seconds: float = float("inf"),
+                  cost_every: int = 1) -> Dict:
+    r"""One task alone (the cost on every ``cost_every``-th item); returns the per-method summaries."""
+    st = TaskState("task", len(items), items)
     t_task = time.time()
     for n_item, it in enumerate(items):
         if time.time() - t_task > seconds:
             log(f"    time budget reached after {n_item} items")
             break
-        t_fwd = forward_time(model, it)
-        d_full = float(last_logit_diff(model, [it.input_ids], it.target, it.foil)[0])
-        rows = {}
-        for name in methods.names():
-            t0 = time.perf_counter()
-            scores = methods.run(name, it, seed=n_item).detach().double()
-            rows[name] = (scores, (time.perf_counter() - t0) / t_fwd)
-        # every perturbed prompt of every method, deduplicated, in one batch
-        prompts: Dict[tuple, int] = {}
-        plan = {}
-        for name, (scores, _) in rows.items():
-            for ex in (False, True):
-                dele, ins = removal_sequences(it.input_ids, scores, ks, exclude_sink=ex)
-                plan[(name, ex)] = ([prompts.setdefault(tuple(p), len(prompts)) for p in dele],
-                                    [prompts.setdefault(tuple(p), len(prompts)) for p in ins])
-        d = last_logit_diff(model, list(prompts), it.target, it.foil).tolist()
-        for name, (scores, cost) in rows.items():
-            rec = per[name]
-            rec.setdefault("cost_forwards", []).append(cost)
-            rec.setdefault("sink_share", []).append(sink_share(scores))
-            for ex in (False, True):
-                tag = "no_sink" if ex else "with_sink"
-                r = evidence_ranks(scores, it.evidence, exclude_sink=ex)
-                rec.setdefault(f"top1_{tag}", []).append(float(r == 1))
-                rec.setdefault(f"mrr_{tag}", []).append(1.0 / r if r else 0.0)
-                if it.alt_evidence:
-                    ra = evidence_ranks(scores, it.alt_evidence, exclude_sink=ex)
-                    rec.setdefault(f"alt_top1_{tag}", []).append(float(ra == 1))
-                    rec.setdefault(f"alt_mrr_{tag}", []).append(1.0 / ra if ra else 0.0)
-                dele, ins = plan[(name, ex)]
-                rec.setdefault(f"deletion_aopc_{tag}", []).append(
-                    sum((d_full - d[j]) / abs(d_full) for j in dele) / len(dele))
-                rec.setdefault(f"insertion_aopc_{tag}", []).append(sum(d[j] / abs(d_full) for j in ins) / len(ins))
-        if (n_item + 1) % 10 == 0:
-            log(f"    {n_item + 1}/{len(items)} items")
-    return {m: {k: mean_se(v) for k, v in rec.items()} for m, rec in per.items()}
+        st.add(evaluate_item(model, methods, it, ks, seed=n_item, time_cost=n_item % cost_every == 0))
+    return st.summary()
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -303,7 +350,13 @@ def main(argv=None) -> int:
     p.add_argument("--ig-steps", type=int, nargs="+", default=[8, 16])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="tokens removed / kept for deletion and insertion")
     p.add_argument("--exact-prompts", type=int, default=50, help="float64 completeness prompts (0: skip)")
-    p.add_argument("--task-seconds", type=float, default=float("inf"), help="stop a task's evaluation after this many seconds")
+    p.add_argument("--task-seconds", type=float, default=float("inf"),
+                   help="stop a task once its items took this many seconds in all")
+    p.add_argument("--total-seconds", type=float, default=float("inf"),
+                   help="stop the evaluation (all tasks, interleaved item by item) after this many seconds")
+    p.add_argument("--cost-every", type=int, default=1,
+                   help="time the cost (x forward) on every n-th item of a task only (items 0, n, 2n, ...)")
+    p.add_argument("--save-every", type=int, default=5, help="write the JSON every this many rounds")
     p.add_argument("--exact-all-methods", type=int, default=10, help="of the exactness prompts, how many also run IG / IxG / FeatureAblation")
     p.add_argument("--exact-seconds", type=float, default=float("inf"), help="time budget of the exactness part")
     p.add_argument("--seed", type=int, default=0)
@@ -327,23 +380,60 @@ def main(argv=None) -> int:
               "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
               "processor": platform.processor(), "args": vars(args), "tasks": {}}
     all_kept: List[TaskItem] = []
+    states: List[TaskState] = []
     for task in args.tasks:
         cand = make_task(task, tok, args.candidates or 2 * args.max_items, seed=args.seed)
-        kept = keep_correct(model, cand, task)
+        kept = keep_correct(model, cand, task, tok)
         n_correct = len(kept)
         kept = kept[: args.max_items]
         all_kept.extend(kept)
-        log(f"{task}: {n_correct}/{len(cand)} candidates right; evaluating {len(kept)}")
-        res = evaluate_task(model, methods, kept, args.ks, log, args.task_seconds)
-        n_eval = res["Random"].get("cost_forwards", {"n": 0})["n"]
-        result["tasks"][task] = {"candidates": len(cand), "correct": n_correct, "evaluated": n_eval,
-                                 "example": {"text": kept[0].text, "target": tok.decode([kept[0].target]),
-                                             "foil": tok.decode([kept[0].foil]),
-                                             "evidence": [tok.decode([kept[0].input_ids[e]]) for e in kept[0].evidence]},
-                                 "methods": res}
-        print(table(task, res), flush=True)
+        states.append(TaskState(task, len(cand), kept))
+        states[-1].correct = n_correct
+        log(f"{task}: {n_correct}/{len(cand)} candidates right; evaluating up to {len(kept)}")
+    result["cost_every"] = args.cost_every
+
+    def snapshot(final: bool = False) -> None:
+        for st in states:
+            if not st.done:
+                continue
+            ex = st.items[0]
+            result["tasks"][st.name] = {
+                "candidates": st.candidates, "correct": st.correct, "evaluated": st.done,
+                "example": {"text": ex.text, "target": tok.decode([ex.target]), "foil": tok.decode([ex.foil]),
+                            "evidence": [tok.decode([ex.input_ids[e]]) for e in ex.evidence]},
+                "methods": st.summary(),
+                "items": [{"text": it.text, "target": tok.decode([it.target]), "foil": tok.decode([it.foil]),
+                           **({"relation": it.meta["relation"]} if "relation" in it.meta else {})}
+                          for it in st.items[: st.done]],
+                "per_item": {m: {k: [round(x, 6) for x in v] for k, v in rec.items() if k in PER_ITEM}
+                             for m, rec in st.values.items()},
+            }
+        result["wall_s"] = time.time() - t_start
+        result["complete"] = final
         if args.out:
             _write(args.out, result)
+
+    # round-robin: one item of every unfinished task per round, so a stop leaves balanced counts
+    t_eval = time.time()
+    n_round = 0
+    while any(st.done < len(st.items) and st.seconds <= args.task_seconds for st in states):
+        if time.time() - t_eval > args.total_seconds:
+            log(f"total time budget reached after {n_round} rounds")
+            break
+        for st in states:
+            if st.done < len(st.items) and st.seconds <= args.task_seconds:
+                n = st.done
+                t0 = time.time()
+                st.add(evaluate_item(model, methods, st.items[n], args.ks, seed=n, time_cost=n % args.cost_every == 0))
+                st.seconds += time.time() - t0
+        n_round += 1
+        if n_round % args.save_every == 0:
+            snapshot()
+            log("round %d: %s" % (n_round, ", ".join(f"{st.name} {st.done}" for st in states)))
+    snapshot()
+    for st in states:
+        if st.done:
+            print(table(st.name, st.summary()), flush=True)
     if args.exact_prompts:
         rng = random.Random(args.seed)
         pool = [it for it in all_kept if it.task in ("sva", "facts")] or all_kept  # short prompts: float64 is slow
@@ -354,10 +444,8 @@ def main(argv=None) -> int:
             print(f"\nexactness, float64, {label}")
             for k, v in rows.items():
                 print(f"  {k:34s} median {v['median']:.2e}  max {v['max']:.2e}  (n={v['n']})")
-    result["wall_s"] = time.time() - t_start
     log("done")
-    if args.out:
-        _write(args.out, result)
+    snapshot(final=True)
     return 0
 
 
@@ -397,6 +485,17 @@ def report(results: Sequence[Dict]) -> str:
             out.append("|---|" + "---:|" * len(cols_t))
             for m, r in t["methods"].items():
                 out.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "—" for c, _ in cols_t) + " |")
+            n_cost = t["methods"].get("Random", {}).get("cost_forwards", {"n": 0})["n"]
+            if n_cost != t["evaluated"]:
+                out.append(f"\n× forward measured on {n_cost} of the {t['evaluated']} items "
+                           f"(every {res.get('cost_every', 1)}th, from the first).")
+            paired = _paired(t, "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
+                             [m for m in t["methods"] if m.startswith("IG-")])
+            if paired:
+                out.append("\nPaired differences of deletion AOPC (no sink), same items, mean ± s.e.: " + "; ".join(paired) + ".")
+                out.append("Medians (the per-item AOPC is relative to |d|, heavy-tailed where d is small): "
+                           + _medians_and_wins(t, "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
+                                               [m for m in t["methods"] if m.startswith("IG-")] + ["Random"]) + ".")
         for label, rows in res.get("exactness", {}).items():
             out.append(f"\n#### Exactness, float64, {label}\n")
             out.append("| method | median relative error | max | prompts |\n|---|---:|---:|---:|")
@@ -406,9 +505,38 @@ def report(results: Sequence[Dict]) -> str:
     return "\n".join(out)
 
 
+def _paired(t: Dict, metric: str, ours: Sequence[str], refs: Sequence[str]) -> List[str]:
+    r"""``"A − B = mean ± se"`` over the items, from the per-item values (empty for older JSON files)."""
+    per = t.get("per_item", {})
+    out = []
+    for a in ours:
+        for b in refs:
+            if metric in per.get(a, {}) and metric in per.get(b, {}):
+                diff = [x - y for x, y in zip(per[a][metric], per[b][metric])]
+                out.append(f"{a} − {b} = {_fmt(mean_se(diff))}")
+    return out
+
+
+def _median(v: Sequence[float]) -> float:
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def _medians_and_wins(t: Dict, metric: str, ours: Sequence[str], refs: Sequence[str]) -> str:
+    r"""Per-method medians of a per-item metric, and on how many items each of ``ours`` is above each reference."""
+    per = t["per_item"]
+    meds = ", ".join(f"{m} {_median(per[m][metric]):.3f}" for m in [*ours, *refs] if metric in per.get(m, {}))
+    wins = "; ".join(f"{a} > {b} on {sum(x > y for x, y in zip(per[a][metric], per[b][metric]))} of {len(per[a][metric])} items"
+                     for a in ours for b in refs if metric in per.get(a, {}) and metric in per.get(b, {}))
+    return f"{meds}; {wins}"
+
+
 def _write(path: str, result: Dict) -> None:
-    with open(path, "w") as fh:
-        json.dump(result, fh, indent=1)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:  # compact: the per-item lists are long
+        json.dump(result, fh, separators=(",", ":"))
+    os.replace(tmp, path)  # a reader never sees a half-written file
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ __all__ = [
     "TASKS",
     "build_item",
     "make_task",
+    "fact_answer_tokens",
     "candidate_mask",
     "evidence_ranks",
     "sink_share",
@@ -145,6 +146,21 @@ _PLACES_FACTS = [
     ("Serbia", "Belgrade"), ("Croatia", "Zagreb"), ("Scotland", "Edinburgh"), ("Iceland", "Reykjavik"),
     ("Colombia", "Bogota"), ("Ethiopia", "Addis Ababa"), ("Israel", "Jerusalem"), ("Malaysia", "Kuala Lumpur"),
 ]
+_MORE_CAPITALS = [
+    ("Mexico", "Mexico City"), ("Brazil", "Brasilia"), ("Qatar", "Doha"), ("Jordan", "Amman"), ("Tunisia", "Tunis"),
+    ("Algeria", "Algiers"), ("Ghana", "Accra"), ("Senegal", "Dakar"), ("Uganda", "Kampala"), ("Zimbabwe", "Harare"),
+    ("Jamaica", "Kingston"), ("Ecuador", "Quito"), ("Uruguay", "Montevideo"), ("Paraguay", "Asuncion"),
+    ("New Zealand", "Wellington"), ("Mongolia", "Ulaanbaatar"), ("Sri Lanka", "Colombo"), ("Taiwan", "Taipei"),
+    ("North Korea", "Pyongyang"), ("Georgia", "Tbilisi"), ("Armenia", "Yerevan"), ("Azerbaijan", "Baku"),
+    ("Uzbekistan", "Tashkent"), ("Belarus", "Minsk"), ("Lithuania", "Vilnius"), ("Latvia", "Riga"),
+    ("Estonia", "Tallinn"), ("Slovakia", "Bratislava"), ("Slovenia", "Ljubljana"), ("Albania", "Tirana"),
+    ("Cyprus", "Nicosia"), ("Malta", "Valletta"), ("Libya", "Tripoli"), ("Sudan", "Khartoum"), ("Wales", "Cardiff"),
+    ("Oman", "Muscat"), ("Cambodia", "Phnom Penh"), ("Laos", "Vientiane"), ("Zambia", "Lusaka"),
+    ("Somalia", "Mogadishu"), ("Rwanda", "Kigali"), ("Angola", "Luanda"), ("Mozambique", "Maputo"),
+    ("Madagascar", "Antananarivo"), ("Haiti", "Port-au-Prince"), ("Costa Rica", "San Jose"), ("Nicaragua", "Managua"),
+    ("Honduras", "Tegucigalpa"), ("the United States", "Washington"), ("Bolivia", "La Paz"), ("Yemen", "Sanaa"),
+    ("Kazakhstan", "Astana"), ("Tanzania", "Dodoma"), ("South Africa", "Pretoria"), ("Myanmar", "Naypyidaw"),
+]
 _FACT_TEMPLATES = [("The capital of", "is"), ("The capital city of", "is"), ("The capital of", "is the city of"),
                    ("In", ", the capital city is")]
 _LANDMARKS = [("Eiffel Tower", "Paris"), ("Colosseum", "Rome"), ("Big Ben", "London"), ("Brandenburg Gate", "Berlin"),
@@ -152,6 +168,45 @@ _LANDMARKS = [("Eiffel Tower", "Paris"), ("Colosseum", "Rome"), ("Big Ben", "Lon
               ("Sagrada Familia", "Barcelona"), ("Statue of Liberty", "New York"), ("Golden Gate Bridge", "San Francisco"),
               ("Tower of London", "London"), ("Louvre", "Paris"), ("Vatican", "Rome"), ("Prado Museum", "Madrid")]
 _LANDMARK_TEMPLATES = [("The", "is located in the city of"), ("Tourists visit the", "in the city of")]
+_LANGUAGES = [
+    ("France", "French"), ("Germany", "German"), ("Italy", "Italian"), ("Spain", "Spanish"), ("Portugal", "Portuguese"),
+    ("Brazil", "Portuguese"), ("Mexico", "Spanish"), ("Argentina", "Spanish"), ("Japan", "Japanese"),
+    ("China", "Chinese"), ("Russia", "Russian"), ("Greece", "Greek"), ("Turkey", "Turkish"), ("Poland", "Polish"),
+    ("Sweden", "Swedish"), ("Norway", "Norwegian"), ("Denmark", "Danish"), ("Finland", "Finnish"),
+    ("the Netherlands", "Dutch"), ("Hungary", "Hungarian"), ("Egypt", "Arabic"), ("Saudi Arabia", "Arabic"),
+    ("Iran", "Persian"), ("South Korea", "Korean"), ("Vietnam", "Vietnamese"), ("Thailand", "Thai"),
+    ("Indonesia", "Indonesian"), ("Israel", "Hebrew"), ("Ukraine", "Ukrainian"), ("Romania", "Romanian"),
+    ("the Czech Republic", "Czech"), ("Bulgaria", "Bulgarian"), ("Serbia", "Serbian"), ("Croatia", "Croatian"),
+    ("Iceland", "Icelandic"), ("Chile", "Spanish"), ("Colombia", "Spanish"), ("Peru", "Spanish"), ("Cuba", "Spanish"),
+    ("Austria", "German"), ("England", "English"), ("Australia", "English"), ("the United States", "English"),
+    ("Pakistan", "Urdu"), ("Bangladesh", "Bengali"), ("Mongolia", "Mongolian"), ("Lithuania", "Lithuanian"),
+    ("Latvia", "Latvian"), ("Estonia", "Estonian"), ("Slovakia", "Slovak"), ("Albania", "Albanian"),
+    ("Georgia", "Georgian"), ("Armenia", "Armenian"), ("Malaysia", "Malay"), ("Morocco", "Arabic"),
+    ("Venezuela", "Spanish"), ("Iraq", "Arabic"), ("Syria", "Arabic"), ("Canada", "English"), ("Ethiopia", "Amharic"),
+]
+_LANGUAGE_TEMPLATES = [("The official language of", "is"), ("In", ", most people speak"),
+                       ("The language spoken in", "is")]
+_CITY_COUNTRIES = [
+    ("Toronto", "Canada"), ("Vancouver", "Canada"), ("Montreal", "Canada"), ("Sydney", "Australia"),
+    ("Melbourne", "Australia"), ("Mumbai", "India"), ("Bangalore", "India"), ("Kolkata", "India"), ("Osaka", "Japan"),
+    ("Kyoto", "Japan"), ("Munich", "Germany"), ("Hamburg", "Germany"), ("Frankfurt", "Germany"),
+    ("Barcelona", "Spain"), ("Seville", "Spain"), ("Valencia", "Spain"), ("Milan", "Italy"), ("Naples", "Italy"),
+    ("Venice", "Italy"), ("Florence", "Italy"), ("Lyon", "France"), ("Marseille", "France"), ("Nice", "France"),
+    ("Shanghai", "China"), ("Hong Kong", "China"), ("Istanbul", "Turkey"), ("Saint Petersburg", "Russia"),
+    ("Rio de Janeiro", "Brazil"), ("Sao Paulo", "Brazil"), ("Manchester", "England"), ("Liverpool", "England"),
+    ("Glasgow", "Scotland"), ("Krakow", "Poland"), ("Porto", "Portugal"), ("Alexandria", "Egypt"),
+    ("Casablanca", "Morocco"), ("Marrakech", "Morocco"), ("Johannesburg", "South Africa"),
+    ("Cape Town", "South Africa"), ("Lagos", "Nigeria"), ("Karachi", "Pakistan"), ("Lahore", "Pakistan"),
+    ("Geneva", "Switzerland"), ("Zurich", "Switzerland"), ("Antwerp", "Belgium"), ("Gothenburg", "Sweden"),
+    ("Bergen", "Norway"), ("Guadalajara", "Mexico"), ("Cancun", "Mexico"), ("Medellin", "Colombia"),
+    ("Busan", "South Korea"), ("Ho Chi Minh City", "Vietnam"), ("Chiang Mai", "Thailand"), ("Bali", "Indonesia"),
+    ("Auckland", "New Zealand"), ("Tel Aviv", "Israel"), ("Mecca", "Saudi Arabia"), ("Edinburgh", "Scotland"),
+    ("Salzburg", "Austria"),
+    ("Thessaloniki", "Greece"), ("Odessa", "Ukraine"), ("Havana", "Cuba"),
+]
+_CITY_TEMPLATES = [("The city of", "is located in"), ("The city of", "is in the country of"),
+                   ("I flew to", ", a city in the country of")]
+_RELATION_GROUP = {"capital": "city", "landmark": "city", "language": "language", "city_country": "country"}
 _INDUCTION_WORDS = ["apple", "river", "chair", "lamp", "garden", "window", "horse", "cloud", "pencil", "bottle",
                     "doctor", "guitar", "mountain", "rabbit", "candle", "basket", "orange", "engine", "forest",
                     "silver", "castle", "bridge", "winter", "paper", "mirror", "tiger", "coffee", "button",
@@ -200,21 +255,44 @@ def _ioi(tokenizer, rng: random.Random, n: int) -> List[TaskItem]:
     return items
 
 
-def _facts(tokenizer, rng: random.Random, n: int) -> List[TaskItem]:
+def _fact_pool() -> List[Tuple[List[Tuple[str, Optional[str]]], str, str, str]]:
+    r"""Every factual prompt: (segments, answer, subject, relation), in a fixed order."""
     pool = []
-    for country, capital in _PLACES_FACTS:
-        for pre, post in _FACT_TEMPLATES:
-            sep = "" if post.startswith(",") else " "
-            pool.append(([(pre, None), (" " + country, "evidence"), (sep + post, None)], capital, country))
-    for landmark, city in _LANDMARKS:
-        for pre, post in _LANDMARK_TEMPLATES:
-            pool.append(([(pre, None), (" " + landmark, "evidence"), (" " + post, None)], city, landmark))
+
+    def add(relation, templates, pairs):
+        for subject, answer in pairs:
+            for pre, post in templates:
+                sep = "" if post.startswith(",") else " "
+                pool.append(([(pre, None), (" " + subject, "evidence"), (sep + post, None)], answer, subject, relation))
+
+    add("capital", _FACT_TEMPLATES, _PLACES_FACTS + _MORE_CAPITALS)
+    add("landmark", _LANDMARK_TEMPLATES, _LANDMARKS)
+    add("language", _LANGUAGE_TEMPLATES, _LANGUAGES)
+    add("city_country", _CITY_TEMPLATES, _CITY_COUNTRIES)
+    return pool
+
+
+def fact_answer_tokens(tokenizer) -> Dict[str, List[int]]:
+    r"""The first tokens of every factual answer, by kind (``"city"``, ``"language"``, ``"country"``):
+    the foils to choose a fact item's strongest wrong answer from (``meta["group"]``)."""
+    out: Dict[str, set] = {}
+    for _, answer, _, relation in _fact_pool():
+        out.setdefault(_RELATION_GROUP[relation], set()).add(_first_token(tokenizer, " " + answer))
+    return {g: sorted(v) for g, v in out.items()}
+
+
+def _facts(tokenizer, rng: random.Random, n: int) -> List[TaskItem]:
+    pool = _fact_pool()
     rng.shuffle(pool)
-    cities = sorted({c for _, c in _PLACES_FACTS} | {c for _, c in _LANDMARKS})
+    answers: Dict[str, set] = {}
+    for _, answer, _, relation in pool:
+        answers.setdefault(_RELATION_GROUP[relation], set()).add(answer)
     items = []
-    for segs, answer, subject in pool[:n]:
-        foil = rng.choice([c for c in cities if c != answer])
-        item = build_item(tokenizer, "facts", segs, " " + answer, " " + foil, {"subject": subject, "answer": answer})
+    for segs, answer, subject, relation in pool[:n]:
+        group = _RELATION_GROUP[relation]
+        foil = rng.choice(sorted(a for a in answers[group] if a != answer))
+        item = build_item(tokenizer, "facts", segs, " " + answer, " " + foil,
+                          {"subject": subject, "answer": answer, "relation": relation, "group": group})
         if item is not None:
             items.append(item)
     return items
@@ -247,7 +325,8 @@ def make_task(name: str, tokenizer, n: int, seed: int = 0) -> List[TaskItem]:
     Args:
         name: ``"sva"``, ``"ioi"``, ``"facts"`` or ``"induction"``.
         tokenizer: a fast tokenizer.
-        n: number of candidates drawn (``facts`` has at most 268 distinct ones).
+        n: number of candidates drawn (``facts`` has at most 854 distinct ones:
+            capitals, landmarks' cities, official languages and cities' countries).
         seed: the templates' random seed.
 
     Returns:
