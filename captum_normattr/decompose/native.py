@@ -158,8 +158,8 @@ int alti_l1(const REAL* p, int64_t sh, int64_t si, int64_t sj,
 """
 
 _TYPES = {
-    torch.float32: ("float", "uint32_t", "0x7fffffffu", "fabsf", ctypes.c_float),
-    torch.float64: ("double", "uint64_t", "0x7fffffffffffffffull", "fabs", ctypes.c_double),
+    torch.float32: ("float", "uint32_t", "0x7fffffffu", "fabsf"),
+    torch.float64: ("double", "uint64_t", "0x7fffffffffffffffull", "fabs"),
 }
 _LIBS: Dict[Tuple[torch.dtype, int], Optional[Callable]] = {}
 _REASON: Dict[str, str] = {}
@@ -199,7 +199,7 @@ def _build(dtype: torch.dtype, heads: int) -> Optional[Callable]:
     if cc is None:
         _REASON["reason"] = "no C compiler (cc, gcc or clang) on PATH"
         return None
-    real, uint, mask, fabs, ctype = _TYPES[dtype]
+    real, uint, mask, fabs = _TYPES[dtype]
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC",
              f"-DREAL={real}", f"-DUINT={uint}", f"-DABSMASK={mask}", f"-DFABS={fabs}", f"-DNH={heads}"]
     key = hashlib.sha256("\0".join([_SOURCE, cc, platform.machine(), _cpu_signature(), *flags]).encode()).hexdigest()[:20]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -361,7 +362,9 @@ def _recording_attention(
     return out, probs
 
 
-_PLAIN_CAUSAL: Dict[str, Any] = {"mask": None, "answer": False}
+#: (weak reference to the last mask judged, the answer): one tuple, replaced whole (threads), and no
+#: strong reference, so a (B, 1, T, T) mask is never kept alive after its pass
+_PLAIN_CAUSAL: List[Tuple[Any, bool]] = [(lambda: None, False)]
 
 
 def _plain_causal(mask: Optional[Tensor]) -> bool:
@@ -374,15 +377,16 @@ def _plain_causal(mask: Optional[Tensor]) -> bool:
     """
     if mask is None or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
         return False
-    if _PLAIN_CAUSAL["mask"] is mask:
-        return _PLAIN_CAUSAL["answer"]
+    last, answer = _PLAIN_CAUSAL[0]
+    if last() is mask:
+        return answer
     t = mask.shape[-1]
     kept = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     want = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril_()
     answer = bool((kept == want).all())
     if answer and mask.dtype != torch.bool:
         answer = bool((mask.masked_select(want.expand_as(mask)) == 0).all())  # no additive bias on the kept keys
-    _PLAIN_CAUSAL["mask"], _PLAIN_CAUSAL["answer"] = mask, answer
+    _PLAIN_CAUSAL[0] = (weakref.ref(mask), answer)
     return answer
 
 
