@@ -71,7 +71,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     import captum_normattr as new
-    from captum_normattr.decompose import compiled
+    from captum_normattr.decompose.primitives import compiled
 
     with tempfile.TemporaryDirectory() as tmp:
         base = import_renamed(args.base.resolve(), Path(tmp))

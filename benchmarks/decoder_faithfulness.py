@@ -57,7 +57,7 @@ import torch
 from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, Saliency
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution, load_default_model
-from captum_normattr.decompose.rollout import rollout
+from captum_normattr.decompose.primitives.rollout import rollout
 from captum_normattr.evaluation.decoder_tasks import (TaskItem, evidence_ranks, fact_answer_tokens, make_task, removal_sequences,
                                                       sink_share)
 

@@ -72,7 +72,7 @@ def main() -> None:
     args.data = args.tsv or str(Path(args.data) / "sst2" / "dev.tsv")
 
     from captum_normattr import FFIntegratedDecomposition, load_default_model
-    from captum_normattr.decompose.ff_analysis import (
+    from captum_normattr.decompose.methods.ff_analysis import (
         amplification_scores,
         scope_contextualization_changes,
         top_amplified_pairs,

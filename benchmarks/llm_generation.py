@@ -110,7 +110,7 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from captum_normattr.attr.llm import DecompositionLLMAttribution
-    from captum_normattr.registry import get_method
+    from captum_normattr.attr.methods import get_method
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     torch.manual_seed(0)

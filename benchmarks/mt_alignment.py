@@ -380,7 +380,7 @@ def alti_plus_scores(model, enc, timed: Dict[str, float]):
     and the largest completeness error.
     """
     from captum_normattr.attr.alti_plus import ALTIPlusAttribution
-    from captum_normattr.decompose.alti_plus import alti_plus_rollout
+    from captum_normattr.decompose.methods.alti_plus import alti_plus_rollout
 
     inputs, masks = (enc["src"], enc["dec"]), (enc["src_mask"], enc["dec_mask"])
     t0 = time.perf_counter()

@@ -63,8 +63,8 @@ def _timed(fn, label):
 
 
 def instrument() -> None:
-    from captum_normattr.decompose import decompx as dd
-    from captum_normattr.models import capture
+    from captum_normattr.decompose.methods.decompx import engine as dd
+    from captum_normattr.models.capture import recorder as capture
 
     phase = lambda: "backward phase" if PHASE["backward"] else "forward phase"
     dd.gate_integrals = _timed(dd.gate_integrals, lambda a: f"gate integrals ({phase()})")

@@ -42,7 +42,7 @@ def kept_rows_cost(model, ids, counts) -> dict:
 
     from captum_normattr.attr.base import streamed_forward
     from captum_normattr.attr.inputs import prepare_inputs
-    from captum_normattr.decompose.routes import attention_edge_importances
+    from captum_normattr.decompose.methods.routes import attention_edge_importances
     from captum_normattr.models.adapters import get_adapter
 
     adapter = get_adapter(model)
@@ -55,7 +55,7 @@ def kept_rows_cost(model, ids, counts) -> dict:
 
     with streamed_forward(model, adapter, prepared, on_layer):
         pass
-    from captum_normattr.decompose.compiled import use_compiled_kernels
+    from captum_normattr.decompose.primitives.compiled import use_compiled_kernels
 
     layer, t = got["layer"], ids.shape[1]
     out = {}

@@ -30,7 +30,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from captum_normattr.decompose import alti, native  # noqa: E402
+from captum_normattr.decompose.methods import alti  # noqa: E402
+
+from captum_normattr.decompose.primitives import native
 
 
 def layer(t: int, heads: int, width: int, seed: int = 0):

@@ -111,7 +111,7 @@ def flops_table(batch: int, tokens: int, repeats: int, threads: int) -> None:
     import time
 
     from captum_normattr import FFIntegratedDecomposition
-    from captum_normattr.decompose import layer_kinds
+    from captum_normattr.decompose.kinds import registry as layer_kinds
 
     torch.set_num_threads(threads)
     stage = {"s": 0.0}

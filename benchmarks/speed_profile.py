@@ -46,8 +46,9 @@ def _wrap(obj, name: str, label: str) -> None:
 
 def instrument() -> None:
     from captum_normattr.attr import base
-    from captum_normattr.decompose import layer_kinds, rollout
-    from captum_normattr.models import capture
+    from captum_normattr.decompose.kinds import registry as layer_kinds
+    from captum_normattr.decompose.primitives import rollout
+    from captum_normattr.models.capture import recorder as capture
 
     for kind in layer_kinds.LAYER_KINDS.values():
         _wrap(kind, "norm_maps", "maps")

@@ -10,18 +10,18 @@ from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogi
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution, ALTIPlusResult, explain_generation
 from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
 from captum_normattr.attr.routes import InformationFlowRoutes, RouteGraph
-from captum_normattr.decompose.encoder import GLOBENC_MAPS
-from captum_normattr.decompose.feed_forward import SCOPES as FF_SCOPES
-from captum_normattr.decompose.feed_forward import contextualization_change
-from captum_normattr.decompose.ff_analysis import amplification_scores, scope_contextualization_changes, top_amplified_pairs
-from captum_normattr.decompose.rollout import rollout
-from captum_normattr.interactive import interactive_report_html, write_interactive_report
+from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
+from captum_normattr.decompose.primitives.feed_forward import SCOPES as FF_SCOPES
+from captum_normattr.decompose.primitives.feed_forward import contextualization_change
+from captum_normattr.decompose.methods.ff_analysis import amplification_scores, scope_contextualization_changes, top_amplified_pairs
+from captum_normattr.decompose.primitives.rollout import rollout
+from captum_normattr.present.interactive import interactive_report_html, write_interactive_report
 from captum_normattr.models.adapters import UnsupportedModelError, supported_families
 from captum_normattr.models.loading import default_model_path, load_default_model
 from captum_normattr.result import DecompositionResult
 from captum_normattr.attr.base import ConsistencyError, ConsistencyWarning
 from captum_normattr.attr.explained_output import ExplainedOutputMismatchError, ExplainedOutputMismatchWarning
-from captum_normattr.models.capture import LayerRunError, RecordedTensorModifiedError
+from captum_normattr.models.capture.recorder import LayerRunError, RecordedTensorModifiedError
 from captum_normattr.models.weights import UnsupportedAdapterLayerError
 
 __version__ = "0.1.0"

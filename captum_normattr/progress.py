@@ -1,7 +1,7 @@
 r"""The package's one progress bar: tqdm on standard error, or a no-op.
 
 Used by the command line (batches of texts and of encoder-decoder pairs), by dataset runs
-(:mod:`captum_normattr.runs`, texts, main process only) and by the faithfulness harness
+(:mod:`captum_normattr.cli.dataset.run`, texts, main process only) and by the faithfulness harness
 (:mod:`captum_normattr.evaluation.harness`, batches).
 """
 from __future__ import annotations

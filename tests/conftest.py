@@ -1,4 +1,7 @@
 r"""Tiny random models of every supported family, float64, with perturbed biases and norms."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -11,6 +14,9 @@ from transformers import (
     RobertaConfig,
     RobertaForSequenceClassification,
 )
+
+# the shared test helpers (tiny-model zoo, references, tokenizers) live in tests/fixtures/
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 
 VOCAB = 60
 

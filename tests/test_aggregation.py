@@ -236,7 +236,7 @@ def test_chat_role_spans():
 def _cli_json(capsys, *args):
     import json
 
-    from captum_normattr.cli import main
+    from captum_normattr.cli.main import main
 
     assert main(["-q", "--format", "json", *args]) == 0
     return json.loads(capsys.readouterr().out)
@@ -258,7 +258,7 @@ def test_cli_aggregate_words_and_sentences(tok, capsys):
 
 
 def test_cli_table_shows_unnormalised_rollouts_as_shares(tok, capsys):
-    from captum_normattr.cli import main
+    from captum_normattr.cli.main import main
 
     assert main(["-q", "the film was a delight", "-m", "globenc"]) == 0
     table = capsys.readouterr().out
@@ -272,7 +272,7 @@ def test_cli_table_shows_unnormalised_rollouts_as_shares(tok, capsys):
 
 def test_cli_aggregated_plots(tok, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from captum_normattr.cli import main
+    from captum_normattr.cli.main import main
 
     assert main(["-q", "An unbelievably good film.", "-m", "alti", "--aggregate", "word",
                  "--plots", str(tmp_path), "-o", str(tmp_path / "r.html"), "--html-maps"]) == 0

@@ -1,4 +1,4 @@
-r"""One Captum-shaped API for every registered method class (``captum_normattr.registry.METHODS``).
+r"""One Captum-shaped API for every registered method class (``captum_normattr.attr.methods.METHODS``).
 
 For each class and each model family it applies to: ``decompose`` and ``attribute`` take
 ``(inputs, target=None, additional_forward_args=None, ...)`` in that order;
@@ -13,7 +13,7 @@ import pytest
 import torch
 from captum.attr import Attribution
 
-from captum_normattr.registry import METHODS
+from captum_normattr.attr.methods import METHODS
 
 CLASS_SPECS = [s for s in METHODS.values() if s.cls is not None]
 CASES = [(s.key, group) for s in CLASS_SPECS for group in s.families]
@@ -103,7 +103,7 @@ def test_the_delta_of_the_maps_sees_a_wrong_decomposition():
     from conftest import make_model, random_batch
 
     from captum_normattr import ALTIAttribution, GlobEncAttribution
-    from captum_normattr.decompose.layer_kinds import PreLNKind
+    from captum_normattr.decompose.kinds.registry import PreLNKind
 
     ids, mask = random_batch([6, 4], seed=3)
     model = make_model("bert")

@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from captum_normattr.arch import family_decoders, family_encoders, family_moe, family_parallel, family_seq2seq
-from captum_normattr.arch.families import BUILTIN, REFUSED
+from captum_normattr.arch.families import decoders as family_decoders
+
+from captum_normattr.arch.families import encoders as family_encoders
+
+from captum_normattr.arch.families import moe as family_moe
+
+from captum_normattr.arch.families import parallel as family_parallel
+
+from captum_normattr.arch.families import seq2seq as family_seq2seq
+from captum_normattr.arch.families.base import BUILTIN, REFUSED
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
@@ -131,7 +139,7 @@ def family_methods(spec: ArchitectureSpec) -> Tuple[str, ...]:
     ``("ALTI+",)`` for an encoder-decoder."""
     if spec.is_encoder_decoder:
         return ("ALTI+",)
-    from captum_normattr.decompose.layer_kinds import LAYER_KINDS  # the kinds sit above the descriptions
+    from captum_normattr.decompose.kinds.registry import LAYER_KINDS  # the kinds sit above the descriptions
 
     kind = LAYER_KINDS.get(spec.topology)
     methods = set() if kind is None else set(kind.methods)
@@ -167,7 +175,7 @@ def encoder_decoder_table_markdown() -> str:
 def refusal(model_type: Optional[str], config: Any = None) -> Optional[str]:
     r"""Why a model type without a description is not supported, or None when nothing is known about it.
 
-    The families refused on purpose (:data:`~captum_normattr.arch.families.REFUSED`: state-space
+    The families refused on purpose (:data:`~captum_normattr.arch.families.base.REFUSED`: state-space
     and recurrent models, Swin, Funnel, ALBERT), a config that looks like a state-space model
     (a ``state_size`` and no attention heads), and encoder-decoder models (explained by
     :class:`~captum_normattr.ALTIPlusAttribution`, not by the encoder/decoder methods).

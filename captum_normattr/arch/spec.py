@@ -82,7 +82,7 @@ VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", 
 #: ``output_attentions=True``: the capture asks for them and records the value projection's
 #: output as the values).
 PROBABILITY_SOURCES: Tuple[str, ...] = ("interface", "returned", "module_output")
-#: The layer topologies (one layer kind each; ``captum_normattr.decompose.layer_kinds``):
+#: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
 #: - ``pre_ln``: h = x + Attn(N1(x)), y = h + FF(N2(h)) (GPT-2, Llama);

@@ -18,9 +18,9 @@ from captum_normattr.attr.base import (
 )
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model, check_next_token_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.decoder import alti_logit_terms, attention_update_at, logit_direction
+from captum_normattr.decompose.kinds.pre_ln import alti_logit_terms, attention_update_at, logit_direction
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.rollout import LayerMapStore
+from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.models.adapters import get_adapter, layer_modules, unwrap_model
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.result import LogitDecompositionResult

@@ -3,7 +3,7 @@ r"""ALTI+ (Ferrando et al., EMNLP 2022): source and target-prefix contributions 
 For every decoder-input position i (the state that predicts token i + 1) ALTI+ gives how
 much every source token and every decoder-input token t_0..t_i contributes to it; each row
 sums to 1. The definition and its choices are in ``docs/seq2seq.md``; the mathematics in
-:mod:`captum_normattr.decompose.alti_plus`, the recording in
+:mod:`captum_normattr.decompose.methods.alti_plus`, the recording in
 :mod:`captum_normattr.models.seq2seq`.
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ from torch import Tensor, nn
 
 from captum_normattr.attr.base import DecompositionAttribution, mark_non_finite
 from captum_normattr.attr.inputs import explained_positions, has_gaps
-from captum_normattr.decompose.alti_plus import (
+from captum_normattr.decompose.methods.alti_plus import (
     DEFAULT,
     OFFICIAL,
     ALTIPlusConventions,
     alti_plus_rollout_step,
     block_contributions,
 )
-from captum_normattr.decompose.chunking import rows_for_budget
+from captum_normattr.decompose.primitives.chunking import rows_for_budget
 from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq, seq2seq_base
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position, check_memory_budget
@@ -34,7 +34,7 @@ from captum_normattr.result import AttributionResult
 __all__ = ["ALTIPlusAttribution", "ALTIPlusResult", "GeneratedTokenExplanation", "explain_generation"]
 
 #: Default memory budget of one block's ALTI kernel (the row cap of
-#: :func:`~captum_normattr.decompose.chunking.rows_for_budget`), in MB.
+#: :func:`~captum_normattr.decompose.primitives.chunking.rows_for_budget`), in MB.
 ALTI_PLUS_MEMORY_BUDGET_MB = 256.0
 
 
@@ -285,9 +285,9 @@ class ALTIPlusAttribution(DecompositionAttribution):
         conventions: ``"default"`` (the exact norm scale, plain L1 distance) or
             ``"official"`` (the official code's unbiased std, +1e-6 inside the L1 distance
             and row re-normalisation of the decoder rollout), or an
-            :class:`~captum_normattr.decompose.alti_plus.ALTIPlusConventions`.
+            :class:`~captum_normattr.decompose.methods.alti_plus.ALTIPlusConventions`.
         memory_budget_mb: memory budget of one block's ALTI kernel (the cap on its rows per
-            tile, :func:`~captum_normattr.decompose.chunking.rows_for_budget`).
+            tile, :func:`~captum_normattr.decompose.primitives.chunking.rows_for_budget`).
 
     Raises:
         UnsupportedModelError: for a model of another family (the message lists the supported ones).

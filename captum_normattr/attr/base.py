@@ -2,7 +2,7 @@ r"""Shared machinery of the decomposition attributions: validate, stream the lay
 
 Every class here turns each layer into its contribution (a (B, T, T) map, a mixing ratio,
 completeness errors) the moment the forward pass has produced that layer
-(:func:`~captum_normattr.models.capture.recording`), so that the memory of a call does not
+(:func:`~captum_normattr.models.capture.recorder.recording`), so that the memory of a call does not
 grow with depth: only the per-layer maps and a few per-layer numbers are kept.
 """
 from __future__ import annotations
@@ -25,12 +25,12 @@ from captum_normattr.attr.inputs import (
     explained_positions,
     prepare_inputs,
 )
-from captum_normattr.decompose.guards import guard_tolerance
-from captum_normattr.decompose.layer_kinds import LayerKind, layer_kind
+from captum_normattr.decompose.primitives.guards import guard_tolerance
+from captum_normattr.decompose.kinds.registry import LayerKind, layer_kind
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.rollout import LayerMapStore, check_convention, rollout_scaled
+from captum_normattr.decompose.primitives.rollout import LayerMapStore, check_convention, rollout_scaled
 from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
-from captum_normattr.models.capture import Recorder, RecordedTensorModifiedError, recording
+from captum_normattr.models.capture.recorder import Recorder, RecordedTensorModifiedError, recording
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401  (re-exported)
 from captum_normattr.result import AttributionResult, DecompositionResult
@@ -135,7 +135,7 @@ def rollout_scale_extras(
 
     A ``"raw"`` rollout of maps whose rows are not normalised grows like the product of
     their row sums; when the explained row (or the full rollout) does not fit the dtype it
-    is returned divided by an exact power of two (``decompose.rollout.rollout_scaled``):
+    is returned divided by an exact power of two (``decompose.primitives.rollout.rollout_scaled``):
     ratios and ranks are exact, nothing is NaN.
 
     Args:
@@ -186,7 +186,7 @@ class ConsistencyGuard:
     differences between the model's real tensors and the assumed ones, filled by the capture)
     and, for the methods without a delta (GlobEnc, ALTI), the attention block's completeness
     error relative to the scale of the tensor it is measured on, are compared with
-    :func:`~captum_normattr.decompose.guards.guard_tolerance` of the dtype the model computed
+    :func:`~captum_normattr.decompose.primitives.guards.guard_tolerance` of the dtype the model computed
     in. ``docs/reliability.md``, "Consistency guards".
 
     Args:
@@ -268,10 +268,10 @@ def streamed_forward(
             (once) when the block ends; None: a non-strict :class:`ConsistencyGuard`.
         probabilities: False: the layers' attention runs the model's own implementation
             (sdpa, ...) and the handed-over layers carry no probabilities (``probs=None``);
-            reruns (``keep_calls``) still record them (:func:`~captum_normattr.models.capture.recording`).
+            reruns (``keep_calls``) still record them (:func:`~captum_normattr.models.capture.recorder.recording`).
 
     A forward pass that changes a recorded tensor in place before any layer was handed over
-    (:class:`~captum_normattr.models.capture.RecordedTensorModifiedError`) is run once more,
+    (:class:`~captum_normattr.models.capture.recorder.RecordedTensorModifiedError`) is run once more,
     with those tensors recorded as copies.
 
     Yields:

@@ -22,7 +22,7 @@ from captum_normattr.attr.base import (
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
-from captum_normattr.decompose.decompx import (
+from captum_normattr.decompose.methods.decompx.engine import (
     AdjointPass,
     FrozenLayer,
     PartsPropagation,
@@ -37,12 +37,12 @@ from captum_normattr.decompose.decompx import (
     pool_frozen_rows,
     pool_head_parts,
 )
-from captum_normattr.decompose.gated_feed_forward import DEFAULT_NODES
-from captum_normattr.decompose.layer_kinds import layer_kind
-from captum_normattr.decompose.vision_head import adjoint_linear_head_scores, linear_head_scores
+from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
+from captum_normattr.decompose.kinds.registry import layer_kind
+from captum_normattr.decompose.methods.decompx.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
-from captum_normattr.models.capture import Recorder
+from captum_normattr.models.capture.recorder import Recorder
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
@@ -171,7 +171,7 @@ class DecompXAttribution(DecompositionAttribution):
     the (B, T, T, D) parts from layer to layer and keeps per layer only their norms;
     ``"adjoint"`` keeps each layer's input (B, T, D) and then walks the layers top-down,
     rerunning each layer on its input for one local vector-Jacobian product
-    (:class:`~captum_normattr.decompose.decompx.AdjointPass`).
+    (:class:`~captum_normattr.decompose.methods.decompx.engine.AdjointPass`).
 
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
@@ -180,7 +180,7 @@ class DecompXAttribution(DecompositionAttribution):
     describes (``Head.classifier``: DeBERTa-v2's pooler, ModernBERT's head, whose final norm and
     head LayerNorm are frozen at their real scales). A bare encoder (``BertModel`` ...) has no classes
     to explain and raises :class:`~captum_normattr.UnsupportedModelError`; its per-layer parts are
-    available from :func:`captum_normattr.decompose.decompx.propagate_parts`.
+    available from :func:`captum_normattr.decompose.methods.decompx.engine.propagate_parts`.
 
     Decoders (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``; or a bare ``*Model`` with ``unembedding``): the parts go through the

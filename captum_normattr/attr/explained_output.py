@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
-from captum_normattr.decompose.guards import rebuild_norm
+from captum_normattr.decompose.primitives.guards import rebuild_norm
 from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, unwrap_model
 from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
 from captum_normattr.models.weights import weight_and_bias

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget
-from captum_normattr.decompose.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
-from captum_normattr.decompose.layer_kinds import FFOptions
+from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
+from captum_normattr.decompose.kinds.registry import FFOptions
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.options import check_fraction, check_optional_positive_int, check_positive_int
 

@@ -6,7 +6,7 @@ from typing import Optional, Union
 from torch import Tensor, nn
 
 from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution
-from captum_normattr.decompose.encoder import GLOBENC_MAPS
+from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.records import LayerTensors
 
 
@@ -26,7 +26,7 @@ class GlobEncAttribution(LayerDecompositionAttribution):
     Pre-LN decoders (GPT-2, Llama, Mistral, Qwen2): ``W``, ``W_FIXEDRES``, ``N``,
     ``N_FIXEDRES``, ``N_RES`` (attention + residual, h_{i<-j}) and ``N_RESLN`` (the parts of
     the LN2 output, the default) are defined; ``N_ENC`` and ``W_RES`` raise (see
-    :mod:`captum_normattr.decompose.decoder`). The explained row defaults to the last token.
+    :mod:`captum_normattr.decompose.kinds.pre_ln`). The explained row defaults to the last token.
 
     Args:
         model: a supported Hugging Face model (BERT, RoBERTa, ELECTRA, DistilBERT, GPT-2,

@@ -10,7 +10,7 @@ the sum of the explained quantities: the decompositions are additive), and
 Unlike ``LLMAttribution(FeatureAblation)`` (one forward pass per feature) or
 ``LLMGradientAttribution`` (one backward pass per generated token), the prompt and all
 target tokens go through the model once; every target position is explained from the same
-per-layer maps (:mod:`captum_normattr.decompose.multi_position`). See docs/llm.md.
+per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from captum_normattr.attr.base import LayerDecompositionAttribution, compute_dty
 from captum_normattr.attr.decompx import DecompXAttribution
 from captum_normattr.attr.explained_output import VOCAB_BLOCK, NextTokenLogit
 from captum_normattr.attr.inputs import prepare_inputs
-from captum_normattr.decompose.decompx import AdjointPass, FrozenLayer, PartsPropagation, ff_coefficients, logit_scores
-from captum_normattr.decompose.multi_position import (
+from captum_normattr.decompose.methods.decompx.engine import AdjointPass, FrozenLayer, PartsPropagation, ff_coefficients, logit_scores
+from captum_normattr.decompose.primitives.multi_position import (
     alti_logit_rows,
     attention_logit_updates,
     multi_logit_outputs,
@@ -39,9 +39,9 @@ from captum_normattr.decompose.multi_position import (
     unscaled_logit_directions,
 )
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.rollout import LayerMapStore
+from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.models.adapters import base_model, get_path, layer_modules, value_projection
-from captum_normattr.models.capture import norm_params
+from captum_normattr.models.capture.recorder import norm_params
 from captum_normattr.models.weights import tensors_to
 
 #: The explained quantities of the signed methods (ALTI-Logit, DecompX).
@@ -692,7 +692,7 @@ def chat_token_input(
 
 
 def _method_from_name(name: str, model: Optional[nn.Module], **kwargs: Any) -> Attribution:
-    from captum_normattr.registry import get_method
+    from captum_normattr.attr.methods import get_method
 
     if model is None:
         raise ValueError(f"method {name!r} given by name: pass model= as well")

@@ -1,6 +1,6 @@
 r"""Information-flow routes of one prediction (Ferrando and Voita 2024), as a graph.
 
-The math is in :mod:`captum_normattr.decompose.routes`; this module captures the layers
+The math is in :mod:`captum_normattr.decompose.methods.routes`; this module captures the layers
 (one recorded forward pass, then the layers rerun top-down from their checkpointed inputs
 for the kept rows only) and packages the pruned graph (:class:`RouteGraph`: JSON, networkx,
 HTML). See docs/routes.md.
@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.attr.base import check_memory_budget, streamed_forward
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.attention import project_values
-from captum_normattr.decompose.layer_kinds import layer_kind
+from captum_normattr.decompose.primitives.attention import project_values
+from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.routes import (
+from captum_normattr.decompose.methods.routes import (
     GRANULARITIES,
     ROUTES_MEMORY_BUDGET_MB,
     attention_edge_importances,
@@ -193,7 +193,7 @@ class RouteGraph:
 
     def to_html(self, title: str = "") -> str:
         r"""A self-contained HTML page (inline SVG drawn by inline JS, no network) of the graph."""
-        from captum_normattr.interactive import interactive_report_html
+        from captum_normattr.present.interactive import interactive_report_html
 
         n = int(self.meta.get("seq_len", self.position + 1))
         toks = self.tokens if self.tokens is not None else [str(i) for i in range(n)]

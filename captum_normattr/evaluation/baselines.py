@@ -8,7 +8,7 @@ the scores depend on ``target``; the factories build methods from
   ``inputs_embeds``), ``LayerGradientXActivation`` (on the embedding-block output, after
   its LayerNorm: GlobEnc's gradient x input) and ``LayerIntegratedGradients`` (on either
   layer), reduced to token scores by the L2 norm or the sum over features;
-- our Captum classes, from the method registry (:data:`captum_normattr.registry.METHODS`:
+- our Captum classes, from the method registry (:data:`captum_normattr.attr.methods.METHODS`:
   the class, its options and whether it uses ``target``): :func:`ours` builds one by its
   registry key, :func:`our_methods` every one that applies to the model, and
   :func:`normattr_method` wraps any object whose
@@ -364,7 +364,7 @@ def normattr_method(attribution, name: Optional[str] = None, uses_target: Option
         >>> from captum_normattr import GlobEncAttribution  # doctest: +SKIP
         >>> m = normattr_method(GlobEncAttribution(model, map_name="N_ENC"))  # doctest: +SKIP
     """
-    from captum_normattr.registry import spec_for
+    from captum_normattr.attr.methods import spec_for
 
     if not hasattr(attribution, "attribute"):
         raise TypeError(f"{type(attribution).__name__} has no attribute() method")
@@ -388,7 +388,7 @@ def ours(model, key: str, name: Optional[str] = None, **kwargs) -> Method:
 
     Args:
         model: the Hugging Face model.
-        key: a key of :data:`captum_normattr.registry.METHODS`.
+        key: a key of :data:`captum_normattr.attr.methods.METHODS`.
         name: table name (default: the attribution's ``get_name()``).
         **kwargs: constructor keywords of the method's class (``map_name``, ``bias_mode`` ...).
 
@@ -398,7 +398,7 @@ def ours(model, key: str, name: Optional[str] = None, **kwargs) -> Method:
     Examples:
         >>> m = ours(model, "ff", contribution="alti")  # ALTI+FF  # doctest: +SKIP
     """
-    from captum_normattr.registry import get_method
+    from captum_normattr.attr.methods import get_method
 
     spec = get_method(key)
     return normattr_method(spec.build(model, **kwargs), name=name, uses_target=spec.uses_target)
@@ -415,7 +415,7 @@ def our_methods(model, keys: Optional[Sequence[str]] = None) -> List[Method]:
     Returns:
         a list of :class:`Method`, in registry order.
     """
-    from captum_normattr.registry import METHODS, get_method
+    from captum_normattr.attr.methods import METHODS, get_method
 
     cfg = getattr(model, "config", None)
     decoder = bool(getattr(cfg, "is_decoder", False)) or any(

@@ -12,13 +12,13 @@ block ALTI+ needs (``docs/seq2seq.md``):
   norm's input u_i and parameters; pre-LN: the raw residual stream after the block).
 
 The probabilities and values come from the package's recording attention function
-(:mod:`captum_normattr.models.capture`; registered in transformers' ``AttentionInterface``),
+(:mod:`captum_normattr.models.capture.recorder`; registered in transformers' ``AttentionInterface``),
 the rest from forward hooks. The recording is streamed, as the decoder-only and encoder
 recorder's: as soon as a block's last tensor is recorded (on a forward hook, while the model
 runs on), its :class:`BlockTensors` are handed to the caller's ``on_block`` callback and
 the recorder drops them, so at most one block's probabilities are alive at a time. As there, everything (hooks, the attention implementation,
 the training flags) is restored when the call ends, also when it raises. All architecture
-knowledge sits in the families' descriptions (:mod:`captum_normattr.arch.family_seq2seq`, two
+knowledge sits in the families' descriptions (:mod:`captum_normattr.arch.families.seq2seq`, two
 stacks, a cross-attention branch); :func:`seq2seq_adapter` derives the blocks from them.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from captum_normattr.arch import registry as arch_registry
 from captum_normattr.arch.spec import ArchitectureSpec, Layer
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
-from captum_normattr.models.capture import AttentionRecords, norm_params, recorder_session
+from captum_normattr.models.capture.recorder import AttentionRecords, norm_params, recorder_session
 
 __all__ = [
     "BLOCKS",
@@ -250,7 +250,7 @@ def _first(x):
 class Seq2SeqRecorder(AttentionRecords):
     r"""Records the attention blocks of one encoder-decoder forward pass, block by block.
 
-    It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture`,
+    It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture.recorder`,
     whose recording attention function calls :meth:`watches` and :meth:`record_attention`.
     As soon as a block has recorded everything it needs (its last tensor comes from a forward
     hook, or the recording attention), the record becomes a :class:`BlockTensors`, is handed

@@ -1,0 +1,279 @@
+r"""``captum-normattr generate``: explain every token a causal LM generates, from one forward pass.
+
+Generates (greedy) ``--max-new-tokens`` tokens after the prompt, or takes ``--target-text``
+(teacher forcing), and explains every generated token with
+:class:`~captum_normattr.attr.llm.DecompositionLLMAttribution`: a table (one row per
+generated token with its top input tokens), JSON, or an HTML report (docs/llm.md, docs/cli.md).
+
+Examples (shell)::
+
+    captum-normattr generate --model DIR "The capital of France is" --max-new-tokens 8 -m alti-logit
+    captum-normattr generate --model DIR "The capital of France is" --target-text " Paris" -m decompx alti \
+        --format json -o out.json
+    captum-normattr generate --model DIR "Why is the sky blue?" --chat --format html -o report.html
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from captum_normattr.present.tokens import readable_tokens, terminal_lines, visible_text
+
+PROG = "captum-normattr generate"
+#: the methods of the command (registry keys)
+GENERATE_METHODS = ("alti-logit", "decompx", "alti", "globenc")
+QUANTITY_NAMES = {"logit": "logit", "logit-minus-foil": "logit_minus_foil", "logit-minus-mean": "logit_minus_mean"}
+
+
+class GenerateError(Exception):
+    r"""A usage error of ``captum-normattr generate``: printed without a traceback, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    r"""The argument parser of ``captum-normattr generate``."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Explain every token a causal LM generates (or a given target text), from one forward pass.",
+    )
+    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    p.add_argument("--model", required=True, help="a local model folder (config.json) or a Hub name of a causal LM")
+    p.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (greedy; default 20)")
+    p.add_argument("--target-text", default=None,
+                   help="explain this continuation instead of generating (teacher forcing)")
+    p.add_argument("-m", "--method", nargs="+", default=["alti-logit"], choices=GENERATE_METHODS,
+                   help="method(s) (default alti-logit)")
+    p.add_argument("--quantity", default="logit", choices=sorted(QUANTITY_NAMES),
+                   help="signed methods: the explained quantity (default: the target logit; log-probabilities are "
+                        "not additive and are reported alongside)")
+    p.add_argument("--foil", default=None, help="the foil token for --quantity logit-minus-foil")
+    p.add_argument("--format", default="table", choices=("table", "json", "html"))
+    p.add_argument("-o", "--output", default=None, help="write here instead of standard output")
+    p.add_argument("--top", type=int, default=5, help="input tokens shown per generated token in the table (default 5)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the tokenizer's chat template")
+    p.add_argument("--skip-special", action="store_true",
+                   help="leave the tokenizer's special tokens out of the features")
+    p.add_argument("--exclude-sink", action="store_true",
+                   help="leave the attention sink (the first token) out of the table, plots and colour scales")
+    p.add_argument("--dtype", default=None, choices=("float32", "float64"), help="cast the model (default: as saved)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model folder's own Python code to run (transformers' trust_remote_code; "
+                        "off by default)")
+    return p
+
+
+def load_causal_lm(name: str, trust_remote_code: bool = False, dtype: Optional[str] = None, device: str = "cpu"):
+    r"""(model in eval mode, tokenizer) of a causal LM, loaded as the main command loads models
+    (:func:`~captum_normattr.cli.common.load_model`): ``trust_remote_code`` is passed explicitly
+    (a folder with its own code is refused without ``--trust-remote-code``, and transformers
+    never prompts), and a folder without a real tokenizer is refused.
+
+    Raises:
+        GenerateError: when the folder, model or tokenizer cannot be loaded, or the model has
+            no LM head.
+    """
+    import torch
+
+    from captum_normattr.cli.common import CLIError, load_model
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise GenerateError(f"unknown device {device!r}") from None
+    try:
+        model, tok, _ = load_model(name, dev, trust_remote_code)
+    except CLIError as err:
+        raise GenerateError(str(err)) from None
+    if getattr(model, "get_output_embeddings", lambda: None)() is None or not hasattr(model, "generate"):
+        raise GenerateError(f"{name!r} is not a causal LM with its LM head (a *ForCausalLM checkpoint)")
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    return model.eval(), tok
+
+
+def _build_input(tok: Any, prompt: str, chat: bool, skip_special: bool):
+    from captum.attr import TextTokenInput
+
+    from captum_normattr.attr.llm import chat_token_input
+
+    skip = list(tok.all_special_ids) if skip_special else None
+    if chat:
+        try:
+            return chat_token_input(tok, [{"role": "user", "content": prompt}], skip_tokens=skip)
+        except ValueError as err:
+            raise GenerateError(str(err)) from None
+    return TextTokenInput(prompt, tok, skip_tokens=skip)
+
+
+def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
+    r"""Load, generate (or take the target), explain with every method; a JSON-able dict."""
+    import torch
+
+    from captum_normattr.attr.llm import DecompositionLLMAttribution
+    from captum_normattr.attr.methods import get_method
+
+    model, tok = load_causal_lm(args.model, args.trust_remote_code, args.dtype, args.device)
+    inp = _build_input(tok, args.prompt, args.chat, args.skip_special)
+    if args.target_text is not None:
+        target: Any = args.target_text
+    else:
+        if args.max_new_tokens < 1:
+            raise GenerateError("--max-new-tokens must be at least 1")
+        ids = inp.inp_tensor.to(next(model.parameters()).device)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        target = out[0, ids.shape[1]:].cpu()
+        if target.numel() == 0:
+            raise GenerateError("the model generated no token")
+    quantity = QUANTITY_NAMES[args.quantity]
+    record: Dict[str, Any] = {"model": args.model, "prompt": args.prompt, "methods": {}}
+    for key in args.method:
+        try:
+            attr = get_method(key).build(model)
+            llm = DecompositionLLMAttribution(attr, tok)
+            ex = llm.decompose(inp, target=target, quantity=quantity if attr_is_signed(key) else "logit",
+                               foil=args.foil if attr_is_signed(key) else None)
+        except (ValueError, TypeError) as err:
+            raise GenerateError(f"{key}: {err}") from None
+        res = ex.to_captum(exclude_sink=args.exclude_sink)
+        if "tokens" not in record:
+            record.update(tokens=ex.tokens, token_text=feature_text(tok, ex.tokens), prompt_length=ex.prompt_length,
+                          generated=list(ex.output_tokens), generated_ids=ex.target_ids.tolist(),
+                          sink_index=ex.sink_index)
+        d = ex.details
+        record["methods"][ex.method] = {
+            "key": key, "signed": ex.signed, "quantity": ex.quantity if ex.signed else "rollout",
+            "input_features": list(res.input_tokens), "input_feature_text": feature_text(tok, res.input_tokens),
+            "token_attr": res.token_attr.tolist(),
+            "seq_attr": res.seq_attr.tolist(), "rows": ex.scores.tolist(),
+            "explained": None if d.explained is None else d.explained.tolist(),
+            "no_token": None if d.no_token is None else d.no_token.tolist(),
+            "delta": None if d.delta is None else d.delta.tolist(),
+            "log_probs": None if d.log_probs is None else d.log_probs.tolist(),
+            "sink_share": ex.sink_share.tolist(),
+        }
+    return record
+
+
+def feature_text(tokenizer: Any, features: Any) -> List[str]:
+    r"""Readable labels of input features: a feature that is one of the tokenizer's tokens
+    (``Ġcapital``, ``▁Paris``) becomes its text (:func:`~captum_normattr.present.tokens.readable_tokens`);
+    any other feature (a template value) is kept as it is."""
+    out = []
+    for f in features:
+        f = str(f)
+        tid = tokenizer.convert_tokens_to_ids(f)
+        known = isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == f
+        out.append(readable_tokens(tokenizer, [tid])[0] if known else f)
+    return out
+
+
+def attr_is_signed(key: str) -> bool:
+    return key in ("alti-logit", "decompx")
+
+
+def render_table(record: Dict[str, Any], top: int = 5) -> str:
+    r"""One block per method, one line per generated token with its top input features."""
+    lines: List[str] = []
+    gen = record["generated"]
+    for name, m in record["methods"].items():
+        what = f"explains the {m['quantity'].replace('_', ' ')}" if m["signed"] else "rollout rows (class-agnostic)"
+        lines.append(f"{name}: {what}; one row per generated token, top input tokens")
+        lines.append(f"{'#':>3}  {'token':<14} {'score':>9} {'p':>7} {'sink':>5}  top input tokens")
+        for k, row in enumerate(m["token_attr"]):
+            total = m["explained"][k] if m["explained"] is not None else sum(row)
+            p = "" if m["log_probs"] is None else f"{math.exp(m['log_probs'][k]):.3f}"
+            order = sorted(range(len(row)), key=lambda j: -abs(row[j]))[:max(0, top)]
+            labels = m.get("input_feature_text") or m["input_features"]
+            tops = "  ".join(f"{visible_text(labels[j])}({row[j]:+.3g})" for j in order)
+            lines.append(f"{k:>3}  {visible_text(gen[k])[:14]:<14} {total:>9.4g} {p:>7} {m['sink_share'][k]:>5.2f}  {tops}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_html(record: Dict[str, Any], title: str = "") -> str:
+    r"""The interactive report (:mod:`captum_normattr.present.interactive`) where it is installed, else a plain HTML table."""
+    import torch
+
+    tokens = list(record.get("token_text") or record["tokens"])
+    methods = {name: torch.tensor(m["rows"]) for name, m in record["methods"].items()}
+    try:
+        from captum_normattr.present.interactive import interactive_report_html
+    except ImportError:
+        interactive_report_html = None
+    if interactive_report_html is not None:
+        return interactive_report_html(tokens, methods, title=title, sink_index=record.get("sink_index"))
+    return simple_html_table(record, title)
+
+
+def simple_html_table(record: Dict[str, Any], title: str = "") -> str:
+    r"""A self-contained HTML page: per method, generated tokens x input features, cells coloured by score."""
+    esc = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title or 'generation')}</title>",
+             "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin-bottom:2em}"
+             "td,th{border:1px solid #ddd;padding:2px 4px;font-size:12px}</style></head><body>",
+             f"<h1>{esc(title or 'Explained generation')}</h1>",
+             "<p>(plain table: the interactive report module is not installed)</p>"]
+    for name, m in record["methods"].items():
+        rows = m["token_attr"]
+        scale = max((abs(v) for r in rows for v in r), default=1.0) or 1.0
+        parts.append(f"<h2>{esc(name)}</h2><table><tr><th>generated</th>")
+        parts += [f"<th>{esc(str(f))}</th>" for f in (m.get("input_feature_text") or m["input_features"])]
+        parts.append("</tr>")
+        for k, r in enumerate(rows):
+            parts.append(f"<tr><th>{esc(str(record['generated'][k]))}</th>")
+            for v in r:
+                a = min(1.0, abs(v) / scale)
+                rgb = "0,128,0" if v >= 0 else "200,0,0"
+                parts.append(f"<td style='background:rgba({rgb},{a:.3f})' title='{v:.6g}'>{v:.3g}</td>")
+            parts.append("</tr>")
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def generate_main(argv: Optional[Sequence[str]] = None) -> int:
+    r"""Entry point of ``captum-normattr generate``.
+
+    Args:
+        argv: the arguments after ``generate`` (default: ``sys.argv[2:]``).
+
+    Returns:
+        0 on success, 2 on a usage error (message on stderr), 130 on Ctrl-C.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[2:] if argv is None else argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        record = explain_generation_cli(args)
+        if args.format == "json":
+            text = json.dumps(record)
+        elif args.format == "html":
+            text = render_html(record, title=f"{args.model}: {args.prompt[:60]}")
+        else:
+            text = render_table(record, args.top)
+        if args.output:
+            Path(args.output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        else:
+            print(text)
+        return 0
+    except GenerateError as err:
+        print(f"{PROG}: error: {terminal_lines(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["GENERATE_METHODS", "GenerateError", "build_parser", "explain_generation_cli", "generate_main",
+           "load_causal_lm", "render_html", "render_table", "simple_html_table"]

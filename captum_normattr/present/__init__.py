@@ -1,0 +1,1 @@
+r"""captum_normattr.present."""

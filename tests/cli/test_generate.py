@@ -1,0 +1,119 @@
+r"""``captum-normattr generate``: table, JSON and HTML of every generated token, on a tiny saved model."""
+import json
+
+import pytest
+import torch
+
+from captum_normattr import ALTILogitAttribution
+
+from captum_normattr.cli import main as cli
+from captum_normattr.cli.generate import simple_html_table
+from decoder_models import make_decoder
+from llm_tiny import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny_llama_lm")
+    model = make_decoder("llama", layers=2, seed=5, exact_norms=False)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 0
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_rows_match_the_direct_call(capsys, tiny_lm):
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = run(capsys, "generate", "--model", tiny_lm, "the cat sat", "--max-new-tokens", "3",
+                         "-m", "alti-logit", "alti", "--format", "json")
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["prompt_length"] == 4 and len(rec["generated_ids"]) == 3
+    m = rec["methods"]["ALTI-Logit"]
+    assert len(m["token_attr"]) == 3 and len(m["token_attr"][0]) == 4 and len(m["rows"][0]) == 7
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    ids = torch.tensor(tiny_tokenizer().encode("the cat sat") + rec["generated_ids"])
+    expect = ALTILogitAttribution(model, explained_position=4).attribute(ids[None], target=rec["generated_ids"][1])[0]
+    assert torch.allclose(torch.tensor(m["rows"][1], dtype=expect.dtype), expect, rtol=1e-6, atol=1e-8)
+    assert max(abs(d) for d in m["delta"]) < 1e-3 * max(abs(x) for x in m["explained"])
+    assert "ALTI" in rec["methods"] and rec["methods"]["ALTI"]["explained"] is None
+
+
+def test_table_teacher_forcing_and_html(capsys, tiny_lm, tmp_path):
+    code, out, err = run(capsys, "generate", "--model", tiny_lm, "the cat sat", "--target-text", "on the mat",
+                         "-m", "decompx", "--top", "2", "--exclude-sink")
+    assert code == 0, err
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert lines[0].startswith("DecompX: explains the logit")
+    rows = lines[2:]
+    assert [r.split()[1] for r in rows] == ["on", "the", "mat"]
+    assert all("<s>" not in r.split("  ", 2)[-1] for r in rows)  # the sink is left out of the top tokens
+    html_path = tmp_path / "r.html"
+    code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--max-new-tokens", "2", "--format", "html",
+                       "-o", html_path)
+    assert code == 0, err
+    page = html_path.read_text(encoding="utf-8")
+    assert "<html" in page.lower()
+    loaded = page.replace("http://www.w3.org/2000/svg", "")  # the SVG namespace is a name, not a download
+    assert "http://" not in loaded and "https://" not in loaded  # self-contained
+    assert "interactive report module is not installed" not in page  # the interactive report, not the fallback
+
+
+def test_fallback_html_table_is_self_contained():
+    rec = {"generated": ["x"], "methods": {"ALTI": {"token_attr": [[0.5, -0.25]], "input_features": ["<a>", "b"]}}}
+    page = simple_html_table(rec, "t")
+    assert "&lt;a&gt;" in page and "rgba(200,0,0" in page and "<script" not in page
+
+
+def test_usage_errors_exit_2(capsys, tiny_lm, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "hi")
+    assert code == 2 and "config.json" in err
+    code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--quantity", "logit-minus-foil",
+                       "--target-text", "sat")
+    assert code == 2 and "foil" in err
+    code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--max-new-tokens", "0")
+    assert code == 2 and "at least 1" in err
+
+
+def test_trust_remote_code_only_when_asked(monkeypatch, tiny_lm):
+    import transformers
+
+    from captum_normattr.cli import generate as cli_generate
+
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*a, **kw):
+        seen.append(kw.get("trust_remote_code"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    cli_generate.load_causal_lm(tiny_lm)
+    cli_generate.load_causal_lm(tiny_lm, trust_remote_code=True)
+    assert seen == [False, True]  # explicit False: left unset, transformers would prompt and read stdin
+
+
+def test_feature_labels_are_readable_text():
+    r"""The table's and report's input features read as text (``Ġcat`` -> ``cat``), for byte-level
+    BPE and SentencePiece; a feature that is no single token (a template value) is kept."""
+    from captum_normattr.cli.generate import feature_text
+    from captum_normattr.present.tokens import readable_tokens
+    from tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
+
+    def readable_tokens_of(tok, toks):
+        return list(readable_tokens(tok, tok.convert_tokens_to_ids(toks)))
+
+    for tok in (byte_level_bpe(), sentencepiece_bpe()):
+        raw = tok.convert_ids_to_tokens(tok("the cat sat")["input_ids"])
+        assert any(t.startswith(("Ġ", "▁")) for t in raw), raw
+        got = feature_text(tok, raw + ["a whole value"])
+        assert not any(g.startswith(("Ġ", "▁")) for g in got), got
+        assert got[-1] == "a whole value" and got[:-1] != raw
+        assert [g.strip() for g in got[:-1]] == [g.strip() for g in readable_tokens_of(tok, raw)]
