@@ -17,7 +17,18 @@ This kernel (docs/performance.md, "The native ALTI kernel"):
 It is plain C (GCC vector extensions, no torch headers): ``cc -O3 -march=native`` builds it in
 well under a second, once per (dtype, H) and CPU, into a cache folder
 (``CAPTUM_NORMATTR_KERNEL_DIR``, default ``~/.cache/captum_normattr/kernels``), and ctypes
-loads it. Calls release the GIL, so blocks of rows run on ``torch.get_num_threads()`` Python
+loads it. Loading a shared library runs its code, so the cache is trusted only as far as it is
+private (docs/reliability.md, "The kernel cache"):
+
+* the folder is created with mode 0700; a folder (or file) owned by another user or writable by
+  group or others is never used: a warning names it and the kernel is built in a private
+  temporary folder of this process instead;
+* a library is compiled under a temporary name and renamed into place; its SHA-256 is written
+  beside it (``<library>.sha256``, also renamed into place) and checked before every load: a
+  missing, short or different file is rebuilt once with a warning, never loaded;
+* once loaded, the kernel is checked against a plain torch computation on a small problem that
+  runs every code path (two-row and one-row passes, causal and not, a width with a remainder);
+  a kernel that disagrees is not used (warning, fallback to the other kernels). Calls release the GIL, so blocks of rows run on ``torch.get_num_threads()`` Python
 threads. Where no compiler is found or the build fails, :func:`alti_l1_kernel` returns None
 (the caller falls back to the ``torch.compile`` or eager kernel) and
 :func:`native_unavailable_reason` says why; ``CAPTUM_NORMATTR_NATIVE=0`` turns it off.
@@ -35,11 +46,18 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+__all__ = [
+    "KERNEL_DIR_ENV", "NATIVE_ENV", "ROW_BLOCK", "alti_l1_kernel", "cached_library_problem", "clear_loaded_kernels",
+    "file_sha256", "kernel_dir", "kernel_file_name", "kernel_flags", "kernel_self_check", "native_distances",
+    "native_unavailable_reason", "trusted_kernel_dir", "untrusted_reason",
+]
 
 #: Environment variable: the folder of the built kernels (default ``~/.cache/captum_normattr/kernels``).
 KERNEL_DIR_ENV = "CAPTUM_NORMATTR_KERNEL_DIR"
@@ -189,47 +207,234 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def _kernel_dir() -> str:
+def kernel_dir() -> str:
+    r"""The configured cache folder of built kernels (``CAPTUM_NORMATTR_KERNEL_DIR`` or the default)."""
     return os.environ.get(KERNEL_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "captum_normattr", "kernels")
 
 
-def _build(dtype: torch.dtype, heads: int) -> Optional[Callable]:
-    r"""Build (or load from the cache) the kernel for ``dtype`` and ``heads``; None with a reason where it fails."""
-    cc = _compiler()
-    if cc is None:
-        _REASON["reason"] = "no C compiler (cc, gcc or clang) on PATH"
-        return None
-    real, uint, mask, fabs = _TYPES[dtype]
-    flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC",
-             f"-DREAL={real}", f"-DUINT={uint}", f"-DABSMASK={mask}", f"-DFABS={fabs}", f"-DNH={heads}"]
-    key = hashlib.sha256("\0".join([_SOURCE, cc, platform.machine(), _cpu_signature(), *flags]).encode()).hexdigest()[:20]
-    folder = _kernel_dir()
-    path = os.path.join(folder, f"alti_l1_{real}_h{heads}_{key}.so")
-    if not os.path.exists(path):
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src = os.path.join(tmp, "alti_l1.c")
-                with open(src, "w") as f:
-                    f.write(_SOURCE)
-                built = os.path.join(tmp, "alti_l1.so")
-                subprocess.run([cc, *flags, src, "-o", built], check=True, capture_output=True, timeout=120)
-                os.replace(built, path)  # atomic: a concurrent build of the same kernel is harmless
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            _REASON["reason"] = f"building the native ALTI kernel failed ({type(e).__name__}: {e} {detail[:300]!r})"
-            return None
+def untrusted_reason(path: str) -> Optional[str]:
+    r"""Why ``path`` (a folder or file of the kernel cache) cannot be trusted, or None.
+
+    Trusted: owned by this process's user (or root, for a folder) and not writable by group or
+    others. Where the platform has no user ids (Windows), only the mode is checked.
+    """
     try:
-        lib = ctypes.CDLL(path)
+        st = os.stat(path)
     except OSError as e:
-        _REASON["reason"] = f"loading the native ALTI kernel failed ({e})"
-        return None
+        return f"cannot stat it ({e})"
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if uid is not None and st.st_uid not in (uid,):
+        return f"it is owned by user id {st.st_uid}, not by this user ({uid})"
+    if st.st_mode & 0o022:
+        return f"it is writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+_PRIVATE: Dict[str, str] = {}
+
+
+def _private_dir() -> str:
+    r"""This process's own temporary kernel folder (mode 0700), used when the configured cache is not trusted."""
+    with _DIR_LOCK:
+        if "dir" not in _PRIVATE:
+            _PRIVATE["dir"] = tempfile.mkdtemp(prefix="captum_normattr_kernels_")
+        return _PRIVATE["dir"]
+
+
+_DIR_LOCK = threading.Lock()
+
+
+def trusted_kernel_dir() -> str:
+    r"""The cache folder to build into and load from: the configured one, created with mode 0700,
+    when this user owns it and nobody else can write it; else a private temporary folder (with a
+    :class:`RuntimeWarning` naming the refused folder)."""
+    folder = kernel_dir()
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"the native-kernel cache folder {folder!r} cannot be created ({e}); building in a private "
+                      "temporary folder", RuntimeWarning, stacklevel=3)
+        return _private_dir()
+    why = untrusted_reason(folder)
+    if why is not None:
+        warnings.warn(
+            f"the native-kernel cache folder {folder!r} is not used: {why}. A library planted there would run in this "
+            f"process. The kernel is built in a private temporary folder instead; give {KERNEL_DIR_ENV} a folder only "
+            "you can write (mode 0700)", RuntimeWarning, stacklevel=3)
+        return _private_dir()
+    return folder
+
+
+def kernel_flags(dtype: torch.dtype, heads: int) -> Tuple[str, ...]:
+    r"""The compiler flags of the kernel for ``dtype`` and ``heads``."""
+    real, uint, mask, fabs = _TYPES[dtype]
+    return ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC",
+            f"-DREAL={real}", f"-DUINT={uint}", f"-DABSMASK={mask}", f"-DFABS={fabs}", f"-DNH={heads}")
+
+
+def kernel_file_name(dtype: torch.dtype, heads: int, cc: str) -> str:
+    r"""The cached library's file name: a hash of the source, compiler, machine, CPU and flags."""
+    real = _TYPES[dtype][0]
+    key = hashlib.sha256("\0".join([_SOURCE, cc, platform.machine(), _cpu_signature(),
+                                     *kernel_flags(dtype, heads)]).encode()).hexdigest()[:20]
+    return f"alti_l1_{real}_h{heads}_{key}.so"
+
+
+def file_sha256(path: str) -> str:
+    r"""SHA-256 of a file's bytes (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_private(path: str, data: bytes) -> None:
+    r"""Write ``data`` to ``path`` through a temporary file of the same folder (mode 0600) and an atomic rename."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp_")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _compile(cc: str, dtype: torch.dtype, heads: int, path: str) -> None:
+    r"""Compile the kernel into ``path`` (temporary name, atomic rename) and record its SHA-256 beside it."""
+    folder = os.path.dirname(path)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src = os.path.join(tmp, "alti_l1.c")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        built = os.path.join(tmp, "alti_l1.so")
+        subprocess.run([cc, *kernel_flags(dtype, heads), src, "-o", built], check=True, capture_output=True, timeout=120)
+        os.chmod(built, 0o700)
+        digest = file_sha256(built)
+        os.replace(built, path)  # atomic: a concurrent build of the same kernel is harmless
+    _write_private(path + ".sha256", (digest + "\n").encode())
+
+
+def cached_library_problem(path: str) -> Optional[str]:
+    r"""Why the cached library at ``path`` must not be loaded (None: it is the one this user built).
+
+    Refused: a missing or untrusted library or checksum file, or a library whose SHA-256 differs
+    from the checksum recorded when it was built (a planted, truncated or corrupted file).
+    """
+    for p in (path, path + ".sha256"):
+        if not os.path.exists(p):
+            return f"{os.path.basename(p)} is missing"
+        why = untrusted_reason(p)
+        if why is not None:
+            return f"{os.path.basename(p)} cannot be trusted: {why}"
+    try:
+        with open(path + ".sha256") as f:
+            recorded = f.read().strip()
+        actual = file_sha256(path)
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    if recorded != actual:
+        return f"its SHA-256 {actual[:16]}... differs from the one recorded at build time ({recorded[:16]}...)"
+    return None
+
+
+def _reference_distances(probs: Tensor, proj_j: Tensor, target: Tensor, causal: bool) -> Tensor:
+    r"""The distances of :func:`native_distances` in plain torch, float64 (the kernel's self-check)."""
+    p, u, y = probs.double(), proj_j.double(), target.double()
+    mixed = torch.einsum("hij,jhd->ijd", p, u)  # (Q, K, D): sum_h p[h, i, j] u[j, h]
+    d = (y[:, None, :] - mixed).abs().sum(-1)
+    if causal:
+        d = d.tril()
+    return d
+
+
+def kernel_self_check(fn: Callable, dtype: torch.dtype, heads: int) -> Optional[str]:
+    r"""Compare a loaded kernel with plain torch on a small problem that runs every code path.
+
+    Returns None when they agree to the dtype's rounding, else what differs. Covers the two-row
+    and one-row passes (an odd row count), causal and full rows, several source tiles, and a
+    width with a remainder after the vector part.
+    """
+    g = torch.Generator().manual_seed(1234)
+    vw = 64 // torch.empty((), dtype=dtype).element_size()
+    q, d = 37, vw + 3
+    probs = torch.rand(heads, q, q, generator=g, dtype=torch.float64).to(dtype)
+    proj = torch.randn(q, heads, d, generator=g, dtype=torch.float64).to(dtype)
+    target = torch.randn(q, d, generator=g, dtype=torch.float64).to(dtype)
+    eps = torch.finfo(dtype).eps
+    for causal in (False, True):
+        out = torch.zeros(q, q, dtype=dtype)
+        native_distances(fn, probs, proj, target, out, causal)
+        ref = _reference_distances(probs, proj, target, causal)
+        got = out.double().tril() if causal else out.double()
+        err = float((got - ref).abs().max())
+        scale = float(ref.abs().max()) + 1.0
+        if not err <= 64 * heads * d * eps * scale:
+            return f"{'causal' if causal else 'full'} rows differ from plain torch by {err:.3g} (scale {scale:.3g})"
+    return None
+
+
+def _load(path: str) -> Callable:
+    lib = ctypes.CDLL(path)
     fn = lib.alti_l1
     i64 = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i64,
                    i64, i64, i64, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _build(dtype: torch.dtype, heads: int) -> Optional[Callable]:
+    r"""Build (or load from the trusted cache) the kernel for ``dtype`` and ``heads``; None with a reason where it fails."""
+    cc = _compiler()
+    if cc is None:
+        _REASON["reason"] = "no C compiler (cc, gcc or clang) on PATH"
+        return None
+    folder = trusted_kernel_dir()
+    path = os.path.join(folder, kernel_file_name(dtype, heads, cc))
+    build = not (os.path.lexists(path) or os.path.lexists(path + ".sha256"))
+    if not build:
+        problem = cached_library_problem(path)
+        if problem is not None:  # planted, truncated or corrupted: never loaded, rebuilt once
+            warnings.warn(f"the cached native ALTI kernel {path!r} is not loaded: {problem}; rebuilding it",
+                          RuntimeWarning, stacklevel=3)
+            for p in (path, path + ".sha256"):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            build = True
+    if build:
+        try:
+            _compile(cc, dtype, heads, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            _REASON["reason"] = f"building the native ALTI kernel failed ({type(e).__name__}: {e} {detail[:300]!r})"
+            return None
+        problem = cached_library_problem(path)
+        if problem is not None:  # changed between our build and our load: someone else writes there
+            _REASON["reason"] = f"the native ALTI kernel at {path!r} changed after it was built ({problem})"
+            return None
+    try:
+        fn = _load(path)
+    except OSError as e:
+        _REASON["reason"] = f"loading the native ALTI kernel failed ({e})"
+        return None
+    wrong = kernel_self_check(fn, dtype, heads)
+    if wrong is not None:
+        _REASON["reason"] = f"the native ALTI kernel {path!r} failed its self-check: {wrong}"
+        warnings.warn(_REASON["reason"] + "; the other kernels are used", RuntimeWarning, stacklevel=3)
+        return None
+    return fn
+
+
+def clear_loaded_kernels() -> None:
+    r"""Forget the kernels loaded by this process (the next call checks the cache again; tests use it)."""
+    with _LOCK:
+        _LIBS.clear()
+        _REASON.clear()
 
 
 def alti_l1_kernel(dtype: torch.dtype, heads: int) -> Optional[Callable]:
