@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 from torch import Tensor, nn
 
 from captum_normattr.arch import registry as arch_registry
+from captum_normattr.models.quantization import check_quantization
 from captum_normattr.arch.registry import ARCHITECTURES, lookup
 from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
 from captum_normattr.models.weights import module_tensor, weight_and_bias
@@ -118,6 +119,7 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
         reason = spec.refusal(config)
         if reason is not None:
             raise UnsupportedModelError(f"captum_normattr cannot attribute {type(model).__name__}: {reason}.")
+        check_quantization(model, type(model).__name__)  # activation-quantizing layers: refused, with why
         return spec
     vision = ""
     if getattr(config, "patch_size", None) is not None or getattr(config, "image_size", None) is not None:

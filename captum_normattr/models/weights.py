@@ -25,6 +25,9 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.arch.spec import UnsupportedModelError
+from captum_normattr.models.quantization import ADVICE, check_quantization, dequantized, stored_weight_problem
+
 
 class WeightsNotReachableError(RuntimeError):
     r"""Raised for a weight on the ``meta`` device that no accelerate hook holds."""
@@ -167,9 +170,14 @@ def module_tensor(module: nn.Module, name: str, where: str = "") -> Optional[Ten
         return effective_lora_tensor(module, name, where)  # peft's .weight is the BASE weight: never read it
     t = getattr(module, name, None)
     if not isinstance(t, Tensor):
+        problem = stored_weight_problem(module, name)
+        if problem is not None:
+            check_quantization(module, where or type(module).__name__)  # activation-quantizing: why, what to do
+            raise UnsupportedModelError(f"{where or type(module).__name__}: {problem}; captum_normattr reads plain, "
+                                        f"torchao or torch-quantized weight tensors only: {ADVICE}")
         return None
     if t.device.type != "meta":
-        return t
+        return dequantized(t)  # a weight-only quantized weight: the values the model multiplies by
     for hook in _hooks(module):
         weights = getattr(hook, "weights_map", None)
         if weights is None:
