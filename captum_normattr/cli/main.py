@@ -311,7 +311,7 @@ def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], 
         CLIError: when ``output`` is an input (also through symbolic or hard links), an existing
             file of the model folder, a directory, or cannot be created or written.
     """
-    from captum_normattr.cli.dataset.run import same_file
+    from captum_normattr.cli.dataset.resume import same_file
 
     if output is None:
         return
