@@ -221,7 +221,7 @@ def test_a_second_writer_is_refused_and_the_lock_is_released(model_dir, tmp_path
 
 
 def _load(model_dir):
-    model, tok, _ = cli.load_model(model_dir, "cpu")
+    model, tok, _ = cli_common.load_model(model_dir, "cpu")
     return model, tok
 
 

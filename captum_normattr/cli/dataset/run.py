@@ -343,6 +343,7 @@ def explain_dataset(
     import argparse
 
     from captum_normattr.attr.methods import get_method
+    from captum_normattr.cli.common import inputs_device, is_decoder
 
     if output is not None and isinstance(source, (str, Path)) and same_file(Path(output).expanduser(),
                                                                           Path(source).expanduser()):
@@ -359,12 +360,8 @@ def explain_dataset(
     specs = [get_method(m) for m in dict.fromkeys(methods)]
     ns = argparse.Namespace(**dict(options or {}))
     if getattr(ns, "position", None) is None:
-        from captum_normattr.cli.common import is_decoder
-
         ns.position = "last" if is_decoder(model) else 0
-    from captum_normattr.models.weights import is_dispatched
-
-    device = None if is_dispatched(model) else next(model.parameters()).device
+    device = inputs_device(model)
     path = None if output is None else Path(output).expanduser()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ def test_records_hold_tokens_scores_and_completeness_per_method(model_dir, tmp_p
 
 
 def _load(model_dir):
-    from captum_normattr.cli.main import load_model
+    from captum_normattr.cli.common import load_model
 
     model, tok, _ = load_model(model_dir, "cpu")
     return model, tok
