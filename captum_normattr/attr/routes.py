@@ -232,7 +232,7 @@ class InformationFlowRoutes:
         self.model = model
         self.adapter = get_adapter(model)
         family = self.adapter.family
-        kind = layer_kind(self.adapter.topology, family)
+        kind = layer_kind(self.adapter.topology)
         if not self.adapter.causal:
             layers = self.adapter.features()[0]  # the topology, readable ("post-LN", "pre-LN", ...)
             raise NotImplementedError(
