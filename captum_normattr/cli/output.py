@@ -72,10 +72,8 @@ def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], 
         raise CLIError(f"cannot write -o {output}: permission denied")
 
 
-
-
 def save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str,
-                exclude_sink: bool = False) -> List[Path]:
+               exclude_sink: bool = False) -> List[Path]:
     r"""``--plots``: per text and method the layer grid, rollout map, score bars and component maps, and a
     comparison of the methods.
 
