@@ -194,6 +194,11 @@ class MethodSpec:
         return self.description
 
     @property
+    def llm(self) -> bool:
+        r"""The method explains positions of a causal LM (:meth:`explain_positions`; the LLM API and ``generate``)."""
+        return self.cls is not None and callable(getattr(self.cls, "explain_positions", None))
+
+    @property
     def class_name(self) -> str:
         return self.cls.__name__ if self.cls is not None else getattr(self.factory, "__name__", "factory")
 

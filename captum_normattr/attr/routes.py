@@ -2,8 +2,10 @@ r"""Information-flow routes of one prediction (Ferrando and Voita 2024), as a gr
 
 The math is in :mod:`captum_normattr.decompose.methods.routes`; this module captures the layers
 (one recorded forward pass, then the layers rerun top-down from their checkpointed inputs
-for the kept rows only) and packages the pruned graph (:class:`RouteGraph`: JSON, networkx,
-HTML). See docs/routes.md.
+for the kept rows only) and packages the pruned graph (:class:`RouteGraph`: JSON, networkx).
+Its HTML page is presentation: :func:`captum_normattr.present.interactive.routes_report_html`
+(this module imports nothing of :mod:`captum_normattr.present` or :mod:`captum_normattr.cli`).
+See docs/routes.md.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from captum_normattr.decompose.methods.routes import (
 )
 from captum_normattr.models.adapters import get_adapter, layer_modules
 from captum_normattr.models.weights import tensors_to
+
+__all__ = ["DEFAULT_THRESHOLD", "InformationFlowRoutes", "RouteGraph"]
 
 #: Default pruning threshold tau (the value of the paper's Llama 2 figures).
 DEFAULT_THRESHOLD = 0.04
@@ -191,25 +195,12 @@ class RouteGraph:
                 add(e["source"], e["target"], e)
         return g
 
-    def to_html(self, title: str = "") -> str:
-        r"""A self-contained HTML page (inline SVG drawn by inline JS, no network) of the graph."""
-        from captum_normattr.present.interactive import interactive_report_html
-
-        n = int(self.meta.get("seq_len", self.position + 1))
-        toks = self.tokens if self.tokens is not None else [str(i) for i in range(n)]
-        # the flow to the input tokens, as the row of the explained token (the report's rows
-        # belong to the last tokens, so it is shown where the explained token is the last one)
-        methods = {"route flow": self.token_flow()[None]} if self.position == len(toks) - 1 else {}
-        return interactive_report_html(toks, methods, routes=self.to_json(), title=title or "Information-flow routes")
-
-    def save_html(self, path: str, title: str = "") -> None:
-        r"""Write :meth:`to_html` to ``path`` (UTF-8)."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_html(title))
-
 
 class InformationFlowRoutes:
-    r"""Information-flow routes of a pre-LN decoder's prediction (Ferrando and Voita 2024).
+    r"""Information-flow routes of a causal decoder's prediction (Ferrando and Voita 2024).
+
+    The model's layer kind must decompose routes
+    (:meth:`~captum_normattr.decompose.kinds.base.LayerKind.require`); a bidirectional model is refused.
 
     For the prediction at one position i the graph starts at the final residual state x_{L,i}
     and is built top-down: at each layer every kept node keeps its incoming edges (the
@@ -232,19 +223,23 @@ class InformationFlowRoutes:
         >>> routes = InformationFlowRoutes(model)
         >>> g = routes.attribute(ids, attention_mask=mask, position=-1, threshold=0.04)
         >>> g.top_heads(3), g.to_json()["edges"][:2]
-        >>> nxg = g.to_networkx(); html = g.to_html()
+        >>> nxg = g.to_networkx()
+        >>> from captum_normattr.present.interactive import routes_report_html
+        >>> html = routes_report_html(g)
     """
 
     def __init__(self, model: nn.Module, memory_budget_mb: float = ROUTES_MEMORY_BUDGET_MB) -> None:
         self.model = model
         self.adapter = get_adapter(model)
-        if not (self.adapter.pre_ln and self.adapter.causal):
+        family = self.adapter.family
+        kind = layer_kind(self.adapter.topology)
+        if not self.adapter.causal:
+            layers = self.adapter.features()[0]  # the topology, readable ("post-LN", "pre-LN", ...)
             raise NotImplementedError(
-                f"information-flow routes are implemented for causal decoders with norms inside the branches "
-                f"({supported_causal_families()}); the {self.adapter.family} family is "
-                f"{'post-LN' if not self.adapter.pre_ln else 'bidirectional'}"
+                f"information-flow routes are implemented for causal decoders ({supported_causal_families()}); "
+                f"the {family} family is bidirectional, with {layers} layers"
             )
-        layer_kind(self.adapter.topology, self.adapter.family).require("routes", self.adapter.family)
+        kind.require("routes", family)
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
     @log_usage()

@@ -1,1 +1,10 @@
-r"""captum_normattr.cli."""
+r"""The ``captum-normattr`` command line (:mod:`captum_normattr.cli.main`); ``python -m captum_normattr.cli`` runs it.
+
+Modules: :mod:`~captum_normattr.cli.main` (parsing, explaining texts), :mod:`~captum_normattr.cli.output`
+(what a text run writes), :mod:`~captum_normattr.cli.common` (what they share), :mod:`~captum_normattr.cli.seq2seq`
+(encoder-decoders), :mod:`~captum_normattr.cli.generate` (``generate``), :mod:`~captum_normattr.cli.images`
+(Vision Transformers) and :mod:`captum_normattr.cli.dataset` (dataset runs).
+"""
+from typing import List
+
+__all__: List[str] = []

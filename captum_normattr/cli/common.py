@@ -1,16 +1,20 @@
 r"""What the command-line modules share: errors, input files, model loading, devices, limits, one batch.
 
-:mod:`captum_normattr.cli.main` (texts), :mod:`captum_normattr.cli.seq2seq` (encoder-decoders),
-:mod:`captum_normattr.cli.dataset.run` (dataset runs) and :mod:`captum_normattr.present.vision` (images) import
-from here; this module imports none of them, so the command line has no import cycle.
+:mod:`captum_normattr.cli.main` (texts), :mod:`captum_normattr.cli.output` (what a text run writes),
+:mod:`captum_normattr.cli.seq2seq` (encoder-decoders), :mod:`captum_normattr.cli.generate` (``generate``),
+:mod:`captum_normattr.cli.images` (images) and :mod:`captum_normattr.cli.dataset` (dataset runs) import from
+here; this module imports none of them, so the command line has no import cycle. It is the command line's one
+door to :mod:`captum_normattr.models` (loading, the kind of model, position limits); the other command-line
+modules reach the models through it and through the attribution API.
 
 - :class:`CLIError`: a usage error (``captum-normattr: error: ...``, exit code 2).
 - Inputs: :func:`split_lines` (``\n`` / ``\r\n`` only), :func:`read_utf8`,
   :func:`read_stdin_lines`, :func:`read_text_lines`.
 - Models: :func:`load_model` (``trust_remote_code`` always explicit; :func:`check_remote_code`),
-  :func:`resolve_device`, :func:`is_decoder`, :func:`is_encoder_decoder`.
-- Limits: :func:`resolve_max_length` and :func:`check_max_length` (``--max-length``).
-- Running: :func:`build_attributions` and :func:`explain_batch` (one method on one batch).
+  :func:`resolve_device`, :func:`is_decoder`, :func:`is_encoder_decoder`, :func:`require_encoder_decoder`.
+- Limits: :func:`resolve_max_length` and :func:`check_max_length` (``--max-length``); :func:`model_adapter`
+  and :func:`inputs_device`.
+- Running: :func:`build_attributions`, :func:`build_alti_plus` and :func:`explain_batch` (one method on one batch).
 - Output: :func:`write_output` (``-o`` or stdout), :func:`can_print_blocks`.
 """
 from __future__ import annotations
@@ -21,17 +25,17 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from captum_normattr.attr.methods import MethodSpec
+from captum_normattr.attr.methods import MethodSpec, get_method
 
 PROG = "captum-normattr"
 #: the registry key of the encoder-decoder method, which has its own input and output (:mod:`captum_normattr.cli.seq2seq`)
 ALTI_PLUS = "alti-plus"
 
 __all__ = [
-    "ALTI_PLUS", "PROG", "REMOTE_CODE_FILES", "CLIError", "build_attributions", "can_print_blocks", "check_max_length",
-    "check_remote_code", "explain_batch", "is_decoder", "is_encoder_decoder", "load_model", "looks_like_path",
-    "position_limit", "read_stdin_lines", "read_text_lines", "read_utf8", "resolve_device", "resolve_max_length",
-    "split_lines", "write_output",
+    "ALTI_PLUS", "PROG", "REMOTE_CODE_FILES", "CLIError", "build_alti_plus", "build_attributions", "can_print_blocks",
+    "check_max_length", "check_remote_code", "explain_batch", "inputs_device", "is_decoder", "is_encoder_decoder",
+    "load_model", "looks_like_path", "model_adapter", "position_limit", "read_stdin_lines", "read_text_lines", "read_utf8", "require_encoder_decoder",
+    "resolve_device", "resolve_max_length", "split_lines", "write_output",
 ]
 
 
@@ -306,6 +310,53 @@ def is_encoder_decoder(model: Any) -> bool:
     return True
 
 
+def require_encoder_decoder(model: Any, model_name: str, need: str) -> None:
+    r"""Refuse a model that is not an encoder-decoder, saying what it is and which methods explain it.
+
+    Args:
+        model: the loaded model.
+        model_name: its readable name (for the message).
+        need: what asks for an encoder-decoder, e.g. ``"-m alti-plus needs"``.
+
+    Raises:
+        CLIError: when ``model`` is not an encoder-decoder with both stacks (:func:`is_encoder_decoder`).
+    """
+    from captum_normattr.models.seq2seq import supported_seq2seq_families
+
+    if is_encoder_decoder(model):
+        return
+    cfg = model.config
+    kind = "a decoder-only model" if is_decoder(model) or getattr(cfg, "is_decoder", False) else (
+        "not an encoder-decoder" if getattr(cfg, "is_encoder_decoder", False) else "an encoder-only model")
+    raise CLIError(
+        f"{need} an encoder-decoder model (source and target), one of: {supported_seq2seq_families()}; "
+        f"{model_name} is {kind} ({type(model).__name__}, model type {getattr(cfg, 'model_type', '?')!r}): "
+        "explain its texts as TEXT arguments with -m alti, globenc, decompx, ff"
+        + (" or alti-logit" if kind.startswith("a decoder") else "")
+    )
+
+
+def build_alti_plus(model: Any, conventions: str) -> Any:
+    r"""The registry's ALTI+ (:data:`ALTI_PLUS`) for an encoder-decoder.
+
+    Args:
+        model: the encoder-decoder.
+        conventions: ``"default"`` or ``"official"`` (``--conventions``).
+
+    Returns:
+        The :class:`~captum_normattr.attr.alti_plus.ALTIPlusAttribution`.
+
+    Raises:
+        CLIError: when ALTI+ cannot explain ``model``.
+    """
+    from captum_normattr.models.adapters import UnsupportedModelError
+
+    try:
+        return get_method(ALTI_PLUS).build(model, conventions=conventions)
+    except UnsupportedModelError as err:
+        raise CLIError(f"method {ALTI_PLUS!r} cannot explain this model: {err}") from None
+
+
 def is_decoder(model: Any) -> bool:
     r"""True for a decoder (``config.is_decoder`` or a ``*ForCausalLM`` / ``*LMHeadModel`` architecture)."""
     cfg = getattr(model, "config", None)
@@ -360,6 +411,42 @@ def build_attributions(specs: Sequence[MethodSpec], model: Any, options: argpars
         except (ValueError, TypeError, NotImplementedError) as err:
             raise CLIError(f"method {spec.key!r} cannot explain this model: {err}") from None
     return attrs
+
+
+def model_adapter(model: Any, what: str) -> Any:
+    r"""The architecture description of ``model`` (its adapter), or a :class:`CLIError` saying why there is none.
+
+    Args:
+        model: the loaded model.
+        what: what needs it, at the start of the message (``"--image: the model 'DIR'"``).
+
+    Returns:
+        The model's :class:`~captum_normattr.arch.spec.ArchitectureSpec`.
+
+    Raises:
+        CLIError: when no registered family describes the model.
+    """
+    from captum_normattr.models.adapters import get_adapter
+
+    try:
+        return get_adapter(model)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        raise CLIError(f"{what} cannot be explained: {err}") from None
+
+
+def inputs_device(model: Any) -> Any:
+    r"""Where a batch of token ids goes for ``model``: its first parameter's device, or None when accelerate
+    dispatched it over several devices (its hooks move the inputs).
+
+    Args:
+        model: the loaded model.
+
+    Returns:
+        A ``torch.device``, or None.
+    """
+    from captum_normattr.models.weights import is_dispatched
+
+    return None if is_dispatched(model) else next(model.parameters()).device
 
 
 def position_limit(model: Any) -> Optional[int]:

@@ -20,18 +20,31 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from captum_normattr.present.tokens import readable_tokens, terminal_lines, visible_text
 
 PROG = "captum-normattr generate"
-#: the methods of the command (registry keys)
-GENERATE_METHODS = ("alti-logit", "decompx", "alti", "globenc")
 QUANTITY_NAMES = {"logit": "logit", "logit-minus-foil": "logit_minus_foil", "logit-minus-mean": "logit_minus_mean"}
 
 
 class GenerateError(Exception):
     r"""A usage error of ``captum-normattr generate``: printed without a traceback, exit code 2."""
+
+
+def llm_methods() -> Tuple[str, ...]:
+    r"""The methods of ``generate``: the registry's methods that explain positions of a causal LM.
+
+    Returns:
+        Their registry keys (:data:`captum_normattr.attr.methods.METHODS`), in registry order.
+    """
+    from captum_normattr.attr import ALTILogitAttribution, DecompXAttribution
+    from captum_normattr.attr.base import LayerDecompositionAttribution
+    from captum_normattr.attr.methods import METHODS
+
+    # the classes DecompositionLLMAttribution explains, until each defines explain_positions (MethodSpec.llm)
+    return tuple(key for key, spec in METHODS.items() if spec.cls is not None and issubclass(
+        spec.cls, (ALTILogitAttribution, DecompXAttribution, LayerDecompositionAttribution)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (greedy; default 20)")
     p.add_argument("--target-text", default=None,
                    help="explain this continuation instead of generating (teacher forcing)")
-    p.add_argument("-m", "--method", nargs="+", default=["alti-logit"], choices=GENERATE_METHODS,
+    p.add_argument("-m", "--method", nargs="+", default=["alti-logit"], choices=llm_methods(),
                    help="method(s) (default alti-logit)")
     p.add_argument("--quantity", default="logit", choices=sorted(QUANTITY_NAMES),
                    help="signed methods: the explained quantity (default: the target logit; log-probabilities are "
@@ -136,11 +149,12 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
     quantity = QUANTITY_NAMES[args.quantity]
     record: Dict[str, Any] = {"model": args.model, "prompt": args.prompt, "methods": {}}
     for key in args.method:
+        spec = get_method(key)
         try:
-            attr = get_method(key).build(model)
+            attr = spec.build(model)
             llm = DecompositionLLMAttribution(attr, tok)
-            ex = llm.decompose(inp, target=target, quantity=quantity if attr_is_signed(key) else "logit",
-                               foil=args.foil if attr_is_signed(key) else None)
+            ex = llm.decompose(inp, target=target, quantity=quantity if spec.signed else "logit",
+                               foil=args.foil if spec.signed else None)
         except (ValueError, TypeError) as err:
             raise GenerateError(f"{key}: {err}") from None
         res = ex.to_captum(exclude_sink=args.exclude_sink)
@@ -174,10 +188,6 @@ def feature_text(tokenizer: Any, features: Any) -> List[str]:
         known = isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == f
         out.append(readable_tokens(tokenizer, [tid])[0] if known else f)
     return out
-
-
-def attr_is_signed(key: str) -> bool:
-    return key in ("alti-logit", "decompx")
 
 
 def render_table(record: Dict[str, Any], top: int = 5) -> str:
@@ -275,5 +285,5 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
-__all__ = ["GENERATE_METHODS", "GenerateError", "build_parser", "explain_generation_cli", "generate_main",
+__all__ = ["GenerateError", "build_parser", "explain_generation_cli", "feature_text", "generate_main", "llm_methods",
            "load_causal_lm", "render_html", "render_table", "simple_html_table"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
+
 from captum_normattr.present.vision import layer_patch_rows, patch_heatmap
 
 __all__ = ["run_image_cli"]
@@ -65,20 +66,15 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     from PIL import Image, UnidentifiedImageError
 
     from captum_normattr.attr.images import token_names
-    from captum_normattr.cli.common import CLIError
-    from captum_normattr.models.adapters import get_adapter
+    from captum_normattr.cli.common import CLIError, model_adapter
+    from captum_normattr.cli.output import use_agg_backend
     from captum_normattr.present.tokens import visible_text
 
     model, processor = load_image_model(args.model, bool(getattr(args, "trust_remote_code", False)))
-    try:
-        adapter = get_adapter(model)
-    except (ValueError, TypeError, NotImplementedError) as err:
-        raise CLIError(f"--image: the model {args.model!r} cannot be explained: {err}") from None
+    adapter = model_adapter(model, f"--image: the model {args.model!r}")
     plots = Path(args.plots).expanduser() if getattr(args, "plots", None) else None
     if plots is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
+        use_agg_backend()
         plots.mkdir(parents=True, exist_ok=True)
     labels = getattr(model.config, "id2label", {}) or {}
     out = sys.stdout
@@ -121,5 +117,3 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
                     plt.close(fig)
     return 0
 
-
-__all__ = ["image_for_display", "layer_patch_rows", "patch_heatmap", "run_image_cli"]

@@ -23,8 +23,10 @@ targets or greedy generation, a table per target token, JSON / JSON Lines record
 T x S source and T x T target contributions, and the contribution-matrix and source-share plots.
 
 What the command-line modules share (errors, input files, model loading, limits, one batch)
-is in :mod:`captum_normattr.cli.common`; ``--exclude-sink`` leaves the first token out of the
-table's scale, the HTML colours and the pictures, never out of the scores (docs/cli.md).
+is in :mod:`captum_normattr.cli.common`; what a text run writes (the report, ``--plots``,
+``--html-maps``, the ``-o`` check) is in :mod:`captum_normattr.cli.output`. ``--exclude-sink``
+leaves the first token out of the table's scale, the HTML colours and the pictures, never
+out of the scores (docs/cli.md).
 
 Methods come from the registry, :data:`captum_normattr.attr.methods.METHODS` (re-exported
 here as :data:`METHODS`): its keys are the ``-m`` choices, and every option a method
@@ -45,7 +47,7 @@ warning on stderr naming the text and the number of tokens cut.
 Model folders with their own code (``auto_map``) are refused unless ``--trust-remote-code``
 is given: every ``from_pretrained`` gets ``trust_remote_code`` explicitly, so transformers never
 prompts. ``-o`` may not be an input, a directory or unwritable; input lines end at ``\n`` /
-``\r\n`` only (:func:`split_lines`).
+``\r\n`` only (:func:`~captum_normattr.cli.common.split_lines`).
 
 Exit codes: 0 success, 2 usage errors (unknown model, method or file, bad option, bad ``-o``,
 a model with its own code, a folder without tokenizer), 1 for an error raised while explaining,
@@ -54,35 +56,28 @@ a model with its own code, a folder without tokenizer), 1 for an error raised wh
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from captum_normattr.cli.common import (  # noqa: F401 - PROG ... read_utf8 are public here as before
+from captum_normattr.cli.common import (
     ALTI_PLUS,
     PROG,
-    REMOTE_CODE_FILES,
     CLIError,
     build_attributions,
-    can_print_blocks,
-    check_max_length,
-    check_remote_code,
     explain_batch,
     is_decoder,
     load_model,
     looks_like_path,
     read_stdin_lines,
     read_text_lines,
-    read_utf8,
     resolve_device,
     resolve_max_length,
-    split_lines,
-    write_output,
 )
+from captum_normattr.cli.output import check_output_path, use_agg_backend, write_results
 from captum_normattr.progress import progress_bar
 from captum_normattr.attr.methods import METHODS, MethodSpec, OptionSpec, get_method, register_method
-from captum_normattr.present.tokens import json_for_terminal, terminal_lines, visible_text
+from captum_normattr.present.tokens import terminal_lines
 
 __all__ = ["CLIError", "METHODS", "MethodSpec", "build_parser", "explain", "main", "method_options", "register_method"]
 
@@ -296,45 +291,7 @@ def read_texts(texts: Sequence[str], file: Optional[str]) -> List[str]:
     return out
 
 
-# --------------------------------------------------------------------------- paths
-
-
-def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], model: Optional[str] = None) -> None:
-    r"""Refuse an ``-o`` path that would destroy an input or cannot be written, before anything runs.
-
-    Args:
-        output: the ``-o`` path (None: stdout, nothing to check).
-        inputs: (what, path) of every input file (``--file``, ``--image``).
-        model: the ``--model`` value; an existing file inside a local model folder is refused too.
-
-    Raises:
-        CLIError: when ``output`` is an input (also through symbolic or hard links), an existing
-            file of the model folder, a directory, or cannot be created or written.
-    """
-    from captum_normattr.cli.dataset.run import same_file
-
-    if output is None:
-        return
-    out = Path(output).expanduser()
-    for what, name in inputs:
-        if same_file(out, Path(name).expanduser()):
-            raise CLIError(f"-o {output} is the {what} {name}: writing there would replace the input; "
-                           "give another output path")
-    if model is not None and out.exists():
-        folder = Path(model).expanduser()
-        if folder.is_dir() and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(folder)):
-            raise CLIError(f"-o {output} is a file of the model folder {model}; give another output path")
-    if out.is_dir():
-        raise CLIError(f"-o {output} is a directory; give a file path (e.g. {out / 'out.jsonl'})")
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise CLIError(f"cannot write -o {output}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise CLIError(f"cannot write -o {output}: permission denied")
-
-
+# --------------------------------------------------------------------------- explaining
 
 
 def _batches(items: Sequence[str], size: int) -> Iterator[Tuple[int, Sequence[str]]]:
@@ -536,56 +493,6 @@ def _component_maps(res: Any, b: int) -> Dict[str, Any]:
     return out
 
 
-def _save_plots(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], folder: Path, fmt: str,
-                exclude_sink: bool = False) -> List[Path]:
-    r"""``--plots``: per text and method the layer grid, rollout map, score bars and component maps, and a
-    comparison of the methods; ``exclude_sink`` leaves the first token out of every picture."""
-    from captum_normattr.present import visualization as V
-
-    sink = {"exclude_sink": exclude_sink}
-
-    written = []
-    for n, (ex, per_method) in enumerate(zip(exps, maps), start=1):
-        for label, m in per_method.items():
-            stem = _slug(label)
-            toks = m["tokens"]
-            written.append(V.save_figure(V.plot_layer_grid(m["layer_maps"], toks, title=f"{label} — layer maps", **sink),
-                                         folder / f"text{n:03d}_{stem}_layers.{fmt}"))
-            written.append(V.save_figure(V.plot_token_map(m["rollout"], toks, title=f"{label} — rollout", **sink),
-                                         folder / f"text{n:03d}_{stem}_rollout.{fmt}"))
-            written.append(V.save_figure(V.plot_rollout_row(m["scores"], toks, title=label,
-                                                            explained_position=m["explained_position"], **sink),
-                                         folder / f"text{n:03d}_{stem}_scores.{fmt}"))
-            if m.get("components"):
-                fig = V.plot_component_maps(m["components"], toks, title=f"{label} — last layer, component scopes",
-                                            **sink)
-                written.append(V.save_figure(fig, folder / f"text{n:03d}_{stem}_components.{fmt}"))
-        if len(ex.scores) > 1:
-            written.append(V.save_figure(V.plot_method_comparison(ex.scores, ex.tokens, title=ex.text[:80], **sink),
-                                         folder / f"text{n:03d}_comparison.{fmt}"))
-    return written
-
-
-def _embed_maps(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], exclude_sink: bool = False) -> None:
-    r"""``--html-maps``: the layer grid and rollout map of every text and method, as PNG data in the report."""
-    from captum_normattr.present import visualization as V
-    from captum_normattr.present.report import figure_to_data_uri
-
-    for ex, per_method in zip(exps, maps):
-        for label, m in per_method.items():
-            fig = V.plot_layer_grid(m["layer_maps"], m["tokens"], title=f"{label} — layer maps", exclude_sink=exclude_sink)
-            ex.figures[label] = figure_to_data_uri(fig, "png")
-            ex.figures[f"{label} — rollout"] = figure_to_data_uri(
-                V.plot_token_map(m["rollout"], m["tokens"], title=f"{label} — rollout", exclude_sink=exclude_sink), "png")
-
-
-def _slug(s: str) -> str:
-    out = "".join(c if c.isalnum() else "_" for c in s).strip("_").lower()
-    while "__" in out:
-        out = out.replace("__", "_")
-    return out or "method"
-
-
 def _list_methods() -> str:
     r"""``--list-methods``: every registered method, its description, options and properties."""
     width = max(len(k) for k in METHODS)
@@ -651,14 +558,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CLIError(f"--exclude-sink leaves the first token out, --aggregate {args.aggregate} shows "
                        f"{args.aggregate}s without the special tokens: use one of them (the first token's share, "
                        "sink_share, is reported either way)")
-    if (args.html_maps or args.plots):
-        try:
-            import matplotlib
-        except ImportError:
-            from captum_normattr.present.visualization import MISSING_MATPLOTLIB_MESSAGE
-
-            raise CLIError(MISSING_MATPLOTLIB_MESSAGE) from None
-        matplotlib.use("Agg")
+    if args.html_maps or args.plots:
+        use_agg_backend()
     given = list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
     if SUBCOMMAND in given:
         print(f"{PROG}: note: explaining the word {SUBCOMMAND!r} as a text; the subcommand {SUBCOMMAND!r} is "
@@ -682,26 +583,7 @@ def _run(args: argparse.Namespace) -> int:
                 aggregate=args.aggregate, exclude_sink=args.exclude_sink or None,
                 scores="raw attributions as computed (not shares); row_totals: their sum over the tokens of the text")
     meta = {k: v for k, v in meta.items() if v is not None}
-    if args.plots:
-        written = _save_plots(exps, maps, Path(args.plots).expanduser(), args.plot_format, args.exclude_sink)
-        if not args.quiet:
-            print(f"{PROG}: wrote {len(written)} pictures to {visible_text(args.plots)}", file=sys.stderr)
-    from captum_normattr.present import report
-
-    if fmt == "json":
-        text = report.render_json(exps, meta)
-        if args.output is None:  # the same JSON, with bidi overrides and C1 controls as \u escapes
-            text = json_for_terminal(text)
-    elif fmt == "html":
-        if args.html_maps:
-            _embed_maps(exps, maps, args.exclude_sink)
-        text = report.render_html(exps, meta, title=f"{PROG}: {model_name}", exclude_sink=args.exclude_sink)
-    else:
-        text = report.render_table(exps, ascii_only=args.ascii or not can_print_blocks(), shares=not args.raw,
-                                   exclude_sink=args.exclude_sink)
-    write_output(text, args.output)
-    if args.output and not args.quiet:
-        print(f"{PROG}: wrote {visible_text(args.output)}", file=sys.stderr)
+    write_results(exps, maps, meta, args, fmt, model_name)
     return 0
 
 

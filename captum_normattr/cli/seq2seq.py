@@ -19,22 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from captum_normattr.attr.methods import MethodSpec
 from captum_normattr.cli.common import (
     ALTI_PLUS,
     PROG,
     CLIError,
+    build_alti_plus,
     can_print_blocks,
-    is_decoder,
-    is_encoder_decoder,
     load_model,
     read_stdin_lines,
     read_text_lines,
+    require_encoder_decoder,
     resolve_device,
     resolve_max_length,
     write_output,
 )
+from captum_normattr.cli.output import use_agg_backend
 from captum_normattr.progress import progress_bar
-from captum_normattr.attr.methods import MethodSpec
 from captum_normattr.present.tokens import display_token, json_for_terminal, readable_tokens, visible_text
 
 __all__ = ["SourcePair", "explain_pairs", "read_pairs", "render_seq2seq_table", "run_seq2seq"]
@@ -258,13 +259,7 @@ def explain_pairs(pairs: Sequence[SourcePair], model: Any, tokenizer: Any, optio
         ``target_contributions`` (T x T, lower triangular), ``source_share`` (T) and
         ``completeness_error``; every row of [source | target] sums to 1.
     """
-    from captum_normattr.attr.alti_plus import ALTIPlusAttribution
-    from captum_normattr.models.adapters import UnsupportedModelError
-
-    try:
-        alti = ALTIPlusAttribution(model, conventions=options.conventions)
-    except UnsupportedModelError as err:
-        raise CLIError(f"method {ALTI_PLUS!r} cannot explain this model: {err}") from None
+    alti = build_alti_plus(model, options.conventions)
     device = next(model.parameters()).device
     max_len = resolve_max_length(model, tokenizer, options.max_length)
     groups = [[p for p in pairs if p.target is not None], [p for p in pairs if p.target is None]]
@@ -358,8 +353,6 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
     """
     import json
 
-    from captum_normattr.models.seq2seq import supported_seq2seq_families
-
     others = [s.key for s in specs if s.key != ALTI_PLUS]
     if others:
         if len(others) < len(specs):
@@ -373,28 +366,13 @@ def run_seq2seq(args: argparse.Namespace, specs: Sequence[MethodSpec], fmt: str)
         if bad:
             raise CLIError(f"{flag} does not apply to {ALTI_PLUS}: use --format table, json or jsonl, and --plots DIR")
     if args.plots:
-        try:
-            import matplotlib
-        except ImportError:
-            from captum_normattr.present.visualization import MISSING_MATPLOTLIB_MESSAGE
-
-            raise CLIError(MISSING_MATPLOTLIB_MESSAGE) from None
-        matplotlib.use("Agg")
+        use_agg_backend()
     sources = list(args.source or []) + list(args.texts) + list(getattr(args, "trailing_texts", None) or [])
     pairs = read_pairs(sources, args.target_text, args.file)
     device = resolve_device(args.device)
     model, tok, model_name = load_model(args.model, device, getattr(args, "trust_remote_code", False))
-    if not is_encoder_decoder(model):
-        cfg = model.config
-        kind = "a decoder-only model" if is_decoder(model) or getattr(cfg, "is_decoder", False) else (
-            "not an encoder-decoder" if getattr(cfg, "is_encoder_decoder", False) else "an encoder-only model")
-        need = "--source needs" if args.source and not args.method else f"-m {ALTI_PLUS} needs"
-        raise CLIError(
-            f"{need} an encoder-decoder model (source and target), one of: {supported_seq2seq_families()}; "
-            f"{model_name} is {kind} ({type(model).__name__}, model type {getattr(cfg, 'model_type', '?')!r}): "
-            "explain its texts as TEXT arguments with -m alti, globenc, decompx, ff"
-            + (" or alti-logit" if kind.startswith("a decoder") else "")
-        )
+    need = "--source needs" if args.source and not args.method else f"-m {ALTI_PLUS} needs"
+    require_encoder_decoder(model, model_name, need)
     if tok.pad_token_id is None and getattr(tok, "eos_token", None) is not None:
         tok.pad_token = tok.eos_token
     records = explain_pairs(pairs, model, tok, args, progress=not args.quiet)

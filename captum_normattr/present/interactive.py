@@ -4,7 +4,8 @@ r"""A self-contained interactive HTML report: token maps, layer maps and informa
 data embedded as compact JSON (no network, no external file). Hover a token to see its row of
 the selected map (the map's row r = the attributions of output/position r over the T
 tokens), switch methods, step through layers of per-layer maps, and see a route graph
-(:class:`~captum_normattr.attr.routes.RouteGraph`) drawn as SVG by the page's script.
+(:class:`~captum_normattr.attr.routes.RouteGraph`) drawn as SVG by the page's script
+(:func:`routes_report_html`: the page of a graph alone).
 Large maps are quantised (int8 per row, with the row's scale) and decoded one row at a time,
 so a 2,000-token input stays usable: the page holds T token elements, never T^2. See
 docs/interactive.md.
@@ -14,9 +15,15 @@ from __future__ import annotations
 import base64
 import html
 import json
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # the graph's type only: attribution never imports presentation, nor this module it
+    from captum_normattr.attr.routes import RouteGraph
+
+__all__ = ["QUANTISE_ABOVE", "encode_rows", "interactive_report_html", "routes_report_html", "write_interactive_report",
+           "write_routes_report"]
 
 #: Maps with more numbers than this are stored quantised (int8 per row with the row's max |value|).
 QUANTISE_ABOVE = 65536
@@ -156,6 +163,48 @@ def write_interactive_report(path: str, tokens: Sequence[str], methods: Mapping[
     page = interactive_report_html(tokens, methods, **kwargs)
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
+    return path
+
+
+
+def routes_report_html(graph: "RouteGraph", title: str = "") -> str:
+    r"""The interactive page of a route graph alone: the graph as SVG, and the flow to the input tokens.
+
+    The flow reaching each input token (:meth:`~captum_normattr.attr.routes.RouteGraph.token_flow`)
+    is shown as the explained token's row; the page's rows belong to the last tokens, so it is
+    shown where the explained token is the last one.
+
+    Args:
+        graph: a :class:`~captum_normattr.attr.routes.RouteGraph` (its tokens, or their indices
+            where it has none).
+        title: the page title (default "Information-flow routes").
+
+    Returns:
+        The HTML text (:func:`interactive_report_html`; self-contained, SVG drawn by inline JS).
+
+    Examples::
+
+        >>> g = InformationFlowRoutes(model).attribute(ids, tokens=toks)
+        >>> page = routes_report_html(g, title="routes")
+    """
+    n = int(graph.meta.get("seq_len", graph.position + 1))
+    toks = graph.tokens if graph.tokens is not None else [str(i) for i in range(n)]
+    methods = {"route flow": graph.token_flow()[None]} if graph.position == len(toks) - 1 else {}
+    return interactive_report_html(toks, methods, routes=graph.to_json(), title=title or "Information-flow routes")
+
+
+def write_routes_report(path: str, graph: "RouteGraph", title: str = "") -> str:
+    r"""Write :func:`routes_report_html` to ``path`` (UTF-8) and return the path.
+
+    Args:
+        path: the output file.
+        graph, title: as for :func:`routes_report_html`.
+
+    Returns:
+        ``path``.
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(routes_report_html(graph, title))
     return path
 
 

@@ -8,9 +8,8 @@ Matplotlib is needed for the pictures (``pip install matplotlib``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
-import torch
 from torch import Tensor
 
 __all__ = ["image_for_display", "layer_patch_rows", "patch_heatmap"]

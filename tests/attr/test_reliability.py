@@ -17,7 +17,7 @@ from captum_normattr import (
     GlobEncAttribution,
 )
 from captum_normattr.evaluation import SequenceClassifier
-from captum_normattr.present.visualization import normalize_scores
+from captum_normattr.present.captum_interop import normalize_scores
 from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
 from cli_models import TEXTS, run, tiny_model  # noqa: F401 (tiny_model is a fixture)

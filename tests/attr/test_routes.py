@@ -207,7 +207,9 @@ def test_exports():
     total = sum(sum(p["importance"] for p in nxg[u][v]["parts"]) for u, v in nxg.edges)
     ff = sum(e["importance"] for e in g.edges if e["kind"] == "ff")
     assert abs(total - (sum(e["importance"] for e in g.edges) + ff)) < 1e-9  # FF edges appear twice (m->f->x)
-    html = g.to_html()
+    from captum_normattr.present.interactive import routes_report_html
+
+    html = routes_report_html(g)
     assert html.startswith("<!DOCTYPE html>") and "<script>" not in html.split("report-data")[1].split("</script>")[0]
     assert "src=" not in html and "https:" not in html  # self-contained: nothing to fetch
 

@@ -117,3 +117,22 @@ def test_feature_labels_are_readable_text():
         assert not any(g.startswith(("Ġ", "▁")) for g in got), got
         assert got[-1] == "a whole value" and got[:-1] != raw
         assert [g.strip() for g in got[:-1]] == [g.strip() for g in readable_tokens_of(tok, raw)]
+
+
+def test_methods_and_signedness_come_from_the_registry(capsys, tiny_lm):
+    r"""``-m`` takes the registry's LLM methods (:func:`llm_methods`), each signed as its registry entry says."""
+    from captum_normattr.attr.methods import get_method
+    from captum_normattr.cli.generate import llm_methods
+
+    keys = llm_methods()
+    assert {"alti-logit", "decompx", "alti", "globenc"} <= set(keys) and "alti-plus" not in keys
+    code, out, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--max-new-tokens", "2", "-m", *keys,
+                         "--quantity", "logit-minus-mean", "--format", "json")
+    assert code == 0, err
+    methods = json.loads(out)["methods"]
+    assert sorted(m["key"] for m in methods.values()) == sorted(keys)
+    for m in methods.values():
+        assert m["signed"] is get_method(m["key"]).signed
+        assert m["quantity"] == ("logit_minus_mean" if m["signed"] else "rollout")
+    code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "-m", "alti-plus")
+    assert code == 2 and "invalid choice" in err

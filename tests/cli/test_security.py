@@ -21,6 +21,7 @@ from captum_normattr.cli import main as cli
 
 from captum_normattr.cli import common as cli_common
 
+from captum_normattr.cli.dataset import resume
 from captum_normattr.cli.dataset import run as runs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_an_output_that_is_an_input_is_refused_through_symlinks(model_dir, tmp_p
     assert data.read_bytes() == before
     code = cli.main(["--model", model_dir, "--file", str(data), "-o", str(data), "--format", "json", "-q"])
     assert code == 2 and data.read_bytes() == before
-    with pytest.raises(runs.OutputError, match="is the input"):  # the Python form too
+    with pytest.raises(resume.OutputError, match="is the input"):  # the Python form too
         runs.explain_dataset(str(data), output=tmp_path / "link.jsonl", progress=False)
     assert data.read_bytes() == before
 
@@ -201,7 +202,7 @@ def test_a_second_writer_is_refused_and_the_lock_is_released(model_dir, tmp_path
         fcntl.flock(held, fcntl.LOCK_EX)
         proc = _cli("--model", model_dir, "--file", texts, "-o", out, "-q")
         _one_line_error(proc, "being written by another run", "another -o")
-        with pytest.raises(runs.OutputError, match="another run"):
+        with pytest.raises(resume.OutputError, match="another run"):
             runs.explain_dataset(str(texts), *_load(model_dir), methods=["alti"], output=out, progress=False)
         assert not out.exists() and not list(tmp_path.glob("out.jsonl.part-*"))
     lock.unlink()
@@ -220,7 +221,7 @@ def test_a_second_writer_is_refused_and_the_lock_is_released(model_dir, tmp_path
 
 
 def _load(model_dir):
-    model, tok, _ = cli.load_model(model_dir, "cpu")
+    model, tok, _ = cli_common.load_model(model_dir, "cpu")
     return model, tok
 
 

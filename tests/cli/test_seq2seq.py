@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from captum_normattr.cli import common as cli_common
 from captum_normattr.cli import main as cli
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution, explain_generation
 from seq2seq_models import perturb as _perturb  # away from the near-zero init, so the shares are far from 0 and 1
@@ -50,7 +51,7 @@ def marian(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def loaded(marian):
-    model, tok, _ = cli.load_model(marian, torch.device("cpu"))
+    model, tok, _ = cli_common.load_model(marian, torch.device("cpu"))
     assert model.dtype == torch.float64
     return model, tok
 

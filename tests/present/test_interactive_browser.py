@@ -326,10 +326,11 @@ def test_two_thousand_tokens(browser, tmp_path):
 
 def test_route_graph_page(browser, tmp_path):
     from captum_normattr.attr.routes import RouteGraph
+    from captum_normattr.present.interactive import write_routes_report
 
     g = RouteGraph.from_json(_routes_json(HOSTILE))
     path = tmp_path / "routes.html"
-    g.save_html(str(path))
+    write_routes_report(str(path), g)
     browser.open(str(path))
     assert browser.js("document.querySelectorAll('#routes-svg line.edge').length") == len(g.edges)
     assert browser.js("document.getElementById('method').value") == "m:route flow"

@@ -12,6 +12,7 @@ import matplotlib  # noqa: E402  (the `test` extra installs it)
 
 matplotlib.use("Agg")
 
+from captum_normattr.present import captum_interop as CI  # noqa: E402
 from captum_normattr.present import visualization as V  # noqa: E402
 from captum_normattr.present import visualization_seq2seq as VS  # noqa: E402
 from captum_normattr.present.report import TextExplanation, render_html, render_json, render_table  # noqa: E402
@@ -35,7 +36,7 @@ def test_visualization_records_escape_tokens_for_captum_html():
     from captum.attr import visualization as captum_viz
 
     scores = torch.tensor([0.1, 0.5, 0.2, 0.1, 0.1])
-    recs = V.to_visualization_records(scores, EVIL_TOKENS, pred_classes="<b>pos</b>",
+    recs = CI.to_visualization_records(scores, EVIL_TOKENS, pred_classes="<b>pos</b>",
                                       true_classes="<i>", attr_classes="<u>x</u>")
     page = captum_viz.visualize_text(recs, legend=False).data
     assert "<img" not in page and "<script>" not in page and "<b>pos</b>" not in page and "<u>x</u>" not in page
@@ -48,7 +49,7 @@ def test_visualization_records_of_a_result_escape_the_method_name():
     from captum_normattr.result import AttributionResult
 
     res = AttributionResult("<svg onload=alert(3)>", torch.tensor([[0.2, 0.8]]), torch.ones(1, 2))
-    rec = V.to_visualization_records(res, ["ok", EVIL_TAG])[0]
+    rec = CI.to_visualization_records(res, ["ok", EVIL_TAG])[0]
     assert rec.attr_class == "&lt;svg onload=alert(3)&gt;" and rec.raw_input_ids[1] == html.escape(EVIL_TAG)
 
 

@@ -14,6 +14,7 @@ import torch
 import matplotlib  # the `test` extra installs it: run or fail, never skip  # noqa: E402
 matplotlib.use("Agg")
 
+from captum_normattr.present import captum_interop as CI  # noqa: E402
 from captum_normattr.present import visualization as V  # noqa: E402
 
 TOKENS = ["[CLS]", "the", "film", "was", "great", "[SEP]"]
@@ -165,11 +166,11 @@ def test_example_from_result_removes_pads():
 
 
 def test_normalize_scores():
-    s = V.normalize_scores(torch.tensor([[2.0, -4.0, 1.0], [0.0, 0.0, 0.0]]))
+    s = CI.normalize_scores(torch.tensor([[2.0, -4.0, 1.0], [0.0, 0.0, 0.0]]))
     assert s.abs().max() <= 1.0
     assert s[0].tolist() == [0.5, -1.0, 0.25]
     assert s[1].tolist() == [0.0, 0.0, 0.0]
-    m = V.normalize_scores([5.0, 1.0, 100.0], mask=[1, 1, 0])
+    m = CI.normalize_scores([5.0, 1.0, 100.0], mask=[1, 1, 0])
     assert m.tolist() == pytest.approx([1.0, 0.2, 0.0])
 
 
@@ -179,7 +180,7 @@ def test_visualization_records_and_visualize_text():
 
     res = make_result(lengths=(6, 4))
     res.scores = res.scores * 7.0  # beyond [-1, 1]
-    recs = V.to_visualization_records(res, [TOKENS, TOKENS[:4]], pred_probs=[0.9, 0.6],
+    recs = CI.to_visualization_records(res, [TOKENS, TOKENS[:4]], pred_probs=[0.9, 0.6],
                                       pred_classes=["pos", "neg"], true_classes=["pos", "pos"])
     assert len(recs) == 2
     assert recs[0].raw_input_ids == TOKENS and recs[1].raw_input_ids == TOKENS[:4]
@@ -192,23 +193,23 @@ def test_visualization_records_and_visualize_text():
 
 
 def test_visualization_records_plain_scores():
-    recs = V.to_visualization_records(torch.tensor([0.2, 0.4]), ["a", "b"], normalize=False)
+    recs = CI.to_visualization_records(torch.tensor([0.2, 0.4]), ["a", "b"], normalize=False)
     assert recs[0].word_attributions.tolist() == pytest.approx([0.2, 0.4])
     with pytest.raises(ValueError):
-        V.to_visualization_records(torch.rand(2, 3), [["a", "b", "c"]])
+        CI.to_visualization_records(torch.rand(2, 3), [["a", "b", "c"]])
 
 
 def test_llm_attribution_result_from_rollout():
     toks = ["The", " cat", " sat", " on", " the"]
     roll = torch.tril(torch.rand(5, 5))
-    r = V.to_llm_attribution_result(roll, toks, prompt_length=3)
+    r = CI.to_llm_attribution_result(roll, toks, prompt_length=3)
     assert r.input_tokens == toks[:3] and r.output_tokens == toks[3:]
     assert tuple(r.token_attr.shape) == (2, 3)
     torch.testing.assert_close(r.token_attr[0], roll[2, :3].float())  # " on" predicted at row 2
     torch.testing.assert_close(r.token_attr[1], roll[3, :3].float())
     torch.testing.assert_close(r.seq_attr, r.token_attr.sum(0))
     # single predicted next token after the prompt
-    r1 = V.to_llm_attribution_result(roll[:3, :3], toks[:3], 3, output_tokens=[" on"])
+    r1 = CI.to_llm_attribution_result(roll[:3, :3], toks[:3], 3, output_tokens=[" on"])
     torch.testing.assert_close(r1.token_attr[0], roll[2, :3].float())
     import matplotlib.pyplot as plt
 
@@ -217,12 +218,12 @@ def test_llm_attribution_result_from_rollout():
     plt.close(fig)
     plt.close(fig2)
     with pytest.raises(ValueError):
-        V.to_llm_attribution_result(roll, toks[:4], 2)
+        CI.to_llm_attribution_result(roll, toks[:4], 2)
 
 
 def test_llm_attribution_result_from_padded_result():
     res = make_result(lengths=(6, 4), left_pad=True)
-    r = V.to_llm_attribution_result(res, ["a", "b", "c", "d"], 2, b=1, normalize=True)
+    r = CI.to_llm_attribution_result(res, ["a", "b", "c", "d"], 2, b=1, normalize=True)
     ex = V.example_from_result(res, 1)
     expected = ex["rollout"][1:3, :2].float()
     torch.testing.assert_close(r.token_attr, expected / expected.abs().max())
@@ -343,11 +344,11 @@ def test_sink_share_and_rankings_leave_the_first_token_out_on_request():
 
 def test_normalisation_and_visualization_records_without_the_sink():
     res = _sink_result()
-    n = V.normalize_scores(res.scores, res.attention_mask, exclude_sink=True)
+    n = CI.normalize_scores(res.scores, res.attention_mask, exclude_sink=True)
     assert n[0].tolist() == pytest.approx([0.0, 1.0, 1 / 3, -1.0, 2 / 3])  # max over |1|, |-3|, |2|; sink clipped
     assert n[1].tolist() == pytest.approx([1.0, 0.25, 1.0, 0.125, 0.0])
-    assert V.normalize_scores([5.0], exclude_sink=True).tolist() == [1.0]  # one token: nothing to leave out
-    recs = V.to_visualization_records(res, [["a", "b", "c", "d"], ["e", "f", "g", "h"]], exclude_sink=True)
+    assert CI.normalize_scores([5.0], exclude_sink=True).tolist() == [1.0]  # one token: nothing to leave out
+    recs = CI.to_visualization_records(res, [["a", "b", "c", "d"], ["e", "f", "g", "h"]], exclude_sink=True)
     assert recs[0].word_attributions.tolist() == pytest.approx([1.0, 1 / 3, -1.0, 2 / 3])
     assert recs[0].attr_score == pytest.approx(8.0)  # raw sum kept
 

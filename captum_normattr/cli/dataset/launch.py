@@ -25,7 +25,7 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-__all__ = ["requested_cpu_processes", "spawn_cpu_processes"]
+__all__ = ["close_process_group", "launch_arguments", "requested_cpu_processes", "spawn_cpu_processes"]
 
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
                    "MV2_COMM_WORLD_SIZE", "TORCHELASTIC_RUN_ID")

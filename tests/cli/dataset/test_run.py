@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
+from captum_normattr.cli.dataset import inputs as dataset_inputs
 from captum_normattr.cli.dataset import run as runs
 from captum_normattr.cli.main import main
 from captum_normattr.models.loading import default_model_path
@@ -70,7 +71,7 @@ def test_records_hold_tokens_scores_and_completeness_per_method(model_dir, tmp_p
 
 
 def _load(model_dir):
-    from captum_normattr.cli.main import load_model
+    from captum_normattr.cli.common import load_model
 
     model, tok, _ = load_model(model_dir, "cpu")
     return model, tok
@@ -97,12 +98,12 @@ def test_inputs_of_every_kind(kind, tmp_path, monkeypatch):
                 return [r[name] for r in rows]
 
         monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_from_disk=lambda p: FakeDataset()))
-    items = runs.read_inputs(path, column="review", id_column="key")
+    items = dataset_inputs.read_inputs(path, column="review", id_column="key")
     assert [(it.id, it.text) for it in items] == [(r["key"], r["review"]) for r in rows]
     if kind == "dataset":
         monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: a message saying what to do
-        with pytest.raises(runs.InputError, match="pip install datasets"):
-            runs.read_inputs(path, column="review")
+        with pytest.raises(dataset_inputs.InputError, match="pip install datasets"):
+            dataset_inputs.read_inputs(path, column="review")
 
 
 def test_resume_skips_finished_ids_and_a_crash_loses_nothing(model_dir, tmp_path, monkeypatch):
@@ -211,13 +212,13 @@ def test_close_process_group_tears_down_a_started_group(tmp_path):
 def test_lines_split_only_at_newlines_and_a_byte_order_mark_is_dropped(tmp_path):
     odd = ["a\u2028b", "c\x85d", "e\x0cf", "g\rh"]  # str.splitlines() splits each of these
     (tmp_path / "t.txt").write_bytes(("\ufeff" + "\r\n".join(odd) + "\r\n").encode("utf-8"))
-    items = runs.read_inputs(tmp_path / "t.txt")
+    items = dataset_inputs.read_inputs(tmp_path / "t.txt")
     assert [(it.id, it.text) for it in items] == list(enumerate(odd, start=1))
     (tmp_path / "t.jsonl").write_bytes(("\ufeff" + "\n".join(json.dumps({"text": t}, ensure_ascii=False)
                                                              for t in odd) + "\n").encode("utf-8"))
-    assert [(it.id, it.text) for it in runs.read_inputs(tmp_path / "t.jsonl")] == list(enumerate(odd, start=1))
+    assert [(it.id, it.text) for it in dataset_inputs.read_inputs(tmp_path / "t.jsonl")] == list(enumerate(odd, start=1))
     (tmp_path / "t.csv").write_bytes("\ufefftext,id\r\nfirst,7\r\nsecond,8\r\n".encode("utf-8"))
-    items = runs.read_inputs(tmp_path / "t.csv", id_column="id")
+    items = dataset_inputs.read_inputs(tmp_path / "t.csv", id_column="id")
     assert [(it.id, it.text) for it in items] == [("7", "first"), ("8", "second")]
 
 
