@@ -44,6 +44,7 @@ __all__ = [
     "ClassifierHead",
     "Experts",
     "FeedForward",
+    "HEAD_FUNCTIONS",
     "Head",
     "Inputs",
     "Layer",
@@ -64,6 +65,9 @@ NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm", "identity")
 #: (:class:`Experts`; Mixtral, Qwen2-MoE, Qwen3-MoE), decomposed with the routing of the real
 #: forward pass held fixed (``docs/architectures.md``, "Mixtures of experts").
 FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
+#: The fixed functions a classification head may apply (:attr:`ClassifierHead.activation_fn`), by
+#: their name in ``torch``: the activation is ``getattr(torch, name)``.
+HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: Value projection layouts: ``plain`` (its own projection), ``fused`` (one projection whose
 #: output is ``count`` equal slices, the value being slice ``index``: GPT-2's [q | k | v]),
 #: ``interleaved`` (one projection whose output is per head [q_h | k_h | v_h]: GPT-NeoX),
@@ -332,12 +336,16 @@ class ClassifierHead:
     are from the model with the head (``*ForSequenceClassification``).
 
     Attributes:
-        dense: the first dense layer W_d (DeBERTa: ``pooler.dense``).
+        dense: the first dense layer W_d (DeBERTa: ``pooler.dense``; BERT: ``base_model.pooler.dense``).
         classifier: the output projection W_c.
-        activation: the activation module's path, or None (see ``activation_config``).
+        activation: the activation module's path, or None (see ``activation_config`` and
+            ``activation_fn``).
         activation_config: the config attribute naming a transformers activation that the
             head applies by name (DeBERTa's ``ContextPooler``: ``ACT2FN[config.pooler_hidden_act]``),
             or None.
+        activation_fn: a fixed elementwise function the head's forward calls, by its name in
+            :data:`HEAD_FUNCTIONS` (RoBERTa's ``torch.tanh``, DistilBERT's ``nn.ReLU`` applied
+            as ``relu``), or None.
         norm: a norm after the activation (ModernBERT's ``head.norm``), or None.
         position: the token the head reads.
         pooling_config: the config attribute choosing how the head pools the tokens
@@ -353,10 +361,16 @@ class ClassifierHead:
     norm: Optional[Norm] = None
     position: int = 0
     pooling_config: Optional[str] = None
+    activation_fn: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if (self.activation is None) == (self.activation_config is None):
-            raise ValueError(f"ClassifierHead {self.dense!r}: name the activation module or its config attribute (one)")
+        named = [a for a in (self.activation, self.activation_config, self.activation_fn) if a is not None]
+        if len(named) != 1:
+            raise ValueError(f"ClassifierHead {self.dense!r}: name the activation module, its config attribute "
+                             "or a fixed function (one)")
+        if self.activation_fn is not None and self.activation_fn not in HEAD_FUNCTIONS:
+            raise ValueError(f"ClassifierHead {self.dense!r}: unknown activation_fn {self.activation_fn!r} "
+                             f"(known: {', '.join(HEAD_FUNCTIONS)})")
 
 
 @dataclass(frozen=True)
@@ -379,9 +393,8 @@ class Head:
             ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
             A tanh is not linear: the decompositions explain the pre-cap logit, say so in
             the result, and report the capped one beside it.
-        classifier: the sequence-classification head (:class:`ClassifierHead`), for the
-            families whose classification head is described here rather than in
-            :data:`captum_normattr.models.heads.HEAD_ADAPTERS`, or None.
+        classifier: the sequence-classification head (:class:`ClassifierHead`) of the
+            family's ``*ForSequenceClassification`` models, or None (no head DecompX follows).
     """
 
     final_norm: Optional[Norm] = None

@@ -1,17 +1,19 @@
-r"""Declarative adapters for sequence-classification heads (DecompX propagates parts through them).
+r"""Sequence-classification and vision heads, read from the model (DecompX propagates parts through them).
 
-Every supported head reads the last layer's output at one position (token 0), applies a
-dense layer, an elementwise activation and an output projection:
+Every supported sequence-classification head reads the last layer's output at one position
+(token 0), applies a dense layer, an elementwise activation and an output projection:
 
     logits = act(h_0 W_d + b_d) W_c + b_c
 
-(dropout is the identity in eval mode). Paths are dotted attribute paths from the model
-with the head (``*ForSequenceClassification``). Adding a family is one
-:class:`HeadAdapter` entry in :data:`HEAD_ADAPTERS`, or a
-:class:`~captum_normattr.arch.spec.ClassifierHead` in the family's architecture description
-(``Head.classifier``: DeBERTa-v2's pooler, whose activation is named by the config;
-ModernBERT's head, which reads the final norm's output of token 0 or the mean over the real
-tokens and has a norm after its activation: logits = N(act(h W_d + b_d)) W_c + b_c).
+(dropout is the identity in eval mode). Where each head keeps its pieces is data of the
+family's architecture description (``Head.classifier``, a
+:class:`~captum_normattr.arch.spec.ClassifierHead`: BERT's pooler, the RoBERTa and ELECTRA
+classification heads, DistilBERT's ``pre_classifier``, DeBERTa-v2's pooler, whose activation is
+named by the config, ModernBERT's head, which reads the final norm's output of token 0 or the
+mean over the real tokens and has a norm after its activation:
+logits = N(act(h W_d + b_d)) W_c + b_c); :func:`find_classifier_head` resolves it for one
+model and :func:`head_params` reads its weights. Adding a family's head is one
+``ClassifierHead`` in its description.
 """
 from __future__ import annotations
 
@@ -27,26 +29,37 @@ from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
 from captum_normattr.models.capture.recorder import norm_params
 
+__all__ = [
+    "HeadParams",
+    "LinearTokenHead",
+    "ResolvedHead",
+    "VISION_HEADS",
+    "find_classifier_head",
+    "head_activation",
+    "head_params",
+    "supported_heads",
+    "vision_head",
+]
+
 
 @dataclass(frozen=True)
-class HeadAdapter:
-    r"""Where one family's classification head keeps its pieces.
+class ResolvedHead:
+    r"""One model's classification head: its family's ``Head.classifier`` resolved against the model's config.
 
     Attributes:
         family: readable family name.
-        model_types: the ``config.model_type`` values it serves.
-        model_class_suffix: the class-name suffix of the models with this head.
-        position: the token whose last-layer output the head reads.
+        model_types: the ``config.model_type`` values the family serves.
         dense: path of the first dense layer (BERT: the pooler's), from the model.
         classifier: path of the output projection, from the model.
-        activation: path of the activation module, from the model, or None when the
-            head applies a fixed function (see ``activation_fn``).
-        activation_fn: the fixed elementwise activation when ``activation`` is None.
+        activation: path of the activation module, from the model, or None.
+        activation_fn: the name of a fixed ``torch`` function the head applies
+            (:data:`~captum_normattr.arch.spec.HEAD_FUNCTIONS`), or None.
         activation_config: the config attribute naming a transformers activation
-            (``ACT2FN[config.<attribute>]``) when neither of the above is given.
+            (``ACT2FN[config.<attribute>]``), or None. Exactly one of the three is given.
         norm: a norm after the activation (ModernBERT's ``head.norm``), path from the model.
         pre_norm: the final norm the head's input passes first (pre-LN encoders), path from
             the base model.
+        position: the token whose last-layer output the head reads.
         pooling: ``"first"`` (the head reads token ``position``) or ``"mean"`` (the mean of
             the real tokens' (final-norm) outputs, ModernBERT's ``classifier_pooling="mean"``).
     """
@@ -56,41 +69,19 @@ class HeadAdapter:
     dense: str
     classifier: str
     activation: Optional[str] = None
-    activation_fn: Optional[Callable[[Tensor], Tensor]] = None
-    model_class_suffix: str = "ForSequenceClassification"
-    position: int = 0
+    activation_fn: Optional[str] = None
     activation_config: Optional[str] = None
     norm: Optional[Norm] = None
     pre_norm: Optional[Norm] = None
+    position: int = 0
     pooling: str = "first"
 
 
-HEAD_ADAPTERS: Dict[str, HeadAdapter] = {
-    "bert": HeadAdapter(
-        family="BERT", model_types=("bert",),
-        dense="base_model.pooler.dense", activation="base_model.pooler.activation", classifier="classifier",
-    ),
-    "roberta": HeadAdapter(
-        family="RoBERTa", model_types=("roberta", "xlm-roberta", "camembert"),
-        dense="classifier.dense", activation_fn=torch.tanh, classifier="classifier.out_proj",
-    ),
-    "electra": HeadAdapter(
-        family="ELECTRA", model_types=("electra",),
-        dense="classifier.dense", activation="classifier.activation", classifier="classifier.out_proj",
-    ),
-    "distilbert": HeadAdapter(
-        family="DistilBERT", model_types=("distilbert",),
-        dense="pre_classifier", activation_fn=torch.relu, classifier="classifier",
-    ),
-}
-
-
 def supported_heads() -> str:
-    r"""Readable list of the supported classification heads (those of :data:`HEAD_ADAPTERS` and of the registry)."""
-    described = [(s.family, s.model_types) for s in ARCHITECTURES.values() if s.head.classifier is not None]
+    r"""Readable list of the supported classification heads (the registry's families that describe one)."""
     return ", ".join(
-        [f"{a.family} (*{a.model_class_suffix}, model_type {'/'.join(a.model_types)})" for a in HEAD_ADAPTERS.values()]
-        + [f"{family} (*ForSequenceClassification, model_type {'/'.join(types)})" for family, types in described]
+        f"{s.family} (*ForSequenceClassification, model_type {'/'.join(s.model_types)})"
+        for s in ARCHITECTURES.values() if s.head.classifier is not None
     )
 
 
@@ -122,52 +113,32 @@ class HeadParams:
     pooling: str = "first"
 
 
-def get_head_adapter(model: nn.Module) -> HeadAdapter:
-    r"""The head adapter of a Hugging Face sequence classifier.
+def find_classifier_head(model: nn.Module) -> ResolvedHead:
+    r"""The classification head of a Hugging Face sequence classifier, from its family's description.
 
     Args:
         model: e.g. ``BertForSequenceClassification``.
 
     Returns:
-        The matching :class:`HeadAdapter`.
+        The :class:`ResolvedHead` of its family's ``Head.classifier``.
 
     Raises:
-        UnsupportedModelError: for a model without a supported classification head,
-            naming the supported ones.
+        UnsupportedModelError: for a model without a supported classification head (naming
+            the supported ones), a head that pools the tokens in a way the decompositions do
+            not follow (a ``pooling_config`` value other than ``"cls"`` and ``"mean"``), or a
+            model that lacks one of the head's modules.
     """
     model = unwrap_model(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    name = type(model).__name__
-    for head in HEAD_ADAPTERS.values():
-        if model_type in head.model_types and name.endswith(head.model_class_suffix):
-            try:
-                for path in (head.dense, head.classifier) + ((head.activation,) if head.activation else ()):
-                    get_path(model, path)
-            except (AttributeError, IndexError) as err:
-                raise UnsupportedModelError(f"{name} does not have the expected {head.family} head ({err})") from err
-            return head
-    described = _described_head(model, model_type, name)
-    if described is not None:
-        return described
-    raise UnsupportedModelError(
-        f"{name} (model type {model_type!r}) has no supported classification head. "
-        f"Supported heads: {supported_heads()}."
-    )
-
-
-def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> Optional[HeadAdapter]:
-    r"""The head of a sequence classifier whose architecture description names one (``Head.classifier``), or None.
-
-    Raises:
-        UnsupportedModelError: the description's head pools the tokens in a way the
-            decompositions do not follow (a ``pooling_config`` value other than ``"cls"`` and
-            ``"mean"``), or the model lacks one of its modules.
-    """
     config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    name = type(model).__name__
     spec = lookup(model_type, config)
     desc = None if spec is None else spec.head.classifier
     if desc is None or not name.endswith("ForSequenceClassification"):
-        return None
+        raise UnsupportedModelError(
+            f"{name} (model type {model_type!r}) has no supported classification head. "
+            f"Supported heads: {supported_heads()}."
+        )
     pooling = "first"
     if desc.pooling_config is not None:
         value = getattr(config, desc.pooling_config, None)
@@ -178,10 +149,10 @@ def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> O
                 f"(supported: 'cls', the head reads token {desc.position}, and 'mean', the mean over the real tokens); "
                 "the maps (GlobEnc, ALTI, FF) do not depend on the head"
             )
-    head = HeadAdapter(
+    head = ResolvedHead(
         family=spec.family, model_types=spec.model_types, dense=desc.dense, classifier=desc.classifier,
-        activation=desc.activation, activation_config=desc.activation_config, norm=desc.norm,
-        pre_norm=spec.head.final_norm, position=desc.position, pooling=pooling,
+        activation=desc.activation, activation_fn=desc.activation_fn, activation_config=desc.activation_config,
+        norm=desc.norm, pre_norm=spec.head.final_norm, position=desc.position, pooling=pooling,
     )
     try:
         for path in (head.dense, head.classifier) + tuple(p for p in (head.activation, desc.norm and desc.norm.path) if p):
@@ -193,24 +164,33 @@ def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> O
     return head
 
 
-def _head_activation(model: nn.Module, head: HeadAdapter) -> Callable[[Tensor], Tensor]:
+def head_activation(model: nn.Module, head: ResolvedHead) -> Callable[[Tensor], Tensor]:
+    r"""The elementwise activation of a head.
+
+    Args:
+        model: the sequence classifier (unwrapped).
+        head: its :class:`ResolvedHead`.
+
+    Returns:
+        The activation module, the fixed ``torch`` function, or ``ACT2FN`` of the config's name.
+    """
     if head.activation:
         return get_path(model, head.activation)
     if head.activation_fn is not None:
-        return head.activation_fn
+        return getattr(torch, head.activation_fn)
     from transformers.activations import ACT2FN
 
     return ACT2FN[getattr(model.config, head.activation_config)]
 
 
 def head_params(
-    model: nn.Module, head: HeadAdapter, dtype: torch.dtype, device: Optional[torch.device] = None
+    model: nn.Module, head: ResolvedHead, dtype: torch.dtype, device: Optional[torch.device] = None
 ) -> HeadParams:
     r"""Read a head's parameters as right-multiplied matrices in ``dtype``.
 
     Args:
         model: the sequence classifier.
-        head: its :class:`HeadAdapter`.
+        head: its :class:`ResolvedHead`.
         dtype: compute dtype.
         device: where to put them (None: where they are; the CPU copy for a head offloaded
             by accelerate, whose weights are read from its hook).
@@ -222,7 +202,7 @@ def head_params(
     cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
     w_d, b_d = linear_params(get_path(model, head.dense))
     w_c, b_c = linear_params(get_path(model, head.classifier))
-    act = _head_activation(model, head)
+    act = head_activation(model, head)
     norm = None if head.norm is None else norm_params(get_path(model, head.norm.path), head.norm, dtype, device)
     pre = None if head.pre_norm is None else norm_params(
         get_path(base_model(model), head.pre_norm.path), head.pre_norm, dtype, device)

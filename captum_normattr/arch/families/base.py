@@ -16,6 +16,7 @@ from typing import Dict, Tuple
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
     Attention,
+    ClassifierHead,
     FeedForward,
     Head,
     Inputs,
@@ -25,18 +26,34 @@ from captum_normattr.arch.spec import (
     Variant,
 )
 
+__all__ = [
+    "BERT", "BUILTIN", "DEIT", "DINOV2", "DINOV2_REGISTERS", "DISTILBERT", "ELECTRA", "GEMMA", "GEMMA2", "GPT2",
+    "GPT_NEOX", "GRANITE", "LLAMA", "MISTRAL", "OLMO", "PHI3", "QWEN2", "QWEN3", "REFUSED", "ROBERTA", "SMOLLM3",
+    "STABLELM", "VIT",
+]
+
 # --- post-LN encoders -------------------------------------------------------------------
 _BERT_LAYER = Layer(
     attention=Attention("attention.self", out="attention.output.dense", value=ValueProjection("attention.self.value")),
     ff=FeedForward(up="intermediate.dense", act="intermediate.intermediate_act_fn", down="output.dense"),
     stream_norms=(Norm("attention.output.LayerNorm"), Norm("output.LayerNorm")),
 )
-BERT = ArchitectureSpec(family="BERT", model_types=("bert",), layers="encoder.layer", layer=_BERT_LAYER)
+BERT = ArchitectureSpec(
+    family="BERT", model_types=("bert",), layers="encoder.layer", layer=_BERT_LAYER,
+    head=Head(classifier=ClassifierHead(dense="base_model.pooler.dense", activation="base_model.pooler.activation",
+                                        classifier="classifier")),
+)
 ROBERTA = ArchitectureSpec(
     family="RoBERTa", model_types=("roberta", "xlm-roberta", "camembert"), layers="encoder.layer", layer=_BERT_LAYER,
+    head=Head(classifier=ClassifierHead(dense="classifier.dense", activation_fn="tanh",
+                                        classifier="classifier.out_proj")),
     inputs=Inputs(max_positions_offset=-1), notes="positions offset by padding_idx + 1",
 )
-ELECTRA = ArchitectureSpec(family="ELECTRA", model_types=("electra",), layers="encoder.layer", layer=_BERT_LAYER)
+ELECTRA = ArchitectureSpec(
+    family="ELECTRA", model_types=("electra",), layers="encoder.layer", layer=_BERT_LAYER,
+    head=Head(classifier=ClassifierHead(dense="classifier.dense", activation="classifier.activation",
+                                        classifier="classifier.out_proj")),
+)
 DISTILBERT = ArchitectureSpec(
     family="DistilBERT", model_types=("distilbert",), layers="transformer.layer",
     layer=Layer(
@@ -44,6 +61,7 @@ DISTILBERT = ArchitectureSpec(
         ff=FeedForward(up="ffn.lin1", act="ffn.activation", down="ffn.lin2"),
         stream_norms=(Norm("sa_layer_norm"), Norm("output_layer_norm")),
     ),
+    head=Head(classifier=ClassifierHead(dense="pre_classifier", activation_fn="relu", classifier="classifier")),
 )
 
 # --- decoders ---------------------------------------------------------------------------
