@@ -18,13 +18,13 @@ model and :func:`head_params` reads its weights. Adding a family's head is one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import ARCHITECTURES, lookup
-from captum_normattr.arch.spec import Norm
+from captum_normattr.arch.spec import ClassifierHead, Norm
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
 from captum_normattr.models.capture.recorder import norm_params
@@ -48,33 +48,23 @@ class ResolvedHead:
 
     Attributes:
         family: readable family name.
-        model_types: the ``config.model_type`` values the family serves.
-        dense: path of the first dense layer (BERT: the pooler's), from the model.
-        classifier: path of the output projection, from the model.
-        activation: path of the activation module, from the model, or None.
-        activation_fn: the name of a fixed ``torch`` function the head applies
-            (:data:`~captum_normattr.arch.spec.HEAD_FUNCTIONS`), or None.
-        activation_config: the config attribute naming a transformers activation
-            (``ACT2FN[config.<attribute>]``), or None. Exactly one of the three is given.
-        norm: a norm after the activation (ModernBERT's ``head.norm``), path from the model.
+        description: the family's :class:`~captum_normattr.arch.spec.ClassifierHead` (paths
+            from the model with the head; its activation module, fixed function or config name).
         pre_norm: the final norm the head's input passes first (pre-LN encoders), path from
-            the base model.
-        position: the token whose last-layer output the head reads.
+            the base model, or None.
         pooling: ``"first"`` (the head reads token ``position``) or ``"mean"`` (the mean of
             the real tokens' (final-norm) outputs, ModernBERT's ``classifier_pooling="mean"``).
     """
 
     family: str
-    model_types: Tuple[str, ...]
-    dense: str
-    classifier: str
-    activation: Optional[str] = None
-    activation_fn: Optional[str] = None
-    activation_config: Optional[str] = None
-    norm: Optional[Norm] = None
+    description: ClassifierHead
     pre_norm: Optional[Norm] = None
-    position: int = 0
     pooling: str = "first"
+
+    @property
+    def position(self) -> int:
+        r"""The token whose last-layer output the head reads."""
+        return self.description.position
 
 
 def supported_heads() -> str:
@@ -149,13 +139,9 @@ def find_classifier_head(model: nn.Module) -> ResolvedHead:
                 f"(supported: 'cls', the head reads token {desc.position}, and 'mean', the mean over the real tokens); "
                 "the maps (GlobEnc, ALTI, FF) do not depend on the head"
             )
-    head = ResolvedHead(
-        family=spec.family, model_types=spec.model_types, dense=desc.dense, classifier=desc.classifier,
-        activation=desc.activation, activation_fn=desc.activation_fn, activation_config=desc.activation_config,
-        norm=desc.norm, pre_norm=spec.head.final_norm, position=desc.position, pooling=pooling,
-    )
+    head = ResolvedHead(family=spec.family, description=desc, pre_norm=spec.head.final_norm, pooling=pooling)
     try:
-        for path in (head.dense, head.classifier) + tuple(p for p in (head.activation, desc.norm and desc.norm.path) if p):
+        for path in (desc.dense, desc.classifier) + tuple(p for p in (desc.activation, desc.norm and desc.norm.path) if p):
             get_path(model, path)
         if head.pre_norm is not None:
             get_path(base_model(model), head.pre_norm.path)
@@ -174,13 +160,14 @@ def head_activation(model: nn.Module, head: ResolvedHead) -> Callable[[Tensor], 
     Returns:
         The activation module, the fixed ``torch`` function, or ``ACT2FN`` of the config's name.
     """
-    if head.activation:
-        return get_path(model, head.activation)
-    if head.activation_fn is not None:
-        return getattr(torch, head.activation_fn)
+    desc = head.description
+    if desc.activation:
+        return get_path(model, desc.activation)
+    if desc.activation_fn is not None:
+        return getattr(torch, desc.activation_fn)
     from transformers.activations import ACT2FN
 
-    return ACT2FN[getattr(model.config, head.activation_config)]
+    return ACT2FN[getattr(model.config, desc.activation_config)]
 
 
 def head_params(
@@ -200,10 +187,11 @@ def head_params(
     """
     model = unwrap_model(model)
     cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
-    w_d, b_d = linear_params(get_path(model, head.dense))
-    w_c, b_c = linear_params(get_path(model, head.classifier))
+    desc = head.description
+    w_d, b_d = linear_params(get_path(model, desc.dense))
+    w_c, b_c = linear_params(get_path(model, desc.classifier))
     act = head_activation(model, head)
-    norm = None if head.norm is None else norm_params(get_path(model, head.norm.path), head.norm, dtype, device)
+    norm = None if desc.norm is None else norm_params(get_path(model, desc.norm.path), desc.norm, dtype, device)
     pre = None if head.pre_norm is None else norm_params(
         get_path(base_model(model), head.pre_norm.path), head.pre_norm, dtype, device)
     return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position, norm, pre, head.pooling)
