@@ -49,6 +49,8 @@ __all__ = [
     "FeedForward",
     "HEAD_FUNCTIONS",
     "Head",
+    "IMAGE_READOUTS",
+    "ImageClassifierHead",
     "Inputs",
     "Layer",
     "Norm",
@@ -376,6 +378,38 @@ class ClassifierHead:
                              f"(known: {', '.join(HEAD_FUNCTIONS)})")
 
 
+#: How an image classifier reads the final-norm rows (:attr:`ImageClassifierHead.readout`).
+IMAGE_READOUTS: Tuple[str, ...] = ("cls", "mean_of_heads", "cls_and_patch_mean")
+
+
+@dataclass(frozen=True)
+class ImageClassifierHead:
+    r"""An image classifier linear in the final-norm output y of some tokens: logits = sum_r y_{rows[r]} W_r + b.
+
+    Attributes:
+        model_class: the class name of the models with this head (a family can have several:
+            DeiT with and without its distillation head).
+        classifiers: paths of the linear classifiers, from the model with the head.
+        readout: ``"cls"`` (logits = W y_[CLS] + b), ``"mean_of_heads"`` (one classifier per
+            prefix token, [CLS] and [DIST], the logits their mean: the distilled DeiT) or
+            ``"cls_and_patch_mean"`` (W [y_[CLS]; mean of the patch outputs] + b: DINOv2, whose
+            registers are not patches).
+        description: the head in words (results and errors say it).
+    """
+
+    model_class: str
+    classifiers: Tuple[str, ...]
+    readout: str
+    description: str
+
+    def __post_init__(self) -> None:
+        if self.readout not in IMAGE_READOUTS:
+            raise ValueError(f"ImageClassifierHead {self.model_class}: readout must be one of {IMAGE_READOUTS}")
+        if len(self.classifiers) != (2 if self.readout == "mean_of_heads" else 1):
+            raise ValueError(f"ImageClassifierHead {self.model_class}: readout {self.readout!r} takes "
+                             f"{2 if self.readout == 'mean_of_heads' else 1} classifier(s), got {self.classifiers}")
+
+
 @dataclass(frozen=True)
 class Head:
     r"""What follows the last layer.
@@ -398,6 +432,8 @@ class Head:
             the result, and report the capped one beside it.
         classifier: the sequence-classification head (:class:`ClassifierHead`) of the
             family's ``*ForSequenceClassification`` models, or None (no head DecompX follows).
+        image_classifiers: the image-classification heads of a vision family's classifier
+            classes (:class:`ImageClassifierHead`), or empty.
     """
 
     final_norm: Optional[Norm] = None
@@ -407,6 +443,7 @@ class Head:
     final_softcap: Optional[str] = None
     projection: Optional[str] = None
     classifier: Optional[ClassifierHead] = None
+    image_classifiers: Tuple[ImageClassifierHead, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -543,7 +543,7 @@ class ImageClassLogit(ClassLogit):
 
     ViT/DeiT: the [CLS] row; the distilled DeiT: the mean of its [CLS] and distillation
     heads (both rows are explained together); DINOv2: [CLS] concatenated with the mean of
-    the patch rows (:data:`~captum_normattr.models.heads.VISION_HEADS`). The head, not an
+    the patch rows (the family's ``Head.image_classifiers``). The head, not an
     explained position, defines what is explained.
 
     Args:
@@ -554,15 +554,13 @@ class ImageClassLogit(ClassLogit):
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from captum_normattr.models.heads import VISION_HEADS, vision_head
+        from captum_normattr.models.heads import find_image_head, vision_head
 
         model = unwrap_model(model)
         self.model = model
         self.head = None
         self._build = vision_head
-        name = type(model).__name__
-        if name not in VISION_HEADS:
-            vision_head(model, 1, 1, torch.float32)  # raises the error naming the supported heads
+        find_image_head(model)  # raises the error naming the supported heads
 
     @property
     def position(self) -> int:

@@ -13,18 +13,21 @@ named by the config, ModernBERT's head, which reads the final norm's output of t
 mean over the real tokens and has a norm after its activation:
 logits = N(act(h W_d + b_d)) W_c + b_c); :func:`find_classifier_head` resolves it for one
 model and :func:`head_params` reads its weights. Adding a family's head is one
-``ClassifierHead`` in its description.
+``ClassifierHead`` in its description. Vision classifiers likewise: their heads are linear in
+the final-norm output of some tokens, described per classifier class in the family's
+``Head.image_classifiers`` (:class:`~captum_normattr.arch.spec.ImageClassifierHead`) and
+read by :func:`vision_head`. No family or class name is kept here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import ARCHITECTURES, lookup
-from captum_normattr.arch.spec import ClassifierHead, Norm
+from captum_normattr.arch.spec import ClassifierHead, ImageClassifierHead, Norm
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
 from captum_normattr.models.capture.recorder import norm_params
@@ -33,10 +36,11 @@ __all__ = [
     "HeadParams",
     "LinearTokenHead",
     "ResolvedHead",
-    "VISION_HEADS",
     "find_classifier_head",
+    "find_image_head",
     "head_activation",
     "head_params",
+    "image_heads",
     "supported_heads",
     "vision_head",
 ]
@@ -220,18 +224,36 @@ class LinearTokenHead:
     description: str
 
 
-#: The vision classifiers and how their head reads the tokens.
-VISION_HEADS: Dict[str, str] = {
-    "ViTForImageClassification": "logits = W y_[CLS] + b",
-    "DeiTForImageClassification": "logits = W y_[CLS] + b",
-    "DeiTForImageClassificationWithTeacher": (
-        "logits = (W_cls y_[CLS] + b_cls + W_dist y_[DIST] + b_dist) / 2 (the mean of the two heads)"
-    ),
-    "Dinov2ForImageClassification": "logits = W [y_[CLS]; mean of the patch outputs] + b",
-    "Dinov2WithRegistersForImageClassification": (
-        "logits = W [y_[CLS]; mean of the patch outputs (registers excluded)] + b"
-    ),
-}
+def image_heads() -> Tuple[ImageClassifierHead, ...]:
+    r"""The image-classification heads the registry's vision families describe (``Head.image_classifiers``), in order."""
+    return tuple(h for s in ARCHITECTURES.values() for h in s.head.image_classifiers)
+
+
+def find_image_head(model: nn.Module) -> ImageClassifierHead:
+    r"""The image-classification head of a vision classifier, from its family's description.
+
+    Args:
+        model: e.g. ``ViTForImageClassification``.
+
+    Returns:
+        The :class:`~captum_normattr.arch.spec.ImageClassifierHead` of the model's class.
+
+    Raises:
+        UnsupportedModelError: for other models (a bare ``ViTModel`` has no classes), naming
+            the supported heads.
+    """
+    model = unwrap_model(model)
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    spec = lookup(getattr(config, "model_type", None), config)
+    for head in () if spec is None else spec.head.image_classifiers:
+        if head.model_class == name:
+            return head
+    raise UnsupportedModelError(
+        f"{name} has no supported image-classification head. Supported: "
+        f"{', '.join(h.model_class for h in image_heads())} "
+        "(a bare ViTModel/DeiTModel/Dinov2Model has no classes to explain)."
+    )
 
 
 def vision_head(
@@ -240,7 +262,8 @@ def vision_head(
     r"""The linear head of a supported vision classifier, as rows and per-row weights.
 
     Args:
-        model: ``ViTForImageClassification``, ``DeiTForImageClassification``,
+        model: a classifier whose family describes its head (:func:`find_image_head`):
+            ``ViTForImageClassification``, ``DeiTForImageClassification``,
             ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification`` or
             ``Dinov2WithRegistersForImageClassification``.
         num_tokens: T, the tokens of this input ([CLS], distillation/register tokens, patches).
@@ -258,11 +281,7 @@ def vision_head(
     """
     model = unwrap_model(model)
     name = type(model).__name__
-    if name not in VISION_HEADS:
-        raise UnsupportedModelError(
-            f"{name} has no supported image-classification head. Supported: {', '.join(VISION_HEADS)} "
-            "(a bare ViTModel/DeiTModel/Dinov2Model has no classes to explain)."
-        )
+    desc = find_image_head(model)
 
     def linear(path: str):
         module = get_path(model, path)
@@ -275,20 +294,20 @@ def vision_head(
         cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
         return cast(w), cast(b)
 
-    if name == "DeiTForImageClassificationWithTeacher":
-        (w_c, b_c), (w_d, b_d) = linear("cls_classifier"), linear("distillation_classifier")
+    if desc.readout == "mean_of_heads":
+        (w_c, b_c), (w_d, b_d) = (linear(path) for path in desc.classifiers)
         weight = torch.stack([w_c, w_d]) / 2
         bias = None if b_c is None and b_d is None else (
             (b_c if b_c is not None else 0) + (b_d if b_d is not None else 0)
         ) / 2
         rows = torch.tensor([0, 1], device=device)
-    elif name.startswith("Dinov2"):
-        w, bias = linear("classifier")
+    elif desc.readout == "cls_and_patch_mean":
+        w, bias = linear(desc.classifiers[0])
         d = w.shape[0] // 2
         n_patches = num_tokens - num_prefix
         rows = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(num_prefix, num_tokens)]).to(device)
         weight = torch.cat([w[:d].unsqueeze(0), (w[d:] / n_patches).unsqueeze(0).expand(n_patches, -1, -1)])
     else:
-        w, bias = linear("classifier")
+        w, bias = linear(desc.classifiers[0])
         rows, weight = torch.tensor([0], device=device), w.unsqueeze(0)
-    return LinearTokenHead(rows, weight, bias, VISION_HEADS[name])
+    return LinearTokenHead(rows, weight, bias, desc.description)

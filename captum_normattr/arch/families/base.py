@@ -19,6 +19,7 @@ from captum_normattr.arch.spec import (
     ClassifierHead,
     FeedForward,
     Head,
+    ImageClassifierHead,
     Inputs,
     Layer,
     Norm,
@@ -213,10 +214,18 @@ _VIT_LAYER = Layer(
                         pre_norm=Norm("layernorm_before")),
     ff=FeedForward(up="mlp.fc1", act="mlp.activation_fn", down="mlp.fc2", pre_norm=Norm("layernorm_after")),
 )
-_VIT_HEAD = Head(final_norm=Norm("layernorm"))
+_CLS_HEAD = "logits = W y_[CLS] + b"
+_VIT_HEAD = Head(final_norm=Norm("layernorm"), image_classifiers=(
+    ImageClassifierHead("ViTForImageClassification", ("classifier",), "cls", _CLS_HEAD),))
+_DEIT_HEAD = Head(final_norm=Norm("layernorm"), image_classifiers=(
+    ImageClassifierHead("DeiTForImageClassification", ("classifier",), "cls", _CLS_HEAD),
+    ImageClassifierHead("DeiTForImageClassificationWithTeacher", ("cls_classifier", "distillation_classifier"),
+                        "mean_of_heads", "logits = (W_cls y_[CLS] + b_cls + W_dist y_[DIST] + b_dist) / 2 "
+                                         "(the mean of the two heads)"),
+))
 VIT = ArchitectureSpec(family="ViT", model_types=("vit",), layers="layers", layer=_VIT_LAYER, modality="image", head=_VIT_HEAD)
 DEIT = ArchitectureSpec(
-    family="DeiT", model_types=("deit",), layers="layers", layer=_VIT_LAYER, modality="image", head=_VIT_HEAD,
+    family="DeiT", model_types=("deit",), layers="layers", layer=_VIT_LAYER, modality="image", head=_DEIT_HEAD,
     inputs=Inputs(prefix_tokens=2, prefix_names=("[CLS]", "[DIST]")), notes="a distillation token",
 )
 _DINOV2_LAYER = Layer(
@@ -230,15 +239,19 @@ _DINOV2_SWIGLU_LAYER = replace(
 )
 
 
-def _dinov2(family: str, model_type: str) -> ArchitectureSpec:
-    kw = dict(family=family, model_types=(model_type,), layers="encoder.layer", modality="image", head=_VIT_HEAD,
+def _dinov2(family: str, model_type: str, model_class: str, description: str) -> ArchitectureSpec:
+    head = Head(final_norm=Norm("layernorm"), image_classifiers=(
+        ImageClassifierHead(model_class, ("classifier",), "cls_and_patch_mean", description),))
+    kw = dict(family=family, model_types=(model_type,), layers="encoder.layer", modality="image", head=head,
               inputs=Inputs(interpolates_positions="always"))
     return ArchitectureSpec(layer=_DINOV2_LAYER, notes="layer scale; registers", variants=(
         Variant("use_swiglu_ffn", True, ArchitectureSpec(layer=_DINOV2_SWIGLU_LAYER, **kw)),), **kw)
 
 
-DINOV2 = _dinov2("DINOv2", "dinov2")
-DINOV2_REGISTERS = _dinov2("DINOv2 with registers", "dinov2_with_registers")
+DINOV2 = _dinov2("DINOv2", "dinov2", "Dinov2ForImageClassification",
+                 "logits = W [y_[CLS]; mean of the patch outputs] + b")
+DINOV2_REGISTERS = _dinov2("DINOv2 with registers", "dinov2_with_registers", "Dinov2WithRegistersForImageClassification",
+                           "logits = W [y_[CLS]; mean of the patch outputs (registers excluded)] + b")
 
 #: Every built-in description, by registry key, in the order of the docs' table.
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
