@@ -7,15 +7,11 @@ Usage (from the repository root; a few minutes on 2 CPU cores):
 No pretrained MT model is reachable here, so a tiny Marian-style model is trained on an
 artificial language pair whose word alignments are known by construction.
 
-Task (:mod:`captum_normattr.evaluation.alignment_task`). A random bilingual dictionary over word-level ids (no tokenizer): 2 determiners,
-12 adjectives, 24 nouns, 12 verbs, 4 adverbs, each mapped to a target word (one-to-one),
-except that 6 nouns become two-token compounds and 4 verbs become "stem + auxiliary" (one
-source word to two target words, both sure links). Source sentences come from the grammar
-``NP V NP [ADV]`` with ``NP = [DET] ADJ{0,2} N``. The target applies three reordering rules:
-SVO to SOV (the verb goes to the end), adjective-noun swap inside each NP (``DET N ADJ...``),
-and the adverb moves from the end to the front. It also inserts an object particle after
-the object NP that has no source word: its link to the object noun is *possible* only
-(S ⊂ P). Test sentences never occur in training.
+Task (:mod:`captum_normattr.evaluation.alignment_task`, where its rules are written out): a
+random bilingual dictionary over word-level ids, source sentences ``NP V NP [ADV]``, a target
+that reorders them (SOV, noun before adjectives, adverb first), splits some words in two and
+adds an object particle linked to the object noun as *possible* only (S ⊂ P). Test sentences
+never occur in training.
 
 Model. ``MarianMTModel`` from a ``MarianConfig`` (post-LN, sinusoidal positions, shared
 embeddings, d_model 64, 2 + 2 layers, 4 heads, FF 256, eager attention), trained from

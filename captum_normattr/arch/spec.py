@@ -14,7 +14,7 @@ Paths are dotted attribute paths: :attr:`ArchitectureSpec.layers` and the final 
 the base model (``model.base_model``), the LM head from the model with the head, every
 other path from one layer module.
 
-The module runs to a little over 700 lines because the description is one schema, read as a
+The module is over 700 lines because the description is one schema, read as a
 whole: its dataclasses, their docstrings and their validation stay together.
 
 Examples::
