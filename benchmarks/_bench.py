@@ -1,4 +1,4 @@
-r"""Shared machinery of the speed/memory benchmarks (``benchmarks/speed_*.py``).
+r"""Shared machinery of the benchmarks (``benchmarks/speed/``, ``benchmarks/memory/``, ``benchmarks/faithfulness/``).
 
 Helpers: the resident-set size of this process, the peak extra memory and wall time of one
 call (polled in a thread), interleaved timing with a warm-up and the median of repeats, and
@@ -8,8 +8,11 @@ its standard output. Also the models the decoder benchmarks share: the ~100M Lla
 config (:data:`LLAMA_100M`), a seeded bare ``LlamaModel`` of any config
 (:func:`llama_model`) and one call of each decoder method on it (:func:`decoder_runner`).
 
-The scripts import it as ``import _bench`` after putting their own folder on ``sys.path``
-(Python does that already for ``python benchmarks/X.py``, from any working directory).
+The scripts import it as ``import _bench`` after putting ``benchmarks/`` (the folder above their
+group's) on ``sys.path``; a script imports the other scripts of its own group by name (Python
+puts the script's folder on ``sys.path`` for ``python benchmarks/<group>/X.py``, from any
+working directory). ``python benchmarks/self_check.py`` checks these helpers
+(``tests/health/test_benchmark_scripts.py`` runs it).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 __all__ = ["rss_mb", "measure_peak", "time_interleaved", "run_child", "print_json", "random_ids", "LLAMA_100M",
            "llama_model", "decoder_runner", "DECODER_TARGET", "DECODER_FAMILIES", "family_model"]
 
-# The ~100M Llama-family decoder of benchmarks/speed_decoder.py and memory_engine.py (97.6M parameters).
+# The ~100M Llama-family decoder of benchmarks/speed/speed_decoder.py and memory_engine.py (97.6M parameters).
 LLAMA_100M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=2048, vocab_size=32000, max_position_embeddings=16384, hidden_act="silu")
 DECODER_TARGET = 42  # the explained next token of ALTI-Logit / DecompX on the decoders

@@ -6,8 +6,6 @@ the table of registered families and how to add one.
 from captum_normattr.arch.registry import (
     ARCHITECTURES,
     ENCODER_DECODERS,
-    architecture_table_markdown,
-    encoder_decoder_table_markdown,
     lookup,
     lookup_encoder_decoder,
     register_architecture,
@@ -44,8 +42,6 @@ __all__ = [
     "TOPOLOGIES",
     "ValueProjection",
     "Variant",
-    "architecture_table_markdown",
-    "encoder_decoder_table_markdown",
     "lookup",
     "lookup_encoder_decoder",
     "register_architecture",

@@ -2,7 +2,9 @@ r"""The architecture registry: every supported family's description, by key.
 
 The docs' supported-models table, every error message that names the supported families
 and the engine's lookup (:func:`lookup`) read this registry; nothing keeps a list of its own.
-:func:`register_architecture` adds a family at run time.
+:func:`register_architecture` adds a family at run time. The descriptions are data: which
+methods decompose a family is the layer kinds' to say, one floor up
+(:func:`captum_normattr.models.adapters.family_methods`, which also renders the docs' tables).
 """
 from __future__ import annotations
 
@@ -23,11 +25,8 @@ from captum_normattr.arch.spec import ArchitectureSpec
 __all__ = [
     "ARCHITECTURES",
     "ENCODER_DECODERS",
-    "encoder_decoder_table_markdown",
-    "family_methods",
     "lookup_encoder_decoder",
     "REFUSED",
-    "architecture_table_markdown",
     "refusal",
     "refused_table_markdown",
     "lookup",
@@ -128,48 +127,6 @@ def supported_families(modality: Optional[str] = None, model_types: bool = True)
 def supported_causal_families() -> str:
     r"""Readable list of the registered causal (decoder) families, for messages about LM heads and decoders."""
     return ", ".join(s.family for s in ARCHITECTURES.values() if s.causal)
-
-
-#: The methods the docs' table lists per family (the layer kind's, as tested on every family's tiny model).
-_TABLE_METHODS = (("maps", "GlobEnc"), ("alti", "ALTI"), ("ff", "FF"), ("decompx", "DecompX"), ("alti_logit", "ALTI-Logit"))
-
-
-def family_methods(spec: ArchitectureSpec) -> Tuple[str, ...]:
-    r"""The methods that decompose a family: its layer kind's (ALTI-Logit for causal models only);
-    ``("ALTI+",)`` for an encoder-decoder."""
-    if spec.is_encoder_decoder:
-        return ("ALTI+",)
-    from captum_normattr.decompose.kinds.registry import LAYER_KINDS  # the kinds sit above the descriptions
-
-    kind = LAYER_KINDS.get(spec.topology)
-    methods = set() if kind is None else set(kind.methods)
-    if not spec.causal:
-        methods.discard("alti_logit")
-    return tuple(name for key, name in _TABLE_METHODS if key in methods)
-
-
-def architecture_table_markdown(specs: Optional[Dict[str, ArchitectureSpec]] = None) -> str:
-    r"""The docs' supported-architectures table (Markdown), rendered from the registry.
-
-    Args:
-        specs: the descriptions to list (default: :data:`ARCHITECTURES`, the one-stack families).
-
-    Returns:
-        Columns: family, ``config.model_type`` values, topology kind, methods (:func:`family_methods`),
-        features, notes.
-    """
-    rows = ["| family | model types | topology | methods | features | notes |", "|---|---|---|---|---|---|"]
-    for spec in (ARCHITECTURES if specs is None else specs).values():
-        rows.append(
-            f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
-            f"{', '.join(family_methods(spec))} | {', '.join(spec.features())} | {spec.notes or '—'} |"
-        )
-    return "\n".join(rows)
-
-
-def encoder_decoder_table_markdown() -> str:
-    r"""The docs' encoder-decoder table (Markdown): :func:`architecture_table_markdown` of :data:`ENCODER_DECODERS`."""
-    return architecture_table_markdown(ENCODER_DECODERS)
 
 
 def refusal(model_type: Optional[str], config: Any = None) -> Optional[str]:

@@ -14,6 +14,9 @@ Paths are dotted attribute paths: :attr:`ArchitectureSpec.layers` and the final 
 the base model (``model.base_model``), the LM head from the model with the head, every
 other path from one layer module.
 
+The module is over 700 lines because the description is one schema, read as a
+whole: its dataclasses, their docstrings and their validation stay together.
+
 Examples::
 
     >>> from captum_normattr.arch import (ArchitectureSpec, Attention, FeedForward, Head, Layer, Norm,
@@ -44,7 +47,10 @@ __all__ = [
     "ClassifierHead",
     "Experts",
     "FeedForward",
+    "HEAD_FUNCTIONS",
     "Head",
+    "IMAGE_READOUTS",
+    "ImageClassifierHead",
     "Inputs",
     "Layer",
     "Norm",
@@ -64,6 +70,9 @@ NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm", "identity")
 #: (:class:`Experts`; Mixtral, Qwen2-MoE, Qwen3-MoE), decomposed with the routing of the real
 #: forward pass held fixed (``docs/architectures.md``, "Mixtures of experts").
 FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
+#: The fixed functions a classification head may apply (:attr:`ClassifierHead.activation_fn`), by
+#: their name in ``torch``: the activation is ``getattr(torch, name)``.
+HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: Value projection layouts: ``plain`` (its own projection), ``fused`` (one projection whose
 #: output is ``count`` equal slices, the value being slice ``index``: GPT-2's [q | k | v]),
 #: ``interleaved`` (one projection whose output is per head [q_h | k_h | v_h]: GPT-NeoX),
@@ -332,12 +341,16 @@ class ClassifierHead:
     are from the model with the head (``*ForSequenceClassification``).
 
     Attributes:
-        dense: the first dense layer W_d (DeBERTa: ``pooler.dense``).
+        dense: the first dense layer W_d (DeBERTa: ``pooler.dense``; BERT: ``base_model.pooler.dense``).
         classifier: the output projection W_c.
-        activation: the activation module's path, or None (see ``activation_config``).
+        activation: the activation module's path, or None (see ``activation_config`` and
+            ``activation_fn``).
         activation_config: the config attribute naming a transformers activation that the
             head applies by name (DeBERTa's ``ContextPooler``: ``ACT2FN[config.pooler_hidden_act]``),
             or None.
+        activation_fn: a fixed elementwise function the head's forward calls, by its name in
+            :data:`HEAD_FUNCTIONS` (RoBERTa's ``torch.tanh``, DistilBERT's ``nn.ReLU`` applied
+            as ``relu``), or None.
         norm: a norm after the activation (ModernBERT's ``head.norm``), or None.
         position: the token the head reads.
         pooling_config: the config attribute choosing how the head pools the tokens
@@ -353,10 +366,48 @@ class ClassifierHead:
     norm: Optional[Norm] = None
     position: int = 0
     pooling_config: Optional[str] = None
+    activation_fn: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if (self.activation is None) == (self.activation_config is None):
-            raise ValueError(f"ClassifierHead {self.dense!r}: name the activation module or its config attribute (one)")
+        named = [a for a in (self.activation, self.activation_config, self.activation_fn) if a is not None]
+        if len(named) != 1:
+            raise ValueError(f"ClassifierHead {self.dense!r}: name the activation module, its config attribute "
+                             "or a fixed function (one)")
+        if self.activation_fn is not None and self.activation_fn not in HEAD_FUNCTIONS:
+            raise ValueError(f"ClassifierHead {self.dense!r}: unknown activation_fn {self.activation_fn!r} "
+                             f"(known: {', '.join(HEAD_FUNCTIONS)})")
+
+
+#: How an image classifier reads the final-norm rows (:attr:`ImageClassifierHead.readout`).
+IMAGE_READOUTS: Tuple[str, ...] = ("cls", "mean_of_heads", "cls_and_patch_mean")
+
+
+@dataclass(frozen=True)
+class ImageClassifierHead:
+    r"""An image classifier linear in the final-norm output y of some tokens: logits = sum_r y_{rows[r]} W_r + b.
+
+    Attributes:
+        model_class: the class name of the models with this head (a family can have several:
+            DeiT with and without its distillation head).
+        classifiers: paths of the linear classifiers, from the model with the head.
+        readout: ``"cls"`` (logits = W y_[CLS] + b), ``"mean_of_heads"`` (one classifier per
+            prefix token, [CLS] and [DIST], the logits their mean: the distilled DeiT) or
+            ``"cls_and_patch_mean"`` (W [y_[CLS]; mean of the patch outputs] + b: DINOv2, whose
+            registers are not patches).
+        description: the head in words (results and errors say it).
+    """
+
+    model_class: str
+    classifiers: Tuple[str, ...]
+    readout: str
+    description: str
+
+    def __post_init__(self) -> None:
+        if self.readout not in IMAGE_READOUTS:
+            raise ValueError(f"ImageClassifierHead {self.model_class}: readout must be one of {IMAGE_READOUTS}")
+        if len(self.classifiers) != (2 if self.readout == "mean_of_heads" else 1):
+            raise ValueError(f"ImageClassifierHead {self.model_class}: readout {self.readout!r} takes "
+                             f"{2 if self.readout == 'mean_of_heads' else 1} classifier(s), got {self.classifiers}")
 
 
 @dataclass(frozen=True)
@@ -379,9 +430,10 @@ class Head:
             ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``), or None.
             A tanh is not linear: the decompositions explain the pre-cap logit, say so in
             the result, and report the capped one beside it.
-        classifier: the sequence-classification head (:class:`ClassifierHead`), for the
-            families whose classification head is described here rather than in
-            :data:`captum_normattr.models.heads.HEAD_ADAPTERS`, or None.
+        classifier: the sequence-classification head (:class:`ClassifierHead`) of the
+            family's ``*ForSequenceClassification`` models, or None (no head DecompX follows).
+        image_classifiers: the image-classification heads of a vision family's classifier
+            classes (:class:`ImageClassifierHead`), or empty.
     """
 
     final_norm: Optional[Norm] = None
@@ -391,6 +443,7 @@ class Head:
     final_softcap: Optional[str] = None
     projection: Optional[str] = None
     classifier: Optional[ClassifierHead] = None
+    image_classifiers: Tuple[ImageClassifierHead, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.decompose.primitives.guards import rebuild_norm
-from captum_normattr.models.adapters import ArchitectureAdapter, base_model, get_path, unwrap_model
-from captum_normattr.models.heads import HeadAdapter, HeadParams, get_head_adapter, head_params
+from captum_normattr.arch.spec import ArchitectureSpec
+from captum_normattr.models.adapters import base_model, get_path, unwrap_model
+from captum_normattr.models.heads import HeadParams, ResolvedHead, find_classifier_head, head_params
 from captum_normattr.models.weights import weight_and_bias
 
 
@@ -122,7 +123,7 @@ class LogitDirection:
     foil: Optional[Tensor]
 
 
-def logit_scale(model: nn.Module, adapter: ArchitectureAdapter) -> float:
+def logit_scale(model: nn.Module, adapter: ArchitectureSpec) -> float:
     r"""The factor the model applies to its LM head's output: ``logit_multiplier / logit_divisor``.
 
     Cohere multiplies its logits by ``config.logit_scale`` (the description's
@@ -156,7 +157,7 @@ def logit_scale(model: nn.Module, adapter: ArchitectureAdapter) -> float:
     return scale
 
 
-def explains_next_token(model: nn.Module, adapter: ArchitectureAdapter) -> bool:
+def explains_next_token(model: nn.Module, adapter: ArchitectureSpec) -> bool:
     r"""Whether a logit-explaining method explains a next-token logit of ``model`` (else a class logit).
 
     Chosen from the model's head, not from its layer kind: a sequence classifier (a
@@ -194,7 +195,7 @@ class NextTokenLogit:
         ValueError: for a model without an LM head and no ``unembedding``.
     """
 
-    def __init__(self, model: nn.Module, adapter: ArchitectureAdapter, unembedding: Optional[Tensor] = None) -> None:
+    def __init__(self, model: nn.Module, adapter: ArchitectureSpec, unembedding: Optional[Tensor] = None) -> None:
         model = unwrap_model(model)
         d = model.config.hidden_size
         if unembedding is not None:
@@ -439,7 +440,7 @@ class NextTokenLogit:
         return LogitDirection(u, ub, t_ids, f_ids)
 
 
-def final_softcap(model: nn.Module, adapter: ArchitectureAdapter) -> Optional[float]:
+def final_softcap(model: nn.Module, adapter: ArchitectureSpec) -> Optional[float]:
     r"""The final-logit soft-cap of ``model`` (``cap * tanh(logits / cap)``), or None.
 
     Read from the config attribute the description names (``adapter.head.final_softcap``,
@@ -472,7 +473,7 @@ class ClassLogit:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = unwrap_model(model)
-        self.head: HeadAdapter = get_head_adapter(self.model)
+        self.head: ResolvedHead = find_classifier_head(self.model)
 
     @property
     def position(self) -> int:
@@ -542,7 +543,7 @@ class ImageClassLogit(ClassLogit):
 
     ViT/DeiT: the [CLS] row; the distilled DeiT: the mean of its [CLS] and distillation
     heads (both rows are explained together); DINOv2: [CLS] concatenated with the mean of
-    the patch rows (:data:`~captum_normattr.models.heads.VISION_HEADS`). The head, not an
+    the patch rows (the family's ``Head.image_classifiers``). The head, not an
     explained position, defines what is explained.
 
     Args:
@@ -553,15 +554,13 @@ class ImageClassLogit(ClassLogit):
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from captum_normattr.models.heads import VISION_HEADS, vision_head
+        from captum_normattr.models.heads import find_image_head, vision_head
 
         model = unwrap_model(model)
         self.model = model
         self.head = None
         self._build = vision_head
-        name = type(model).__name__
-        if name not in VISION_HEADS:
-            vision_head(model, 1, 1, torch.float32)  # raises the error naming the supported heads
+        find_image_head(model)  # raises the error naming the supported heads
 
     @property
     def position(self) -> int:
@@ -700,7 +699,7 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
         return False
 
 
-def check_next_token_model(adapter: ArchitectureAdapter, method: str) -> None:
+def check_next_token_model(adapter: ArchitectureSpec, method: str) -> None:
     r"""Raise a ValueError for a bidirectional text encoder (it predicts no next token)."""
     if not adapter.causal and adapter.modality == "text":  # a bidirectional encoder (ModernBERT) has no next token
         raise ValueError(
@@ -710,7 +709,7 @@ def check_next_token_model(adapter: ArchitectureAdapter, method: str) -> None:
         )
 
 
-def check_logit_model(adapter: ArchitectureAdapter, method: str) -> None:
+def check_logit_model(adapter: ArchitectureSpec, method: str) -> None:
     r"""Raise a ValueError unless the model is a decoder with norms inside its branches and a final norm."""
     check_next_token_model(adapter, method)
     if not adapter.pre_ln or adapter.final_norm is None:

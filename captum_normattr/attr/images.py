@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.attr.prepared import PreparedInputs, single_input
-from captum_normattr.models.adapters import ArchitectureAdapter
+from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.models.weights import input_device
 
 
@@ -37,12 +37,12 @@ def image_size(model: nn.Module) -> Tuple[int, int]:
     return (int(s[0]), int(s[1])) if isinstance(s, (tuple, list)) else (int(s), int(s))
 
 
-def num_prefix_tokens(model: nn.Module, adapter: ArchitectureAdapter) -> int:
+def num_prefix_tokens(model: nn.Module, adapter: ArchitectureSpec) -> int:
     r"""Tokens before the first patch: the description's prefix tokens ([CLS], DeiT's distillation token) and registers."""
     return adapter.inputs.prefix_tokens + int(getattr(model.config, "num_register_tokens", 0) or 0)
 
 
-def token_names(model: nn.Module, adapter: ArchitectureAdapter, grid: Tuple[int, int]) -> list:
+def token_names(model: nn.Module, adapter: ArchitectureSpec, grid: Tuple[int, int]) -> list:
     r"""Readable names of the tokens: ``[CLS]``, ``[DIST]``, ``[REG0]``..., then ``(row,col)`` patches."""
     names = list(adapter.inputs.prefix_names)
     names += [f"[REG{i}]" for i in range(num_prefix_tokens(model, adapter) - len(names))]
@@ -72,7 +72,7 @@ class PreparedImageInputs(PreparedInputs):
 
 
 def prepare_pixel_values(
-    model: nn.Module, adapter: ArchitectureAdapter, inputs: Union[Tensor, Tuple[Tensor, ...]], additional_forward_args: Any = None
+    model: nn.Module, adapter: ArchitectureSpec, inputs: Union[Tensor, Tuple[Tensor, ...]], additional_forward_args: Any = None
 ) -> PreparedImageInputs:
     r"""Check pixel values (B, C, H, W) against a Vision Transformer.
 

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.attr.prepared import PreparedInputs, single_input
-from captum_normattr.models.adapters import ArchitectureAdapter, base_model, max_positions
+from captum_normattr.arch.spec import ArchitectureSpec
+from captum_normattr.models.adapters import base_model, max_positions
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
@@ -39,7 +40,7 @@ def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optio
 
 def prepare_inputs(
     model: nn.Module,
-    adapter: ArchitectureAdapter,
+    adapter: ArchitectureSpec,
     inputs: Union[Tensor, Tuple[Tensor, ...]],
     additional_forward_args: Any = None,
 ) -> PreparedInputs:
@@ -163,7 +164,7 @@ def _takes_use_cache(model: nn.Module) -> bool:
     return "use_cache" in base and passes_on
 
 
-def _check_token_types(token_types: Tensor, model: nn.Module, adapter: ArchitectureAdapter, shape, mask: Tensor) -> Tensor:
+def _check_token_types(token_types: Tensor, model: nn.Module, adapter: ArchitectureSpec, shape, mask: Tensor) -> Tensor:
     r"""Token types as long, after checking shape, dtype and range against the model's token-type embedding."""
     if tuple(token_types.shape) != tuple(shape):
         raise ValueError(f"token_type_ids must have shape {tuple(shape)}; got {tuple(token_types.shape)}")

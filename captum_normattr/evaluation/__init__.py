@@ -8,6 +8,10 @@ r"""Faithfulness evaluation: metric presets and a harness comparing attribution 
   and :class:`HarnessResult` (Markdown table, JSON).
 - :mod:`~captum_normattr.evaluation.alignment`: word alignments from (target x source)
   attribution matrices and the alignment error rate (AER), for encoder-decoders.
+- :mod:`~captum_normattr.evaluation.alignment_task`: a synthetic translation task with known
+  word alignments (sure and possible links), to score those alignments against;
+- :mod:`~captum_normattr.evaluation.statistics`: per-item values of several methods summarised
+  (mean ± standard error, paired differences, medians, wins).
 
 Examples:
     >>> from captum_normattr.evaluation import FaithfulnessHarness, SequenceClassifier, baselines

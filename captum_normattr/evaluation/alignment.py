@@ -1,7 +1,7 @@
 r"""Word alignment from source-attribution matrices, and the alignment error rate (AER).
 
 Pure functions (tensors and sets in, numbers and sets out; no model, no hooks), used by the
-synthetic translation benchmark (``benchmarks/mt_alignment.py``, docs/benchmarks.md) to score
+synthetic translation benchmark (``benchmarks/faithfulness/mt_alignment.py``, docs/benchmarks.md) to score
 encoder-decoder attributions (ALTI+ source contributions, cross-attention weights, gradients)
 against known word alignments.
 

@@ -1,8 +1,7 @@
 r"""Reading a model through its architecture description: lookup, paths, weights.
 
 The descriptions themselves live in :mod:`captum_normattr.arch` (one
-:class:`~captum_normattr.arch.spec.ArchitectureSpec` per family, in a registry);
-:class:`ArchitectureAdapter` is the same type under its older name. Paths are dotted
+:class:`~captum_normattr.arch.spec.ArchitectureSpec` per family, in a registry). Paths are dotted
 attribute paths: ``layers`` from the base model (``model.base_model``), the others from
 one layer module.
 """
@@ -13,16 +12,30 @@ from typing import Dict, Optional, Tuple
 from torch import Tensor, nn
 
 from captum_normattr.arch import registry as arch_registry
-from captum_normattr.models.quantization import check_quantization
-from captum_normattr.arch.registry import ARCHITECTURES, lookup
+from captum_normattr.arch.registry import ARCHITECTURES, ENCODER_DECODERS, lookup
 from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
+from captum_normattr.decompose.kinds.registry import LAYER_KINDS
+from captum_normattr.models.quantization import check_quantization
 from captum_normattr.models.weights import module_tensor, weight_and_bias
 
-
-#: The description type (the adapter of a family is its description).
-ArchitectureAdapter = ArchitectureSpec
-#: The registered descriptions by key (:data:`captum_normattr.arch.ARCHITECTURES`).
-ADAPTERS: Dict[str, ArchitectureSpec] = ARCHITECTURES
+__all__ = [
+    "TABLE_METHODS",
+    "UnsupportedModelError",
+    "architecture_table_markdown",
+    "base_model",
+    "encoder_decoder_table_markdown",
+    "family_methods",
+    "get_adapter",
+    "get_path",
+    "layer_modules",
+    "layer_scale",
+    "linear_params",
+    "max_positions",
+    "supported_families",
+    "unwrap_model",
+    "value_projection",
+    "value_states",
+]
 
 
 def layer_scale(layer: nn.Module, path: Optional[str]) -> Optional[Tensor]:
@@ -44,6 +57,62 @@ def layer_scale(layer: nn.Module, path: Optional[str]) -> Optional[Tensor]:
         if value is not None:
             return value
     raise ValueError(f"cannot find the scale parameter of layer-scale module {type(module).__name__} ({path})")
+
+
+#: The methods the docs' table lists per family (the layer kind's, as tested on every family's tiny model).
+TABLE_METHODS: Tuple[Tuple[str, str], ...] = (
+    ("maps", "GlobEnc"), ("alti", "ALTI"), ("ff", "FF"), ("decompx", "DecompX"), ("alti_logit", "ALTI-Logit"))
+
+
+def family_methods(spec: ArchitectureSpec) -> Tuple[str, ...]:
+    r"""The methods that decompose a family, as the docs' table names them.
+
+    The descriptions (:mod:`captum_normattr.arch`) state a family's topology; its layer kind
+    (:data:`captum_normattr.decompose.kinds.registry.LAYER_KINDS`) says which methods decompose it.
+
+    Args:
+        spec: a family's description.
+
+    Returns:
+        Its layer kind's methods in :data:`TABLE_METHODS` order (ALTI-Logit for causal models
+        only); ``("ALTI+",)`` for an encoder-decoder; empty for a topology without a kind.
+    """
+    if spec.is_encoder_decoder:
+        return ("ALTI+",)
+    kind = LAYER_KINDS.get(spec.topology)
+    methods = set() if kind is None else set(kind.methods)
+    if not spec.causal:
+        methods.discard("alti_logit")
+    return tuple(name for key, name in TABLE_METHODS if key in methods)
+
+
+def architecture_table_markdown(specs: Optional[Dict[str, ArchitectureSpec]] = None) -> str:
+    r"""The docs' supported-architectures table (Markdown), rendered from the registry and the layer kinds.
+
+    Args:
+        specs: the descriptions to list (default:
+            :data:`~captum_normattr.arch.registry.ARCHITECTURES`, the one-stack families).
+
+    Returns:
+        Columns: family, ``config.model_type`` values, topology kind, methods (:func:`family_methods`),
+        features, notes.
+    """
+    rows = ["| family | model types | topology | methods | features | notes |", "|---|---|---|---|---|---|"]
+    for spec in (ARCHITECTURES if specs is None else specs).values():
+        rows.append(
+            f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
+            f"{', '.join(family_methods(spec))} | {', '.join(spec.features())} | {spec.notes or '—'} |"
+        )
+    return "\n".join(rows)
+
+
+def encoder_decoder_table_markdown() -> str:
+    r"""The docs' encoder-decoder table (Markdown).
+
+    Returns:
+        :func:`architecture_table_markdown` of :data:`~captum_normattr.arch.registry.ENCODER_DECODERS`.
+    """
+    return architecture_table_markdown(ENCODER_DECODERS)
 
 
 def supported_families() -> str:
@@ -98,7 +167,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def get_adapter(model: nn.Module) -> ArchitectureAdapter:
+def get_adapter(model: nn.Module) -> ArchitectureSpec:
     r"""The adapter for a Hugging Face model, from its ``config.model_type``.
 
     Args:
@@ -106,7 +175,7 @@ def get_adapter(model: nn.Module) -> ArchitectureAdapter:
             ``PeftModel`` or ``torch.compile`` wrapper (:func:`unwrap_model`).
 
     Returns:
-        The matching :class:`ArchitectureAdapter`.
+        The matching :class:`ArchitectureSpec`.
 
     Raises:
         UnsupportedModelError: naming the supported families.
@@ -154,7 +223,7 @@ def base_model(model: nn.Module) -> nn.Module:
     return getattr(model, "base_model", model)
 
 
-def layer_modules(model: nn.Module, adapter: ArchitectureAdapter):
+def layer_modules(model: nn.Module, adapter: ArchitectureSpec):
     r"""The list of layer modules."""
     return list(get_path(base_model(model), adapter.layers))
 
@@ -179,7 +248,7 @@ def linear_params(module: nn.Module, transposed: bool = False) -> Tuple[Tensor, 
     return w, b
 
 
-def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Tensor, Optional[Tensor]]:
+def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tensor, Optional[Tensor]]:
     r"""The value projection W_V of one layer as a right-multiplied matrix, and b_V.
 
     Args:
@@ -246,7 +315,7 @@ def value_projection(layer: nn.Module, adapter: ArchitectureAdapter) -> Tuple[Te
     return w, b
 
 
-def value_states(projection_output: Tensor, layer: nn.Module, adapter: ArchitectureAdapter, heads: int) -> Tensor:
+def value_states(projection_output: Tensor, layer: nn.Module, adapter: ArchitectureSpec, heads: int) -> Tensor:
     r"""The value states (B, H, T, Dh) in the model's own output of its value projection.
 
     For an attention module that computes its probabilities itself (``Attention.probabilities
@@ -310,7 +379,7 @@ def _head_dim(attention: nn.Module, total: int) -> int:
     raise ValueError(f"cannot find the head size of {type(attention).__name__} (no head_dim, head_size or config)")
 
 
-def max_positions(model: nn.Module, adapter: ArchitectureAdapter) -> Optional[int]:
+def max_positions(model: nn.Module, adapter: ArchitectureSpec) -> Optional[int]:
     r"""The longest input the model's position embeddings allow, or None if unbounded."""
     config = model.config
     n = getattr(config, "max_position_embeddings", None)

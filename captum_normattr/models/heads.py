@@ -1,96 +1,81 @@
-r"""Declarative adapters for sequence-classification heads (DecompX propagates parts through them).
+r"""Sequence-classification and vision heads, read from the model (DecompX propagates parts through them).
 
-Every supported head reads the last layer's output at one position (token 0), applies a
-dense layer, an elementwise activation and an output projection:
+Every supported sequence-classification head reads the last layer's output at one position
+(token 0), applies a dense layer, an elementwise activation and an output projection:
 
     logits = act(h_0 W_d + b_d) W_c + b_c
 
-(dropout is the identity in eval mode). Paths are dotted attribute paths from the model
-with the head (``*ForSequenceClassification``). Adding a family is one
-:class:`HeadAdapter` entry in :data:`HEAD_ADAPTERS`, or a
-:class:`~captum_normattr.arch.spec.ClassifierHead` in the family's architecture description
-(``Head.classifier``: DeBERTa-v2's pooler, whose activation is named by the config;
-ModernBERT's head, which reads the final norm's output of token 0 or the mean over the real
-tokens and has a norm after its activation: logits = N(act(h W_d + b_d)) W_c + b_c).
+(dropout is the identity in eval mode). Where each head keeps its pieces is data of the
+family's architecture description (``Head.classifier``, a
+:class:`~captum_normattr.arch.spec.ClassifierHead`: BERT's pooler, the RoBERTa and ELECTRA
+classification heads, DistilBERT's ``pre_classifier``, DeBERTa-v2's pooler, whose activation is
+named by the config, ModernBERT's head, which reads the final norm's output of token 0 or the
+mean over the real tokens and has a norm after its activation:
+logits = N(act(h W_d + b_d)) W_c + b_c); :func:`find_classifier_head` resolves it for one
+model and :func:`head_params` reads its weights. Adding a family's head is one
+``ClassifierHead`` in its description. Vision classifiers likewise: their heads are linear in
+the final-norm output of some tokens, described per classifier class in the family's
+``Head.image_classifiers`` (:class:`~captum_normattr.arch.spec.ImageClassifierHead`) and
+read by :func:`vision_head`. No family or class name is kept here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import ARCHITECTURES, lookup
-from captum_normattr.arch.spec import Norm
+from captum_normattr.arch.spec import ClassifierHead, ImageClassifierHead, Norm
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
 from captum_normattr.models.capture.recorder import norm_params
 
+__all__ = [
+    "HeadParams",
+    "LinearTokenHead",
+    "ResolvedHead",
+    "find_classifier_head",
+    "find_image_head",
+    "head_activation",
+    "head_params",
+    "image_heads",
+    "supported_heads",
+    "vision_head",
+]
+
 
 @dataclass(frozen=True)
-class HeadAdapter:
-    r"""Where one family's classification head keeps its pieces.
+class ResolvedHead:
+    r"""One model's classification head: its family's ``Head.classifier`` resolved against the model's config.
 
     Attributes:
         family: readable family name.
-        model_types: the ``config.model_type`` values it serves.
-        model_class_suffix: the class-name suffix of the models with this head.
-        position: the token whose last-layer output the head reads.
-        dense: path of the first dense layer (BERT: the pooler's), from the model.
-        classifier: path of the output projection, from the model.
-        activation: path of the activation module, from the model, or None when the
-            head applies a fixed function (see ``activation_fn``).
-        activation_fn: the fixed elementwise activation when ``activation`` is None.
-        activation_config: the config attribute naming a transformers activation
-            (``ACT2FN[config.<attribute>]``) when neither of the above is given.
-        norm: a norm after the activation (ModernBERT's ``head.norm``), path from the model.
+        description: the family's :class:`~captum_normattr.arch.spec.ClassifierHead` (paths
+            from the model with the head; its activation module, fixed function or config name).
         pre_norm: the final norm the head's input passes first (pre-LN encoders), path from
-            the base model.
+            the base model, or None.
         pooling: ``"first"`` (the head reads token ``position``) or ``"mean"`` (the mean of
             the real tokens' (final-norm) outputs, ModernBERT's ``classifier_pooling="mean"``).
     """
 
     family: str
-    model_types: Tuple[str, ...]
-    dense: str
-    classifier: str
-    activation: Optional[str] = None
-    activation_fn: Optional[Callable[[Tensor], Tensor]] = None
-    model_class_suffix: str = "ForSequenceClassification"
-    position: int = 0
-    activation_config: Optional[str] = None
-    norm: Optional[Norm] = None
+    description: ClassifierHead
     pre_norm: Optional[Norm] = None
     pooling: str = "first"
 
-
-HEAD_ADAPTERS: Dict[str, HeadAdapter] = {
-    "bert": HeadAdapter(
-        family="BERT", model_types=("bert",),
-        dense="base_model.pooler.dense", activation="base_model.pooler.activation", classifier="classifier",
-    ),
-    "roberta": HeadAdapter(
-        family="RoBERTa", model_types=("roberta", "xlm-roberta", "camembert"),
-        dense="classifier.dense", activation_fn=torch.tanh, classifier="classifier.out_proj",
-    ),
-    "electra": HeadAdapter(
-        family="ELECTRA", model_types=("electra",),
-        dense="classifier.dense", activation="classifier.activation", classifier="classifier.out_proj",
-    ),
-    "distilbert": HeadAdapter(
-        family="DistilBERT", model_types=("distilbert",),
-        dense="pre_classifier", activation_fn=torch.relu, classifier="classifier",
-    ),
-}
+    @property
+    def position(self) -> int:
+        r"""The token whose last-layer output the head reads."""
+        return self.description.position
 
 
 def supported_heads() -> str:
-    r"""Readable list of the supported classification heads (those of :data:`HEAD_ADAPTERS` and of the registry)."""
-    described = [(s.family, s.model_types) for s in ARCHITECTURES.values() if s.head.classifier is not None]
+    r"""Readable list of the supported classification heads (the registry's families that describe one)."""
     return ", ".join(
-        [f"{a.family} (*{a.model_class_suffix}, model_type {'/'.join(a.model_types)})" for a in HEAD_ADAPTERS.values()]
-        + [f"{family} (*ForSequenceClassification, model_type {'/'.join(types)})" for family, types in described]
+        f"{s.family} (*ForSequenceClassification, model_type {'/'.join(s.model_types)})"
+        for s in ARCHITECTURES.values() if s.head.classifier is not None
     )
 
 
@@ -122,52 +107,32 @@ class HeadParams:
     pooling: str = "first"
 
 
-def get_head_adapter(model: nn.Module) -> HeadAdapter:
-    r"""The head adapter of a Hugging Face sequence classifier.
+def find_classifier_head(model: nn.Module) -> ResolvedHead:
+    r"""The classification head of a Hugging Face sequence classifier, from its family's description.
 
     Args:
         model: e.g. ``BertForSequenceClassification``.
 
     Returns:
-        The matching :class:`HeadAdapter`.
+        The :class:`ResolvedHead` of its family's ``Head.classifier``.
 
     Raises:
-        UnsupportedModelError: for a model without a supported classification head,
-            naming the supported ones.
+        UnsupportedModelError: for a model without a supported classification head (naming
+            the supported ones), a head that pools the tokens in a way the decompositions do
+            not follow (a ``pooling_config`` value other than ``"cls"`` and ``"mean"``), or a
+            model that lacks one of the head's modules.
     """
     model = unwrap_model(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    name = type(model).__name__
-    for head in HEAD_ADAPTERS.values():
-        if model_type in head.model_types and name.endswith(head.model_class_suffix):
-            try:
-                for path in (head.dense, head.classifier) + ((head.activation,) if head.activation else ()):
-                    get_path(model, path)
-            except (AttributeError, IndexError) as err:
-                raise UnsupportedModelError(f"{name} does not have the expected {head.family} head ({err})") from err
-            return head
-    described = _described_head(model, model_type, name)
-    if described is not None:
-        return described
-    raise UnsupportedModelError(
-        f"{name} (model type {model_type!r}) has no supported classification head. "
-        f"Supported heads: {supported_heads()}."
-    )
-
-
-def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> Optional[HeadAdapter]:
-    r"""The head of a sequence classifier whose architecture description names one (``Head.classifier``), or None.
-
-    Raises:
-        UnsupportedModelError: the description's head pools the tokens in a way the
-            decompositions do not follow (a ``pooling_config`` value other than ``"cls"`` and
-            ``"mean"``), or the model lacks one of its modules.
-    """
     config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    name = type(model).__name__
     spec = lookup(model_type, config)
     desc = None if spec is None else spec.head.classifier
     if desc is None or not name.endswith("ForSequenceClassification"):
-        return None
+        raise UnsupportedModelError(
+            f"{name} (model type {model_type!r}) has no supported classification head. "
+            f"Supported heads: {supported_heads()}."
+        )
     pooling = "first"
     if desc.pooling_config is not None:
         value = getattr(config, desc.pooling_config, None)
@@ -178,13 +143,9 @@ def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> O
                 f"(supported: 'cls', the head reads token {desc.position}, and 'mean', the mean over the real tokens); "
                 "the maps (GlobEnc, ALTI, FF) do not depend on the head"
             )
-    head = HeadAdapter(
-        family=spec.family, model_types=spec.model_types, dense=desc.dense, classifier=desc.classifier,
-        activation=desc.activation, activation_config=desc.activation_config, norm=desc.norm,
-        pre_norm=spec.head.final_norm, position=desc.position, pooling=pooling,
-    )
+    head = ResolvedHead(family=spec.family, description=desc, pre_norm=spec.head.final_norm, pooling=pooling)
     try:
-        for path in (head.dense, head.classifier) + tuple(p for p in (head.activation, desc.norm and desc.norm.path) if p):
+        for path in (desc.dense, desc.classifier) + tuple(p for p in (desc.activation, desc.norm and desc.norm.path) if p):
             get_path(model, path)
         if head.pre_norm is not None:
             get_path(base_model(model), head.pre_norm.path)
@@ -193,24 +154,34 @@ def _described_head(model: nn.Module, model_type: Optional[str], name: str) -> O
     return head
 
 
-def _head_activation(model: nn.Module, head: HeadAdapter) -> Callable[[Tensor], Tensor]:
-    if head.activation:
-        return get_path(model, head.activation)
-    if head.activation_fn is not None:
-        return head.activation_fn
+def head_activation(model: nn.Module, head: ResolvedHead) -> Callable[[Tensor], Tensor]:
+    r"""The elementwise activation of a head.
+
+    Args:
+        model: the sequence classifier (unwrapped).
+        head: its :class:`ResolvedHead`.
+
+    Returns:
+        The activation module, the fixed ``torch`` function, or ``ACT2FN`` of the config's name.
+    """
+    desc = head.description
+    if desc.activation:
+        return get_path(model, desc.activation)
+    if desc.activation_fn is not None:
+        return getattr(torch, desc.activation_fn)
     from transformers.activations import ACT2FN
 
-    return ACT2FN[getattr(model.config, head.activation_config)]
+    return ACT2FN[getattr(model.config, desc.activation_config)]
 
 
 def head_params(
-    model: nn.Module, head: HeadAdapter, dtype: torch.dtype, device: Optional[torch.device] = None
+    model: nn.Module, head: ResolvedHead, dtype: torch.dtype, device: Optional[torch.device] = None
 ) -> HeadParams:
     r"""Read a head's parameters as right-multiplied matrices in ``dtype``.
 
     Args:
         model: the sequence classifier.
-        head: its :class:`HeadAdapter`.
+        head: its :class:`ResolvedHead`.
         dtype: compute dtype.
         device: where to put them (None: where they are; the CPU copy for a head offloaded
             by accelerate, whose weights are read from its hook).
@@ -220,10 +191,11 @@ def head_params(
     """
     model = unwrap_model(model)
     cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
-    w_d, b_d = linear_params(get_path(model, head.dense))
-    w_c, b_c = linear_params(get_path(model, head.classifier))
-    act = _head_activation(model, head)
-    norm = None if head.norm is None else norm_params(get_path(model, head.norm.path), head.norm, dtype, device)
+    desc = head.description
+    w_d, b_d = linear_params(get_path(model, desc.dense))
+    w_c, b_c = linear_params(get_path(model, desc.classifier))
+    act = head_activation(model, head)
+    norm = None if desc.norm is None else norm_params(get_path(model, desc.norm.path), desc.norm, dtype, device)
     pre = None if head.pre_norm is None else norm_params(
         get_path(base_model(model), head.pre_norm.path), head.pre_norm, dtype, device)
     return HeadParams(cast(w_d), cast(b_d), act, cast(w_c), cast(b_c), head.position, norm, pre, head.pooling)
@@ -252,18 +224,36 @@ class LinearTokenHead:
     description: str
 
 
-#: The vision classifiers and how their head reads the tokens.
-VISION_HEADS: Dict[str, str] = {
-    "ViTForImageClassification": "logits = W y_[CLS] + b",
-    "DeiTForImageClassification": "logits = W y_[CLS] + b",
-    "DeiTForImageClassificationWithTeacher": (
-        "logits = (W_cls y_[CLS] + b_cls + W_dist y_[DIST] + b_dist) / 2 (the mean of the two heads)"
-    ),
-    "Dinov2ForImageClassification": "logits = W [y_[CLS]; mean of the patch outputs] + b",
-    "Dinov2WithRegistersForImageClassification": (
-        "logits = W [y_[CLS]; mean of the patch outputs (registers excluded)] + b"
-    ),
-}
+def image_heads() -> Tuple[ImageClassifierHead, ...]:
+    r"""The image-classification heads the registry's vision families describe (``Head.image_classifiers``), in order."""
+    return tuple(h for s in ARCHITECTURES.values() for h in s.head.image_classifiers)
+
+
+def find_image_head(model: nn.Module) -> ImageClassifierHead:
+    r"""The image-classification head of a vision classifier, from its family's description.
+
+    Args:
+        model: e.g. ``ViTForImageClassification``.
+
+    Returns:
+        The :class:`~captum_normattr.arch.spec.ImageClassifierHead` of the model's class.
+
+    Raises:
+        UnsupportedModelError: for other models (a bare ``ViTModel`` has no classes), naming
+            the supported heads.
+    """
+    model = unwrap_model(model)
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    spec = lookup(getattr(config, "model_type", None), config)
+    for head in () if spec is None else spec.head.image_classifiers:
+        if head.model_class == name:
+            return head
+    raise UnsupportedModelError(
+        f"{name} has no supported image-classification head. Supported: "
+        f"{', '.join(h.model_class for h in image_heads())} "
+        "(a bare ViTModel/DeiTModel/Dinov2Model has no classes to explain)."
+    )
 
 
 def vision_head(
@@ -272,7 +262,8 @@ def vision_head(
     r"""The linear head of a supported vision classifier, as rows and per-row weights.
 
     Args:
-        model: ``ViTForImageClassification``, ``DeiTForImageClassification``,
+        model: a classifier whose family describes its head (:func:`find_image_head`):
+            ``ViTForImageClassification``, ``DeiTForImageClassification``,
             ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification`` or
             ``Dinov2WithRegistersForImageClassification``.
         num_tokens: T, the tokens of this input ([CLS], distillation/register tokens, patches).
@@ -290,11 +281,7 @@ def vision_head(
     """
     model = unwrap_model(model)
     name = type(model).__name__
-    if name not in VISION_HEADS:
-        raise UnsupportedModelError(
-            f"{name} has no supported image-classification head. Supported: {', '.join(VISION_HEADS)} "
-            "(a bare ViTModel/DeiTModel/Dinov2Model has no classes to explain)."
-        )
+    desc = find_image_head(model)
 
     def linear(path: str):
         module = get_path(model, path)
@@ -307,20 +294,20 @@ def vision_head(
         cast = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype)
         return cast(w), cast(b)
 
-    if name == "DeiTForImageClassificationWithTeacher":
-        (w_c, b_c), (w_d, b_d) = linear("cls_classifier"), linear("distillation_classifier")
+    if desc.readout == "mean_of_heads":
+        (w_c, b_c), (w_d, b_d) = (linear(path) for path in desc.classifiers)
         weight = torch.stack([w_c, w_d]) / 2
         bias = None if b_c is None and b_d is None else (
             (b_c if b_c is not None else 0) + (b_d if b_d is not None else 0)
         ) / 2
         rows = torch.tensor([0, 1], device=device)
-    elif name.startswith("Dinov2"):
-        w, bias = linear("classifier")
+    elif desc.readout == "cls_and_patch_mean":
+        w, bias = linear(desc.classifiers[0])
         d = w.shape[0] // 2
         n_patches = num_tokens - num_prefix
         rows = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(num_prefix, num_tokens)]).to(device)
         weight = torch.cat([w[:d].unsqueeze(0), (w[d:] / n_patches).unsqueeze(0).expand(n_patches, -1, -1)])
     else:
-        w, bias = linear("classifier")
+        w, bias = linear(desc.classifiers[0])
         rows, weight = torch.tensor([0], device=device), w.unsqueeze(0)
-    return LinearTokenHead(rows, weight, bias, VISION_HEADS[name])
+    return LinearTokenHead(rows, weight, bias, desc.description)

@@ -9,7 +9,7 @@ from captum_normattr import DecompXAttribution, UnsupportedModelError
 from captum_normattr.attr.base import compute_dtype
 from captum_normattr.decompose.methods.decompx.engine import BIAS_MODES, SPREAD_MODES, propagate_parts, spread_weights
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, linear_params
-from captum_normattr.models.heads import get_head_adapter, head_params
+from captum_normattr.models.heads import find_classifier_head, head_params
 
 TOL = 1e-9
 
@@ -57,7 +57,7 @@ def naive_class_scores(model, ids, mask):
     dtype = compute_dtype(model)
     layers = capture_layers(model, ids, mask, top_model=True)
     vp = [linear_params(get_path(m, adapter.attn_value)) for m in layer_modules(model, adapter)]
-    hp = head_params(model, get_head_adapter(model), dtype)
+    hp = head_params(model, find_classifier_head(model), dtype)
     real_u = layers[-1].layer_out[:, 0] @ hp.w_dense + hp.b_dense
     ratio = (hp.act(real_u) - hp.act(torch.zeros((), dtype=dtype))) / real_u
     e = layers[0].hidden_in

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from captum_normattr.evaluation import alignment as AL
+from captum_normattr.evaluation import alignment_task
 from captum_normattr.evaluation.alignment import (
     alignment_counts,
     alignment_error_rate,
@@ -178,21 +179,11 @@ def test_docstring_examples():
     assert res.failed == 0 and res.attempted > 5
 
 
-# --------------------------------------------------------------------------- the benchmark's task
-def _bench_module():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import mt_alignment
-
-    return mt_alignment
-
-
+# --------------------------------------------------------------------------- the synthetic task (evaluation.alignment_task)
 def test_synthetic_task_gold_alignments_follow_the_rules():
     import random
 
-    M = _bench_module()
+    M = alignment_task  # the synthetic translation task of benchmarks/faithfulness/mt_alignment.py
     lp = M.build_language_pair(0)
     assert M.build_language_pair(0).translation == lp.translation  # seeded
     rng = random.Random(3)
@@ -219,7 +210,7 @@ def test_synthetic_task_gold_alignments_follow_the_rules():
 
 
 def test_gold_scores_give_zero_aer_and_shuffled_gold_does_not():
-    M = _bench_module()
+    M = alignment_task  # the synthetic translation task of benchmarks/faithfulness/mt_alignment.py
     lp = M.build_language_pair(1)
     test, _ = M.make_datasets(lp, 1, 40)
     enc = M.encode(test)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from captum_normattr.arch import architecture_table_markdown, encoder_decoder_table_markdown
 from captum_normattr.arch.registry import refused_table_markdown
+from captum_normattr.models.adapters import architecture_table_markdown, encoder_decoder_table_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "architectures.md"
@@ -25,12 +25,12 @@ def test_architecture_docs_tables_are_the_generated_ones(name, render, doc):
     found = re.search(rf"<!-- {name} table:[^\n]*-->\n(.*?)\n?<!-- end of {name} table -->", text, re.S)
     assert found, f"{doc.name} lost its {name}-table markers"
     expected = render()
-    if os.environ.get("UPDATE_DOCS") == "1":  # UPDATE_DOCS=1 python -m pytest tests/test_architecture_docs.py
+    if os.environ.get("UPDATE_DOCS") == "1":  # UPDATE_DOCS=1 python -m pytest tests/health/test_architecture_docs.py
         doc.write_text(text[:found.start(1)] + expected + "\n" * (not text[found.end(1):].startswith("\n")) + text[found.end(1):], encoding="utf-8")
         return
     assert found.group(1) == expected, (
         f"{doc.name}'s {name} table differs from the registry's; regenerate it with: "
-        "UPDATE_DOCS=1 python -m pytest tests/test_architecture_docs.py")
+        "UPDATE_DOCS=1 python -m pytest tests/health/test_architecture_docs.py")
 
 
 def test_readme_points_to_the_table():

@@ -74,7 +74,7 @@ def rebuild(rec: dict) -> torch.nn.Module:
     cfg = getattr(transformers, rec["config_class"]).from_dict(json.loads(rec["config"]))
     cfg._attn_implementation = rec["attn_implementation"]
     model = getattr(transformers, rec["model_class"])(cfg).double().eval()
-    for path, dim, eps in rec["rmsnorm_swaps"]:  # tests/decoder_models.py exact_norms=True
+    for path, dim, eps in rec["rmsnorm_swaps"]:  # tests/fixtures/decoder_models.py exact_norms=True
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path), child, torch.nn.RMSNorm(dim, eps=eps, dtype=torch.float64))
     model.load_state_dict(rec["state_dict"], strict=True)
@@ -233,7 +233,7 @@ def test_saved_rejections_still_raise(family):
         if entry["family"] != family:
             continue
         if entry["spec"]["init"].get("contribution") == "alti" and "pre-LN" in entry["reason"]:
-            continue  # ALTI+FF on pre-LN models was refused then and is supported now (tests/test_alti_ff_pre_ln.py)
+            continue  # ALTI+FF on pre-LN models was refused then and is supported now (tests/decompose/kinds/test_pre_ln_alti_ff.py)
         with pytest.raises(ValueError):
             run(model, batch, entry["spec"])
 

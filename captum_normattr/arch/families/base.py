@@ -16,8 +16,10 @@ from typing import Dict, Tuple
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
     Attention,
+    ClassifierHead,
     FeedForward,
     Head,
+    ImageClassifierHead,
     Inputs,
     Layer,
     Norm,
@@ -25,18 +27,34 @@ from captum_normattr.arch.spec import (
     Variant,
 )
 
+__all__ = [
+    "BERT", "BUILTIN", "DEIT", "DINOV2", "DINOV2_REGISTERS", "DISTILBERT", "ELECTRA", "GEMMA", "GEMMA2", "GPT2",
+    "GPT_NEOX", "GRANITE", "LLAMA", "MISTRAL", "OLMO", "PHI3", "QWEN2", "QWEN3", "REFUSED", "ROBERTA", "SMOLLM3",
+    "STABLELM", "VIT",
+]
+
 # --- post-LN encoders -------------------------------------------------------------------
 _BERT_LAYER = Layer(
     attention=Attention("attention.self", out="attention.output.dense", value=ValueProjection("attention.self.value")),
     ff=FeedForward(up="intermediate.dense", act="intermediate.intermediate_act_fn", down="output.dense"),
     stream_norms=(Norm("attention.output.LayerNorm"), Norm("output.LayerNorm")),
 )
-BERT = ArchitectureSpec(family="BERT", model_types=("bert",), layers="encoder.layer", layer=_BERT_LAYER)
+BERT = ArchitectureSpec(
+    family="BERT", model_types=("bert",), layers="encoder.layer", layer=_BERT_LAYER,
+    head=Head(classifier=ClassifierHead(dense="base_model.pooler.dense", activation="base_model.pooler.activation",
+                                        classifier="classifier")),
+)
 ROBERTA = ArchitectureSpec(
     family="RoBERTa", model_types=("roberta", "xlm-roberta", "camembert"), layers="encoder.layer", layer=_BERT_LAYER,
+    head=Head(classifier=ClassifierHead(dense="classifier.dense", activation_fn="tanh",
+                                        classifier="classifier.out_proj")),
     inputs=Inputs(max_positions_offset=-1), notes="positions offset by padding_idx + 1",
 )
-ELECTRA = ArchitectureSpec(family="ELECTRA", model_types=("electra",), layers="encoder.layer", layer=_BERT_LAYER)
+ELECTRA = ArchitectureSpec(
+    family="ELECTRA", model_types=("electra",), layers="encoder.layer", layer=_BERT_LAYER,
+    head=Head(classifier=ClassifierHead(dense="classifier.dense", activation="classifier.activation",
+                                        classifier="classifier.out_proj")),
+)
 DISTILBERT = ArchitectureSpec(
     family="DistilBERT", model_types=("distilbert",), layers="transformer.layer",
     layer=Layer(
@@ -44,6 +62,7 @@ DISTILBERT = ArchitectureSpec(
         ff=FeedForward(up="ffn.lin1", act="ffn.activation", down="ffn.lin2"),
         stream_norms=(Norm("sa_layer_norm"), Norm("output_layer_norm")),
     ),
+    head=Head(classifier=ClassifierHead(dense="pre_classifier", activation_fn="relu", classifier="classifier")),
 )
 
 # --- decoders ---------------------------------------------------------------------------
@@ -195,10 +214,18 @@ _VIT_LAYER = Layer(
                         pre_norm=Norm("layernorm_before")),
     ff=FeedForward(up="mlp.fc1", act="mlp.activation_fn", down="mlp.fc2", pre_norm=Norm("layernorm_after")),
 )
-_VIT_HEAD = Head(final_norm=Norm("layernorm"))
+_CLS_HEAD = "logits = W y_[CLS] + b"
+_VIT_HEAD = Head(final_norm=Norm("layernorm"), image_classifiers=(
+    ImageClassifierHead("ViTForImageClassification", ("classifier",), "cls", _CLS_HEAD),))
+_DEIT_HEAD = Head(final_norm=Norm("layernorm"), image_classifiers=(
+    ImageClassifierHead("DeiTForImageClassification", ("classifier",), "cls", _CLS_HEAD),
+    ImageClassifierHead("DeiTForImageClassificationWithTeacher", ("cls_classifier", "distillation_classifier"),
+                        "mean_of_heads", "logits = (W_cls y_[CLS] + b_cls + W_dist y_[DIST] + b_dist) / 2 "
+                                         "(the mean of the two heads)"),
+))
 VIT = ArchitectureSpec(family="ViT", model_types=("vit",), layers="layers", layer=_VIT_LAYER, modality="image", head=_VIT_HEAD)
 DEIT = ArchitectureSpec(
-    family="DeiT", model_types=("deit",), layers="layers", layer=_VIT_LAYER, modality="image", head=_VIT_HEAD,
+    family="DeiT", model_types=("deit",), layers="layers", layer=_VIT_LAYER, modality="image", head=_DEIT_HEAD,
     inputs=Inputs(prefix_tokens=2, prefix_names=("[CLS]", "[DIST]")), notes="a distillation token",
 )
 _DINOV2_LAYER = Layer(
@@ -212,15 +239,19 @@ _DINOV2_SWIGLU_LAYER = replace(
 )
 
 
-def _dinov2(family: str, model_type: str) -> ArchitectureSpec:
-    kw = dict(family=family, model_types=(model_type,), layers="encoder.layer", modality="image", head=_VIT_HEAD,
+def _dinov2(family: str, model_type: str, model_class: str, description: str) -> ArchitectureSpec:
+    head = Head(final_norm=Norm("layernorm"), image_classifiers=(
+        ImageClassifierHead(model_class, ("classifier",), "cls_and_patch_mean", description),))
+    kw = dict(family=family, model_types=(model_type,), layers="encoder.layer", modality="image", head=head,
               inputs=Inputs(interpolates_positions="always"))
     return ArchitectureSpec(layer=_DINOV2_LAYER, notes="layer scale; registers", variants=(
         Variant("use_swiglu_ffn", True, ArchitectureSpec(layer=_DINOV2_SWIGLU_LAYER, **kw)),), **kw)
 
 
-DINOV2 = _dinov2("DINOv2", "dinov2")
-DINOV2_REGISTERS = _dinov2("DINOv2 with registers", "dinov2_with_registers")
+DINOV2 = _dinov2("DINOv2", "dinov2", "Dinov2ForImageClassification",
+                 "logits = W [y_[CLS]; mean of the patch outputs] + b")
+DINOV2_REGISTERS = _dinov2("DINOv2 with registers", "dinov2_with_registers", "Dinov2WithRegistersForImageClassification",
+                           "logits = W [y_[CLS]; mean of the patch outputs (registers excluded)] + b")
 
 #: Every built-in description, by registry key, in the order of the docs' table.
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (

@@ -27,6 +27,8 @@ from captum_normattr.arch.spec import (
     Variant,
 )
 
+__all__ = ["BLOOM", "BUILTIN", "GEMMA3", "OLMO2", "OPT"]
+
 _RMS = dict(kind="rmsnorm")
 
 #: OLMo 2: RMSNorms on the branch OUTPUTS only, h = x + P1(Attn(x)), y = h + P2(FF(h)); the q/k

@@ -34,6 +34,8 @@ from captum_normattr.arch.spec import (
     ValueProjection,
 )
 
+__all__ = ["BUILTIN", "DEBERTA_V2", "MODERNBERT"]
+
 DEBERTA_V2 = ArchitectureSpec(
     family="DeBERTa-v2", model_types=("deberta-v2",), layers="encoder.layer",
     layer=Layer(

@@ -31,6 +31,8 @@ from captum_normattr.arch.spec import (
     ValueProjection,
 )
 
+__all__ = ["BUILTIN", "MIXTRAL", "QWEN2_MOE", "QWEN3_MOE"]
+
 _ATTENTION = Attention("self_attn", out="self_attn.o_proj", value=ValueProjection("self_attn.v_proj"),
                        pre_norm=Norm("input_layernorm", "rmsnorm"))
 _HEAD = Head(final_norm=Norm("norm", "rmsnorm"), lm_head="lm_head")

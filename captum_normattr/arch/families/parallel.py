@@ -41,6 +41,8 @@ from captum_normattr.arch.spec import (
     Variant,
 )
 
+__all__ = ["BUILTIN", "COHERE", "FALCON", "GPTJ", "PHI"]
+
 # --- Phi-2 --------------------------------------------------------------------------------
 _PHI_NORM = Norm("input_layernorm")
 PHI = ArchitectureSpec(

@@ -22,6 +22,8 @@ from captum_normattr.arch.spec import (
     Variant,
 )
 
+__all__ = ["BART", "BUILTIN", "M2M100", "MARIAN", "MBART", "PEGASUS", "T5"]
+
 
 def _bart_attention(module: str, pre_norm: Norm = None) -> Attention:
     return Attention(module, out=f"{module}.out_proj", value=ValueProjection(f"{module}.v_proj"), pre_norm=pre_norm)

@@ -40,11 +40,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.arch.spec import Norm
+from captum_normattr.arch.spec import ArchitectureSpec, Norm
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import (
-    ArchitectureAdapter,
     base_model,
     get_path,
     layer_modules,
@@ -616,7 +615,7 @@ class Recorder(AttentionRecords):
 
     Args:
         model: a supported ``transformers`` model.
-        adapter: its :class:`~captum_normattr.models.adapters.ArchitectureAdapter`.
+        adapter: its :class:`~captum_normattr.models.adapters.ArchitectureSpec`.
         dtype: the compute dtype of the handed-over tensors (float32 or float64).
         on_layer: called with every layer's :class:`LayerTensors` as soon as the layer has
             run; the recorder keeps nothing of it afterwards.
@@ -632,7 +631,7 @@ class Recorder(AttentionRecords):
     def __init__(
         self,
         model: nn.Module,
-        adapter: ArchitectureAdapter,
+        adapter: ArchitectureSpec,
         dtype: torch.dtype,
         on_layer: Callable[[LayerTensors], None],
         keep_calls: bool = False,
@@ -1216,7 +1215,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def recording(
     model: nn.Module,
-    adapter: ArchitectureAdapter,
+    adapter: ArchitectureSpec,
     on_layer: Callable[[LayerTensors], None],
     dtype: torch.dtype = torch.float32,
     keep_calls: bool = False,
@@ -1231,7 +1230,7 @@ def recording(
 
     Args:
         model: a supported ``transformers`` model.
-        adapter: its :class:`ArchitectureAdapter`.
+        adapter: its :class:`ArchitectureSpec`.
         on_layer: callback receiving each layer's :class:`LayerTensors` in the compute dtype.
         dtype: the compute dtype.
         keep_calls: allow :meth:`Recorder.rerun_layer`.

@@ -46,9 +46,9 @@ with the same file skips the (dtype, method, tokens) already measured, so a run 
 
 Reproduce (from the repository root):
 
-    nice -n 10 python benchmarks/long_prompts.py --tokens 1024 4096 --json benchmarks/results/long_prompts.json
-    nice -n 10 python benchmarks/long_prompts.py --tokens 8192 --json benchmarks/results/long_prompts.json
-    python benchmarks/long_prompts.py --table benchmarks/results/long_prompts.json
+    nice -n 10 python benchmarks/memory/long_prompts.py --tokens 1024 4096 --json benchmarks/results/long_prompts.json
+    nice -n 10 python benchmarks/memory/long_prompts.py --tokens 8192 --json benchmarks/results/long_prompts.json
+    python benchmarks/memory/long_prompts.py --table benchmarks/results/long_prompts.json
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ import threading
 import time
 from typing import Any, Callable, Optional, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 import torch  # noqa: E402
 

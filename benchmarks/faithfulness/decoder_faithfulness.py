@@ -37,15 +37,14 @@ Exactness (``--exact-prompts``, float64 weights, the Llama RMSNorms swapped for 
 
 Usage::
 
-    python benchmarks/decoder_faithfulness.py --max-items 120 --out benchmarks/results/decoder_faithfulness.json
-    python benchmarks/decoder_faithfulness.py --max-items 260 --exact-prompts 0 --seed 2 --cost-every 5 \
+    python benchmarks/faithfulness/decoder_faithfulness.py --max-items 120 --out benchmarks/results/decoder_faithfulness.json
+    python benchmarks/faithfulness/decoder_faithfulness.py --max-items 260 --exact-prompts 0 --seed 2 --cost-every 5 \
         --total-seconds 4800 --out benchmarks/results/decoder_faithfulness_seed2.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -56,8 +55,11 @@ from typing import Callable, Dict, List, Sequence
 import torch
 from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, Saliency
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # this checkout
+
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution, load_default_model
 from captum_normattr.decompose.primitives.rollout import rollout
+from captum_normattr.evaluation.statistics import ItemValues, format_mean_se, medians_and_wins, paired_differences
 from captum_normattr.evaluation.decoder_tasks import (TaskItem, evidence_ranks, fact_answer_tokens, make_task, removal_sequences,
                                                       sink_share)
 
@@ -95,15 +97,6 @@ def last_logit_diff(model, ids_list: Sequence[Sequence[int]], target: int, foil:
     r"""d = logit(target) - logit(foil) at the last real token of each prompt."""
     lg = last_logits(model, ids_list, chunk)
     return (lg[:, target] - lg[:, foil]).double()
-
-
-def mean_se(values: Sequence[float]) -> Dict[str, float]:
-    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    if not v:
-        return {"mean": float("nan"), "se": float("nan"), "n": 0}
-    m = sum(v) / len(v)
-    se = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else float("nan")
-    return {"mean": m, "se": se, "n": len(v)}
 
 
 class Methods:
@@ -245,24 +238,14 @@ def evaluate_item(model, methods: Methods, it: TaskItem, ks: Sequence[int], seed
     return out
 
 
-class TaskState:
-    r"""One task's kept items and the per-item metric values gathered so far."""
+class TaskState(ItemValues):
+    r"""One task's kept items and the per-item metric values gathered so far (:class:`ItemValues`)."""
 
     def __init__(self, name: str, candidates: int, kept: List[TaskItem]):
+        super().__init__()
         self.name, self.candidates, self.correct = name, candidates, len(kept)
         self.items = kept
-        self.done = 0
         self.seconds = 0.0
-        self.values: Dict[str, Dict[str, List[float]]] = {}
-
-    def add(self, res: Dict[str, Dict[str, float]]) -> None:
-        for m, rec in res.items():
-            for k, v in rec.items():
-                self.values.setdefault(m, {}).setdefault(k, []).append(v)
-        self.done += 1
-
-    def summary(self) -> Dict[str, Dict[str, Dict[str, float]]]:
-        return {m: {k: mean_se(v) for k, v in rec.items()} for m, rec in self.values.items()}
 
 
 def evaluate_task(model, methods: Methods, items: List[TaskItem], ks: Sequence[int], log, seconds: float = float("inf"),
@@ -449,16 +432,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def _fmt(s: Dict[str, float]) -> str:
-    return f"{s['mean']:.3f} ± {s['se']:.3f}" if s["n"] else "n/a"
-
-
 def table(task: str, res: Dict) -> str:
     cols = ["top1_with_sink", "top1_no_sink", "mrr_no_sink", "deletion_aopc_with_sink", "deletion_aopc_no_sink",
             "insertion_aopc_no_sink", "sink_share", "cost_forwards"]
     lines = [f"\n## {task}", "| method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for m, r in res.items():
-        lines.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "n/a" for c in cols) + " |")
+        lines.append(f"| {m} | " + " | ".join(format_mean_se(r[c]) if c in r else "n/a" for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -484,17 +463,17 @@ def report(results: Sequence[Dict]) -> str:
             out.append("| method | " + " | ".join(c[1] for c in cols_t) + " |")
             out.append("|---|" + "---:|" * len(cols_t))
             for m, r in t["methods"].items():
-                out.append(f"| {m} | " + " | ".join(_fmt(r[c]) if c in r else "—" for c, _ in cols_t) + " |")
+                out.append(f"| {m} | " + " | ".join(format_mean_se(r[c]) if c in r else "—" for c, _ in cols_t) + " |")
             n_cost = t["methods"].get("Random", {}).get("cost_forwards", {"n": 0})["n"]
             if n_cost != t["evaluated"]:
                 out.append(f"\n× forward measured on {n_cost} of the {t['evaluated']} items "
                            f"(every {res.get('cost_every', 1)}th, from the first).")
-            paired = _paired(t, "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
+            paired = paired_differences(t.get("per_item", {}), "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
                              [m for m in t["methods"] if m.startswith("IG-")])
             if paired:
                 out.append("\nPaired differences of deletion AOPC (no sink), same items, mean ± s.e.: " + "; ".join(paired) + ".")
                 out.append("Medians (the per-item AOPC is relative to |d|, heavy-tailed where d is small): "
-                           + _medians_and_wins(t, "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
+                           + medians_and_wins(t["per_item"], "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
                                                [m for m in t["methods"] if m.startswith("IG-")] + ["Random"]) + ".")
         for label, rows in res.get("exactness", {}).items():
             out.append(f"\n#### Exactness, float64, {label}\n")
@@ -503,33 +482,6 @@ def report(results: Sequence[Dict]) -> str:
                 name = k.replace("|", "\\|")
                 out.append(f"| {name} | {v['median']:.1e} | {v['max']:.1e} | {v['n']} |")
     return "\n".join(out)
-
-
-def _paired(t: Dict, metric: str, ours: Sequence[str], refs: Sequence[str]) -> List[str]:
-    r"""``"A − B = mean ± se"`` over the items, from the per-item values (empty for older JSON files)."""
-    per = t.get("per_item", {})
-    out = []
-    for a in ours:
-        for b in refs:
-            if metric in per.get(a, {}) and metric in per.get(b, {}):
-                diff = [x - y for x, y in zip(per[a][metric], per[b][metric])]
-                out.append(f"{a} − {b} = {_fmt(mean_se(diff))}")
-    return out
-
-
-def _median(v: Sequence[float]) -> float:
-    v = sorted(v)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
-def _medians_and_wins(t: Dict, metric: str, ours: Sequence[str], refs: Sequence[str]) -> str:
-    r"""Per-method medians of a per-item metric, and on how many items each of ``ours`` is above each reference."""
-    per = t["per_item"]
-    meds = ", ".join(f"{m} {_median(per[m][metric]):.3f}" for m in [*ours, *refs] if metric in per.get(m, {}))
-    wins = "; ".join(f"{a} > {b} on {sum(x > y for x, y in zip(per[a][metric], per[b][metric]))} of {len(per[a][metric])} items"
-                     for a in ours for b in refs if metric in per.get(a, {}) and metric in per.get(b, {}))
-    return f"{meds}; {wins}"
 
 
 def _write(path: str, result: Dict) -> None:

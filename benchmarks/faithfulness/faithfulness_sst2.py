@@ -1,7 +1,7 @@
 r"""Faithfulness of every attribution method on the SST-2 validation set.
 
 Runs :class:`captum_normattr.evaluation.FaithfulnessHarness` on a fine-tuned sequence
-classifier (default: the checkpoint written by ``benchmarks/finetune_sst2.py``) over the
+classifier (default: the checkpoint written by ``benchmarks/faithfulness/finetune_sst2.py``) over the
 SST-2 validation sentences, for every GlobEnc-table map, ALTI, the feed-forward variants
 when the installed ``captum_normattr`` has them, and Captum's gradient baselines; scores
 them with every preset (GlobEnc Spearman, ERASER AOPC, DecompX [MASK] AOPC, Captum
@@ -11,7 +11,7 @@ markers: the hand-written discussion around them is kept).
 
 Example (the whole run; RESULTS.md lists the exact commands used, split in parts)::
 
-    nice -n 10 python benchmarks/faithfulness_sst2.py --dev ../shared/data/sst2/dev.tsv \
+    nice -n 10 python benchmarks/faithfulness/faithfulness_sst2.py --dev ../shared/data/sst2/dev.tsv \
         --checkpoint benchmarks/checkpoints/minilm-sst2
 
 Parts: ``--part baselines`` / ``--part ours`` run subsets and ``--merge`` puts other
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the checkout
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data next to the checkout
+sys.path.insert(0, str(BENCHMARKS.parent))
+sys.path.insert(0, str(BENCHMARKS))
 
 from finetune_sst2 import read_tsv, seed_everything  # noqa: E402
 
@@ -247,7 +247,7 @@ def main(argv=None):
     p.add_argument("--data", default=str(DEFAULT_DATA),
                    help="data folder holding sst2/dev.tsv (default: ../shared/data next to the repository)")
     p.add_argument("--dev", default=None, help="SST-2 dev.tsv (sentence<TAB>label, header; default: DATA/sst2/dev.tsv)")
-    p.add_argument("--checkpoint", default=str(HERE / "checkpoints" / "minilm-sst2"))
+    p.add_argument("--checkpoint", default=str(BENCHMARKS / "checkpoints" / "minilm-sst2"))
     p.add_argument("--limit", type=int, default=0, help="first N sentences only (0 = all)")
     p.add_argument("--part", choices=("all", "ours", "baselines"), default="all", help="which methods to run")
     p.add_argument("--presets", nargs="*", default=None,
@@ -261,8 +261,8 @@ def main(argv=None):
     p.add_argument("--methods", nargs="*", default=None, help="restrict to these method names")
     p.add_argument("--merge", nargs="*", default=[], help="result JSONs of other runs to put in the same tables")
     p.add_argument("--cost-json", default=None, help="result JSON whose timings make the cost table (default: this run)")
-    p.add_argument("--json", default=str(HERE / "out" / "faithfulness_sst2.json"))
-    p.add_argument("--results-md", default=str(HERE / "RESULTS.md"), help="'' to skip writing RESULTS.md")
+    p.add_argument("--json", default=str(BENCHMARKS / "out" / "faithfulness_sst2.json"))
+    p.add_argument("--results-md", default=str(BENCHMARKS / "RESULTS.md"), help="'' to skip writing RESULTS.md")
     p.add_argument("--render-only", action="store_true",
                    help="no run: write RESULTS.md from the --merge JSONs (first = main) and --cost-json")
     p.add_argument("--threads", type=int, default=2)
@@ -290,7 +290,7 @@ def main(argv=None):
     seed_everything(args.seed)
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
-        raise SystemExit(f"no checkpoint at {ckpt}: run benchmarks/finetune_sst2.py first")
+        raise SystemExit(f"no checkpoint at {ckpt}: run benchmarks/faithfulness/finetune_sst2.py first")
     model = BertForSequenceClassification.from_pretrained(ckpt).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
     sentences, labels = read_tsv(args.dev)
@@ -328,7 +328,7 @@ def main(argv=None):
                                   seed=args.seed)
     res = harness.run_sentences(sentences, labels, tok, max_length=args.max_length)
     wall = time.time() - t0
-    argv_rel = [os.path.relpath(a, HERE.parent) if os.path.isabs(a) else a for a in sys.argv[1:]]  # no machine paths
+    argv_rel = [os.path.relpath(a, BENCHMARKS.parent) if os.path.isabs(a) else a for a in sys.argv[1:]]  # no machine paths
     res.info.update({
         "checkpoint": str(ckpt), "dev": args.dev, "wall_seconds": wall, "notes": notes,
         "command": shlex.join(["python", os.path.relpath(sys.argv[0])] + argv_rel),

@@ -1,7 +1,7 @@
 r"""Speed of every method on a ViT-B/16-sized classifier, as ratios to its forward pass.
 
 Usage:
-    python benchmarks/vit_speed.py [--batch 16] [--small-batch 1] [--small-methods ...] [--size 224]
+    python benchmarks/speed/vit_speed.py [--batch 16] [--small-batch 1] [--small-methods ...] [--size 224]
                                    [--repeats 1] [--threads 1] [--out benchmarks/results/vit_speed.json]
 
 The model is ``ViTForImageClassification`` with the ViT-B/16 configuration (12 layers,
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, str(BENCHMARKS.parent))
 
 from captum.attr import InputXGradient, IntegratedGradients, Saliency  # noqa: E402
 from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
@@ -129,7 +129,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave the default)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first call of each method (on a 32 x 32 image)")
-    ap.add_argument("--out", default=str(HERE / "results" / "vit_speed.json"))
+    ap.add_argument("--out", default=str(BENCHMARKS / "results" / "vit_speed.json"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 r"""Where DecompX's time goes on the ~100M Llama config (the adjoint algorithm, a decoder).
 
 Usage:
-    python benchmarks/profile_decompx.py [--tokens 1024] [--repeats 3] [--threads 2] [--nodes 48 16]
+    python benchmarks/speed/profile_decompx.py [--tokens 1024] [--repeats 3] [--threads 2] [--nodes 48 16]
 
 Times (wall, min over ``--repeats`` interleaved calls after a warm-up) one plain forward
 pass (sdpa) and ``DecompXAttribution.decompose`` on the next-token logit (the call of
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # measure the checkout this script lives in
-sys.path.insert(0, str(HERE))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, str(BENCHMARKS.parent))  # measure the checkout this script lives in
+sys.path.insert(0, str(BENCHMARKS))
 
 from _bench import random_ids  # noqa: E402
 

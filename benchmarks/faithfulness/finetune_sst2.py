@@ -9,7 +9,7 @@ validation set and saves a Hugging Face checkpoint directory (model + tokenizer 
 
 Example (about 15-25 minutes on 2 shared CPU cores)::
 
-    nice -n 10 python benchmarks/finetune_sst2.py \
+    nice -n 10 python benchmarks/faithfulness/finetune_sst2.py \
         --train ../shared/data/sst2/train.tsv --dev ../shared/data/sst2/dev.tsv \
         --out benchmarks/checkpoints/minilm-sst2 2>&1 | tee benchmarks/out/finetune.log
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "checkpoints" / "minilm-sst2"
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the checkout
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "checkpoints" / "minilm-sst2"
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data next to the checkout
 
 
 def read_tsv(path: str | os.PathLike) -> tuple[list[str], list[int]]:

@@ -1,8 +1,8 @@
 r"""The GPU suite: CUDA equals CPU on tiny models, and the cost of every method on an 8B-shaped layer stack.
 
-One script, meant to finish in under 8 minutes on one GPU (``python benchmarks/gpu_suite.py --out
+One script, meant to finish in under 8 minutes on one GPU (``python benchmarks/speed/gpu_suite.py --out
 gpu_suite.json``); ``--smoke`` runs the same code at tiny sizes on the CPU in a few seconds
-(``tests/test_gpu_suite_smoke.py``), so that it stays runnable on a machine without a GPU.
+(``tests/health/test_benchmark_scripts.py``), so that it stays runnable on a machine without a GPU.
 
 1. **Equality** (``equality``): tiny random models of every family kind, built on the CPU with a
    fixed seed (biases and norms moved away from 0 and 1), each method's scores on the CPU and on
@@ -30,7 +30,7 @@ gpu_suite.json``); ``--smoke`` runs the same code at tiny sizes on the CPU in a 
 
 3. **Projection** (``projection``): from the two layer counts, per_layer = (peak(L2) - peak(L1)) /
    (L2 - L1) and peak(32) = peak(L2) + (32 - L2) per_layer (the rule of
-   ``benchmarks/bigmodel_projection.py``, whose 32-layer projection of the float32 CPU figures plus
+   ``benchmarks/memory/bigmodel_projection.py``, whose 32-layer projection of the float32 CPU figures plus
    its analytic bfloat16 casts, at 4096 tokens, is printed next to the measured one when
    ``benchmarks/results/bigmodel_projection.json`` is there), and the 32-layer time projected the
    same way, as a ratio to the 32-layer forward projected the same way.
@@ -50,9 +50,9 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 import torch  # noqa: E402
 
@@ -68,7 +68,7 @@ LABELS = {"forward": "forward (sdpa)", "globenc": "GlobEnc", "alti": "ALTI", "ff
           "alti_logit": "ALTI-Logit", "decompx": "DecompX", "alti_plus": "ALTI+"}
 TARGET = 42
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-BIGMODEL_JSON = os.path.join(HERE, "results", "bigmodel_projection.json")
+BIGMODEL_JSON = os.path.join(BENCHMARKS, "results", "bigmodel_projection.json")
 
 
 # ------------------------------------------------------------------------------ tiny models

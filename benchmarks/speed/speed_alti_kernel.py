@@ -14,7 +14,7 @@ unit, and checks that both maps agree (max relative difference).
 
 Usage::
 
-    python benchmarks/speed_alti_kernel.py --tokens 1024 2048 4096 --json benchmarks/results/speed_alti_kernel.json
+    python benchmarks/speed/speed_alti_kernel.py --tokens 1024 2048 4096 --json benchmarks/results/speed_alti_kernel.json
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import platform
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 r"""Speed and memory of GlobEnc (N_ENC) and ALTI against one plain forward pass, on MiniLM.
 
 Usage:
-    python benchmarks/speed_core.py [--batch 32] [--tokens 128] [--repeats 3] [--threads 2] [--long 512]
+    python benchmarks/speed/speed_core.py [--batch 32] [--tokens 128] [--repeats 3] [--threads 2] [--long 512]
 
 Prints the minimum wall times over the repeats (2 torch threads by default), the ratios to
 the plain forward pass of the same model (its default attention, sdpa) measured side by
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # measure the checkout this script lives in
-sys.path.insert(0, str(HERE))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, str(BENCHMARKS.parent))  # measure the checkout this script lives in
+sys.path.insert(0, str(BENCHMARKS))
 
 from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 

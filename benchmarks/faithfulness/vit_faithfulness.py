@@ -2,7 +2,7 @@ r"""Faithfulness of the decompositions on a small Vision Transformer, fully offl
 
 Usage (scikit-learn is a benchmark-only dependency, not in setup.cfg):
     pip install scikit-learn
-    python benchmarks/vit_faithfulness.py [--patch 8] [--epochs 40] [--test 300] [--min-accuracy 0.9]
+    python benchmarks/faithfulness/vit_faithfulness.py [--patch 8] [--epochs 40] [--test 300] [--min-accuracy 0.9]
                                           [--out benchmarks/results/vit_faithfulness.json]
 
 Data: scikit-learn's 8x8 handwritten digits (1797 images, shipped inside the package, no
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, str(BENCHMARKS.parent))
 
 from captum.attr import InputXGradient, IntegratedGradients, Saliency  # noqa: E402
 from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
@@ -199,7 +199,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--test", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)  # 1 thread is fastest on a contended machine
-    ap.add_argument("--out", default=str(HERE / "results" / "vit_faithfulness.json"))
+    ap.add_argument("--out", default=str(BENCHMARKS / "results" / "vit_faithfulness.json"))
     ap.add_argument("--render-only", metavar="JSON", help="print the table of a results file and exit")
     args = ap.parse_args(argv)
     if args.render_only:

@@ -30,11 +30,11 @@ parameters, 16.06 GB) - the projected peak - the bfloat16 casts. The CUDA contex
 Usage (on a shared 2-core machine one child took 0.5-3 min at 1024-2048 tokens; the 2-layer
 model is 1.75 GB of float32 weights and a 2048-token call adds up to 3 GB):
 
-    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 1024 2048 --limit-gb 10 \
+    nice -n 10 python benchmarks/memory/bigmodel_projection.py --tokens 1024 2048 --limit-gb 10 \
         --json benchmarks/results/bigmodel_projection.json
-    nice -n 10 python benchmarks/bigmodel_projection.py --tokens 4096 --layers 1 --limit-gb 10 \
+    nice -n 10 python benchmarks/memory/bigmodel_projection.py --tokens 4096 --layers 1 --limit-gb 10 \
         --json benchmarks/results/bigmodel_projection.json      # measured 1-layer figures at 4096
-    python benchmarks/bigmodel_projection.py --table benchmarks/results/bigmodel_projection.json
+    python benchmarks/memory/bigmodel_projection.py --table benchmarks/results/bigmodel_projection.json
 
 The file keeps every record; a rerun skips the (method, layers, tokens) already in it.
 
@@ -53,7 +53,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _bench
 from _bench import decoder_runner, llama_model, measure_peak, print_json, random_ids, rss_mb, run_child  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,

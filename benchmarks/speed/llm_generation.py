@@ -1,7 +1,7 @@
 r"""Explaining a generation: every generated token from one pass, against Captum's LLM attributions.
 
 Usage:
-    nice python benchmarks/llm_generation.py --tokenizer DIR [--prompt-tokens 512] [--new-tokens 32]
+    nice python benchmarks/speed/llm_generation.py --tokenizer DIR [--prompt-tokens 512] [--new-tokens 32]
         [--model TRAINED_DIR] [--methods alti-logit decompx alti globenc] [--decompx-targets K] [--fa-features 16] [--lig-prompt-tokens 64]
         [--lig-targets 8] [--lig-steps 8] [--threads 2] [--repeats 1] [--out results/llm_generation.json]
 
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 from _bench import LLAMA_100M  # noqa: E402
 
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--skip-captum", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="timed calls of ours (the minimum is kept)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "llm_generation.json"))
+    ap.add_argument("--out", default=os.path.join(BENCHMARKS, "results", "llm_generation.json"))
     args = ap.parse_args()
     if args.model is not None and args.tokenizer is None:
         args.tokenizer = args.model

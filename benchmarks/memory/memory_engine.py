@@ -36,16 +36,16 @@ holds its figures; the length section was measured at 1024 and 2048 tokens only,
 fit the time budget of a shared 2-core machine):
 
     git worktree add ../captum-normattr-before 5e4d66c
-    PYTHONPATH=../captum-normattr-before nice -n 10 python benchmarks/memory_engine.py \
+    PYTHONPATH=../captum-normattr-before nice -n 10 python benchmarks/memory/memory_engine.py \
         --package-root ../captum-normattr-before --sections depth length --lengths 1024 2048 \
         --json benchmarks/results/memory_engine_before.json
-    PYTHONPATH=../captum-normattr-before nice -n 10 python benchmarks/memory_engine.py \
+    PYTHONPATH=../captum-normattr-before nice -n 10 python benchmarks/memory/memory_engine.py \
         --package-root ../captum-normattr-before --sections encoder --skip ff ff_alti \
         --json benchmarks/results/memory_engine_before.json --merge-json
 
 "after" (this checkout):
 
-    nice -n 10 python benchmarks/memory_engine.py --json benchmarks/results/memory_engine_after.json
+    nice -n 10 python benchmarks/memory/memory_engine.py --json benchmarks/results/memory_engine_after.json
 
 Options: ``--family llama|mixtral|qwen2_moe`` (the decoder sections' model, shaped like the Llama one:
 ``_bench.family_model``; a mixture of experts has 4 experts, top-2, of half the Llama FF width),
@@ -67,8 +67,8 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, BENCHMARKS)
 
 import torch  # noqa: E402
 
@@ -92,7 +92,7 @@ def _rel(path) -> str:
     r"""A path relative to this repository (results files carry no absolute path of a machine)."""
     if not path:
         return path
-    return os.path.relpath(os.path.abspath(str(path)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.relpath(os.path.abspath(str(path)), os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 def use_package(root: str) -> str:
     r"""Put ``root`` first on ``sys.path``, import ``captum_normattr`` and check it came from there."""
@@ -336,7 +336,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", nargs="+", default=["depth", "length", "encoder"],
                    choices=["depth", "length", "encoder", "kinds"])
-    p.add_argument("--package-root", default=os.path.dirname(HERE),
+    p.add_argument("--package-root", default=os.path.dirname(BENCHMARKS),
                    help="checkout whose captum_normattr is measured (default: the repository holding this script)")
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="depth section: layer counts")
     p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,

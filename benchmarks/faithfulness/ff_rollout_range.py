@@ -8,7 +8,7 @@ row sum of the layer maps, position 0's share of the absolute score mass, and th
 correlation of the raw and row-normalised scores over the other tokens (the explained last
 token left out). Results: ``benchmarks/results/ff_rollout_range.json``.
 
-    python benchmarks/ff_rollout_range.py --out benchmarks/results/ff_rollout_range.json
+    python benchmarks/faithfulness/ff_rollout_range.py --out benchmarks/results/ff_rollout_range.json
 """
 from __future__ import annotations
 

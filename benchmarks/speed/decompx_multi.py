@@ -2,7 +2,7 @@ r"""DecompX with n explained targets of a causal LM: the stacked adjoint walk ag
 vector-Jacobian product per cotangent, and against the single-position call.
 
 Usage:
-    nice python benchmarks/decompx_multi.py --tokenizer DIR [--layers 4] [--prompt-tokens 256]
+    nice python benchmarks/speed/decompx_multi.py --tokenizer DIR [--layers 4] [--prompt-tokens 256]
         [--targets 32] [--threads 2] [--repeats 3] [--out results/decompx_multi.json]
 
 Model: :data:`_bench.LLAMA_100M` with ``--layers`` layers, random weights (seed 0), float32.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 from _bench import LLAMA_100M  # noqa: E402
 from llm_generation import prompt_text  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--targets", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "decompx_multi.json"))
+    ap.add_argument("--out", default=os.path.join(BENCHMARKS, "results", "decompx_multi.json"))
     args = ap.parse_args()
     if args.tokenizer is None:
         ap.error("give --tokenizer DIR (a local Hugging Face tokenizer folder)")

@@ -1,8 +1,8 @@
 r"""Speed and memory of the FF decomposition (GlobEnc+FF) on MiniLM: closed form vs numerical IG vs forward.
 
 Usage:
-    python benchmarks/speed_ff.py [--batch 2] [--tokens 64 128] [--repeats 3] [--long 512]
-    python benchmarks/speed_ff.py --flops [--batch 8] [--tokens 64] [--repeats 3] [--threads 2]
+    python benchmarks/speed/speed_ff.py [--batch 2] [--tokens 64 128] [--repeats 3] [--long 512]
+    python benchmarks/speed/speed_ff.py --flops [--batch 8] [--tokens 64] [--repeats 3] [--threads 2]
 
 For every token length, times one plain forward pass, ``FFIntegratedDecomposition`` with the
 exact closed form (the default) and with ``method="riemann", steps=50`` (midpoint-rule IG by
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # measure the checkout this script lives in
-sys.path.insert(0, str(HERE))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, str(BENCHMARKS.parent))  # measure the checkout this script lives in
+sys.path.insert(0, str(BENCHMARKS))
 
 from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 

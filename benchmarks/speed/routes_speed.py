@@ -1,7 +1,7 @@
 r"""Information-flow routes of one prediction vs ALTI-Logit for that prediction (target: <= 2x).
 
 Usage:
-    nice python benchmarks/routes_speed.py [--tokens 1024] [--layers 6] [--thresholds 0.04 0.005]
+    nice python benchmarks/speed/routes_speed.py [--tokens 1024] [--layers 6] [--thresholds 0.04 0.005]
                                            [--repeats 2] [--threads 2]
 
 Config: the ~100M Llama-family model of the decoder benchmarks (hidden 768, 12 heads, 4
@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 from _bench import LLAMA_100M, decoder_runner, llama_model, print_json, random_ids, time_interleaved  # noqa: E402
 

@@ -26,9 +26,9 @@ kernel; versions without it ignore the variable).
 Reproduce ("before" = a copy of the package as of the commit before streamed ALTI+, e.g.
 ``git archive <commit> captum_normattr | tar -x -C ../alti-plus-before``):
 
-    nice -n 10 python benchmarks/memory_alti_plus.py --package-root ../alti-plus-before --compare-root . \
+    nice -n 10 python benchmarks/memory/memory_alti_plus.py --package-root ../alti-plus-before --compare-root . \
         --labels before after --json benchmarks/results/memory_alti_plus.json
-    nice -n 10 python benchmarks/memory_alti_plus.py --package-root ../alti-plus-before --compare-root . \
+    nice -n 10 python benchmarks/memory/memory_alti_plus.py --package-root ../alti-plus-before --compare-root . \
         --labels before after --compile 0 --json benchmarks/results/memory_alti_plus_eager.json
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, BENCHMARKS)
 
 import torch  # noqa: E402
 
@@ -55,7 +55,7 @@ MARIAN = dict(d_model=256, encoder_attention_heads=8, decoder_attention_heads=8,
 
 def _rel(path: str) -> str:
     r"""A path relative to this repository (results carry no absolute path of a machine)."""
-    return os.path.relpath(os.path.abspath(path), os.path.dirname(HERE))
+    return os.path.relpath(os.path.abspath(path), os.path.dirname(BENCHMARKS))
 
 
 def use_package(root: str) -> str:
@@ -110,7 +110,7 @@ def child(args, package_file: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--package-root", default=os.path.dirname(HERE), help="checkout measured (default: this one)")
+    p.add_argument("--package-root", default=os.path.dirname(BENCHMARKS), help="checkout measured (default: this one)")
     p.add_argument("--compare-root", default=None, help="a second checkout measured the same way (the 'after')")
     p.add_argument("--sections", nargs="+", default=["memory", "speed"], choices=["memory", "speed"])
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8])

@@ -1,7 +1,7 @@
 r"""Where the time of a decomposition call goes: recording forward, maps, completeness, rollout.
 
 Usage:
-    python benchmarks/speed_profile.py [--workload minilm|llama] [--methods globenc alti ...] [--repeats 3] [--threads 2]
+    python benchmarks/speed/speed_profile.py [--workload minilm|llama] [--methods globenc alti ...] [--repeats 3] [--threads 2]
 
 Times (wall, min over ``--repeats`` calls after a warm-up) one plain forward pass and each
 method, and splits each method's call with timers wrapped around the engine's functions:
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
 if "--package" in sys.argv:  # measure another checkout (e.g. an export of main), before anything is imported
     sys.path.insert(0, sys.argv[sys.argv.index("--package") + 1])
 else:
-    sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(BENCHMARKS.parent))
+sys.path.insert(0, str(BENCHMARKS))
 
 from _bench import random_ids  # noqa: E402
 

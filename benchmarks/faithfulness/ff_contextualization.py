@@ -1,7 +1,7 @@
 r"""Contextualization change of the FF sub-block per layer on SST-2 sentences (Kobayashi et al. 2023).
 
 Usage:
-    python benchmarks/ff_contextualization.py [../shared/data/sst2/dev.tsv] [--data DIR] [--limit N] [--batch 16]
+    python benchmarks/faithfulness/ff_contextualization.py [../shared/data/sst2/dev.tsv] [--data DIR] [--limit N] [--batch 16]
         [--gamma 0.01] [--out section.md]
 
 On the packaged MiniLM (all-MiniLM-L6-v2, 6 post-LN layers), for every sentence of the TSV
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure the checkout this script lives in
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # measure the checkout this script lives in
 
 STEPS = ("+FF", "+RES2", "+LN2", "ATB->LN2")
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the checkout
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data next to the checkout
 
 
 def read_sentences(path: str, limit: int = 0):
@@ -125,7 +125,7 @@ def main() -> None:
     lines = [
         "## FF decomposition: contextualization change per layer (MiniLM, SST-2 validation)",
         "",
-        f"`benchmarks/ff_contextualization.py`: packaged all-MiniLM-L6-v2 (6 post-LN layers, not fine-tuned; the maps "
+        f"`benchmarks/faithfulness/ff_contextualization.py`: packaged all-MiniLM-L6-v2 (6 post-LN layers, not fine-tuned; the maps "
         f"are class-agnostic) on {n} SST-2 validation sentences ({n_tokens} tokens with [CLS]/[SEP]"
         f"{', --limit ' + str(args.limit) if args.limit else ''}), `FFIntegratedDecomposition` closed-form IG, norm "
         f"maps of the component scopes; contextualization change = 1 - Spearman rho of the flattened T x T maps "

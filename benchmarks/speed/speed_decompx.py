@@ -1,8 +1,8 @@
 r"""Speed and memory of DecompX against one plain forward pass, on MiniLM with a classification head.
 
 Usage:
-    python benchmarks/speed_decompx.py [--batch 16] [--tokens 64 128] [--repeats 3] [--modes separate separate-forward spread]
-    python benchmarks/speed_decompx.py --model llama --batch 1 --tokens 64 128   # decoder rows
+    python benchmarks/speed/speed_decompx.py [--batch 16] [--tokens 64 128] [--repeats 3] [--modes separate separate-forward spread]
+    python benchmarks/speed/speed_decompx.py --model llama --batch 1 --tokens 64 128   # decoder rows
 
 ``--model llama``: the ~100M-parameter Llama-family config of ``speed_decoder.py`` (random
 weights; GQA 12/4 heads, SwiGLU FF integrated with 48 Gauss-Legendre nodes), bare
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # this checkout's package, not an installed one
-sys.path.insert(0, str(HERE))
+BENCHMARKS = Path(__file__).resolve().parents[1]  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, str(BENCHMARKS.parent))  # this checkout's package, not an installed one
+sys.path.insert(0, str(BENCHMARKS))
 
 from _bench import measure_peak, print_json, random_ids, run_child, time_interleaved  # noqa: E402
 

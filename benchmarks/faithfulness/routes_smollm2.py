@@ -2,7 +2,7 @@ r"""Information-flow routes on a real decoder (SmolLM2-135M-Instruct from a GGUF
 graph's top head matter, and what does the whole graph cost on real weights?
 
 Usage:
-    nice python benchmarks/routes_smollm2.py --gguf-dir DIR [--gguf-file SmolLM2-135M-Instruct.Q4_1.gguf]
+    nice python benchmarks/faithfulness/routes_smollm2.py --gguf-dir DIR [--gguf-file SmolLM2-135M-Instruct.Q4_1.gguf]
                                              [--threshold 0.04] [--long-tokens 512 (0: skip)] [--threads 2]
 
 The model (30 layers, 9 heads of width 64, 3 key/value heads) is de-quantised to float32 by
@@ -26,9 +26,9 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 from _bench import print_json, time_interleaved  # noqa: E402
 

@@ -5,7 +5,7 @@ The items are regenerated (same generator, seed, candidates, correctness filter)
 
 Usage::
 
-    python benchmarks/decoder_faithfulness_margin.py benchmarks/results/decoder_faithfulness_seed2.json
+    python benchmarks/faithfulness/decoder_faithfulness_margin.py benchmarks/results/decoder_faithfulness_seed2.json
 """
 import json
 import os
@@ -17,6 +17,7 @@ torch.set_num_threads(1)
 import decoder_faithfulness as df
 from captum_normattr import load_default_model
 from captum_normattr.evaluation.decoder_tasks import make_task
+from captum_normattr.evaluation.statistics import format_mean_se, mean_se
 r = json.load(open(sys.argv[1]))
 a = r["args"]
 model, tok = load_default_model("decoder")
@@ -35,5 +36,5 @@ for task, v in r["tasks"].items():
     for thr in (1.0, 2.0):
         idx = [i for i, x in enumerate(d) if x >= thr]
         print("   items with d >= %.0f: %d;" % (thr, len(idx)), ", ".join(
-            "%s %s" % (m, df._fmt(df.mean_se([per[m]["deletion_aopc_no_sink"][i] for i in idx]))) for m in ["ALTI-Logit", "DecompX", "IG-8", "IG-16", "Random"]))
+            "%s %s" % (m, format_mean_se(mean_se([per[m]["deletion_aopc_no_sink"][i] for i in idx]))) for m in ["ALTI-Logit", "DecompX", "IG-8", "IG-16", "Random"]))
 

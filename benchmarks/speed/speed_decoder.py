@@ -1,7 +1,7 @@
 r"""Speed and memory of the decoder methods on a ~100M-parameter Llama-family model (random weights).
 
 Usage:
-    nice python benchmarks/speed_decoder.py [--tokens 256 1024] [--ff-tokens 256]
+    nice python benchmarks/speed/speed_decoder.py [--tokens 256 1024] [--ff-tokens 256]
                                             [--search-methods alti] [--limit-gb 8] [--search-budget 300]
                                             [--ratio-tokens 1024] [--repeats 3] [--threads 2]
 
@@ -30,9 +30,9 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (this script sits in benchmarks/<group>/)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
+sys.path.insert(0, BENCHMARKS)
 
 from _bench import DECODER_FAMILIES, LLAMA_100M, decoder_runner, family_model, measure_peak, print_json, random_ids, time_interleaved  # noqa: E402
 from _bench import run_child as _run_script  # noqa: E402
