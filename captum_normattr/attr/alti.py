@@ -10,6 +10,8 @@ from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.engine import LayerContribution
 from captum_normattr.options import check_memory_budget
 
+__all__ = ["ALTIAttribution", "ALTI_MEMORY_BUDGET_MB"]
+
 #: Default memory for the explicit parts of one chunk of query rows, in MB.
 ALTI_MEMORY_BUDGET_MB = 256.0
 

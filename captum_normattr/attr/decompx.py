@@ -26,7 +26,7 @@ from captum_normattr.attr.decompx_readouts import (
 )
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
 from captum_normattr.attr.images import pixel_attributions
-from captum_normattr.attr.inputs import PreparedInputs, prepare_inputs
+from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.attr.positions import (
     PositionExplanation,
     explained_directions,
@@ -34,6 +34,7 @@ from captum_normattr.attr.positions import (
     position_request,
     warn_non_finite,
 )
+from captum_normattr.attr.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.methods.decompx.engine import (
     AdjointPass,

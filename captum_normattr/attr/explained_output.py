@@ -12,6 +12,11 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 - :class:`ImageClassLogit`: a class logit of a Vision Transformer classifier, linear in the
   final-norm output of the rows its head reads ([CLS]; [CLS] and distillation token;
   [CLS] and the mean of the patches).
+
+Then the guard every call runs against the model's own logits (:func:`check_explained_logit`) and
+the one check of a model for an additive next-token logit (:func:`check_additive_next_token_logit`).
+The module is over 700 lines because the three explained outputs share the target parsing
+(:func:`as_token_ids`) and the guard's tolerances; apart, each would import the others.
 """
 from __future__ import annotations
 

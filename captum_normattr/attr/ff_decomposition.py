@@ -13,6 +13,8 @@ from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.engine import LayerContribution
 from captum_normattr.options import check_fraction, check_memory_budget, check_optional_positive_int, check_positive_int
 
+__all__ = ["FFIntegratedDecomposition"]
+
 
 class FFIntegratedDecomposition(LayerDecompositionAttribution):
     r"""Token attributions from whole-layer maps, the feed-forward block included.

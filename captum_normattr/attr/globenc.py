@@ -10,6 +10,8 @@ from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.engine import LayerContribution
 
+__all__ = ["GlobEncAttribution"]
+
 
 class GlobEncAttribution(LayerDecompositionAttribution):
     r"""Token attributions from norm-based layer maps rolled out over all layers.

@@ -119,3 +119,24 @@ def test_a_classifiers_decompx_is_not_an_llm_method():
         DecompositionLLMAttribution(dx, tiny_tokenizer())
     with pytest.raises(ValueError, match="classifier"):
         dx.explain_positions(torch.arange(3, 8), torch.tensor([2]), torch.tensor([4]))
+
+
+def test_alti_logit_looks_its_adapter_up_once(gpt2, monkeypatch):
+    r"""One adapter lookup per construction, one check of the model (an additive next-token logit)."""
+    from captum_normattr.attr import base, explained_output
+
+    lookups, checks = [], []
+    real_lookup, real_check = base.get_adapter, explained_output.check_additive_next_token_logit
+    monkeypatch.setattr(base, "get_adapter", lambda m: lookups.append(1) or real_lookup(m))
+    monkeypatch.setattr("captum_normattr.attr.alti_logit.check_additive_next_token_logit",
+                        lambda a, m: checks.append(m) or real_check(a, m))
+    ALTILogitAttribution(gpt2)
+    assert lookups == [1] and checks == ["ALTILogitAttribution"]
+
+
+def test_explained_output_asks_the_layer_kind():
+    import inspect
+
+    from captum_normattr.attr import explained_output
+
+    assert ".pre_ln" not in inspect.getsource(explained_output)
