@@ -27,9 +27,10 @@ from captum_normattr.attr.positions import (
     position_request,
     warn_non_finite,
 )
+from captum_normattr.attr.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import LayerKind, layer_kind
 from captum_normattr.decompose.primitives.multi_position import rollout_rows_at_scaled
-from captum_normattr.decompose.primitives.rollout import LayerMapStore, check_convention, rollout_scaled
+from captum_normattr.decompose.primitives.rollout import check_convention, rollout_scaled
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, layer_modules
 from captum_normattr.models.engine import LayerContribution, MapCollector, mark_non_finite, streamed_forward
@@ -323,6 +324,38 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         return {"completeness_error": example.max(), "example_completeness_error": example}
 
     # --- shared -------------------------------------------------------------------
+    def stream_maps(
+        self, prepared: PreparedInputs, keep_maps: bool, extra_maps: bool, final_norm: bool = False
+    ) -> Tuple[MapCollector, Optional[Tensor]]:
+        r"""One recorded forward pass: every layer's contribution as the pass produces it, judged by the guard.
+
+        :meth:`decompose` and :meth:`explain_positions` both run it.
+
+        Args:
+            prepared: the validated inputs.
+            keep_maps: keep every layer's dense map (the full rollout, the layer maps, or
+                rows at several positions); False: only the explained rows' rollout.
+            extra_maps: keep each layer's further maps (:attr:`LayerContribution.maps`).
+            final_norm: also return the final norm's real output (B, T, D).
+
+        Returns:
+            (:class:`~captum_normattr.models.engine.MapCollector`, the final norm's output or None).
+        """
+        valid = prepared.valid
+        collector = MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, keep_maps)
+        guard = ConsistencyGuard(self.get_name(), self.strict)
+
+        def on_layer(layer: LayerTensors) -> None:
+            dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
+            c = self.layer_contribution(layer, valid.to(dev), extra_maps)
+            if self.guards_completeness and "completeness_error" in c.errors:
+                guard.check(replace(layer, checks={}), c.errors["completeness_error"], self.kind.attention_block_output(layer))
+            collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard) as (rec, _):
+            f_out = rec.final_norm_tensors()[2] if final_norm else None
+        return collector, f_out
+
     def decompose(  # type: ignore[override]
         self,
         inputs: Union[Tensor, Tuple[Tensor]],
@@ -350,18 +383,7 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
-        collector = MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, return_layer_maps or return_rollout)
-        guard = ConsistencyGuard(self.get_name(), self.strict)
-
-        def on_layer(layer: LayerTensors) -> None:
-            dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
-            c = self.layer_contribution(layer, valid.to(dev), return_layer_maps)
-            if self.guards_completeness and "completeness_error" in c.errors:
-                guard.check(replace(layer, checks={}), c.errors["completeness_error"], self.kind.attention_block_output(layer))
-            collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
-
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard):
-            pass
+        collector, _ = self.stream_maps(prepared, return_layer_maps or return_rollout, return_layer_maps)
         with torch.no_grad():
             maps = collector.store.dense()
             scores, score_scale = collector.store.rollout_rows_scaled(pos, self.rollout_convention)
@@ -427,18 +449,12 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         if quantity != "logit" or foil is not None:
             warnings.warn(f"{self.get_name()} rows are class-agnostic: quantity and foil are ignored",
                           UserWarning, stacklevel=2)
-        model, adapter = self.model, self.adapter
-        prepared = prepare_inputs(model, adapter, ids.unsqueeze(0), None)
+        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), None)
         valid = prepared.valid
-        store = LayerMapStore(len(layer_modules(model, adapter)), adapter.causal, dense=True)
-
-        def on_layer(layer: LayerTensors) -> None:
-            c = self.layer_contribution(layer, valid.to(layer.hidden_in.device), False)
-            store.put(layer.index, c.map.to(valid.device))
-
-        output = next_token_output(model, adapter) if target is not None else None
-        with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
-            f_out = rec.final_norm_tensors()[2] if (output is not None and adapter.final_norm is not None) else None
+        output = next_token_output(self.model, self.adapter) if target is not None else None
+        collector, f_out = self.stream_maps(prepared, True, False,
+                                            final_norm=output is not None and self.adapter.final_norm is not None)
+        store = collector.store
         with torch.no_grad():
             scores, scale = rollout_rows_at_scaled(store, positions, self.rollout_convention)
             scores, scale = scores[0] * valid[0].to(store.dense().dtype), scale[0]

@@ -11,6 +11,10 @@ Unlike ``LLMAttribution(FeatureAblation)`` (one forward pass per feature) or
 ``LLMGradientAttribution`` (one backward pass per generated token), the prompt and all
 target tokens go through the model once; every target position is explained from the same
 per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md.
+
+The methods explain themselves: this module only asks the attribution's class
+(``attribution.explain_positions``, answered with a
+:class:`~captum_normattr.attr.positions.PositionExplanation`) and adapts the answer to Captum.
 """
 from __future__ import annotations
 
