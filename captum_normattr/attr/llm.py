@@ -233,7 +233,7 @@ class GenerationExplanation:
 
     @property
     def sink_share(self) -> Tensor:
-        r"""(n,) the sink's share of every row: |score of the sink| / sum of |scores| over the row."""
+        r"""(n,) the sink's share of every row: ``|score of the sink| / sum of |scores|`` over the row."""
         a = self.scores.abs()
         total = a.sum(-1)
         return torch.where(total > 0, a[:, self.sink_index] / total.clamp_min(torch.finfo(a.dtype).tiny),
@@ -355,7 +355,7 @@ def chat_token_input(
         tokenizer: the model's tokenizer.
         messages: the messages (rendered with :func:`chat_prompt`) or the rendered text.
         skip_tokens: as in ``TextTokenInput``.
-        add_generation_prompt, **kwargs: see :func:`chat_prompt`.
+        add_generation_prompt, ``**kwargs``: see :func:`chat_prompt`.
 
     Returns:
         ``TextTokenInput``.
