@@ -6,9 +6,20 @@ architecture registry (:mod:`captum_normattr.arch`, ``docs/architectures.md``); 
 next-token logits of the decoders; ALTI+ for encoder-decoders.
 """
 from captum_normattr.aggregation import aggregate_map, aggregate_map_to_words, aggregate_to_sentences, aggregate_to_spans, aggregate_to_words
-from captum_normattr.attr import ALTIAttribution, ALTILogitAttribution, ALTILogitResult, FFIntegratedDecomposition, GlobEncAttribution
-from captum_normattr.attr.alti_plus import ALTIPlusAttribution, ALTIPlusResult, explain_generation
-from captum_normattr.attr.decompx import DecompXAttribution, DecompXResult
+from captum_normattr.attr import (
+    ALTIAttribution,
+    ALTILogitAttribution,
+    ALTILogitResult,
+    ALTIPlusAttribution,
+    ALTIPlusResult,
+    DecompositionLLMAttribution,
+    DecompXAttribution,
+    DecompXResult,
+    FFIntegratedDecomposition,
+    GenerationExplanation,
+    GlobEncAttribution,
+    explain_generation,
+)
 from captum_normattr.attr.routes import InformationFlowRoutes, RouteGraph
 from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.primitives.feed_forward import SCOPES as FF_SCOPES
@@ -19,7 +30,7 @@ from captum_normattr.present.interactive import interactive_report_html, write_i
 from captum_normattr.models.adapters import UnsupportedModelError, supported_families
 from captum_normattr.models.loading import default_model_path, load_default_model
 from captum_normattr.result import DecompositionResult
-from captum_normattr.attr.base import ConsistencyError, ConsistencyWarning
+from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.attr.explained_output import ExplainedOutputMismatchError, ExplainedOutputMismatchWarning
 from captum_normattr.models.capture.recorder import LayerRunError, RecordedTensorModifiedError
 from captum_normattr.models.weights import UnsupportedAdapterLayerError
@@ -37,6 +48,8 @@ __all__ = [
     "FFIntegratedDecomposition",
     "DecompXAttribution",
     "DecompXResult",
+    "DecompositionLLMAttribution",
+    "GenerationExplanation",
     "InformationFlowRoutes",
     "RouteGraph",
     "interactive_report_html",

@@ -31,7 +31,7 @@ def _case(group):
 
         ids, mask = decoder_batch([6, 4], seed=3)
         return make_decoder("gpt2"), ids, (mask,), 5
-    from test_alti_plus import model_for, pair
+    from seq2seq_models import make_model as model_for, pair
 
     src, tgt = pair(seed=3)
     sm, tm = torch.ones_like(src), torch.ones_like(tgt)

@@ -40,7 +40,7 @@ def kept_rows_cost(model, ids, counts) -> dict:
     """
     import time
 
-    from captum_normattr.attr.base import streamed_forward
+    from captum_normattr.models.engine import streamed_forward
     from captum_normattr.attr.inputs import prepare_inputs
     from captum_normattr.decompose.methods.routes import attention_edge_importances
     from captum_normattr.models.adapters import get_adapter

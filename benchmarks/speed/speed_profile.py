@@ -45,7 +45,7 @@ def _wrap(obj, name: str, label: str) -> None:
 
 
 def instrument() -> None:
-    from captum_normattr.attr import base
+    from captum_normattr.models import engine
     from captum_normattr.decompose.kinds import registry as layer_kinds
     from captum_normattr.decompose.primitives import rollout
     from captum_normattr.models.capture import recorder as capture
@@ -54,7 +54,7 @@ def instrument() -> None:
         _wrap(kind, "norm_maps", "maps")
         _wrap(kind, "alti_map", "maps")
         _wrap(kind, "completeness_error", "completeness")
-    _wrap(base, "layer_finite", "finite check")
+    _wrap(engine, "layer_finite", "finite check")
     _wrap(capture.Recorder, "layer_tensors", "cast records")
     _wrap(capture, "_eager_attention", "eager attention")
     _wrap(rollout.LayerMapStore, "rollout_rows", "rollout")

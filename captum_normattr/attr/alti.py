@@ -5,8 +5,12 @@ from typing import Union
 
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget
+from captum_normattr.attr.base import LayerDecompositionAttribution
 from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.models.engine import LayerContribution
+from captum_normattr.options import check_memory_budget
+
+__all__ = ["ALTIAttribution", "ALTI_MEMORY_BUDGET_MB"]
 
 #: Default memory for the explicit parts of one chunk of query rows, in MB.
 ALTI_MEMORY_BUDGET_MB = 256.0
@@ -28,8 +32,8 @@ class ALTIAttribution(LayerDecompositionAttribution):
         explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
         memory_budget_mb: memory for the explicit parts of one chunk of rows.
-        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` instead of warning
-            (:class:`~captum_normattr.attr.base.ConsistencyWarning`, once per call) when the
+        strict: raise :class:`~captum_normattr.models.guard.ConsistencyError` instead of warning
+            (:class:`~captum_normattr.models.guard.ConsistencyWarning`, once per call) when the
             model's real tensors disagree with what the decomposition assumes, or the attention
             block's completeness error is large (docs/reliability.md, "Consistency guards").
 

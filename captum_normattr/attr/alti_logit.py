@@ -1,4 +1,9 @@
-r"""ALTI-Logit (Ferrando et al. 2023): signed token contributions to a next-token logit."""
+r"""ALTI-Logit (Ferrando et al. 2023): signed token contributions to a next-token logit.
+
+:class:`ALTILogitAttribution` explains one position per example (``decompose`` / ``attribute``)
+or n positions of one sequence from one forward pass (:meth:`ALTILogitAttribution.explain_positions`,
+what the LLM API asks).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,23 +13,33 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.attr.alti import ALTI_MEMORY_BUDGET_MB
-from captum_normattr.attr.base import (
-    ConsistencyGuard,
-    LayerDecompositionAttribution,
-    check_memory_budget,
-    format_output,
-    mark_non_finite,
-    streamed_forward,
-)
-from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model, check_next_token_model
+from captum_normattr.attr.base import LayerDecompositionAttribution, format_output
+from captum_normattr.attr.explained_output import NextTokenLogit, check_additive_next_token_logit
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
+from captum_normattr.attr.positions import (
+    PositionExplanation,
+    explained_directions,
+    position_log_probs,
+    position_request,
+    warn_non_finite,
+)
 from captum_normattr.decompose.kinds.pre_ln import alti_logit_terms, attention_update_at, logit_direction
-from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.primitives.multi_position import (
+    alti_logit_rows,
+    attention_logit_updates,
+    unscaled_logit_directions,
+)
 from captum_normattr.decompose.primitives.rollout import LayerMapStore
-from captum_normattr.models.adapters import get_adapter, layer_modules, unwrap_model
+from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.models.adapters import base_model, get_path, layer_modules, unwrap_model
+from captum_normattr.models.capture.recorder import norm_params
+from captum_normattr.models.engine import compute_dtype, mark_non_finite, streamed_forward
+from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
+from captum_normattr.options import check_memory_budget
 from captum_normattr.result import LogitDecompositionResult
 
+__all__ = ["ALTILogitAttribution", "ALTILogitResult"]
 
 @dataclass
 class ALTILogitResult(LogitDecompositionResult):
@@ -107,7 +122,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             (default), an int (k >= 0 counts from the first real token, negative from the
             last) or a (B,) integer tensor of padded positions.
         memory_budget_mb: memory for the explicit parts of the ALTI maps, per chunk of rows.
-        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` (and
+        strict: raise :class:`~captum_normattr.models.guard.ConsistencyError` (and
             :class:`~captum_normattr.attr.explained_output.ExplainedOutputMismatchError`)
             instead of warning when the model's real tensors or logits disagree with the
             decomposition (docs/reliability.md).
@@ -134,12 +149,15 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         memory_budget_mb: float = ALTI_MEMORY_BUDGET_MB,
         strict: bool = False,
     ) -> None:
-        check_next_token_model(get_adapter(model), "ALTILogitAttribution")  # before the layer kind's refusal
-        super().__init__(model, explained_position, "raw", strict=strict)
-        self.model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside
-        check_logit_model(self.adapter, "ALTILogitAttribution")
+        model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside
+        super().__init__(model, explained_position, "raw", strict=strict)  # the adapter, judged by check_model
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
         self.output = NextTokenLogit(model, self.adapter, unembedding)
+
+    def check_model(self) -> None:
+        r"""Raise unless the model gives an additive next-token logit
+        (:func:`~captum_normattr.attr.explained_output.check_additive_next_token_logit`)."""
+        check_additive_next_token_logit(self.adapter, "ALTILogitAttribution")
 
     def decompose(  # type: ignore[override]
         self, inputs: Union[Tensor, Tuple[Tensor]], target: Any = None, additional_forward_args: Any = None,
@@ -239,3 +257,78 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         """
         res = self.decompose(inputs, target, additional_forward_args, foil=foil)
         return format_output(inputs, res.scores), res.delta
+
+    def explain_positions(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        target: Optional[Tensor] = None,
+        quantity: str = "logit",
+        foil: Any = None,
+    ) -> PositionExplanation:
+        r"""The signed contributions to n next-token logits of one sequence, from one forward pass.
+
+        Every position shares the per-layer ALTI maps of the pass; row k equals the
+        single-position call (``explained_position=positions[k]``, ``target=target[k]``) up
+        to rounding.
+
+        Args:
+            input_ids: (T,) or (1, T) token ids (one sequence, no padding).
+            positions: (n,) the explained positions (position i predicts token i + 1).
+            target: (n,) the explained token at each position (required).
+            quantity: ``"logit"``, ``"logit_minus_foil"`` or ``"logit_minus_mean"``
+                (:data:`~captum_normattr.attr.positions.QUANTITIES`).
+            foil: one id or (n,) ids, for ``"logit_minus_foil"``.
+
+        Returns:
+            :class:`~captum_normattr.attr.positions.PositionExplanation` (signed; ``extras``:
+            ``layer_token_contributions`` (n, L, T), ``layer_logit_updates`` and every no-token term).
+        """
+        ids, positions, target, quantity, foil = position_request(self.model, input_ids, positions, target, quantity,
+                                                                  foil)
+        if target is None:
+            raise ValueError("ALTI-Logit explains a target token at every position: give target")
+        model, adapter = self.model, self.adapter
+        prepared = prepare_inputs(model, adapter, ids.unsqueeze(0), None)
+        valid = prepared.valid
+        dtype, dev = compute_dtype(model), valid.device
+        u, ub = explained_directions(self.output, target, quantity, foil, dtype, dev)
+        final = norm_params(get_path(base_model(model), adapter.final_norm), adapter.head.final_norm, dtype, dev)
+        w_unscaled = unscaled_logit_directions(final, u).unsqueeze(0)  # (1, n, D)
+        n_layers = len(layer_modules(model, adapter))
+        store = LayerMapStore(n_layers, adapter.causal, dense=True)
+        kept: Dict[str, Any] = {"updates": [None] * n_layers, "ff": [None] * n_layers, "biases": [None] * n_layers}
+
+        def on_layer(layer: LayerTensors) -> None:
+            layer = tensors_to(layer, dev)
+            l = layer.index
+            if l == 0:
+                kept["embedding"] = layer.hidden_in[:, positions]
+            store.put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
+            layer = self.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
+            kept["updates"][l] = attention_logit_updates(layer, positions, w_unscaled.to(layer.hidden_in.dtype))
+            kept["ff"][l] = layer.ff_out[:, positions]
+            zero = layer.hidden_in.new_zeros(layer.hidden_in.shape[-1])
+            kept["biases"][l] = layer.out_bias if layer.out_bias is not None else zero
+
+        with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
+            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), dev)
+        with torch.no_grad():
+            f_in_p, f_out_p = f_in[:, positions], f_out[:, positions]
+            terms = alti_logit_rows(
+                torch.stack(kept["updates"], 1), store, kept["embedding"], torch.stack(kept["ff"], 1),
+                torch.stack(kept["biases"]), fparams, f_in_p, f_out_p, u.unsqueeze(0), ub.unsqueeze(0), valid,
+            )
+            no_token = (terms["embedding"] + terms["ff"].sum(-1) + terms["attention_bias"].sum(-1)
+                        + terms["final_bias"] + terms["unattributed"].sum(-1))
+            log_probs = position_log_probs(self.output, f_out_p[0], target)
+        scores = terms["scores"][0]
+        if warn_non_finite(prepared):
+            scores = torch.full_like(scores, float("nan"))
+        return PositionExplanation(
+            method=self.get_name(), scores=scores, positions=positions, signed=True, target=target, foil=foil,
+            quantity=quantity, explained=terms["logit"][0], no_token=no_token[0], delta=terms["delta"][0],
+            log_probs=log_probs,
+            extras={k: terms[k][0] for k in ("layer_token_contributions", "layer_logit_updates", "embedding", "ff",
+                                             "attention_bias", "final_bias", "unattributed")},
+        )

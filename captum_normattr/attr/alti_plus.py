@@ -16,7 +16,7 @@ import torch
 from captum.attr import Attribution
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import DecompositionAttribution, mark_non_finite
+from captum_normattr.attr.base import DecompositionAttribution
 from captum_normattr.attr.inputs import explained_positions, has_gaps
 from captum_normattr.decompose.methods.alti_plus import (
     DEFAULT,
@@ -26,6 +26,7 @@ from captum_normattr.decompose.methods.alti_plus import (
     block_contributions,
 )
 from captum_normattr.decompose.primitives.chunking import rows_for_budget
+from captum_normattr.models.engine import mark_non_finite
 from captum_normattr.models.seq2seq import BLOCKS, get_seq2seq_adapter, recording_seq2seq, seq2seq_base
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position, check_memory_budget

@@ -1,17 +1,17 @@
-r"""Shared machinery of the decomposition attributions: validate, stream the layers, roll out.
+r"""The two base classes of the decomposition attributions: Captum's interface, and the rolled-out layer maps.
 
-Every class here turns each layer into its contribution (a (B, T, T) map, a mixing ratio,
-completeness errors) the moment the forward pass has produced that layer
-(:func:`~captum_normattr.models.capture.recorder.recording`), so that the memory of a call does not
-grow with depth: only the per-layer maps and a few per-layer numbers are kept.
+:class:`DecompositionAttribution` gives every class Captum's ``attribute`` (with the convergence
+delta) from its ``decompose``; :class:`LayerDecompositionAttribution` turns each layer into its
+map the moment the forward pass has produced it (the streaming engine,
+:func:`~captum_normattr.models.engine.streamed_forward`), rolls the maps out, and explains n
+positions of a causal LM from one forward pass (:meth:`LayerDecompositionAttribution.explain_positions`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
+from dataclasses import replace
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from captum.attr import Attribution
@@ -19,23 +19,33 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.attr.images import image_extras, pixel_attributions
-from captum_normattr.attr.inputs import (
-    PreparedInputs,
-    check_target_is_not_forward_args,
-    explained_positions,
-    prepare_inputs,
+from captum_normattr.attr.inputs import check_target_is_not_forward_args, explained_positions, prepare_inputs
+from captum_normattr.attr.positions import (
+    PositionExplanation,
+    next_token_output,
+    position_log_probs,
+    position_request,
+    warn_non_finite,
 )
-from captum_normattr.decompose.primitives.guards import guard_tolerance
+from captum_normattr.attr.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import LayerKind, layer_kind
+from captum_normattr.decompose.primitives.multi_position import rollout_rows_at_scaled
+from captum_normattr.decompose.primitives.rollout import check_convention, rollout_scaled
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.primitives.rollout import LayerMapStore, check_convention, rollout_scaled
-from captum_normattr.models.adapters import base_model, get_adapter, layer_modules
-from captum_normattr.models.capture.recorder import Recorder, RecordedTensorModifiedError, recording
+from captum_normattr.models.adapters import get_adapter, layer_modules
+from captum_normattr.models.engine import LayerContribution, MapCollector, mark_non_finite, streamed_forward
+from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
-from captum_normattr.options import check_explained_position, check_memory_budget  # noqa: F401  (re-exported)
+from captum_normattr.options import check_explained_position
 from captum_normattr.result import AttributionResult, DecompositionResult
 
-R = TypeVar("R", bound=AttributionResult)
+__all__ = [
+    "DecompositionAttribution",
+    "LayerDecompositionAttribution",
+    "configured_name",
+    "format_output",
+    "rollout_scale_extras",
+]
 
 
 def format_output(inputs: Any, scores: Tensor, delta: Optional[Tensor] = None, return_convergence_delta: bool = False):
@@ -52,80 +62,6 @@ def format_output(inputs: Any, scores: Tensor, delta: Optional[Tensor] = None, r
     """
     out = (scores,) if isinstance(inputs, tuple) else scores
     return (out, delta) if return_convergence_delta else out
-
-
-def compute_dtype(model: nn.Module) -> torch.dtype:
-    r"""float64 for float64 models, float32 otherwise (half-precision models are decomposed in float32)."""
-    return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-
-
-def layer_finite(layer: LayerTensors, valid: Tensor, input_checked: bool = False) -> Tensor:
-    r"""(B,) bool: True where the layer's input and output are finite at the real tokens.
-
-    That covers every recorded tensor of the layer: a NaN or an infinity in the value
-    states of a real key, in the attention rows of a real query or in the feed-forward
-    output reaches the layer output of the real queries (a product with a NaN or an
-    infinity is never finite again, not even times an exactly zero probability; a norm of
-    a non-finite vector is NaN), so checking them as well only re-reads memory.
-    ``input_checked``: the input is a tensor already checked (the previous layer's output).
-    """
-    v = valid.to(layer.hidden_in.device)
-    ok = torch.ones(v.shape[0], dtype=torch.bool, device=v.device)
-    for x in (layer.layer_out,) if input_checked else (layer.hidden_in, layer.layer_out):
-        ok &= (torch.isfinite(x).all(-1) | ~v).all(-1)
-    return ok
-
-
-#: result fields that are the model's own values or indices, never overwritten with NaN
-_KEEP_FIELDS = ("attention_mask", "explained_position", "target", "foil", "logits")
-
-
-def mark_non_finite(result: R, finite: Optional[Tensor]) -> R:
-    r"""NaN for every per-example number of the examples whose forward pass was not finite.
-
-    An example is non-finite when its inputs or any recorded layer tensor held a NaN or an
-    infinity at a real token (``finite`` False, see :func:`layer_finite`), or when any of its
-    scores at a real token is not finite. Its scores (pads included), delta and every other
-    per-example float tensor of the result (layer maps, rollout, class scores, ...) become
-    NaN, so that no finite number is ever reported for it; the other examples are untouched.
-    The model's own logits are kept as they are. A warning names the examples.
-
-    Args:
-        result: an :class:`~captum_normattr.result.AttributionResult`.
-        finite: (B,) bool from :class:`~captum_normattr.attr.inputs.PreparedInputs`, or None.
-
-    Returns:
-        ``result``, or a copy with those examples set to NaN.
-    """
-    scores = result.scores
-    real = result.attention_mask.to(scores.device).bool()
-    overflow = ~(torch.isfinite(scores) | ~real).all(-1)
-    forward = torch.zeros_like(overflow) if finite is None else ~finite.to(overflow.device)
-    bad = overflow | forward
-    if not bool(bad.any()):
-        return result
-    b = bad.shape[0]
-    overflow = overflow & ~forward
-    messages = []
-    if bool(forward.any()):
-        messages.append(f"example(s) {forward.nonzero().flatten().tolist()} hold NaN or infinite values in their "
-                        "inputs or forward pass")
-    if bool(overflow.any()):
-        messages.append(
-            f"the scores of example(s) {overflow.nonzero().flatten().tolist()} overflowed although their inputs and "
-            "forward pass were finite: the method's own arithmetic left the dtype's range inside a layer (rollouts "
-            "are carried with a power of two and do not overflow); run the model in float64")
-    warnings.warn("; ".join(messages) + "; their scores are NaN", RuntimeWarning, stacklevel=3)
-    updates = {}
-    for f in fields(result):
-        value = getattr(result, f.name)
-        if f.name in _KEEP_FIELDS or not isinstance(value, Tensor) or not value.is_floating_point():
-            continue
-        if value.dim() == 0 or value.shape[0] != b:
-            continue
-        rows = bad.to(value.device).view(b, *([1] * (value.dim() - 1)))
-        updates[f.name] = value.masked_fill(rows, float("nan"))
-    return replace(result, **updates)
 
 
 def rollout_scale_extras(
@@ -169,191 +105,6 @@ def rollout_scale_extras(
             stacklevel=stacklevel,
         )
     return extras
-
-
-class ConsistencyWarning(RuntimeWarning):
-    r"""The model's real tensors disagree with what the decomposition assumes (see :class:`ConsistencyGuard`)."""
-
-
-class ConsistencyError(RuntimeError):
-    r"""Raised instead of :class:`ConsistencyWarning` by ``strict=True`` attributions."""
-
-
-class ConsistencyGuard:
-    r"""Judges the consistency checks of every layer of one call: warns once, or raises when strict.
-
-    Each layer's :attr:`~captum_normattr.decompose.records.LayerTensors.checks` (relative
-    differences between the model's real tensors and the assumed ones, filled by the capture)
-    and, for the methods without a delta (GlobEnc, ALTI), the attention block's completeness
-    error relative to the scale of the tensor it is measured on, are compared with
-    :func:`~captum_normattr.decompose.primitives.guards.guard_tolerance` of the dtype the model computed
-    in. ``docs/reliability.md``, "Consistency guards".
-
-    Args:
-        method: the method's name, for the message.
-        strict: raise :class:`ConsistencyError` at the first layer that fails a check,
-            instead of one :class:`ConsistencyWarning` per call after the forward pass.
-    """
-
-    def __init__(self, method: str, strict: bool = False):
-        self.method = method
-        self.strict = bool(strict)
-        self.failures: List[str] = []
-        self.tolerance = 0.0
-
-    def check(self, layer: LayerTensors, completeness: Optional[Tensor] = None, real: Optional[Tensor] = None) -> None:
-        r"""Judge one layer's checks; ``completeness``: its absolute completeness error (0-dim), or None;
-        ``real``: the real tensor it is measured on (the layer kind's ``attention_block_output``)."""
-        names, values = list(layer.checks), list(layer.checks.values())
-        if completeness is not None:
-            # the attention block's real output; its scale over every token (pads are computed like real
-            # tokens, so this is at least the scale at the real ones: never a stricter tolerance)
-            if real is None:
-                real = layer_kind(layer.topology).attention_block_output(layer)
-            lo, hi = torch.aminmax(real)
-            scale = torch.maximum(hi, -lo).clamp_min(torch.finfo(real.dtype).tiny)
-            names.append("completeness of the attention block")
-            values.append(completeness.to(scale.dtype) / scale)
-        if not values:
-            return
-        rel = torch.stack([v.detach().to(device=values[0].device, dtype=torch.float64) for v in values]).tolist()
-        tol = guard_tolerance(layer.source_dtype or layer.hidden_in.dtype)
-        self.tolerance = max(self.tolerance, tol)
-        bad = [f"{n}: {r:.3g}" for n, r in zip(names, rel) if not r <= tol and r == r]  # NaN: the non-finite rule
-        if not bad:
-            return
-        msg = f"layer {layer.index} ({'; '.join(bad)})"
-        if self.strict:
-            raise ConsistencyError(self._message([msg], tol))
-        self.failures.append(msg)
-
-    def _message(self, failures: List[str], tol: float) -> str:
-        return (
-            f"{self.method}: the model's real tensors disagree with what the decomposition assumes, relative "
-            f"differences above {tol:g} at {', '.join(failures)}. A hook or patched module that changes hidden states, "
-            "attention inputs or outputs, or a norm or layer that the architecture description does not match, makes "
-            "the scores a decomposition of another computation. Remove the hook (or describe the architecture "
-            "correctly); see docs/reliability.md, 'Consistency guards'."
-        )
-
-    def finish(self, stacklevel: int = 4) -> None:
-        r"""Warn once for the call if any layer failed (strict guards raised already)."""
-        if self.failures:
-            failures, self.failures = self.failures, []
-            warnings.warn(self._message(failures, self.tolerance), ConsistencyWarning, stacklevel=stacklevel)
-
-
-@contextlib.contextmanager
-def streamed_forward(
-    model: nn.Module,
-    adapter,
-    prepared: PreparedInputs,
-    on_layer: Callable[[LayerTensors], None],
-    top_model: bool = False,
-    keep_calls: bool = False,
-    guard: Optional[ConsistencyGuard] = None,
-    probabilities: bool = True,
-) -> Iterator[Tuple[Recorder, Any]]:
-    r"""Run one recorded forward pass, handing every layer to ``on_layer`` as it is produced.
-
-    Args:
-        model: the user's model.
-        adapter: its adapter.
-        prepared: validated inputs.
-        on_layer: callback receiving each layer's :class:`LayerTensors`. Before it runs,
-            ``prepared.finite`` is updated with the layer's finiteness (:func:`layer_finite`).
-        top_model: run the whole model (heads included) instead of the bare Transformer.
-        keep_calls: allow :meth:`Recorder.rerun_layer` inside the block.
-        guard: judges every layer's consistency checks before ``on_layer`` runs, and warns
-            (once) when the block ends; None: a non-strict :class:`ConsistencyGuard`.
-        probabilities: False: the layers' attention runs the model's own implementation
-            (sdpa, ...) and the handed-over layers carry no probabilities (``probs=None``);
-            reruns (``keep_calls``) still record them (:func:`~captum_normattr.models.capture.recorder.recording`).
-
-    A forward pass that changes a recorded tensor in place before any layer was handed over
-    (:class:`~captum_normattr.models.capture.recorder.RecordedTensorModifiedError`) is run once more,
-    with those tensors recorded as copies.
-
-    Yields:
-        (recorder, model output). The hooks stay in place until the block ends, so that
-        layers can be recomputed there.
-    """
-    # the last layer output checked, kept alive: while it lives, no other tensor can have its
-    # memory, so the same address, shape, strides and dtype mean the same elements
-    checked: List[Optional[Tensor]] = [None]
-    guard = ConsistencyGuard(adapter.family) if guard is None else guard
-
-    def checked_on_layer(layer: LayerTensors) -> None:
-        guard.check(layer)
-        if prepared.finite is not None:
-            last, x = checked[0], layer.hidden_in
-            same_input = last is not None and (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == (
-                last.data_ptr(), last.shape, last.stride(), last.dtype, last.device)
-            prepared.finite = prepared.finite & layer_finite(layer, prepared.valid, input_checked=same_input)
-            checked[0] = layer.layer_out
-        on_layer(layer)
-
-    for attempt in range(2):
-        with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls,
-                                        probabilities) as rec:
-            try:
-                out = (model if top_model else base_model(model))(**prepared.forward_kwargs())
-            except RecordedTensorModifiedError as e:
-                if attempt or not e.retry:
-                    raise
-                continue  # the changed tensors are recorded as copies in the next pass
-            rec.check_complete()
-            yield rec, out
-            guard.finish()
-            return
-
-
-@dataclass
-class LayerContribution:
-    r"""What one layer contributes to a decomposition.
-
-    Attributes:
-        map: (B, T, T) the layer map.
-        mixing_ratio: (B, T) or None.
-        errors: per-layer numbers (scalars or (B,) tensors), stacked over layers at the end.
-        maps: further (B, T, T) maps kept with the layer maps (e.g. every FF scope).
-    """
-
-    map: Tensor
-    mixing_ratio: Optional[Tensor] = None
-    errors: Dict[str, Tensor] = field(default_factory=dict)
-    maps: Dict[str, Tensor] = field(default_factory=dict)
-
-
-class _MapCollector:
-    r"""Keeps what the layers contribute: the maps (a :class:`LayerMapStore`) and small per-layer numbers."""
-
-    def __init__(self, num_layers: int, causal: bool, keep_maps: bool):
-        self.keep_maps = keep_maps
-        self.store = LayerMapStore(num_layers, causal, dense=keep_maps)
-        self.extra_maps: Dict[str, Tensor] = {}
-        self.ratios: List[Optional[Tensor]] = []
-        self.errors: Dict[str, List[Tensor]] = {}
-
-    def add(self, index: int, c: LayerContribution) -> None:
-        self.store.put(index, c.map)
-        if self.keep_maps:
-            for name, m in c.maps.items():
-                if name not in self.extra_maps:
-                    b, t, _ = m.shape
-                    self.extra_maps[name] = m.new_zeros(b, self.store.num_layers, t, t)
-                self.extra_maps[name][:, index] = m
-        self.ratios.append(c.mixing_ratio)
-        for name, e in c.errors.items():
-            self.errors.setdefault(name, []).append(e)
-
-    def stacked_errors(self) -> Dict[str, Tensor]:
-        return {k: torch.stack(v, dim=min(1, v[0].dim())) for k, v in self.errors.items()}
-
-    def mixing(self) -> Optional[Tensor]:
-        if not self.ratios or any(r is None for r in self.ratios):
-            return None
-        return torch.stack(self.ratios, 1)
 
 
 class configured_name:
@@ -418,6 +169,11 @@ class DecompositionAttribution(Attribution):
         if callable(name) and not isinstance(name, (configured_name, classmethod, staticmethod)):
             cls.get_name = configured_name(name)  # Captum's classmethod form kept (see configured_name)
 
+    @configured_name
+    def get_name(self) -> str:
+        r"""The method's readable name (:attr:`method_name`; a subclass may name its options too)."""
+        return self.method_name
+
     def check_target(self, target: Any, inputs: Any) -> None:
         r"""Raise a ValueError for a mask passed as ``target``, or any target of a class-agnostic method."""
         check_target_is_not_forward_args(target, inputs, self.get_name())
@@ -473,7 +229,15 @@ class DecompositionAttribution(Attribution):
         return out, delta
 
     def has_convergence_delta(self) -> bool:
+        r"""True: every decomposition reports its completeness error as the convergence delta."""
         return True
+
+    @property
+    def explains_next_tokens(self) -> bool:
+        r"""Whether this instance explains positions of a causal LM (its class's ``explain_positions``
+        applies to its model; the LLM API, :class:`~captum_normattr.attr.llm.DecompositionLLMAttribution`,
+        takes it). False here; the classes with an ``explain_positions`` hook say when it applies."""
+        return False
 
 
 class LayerDecompositionAttribution(DecompositionAttribution):
@@ -496,10 +260,10 @@ class LayerDecompositionAttribution(DecompositionAttribution):
             :func:`captum_normattr.options.check_explained_position`.
         rollout: ``"raw"`` (default; the convention of the published figures) or
             ``"row_normalized"``.
-        strict: raise :class:`ConsistencyError` when the model's real tensors disagree
+        strict: raise :class:`~captum_normattr.models.guard.ConsistencyError` when the model's real tensors disagree
             with what the decomposition assumes (a hook that changes hidden states, a norm
             the architecture description does not match, ...), instead of one
-            :class:`ConsistencyWarning` per call (``docs/reliability.md``, "Consistency guards").
+            :class:`~captum_normattr.models.guard.ConsistencyWarning` per call (``docs/reliability.md``, "Consistency guards").
     """
 
     method_name = "decomposition"
@@ -518,7 +282,7 @@ class LayerDecompositionAttribution(DecompositionAttribution):
     ) -> None:
         self.adapter = get_adapter(model)
         self.kind: LayerKind = layer_kind(self.adapter.topology, self.adapter.family)
-        self.kind.require(self.kind_method, self.adapter.family)
+        self.check_model()
         explained_position = check_explained_position(explained_position)
         if explained_position is None:
             explained_position = "last" if self.adapter.causal else 0
@@ -534,6 +298,11 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         self.strict = strict
 
     # --- to implement -------------------------------------------------------------
+    def check_model(self) -> None:
+        r"""Raise for a model this method does not decompose: by default, one whose layer kind does not
+        decompose :attr:`kind_method` (:class:`~captum_normattr.UnsupportedModelError`)."""
+        self.kind.require(self.kind_method, self.adapter.family)
+
     def layer_contribution(self, layer: LayerTensors, valid: Tensor, keep_maps: bool) -> LayerContribution:
         r"""One layer's contribution; ``keep_maps``: the caller keeps further per-layer maps."""
         raise NotImplementedError
@@ -555,6 +324,38 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         return {"completeness_error": example.max(), "example_completeness_error": example}
 
     # --- shared -------------------------------------------------------------------
+    def stream_maps(
+        self, prepared: PreparedInputs, keep_maps: bool, extra_maps: bool, final_norm: bool = False
+    ) -> Tuple[MapCollector, Optional[Tensor]]:
+        r"""One recorded forward pass: every layer's contribution as the pass produces it, judged by the guard.
+
+        :meth:`decompose` and :meth:`explain_positions` both run it.
+
+        Args:
+            prepared: the validated inputs.
+            keep_maps: keep every layer's dense map (the full rollout, the layer maps, or
+                rows at several positions); False: only the explained rows' rollout.
+            extra_maps: keep each layer's further maps (:attr:`LayerContribution.maps`).
+            final_norm: also return the final norm's real output (B, T, D).
+
+        Returns:
+            (:class:`~captum_normattr.models.engine.MapCollector`, the final norm's output or None).
+        """
+        valid = prepared.valid
+        collector = MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, keep_maps)
+        guard = ConsistencyGuard(self.get_name(), self.strict)
+
+        def on_layer(layer: LayerTensors) -> None:
+            dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
+            c = self.layer_contribution(layer, valid.to(dev), extra_maps)
+            if self.guards_completeness and "completeness_error" in c.errors:
+                guard.check(replace(layer, checks={}), c.errors["completeness_error"], self.kind.attention_block_output(layer))
+            collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
+
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard) as (rec, _):
+            f_out = rec.final_norm_tensors()[2] if final_norm else None
+        return collector, f_out
+
     def decompose(  # type: ignore[override]
         self,
         inputs: Union[Tensor, Tuple[Tensor]],
@@ -582,18 +383,7 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
         valid = prepared.valid
         pos = explained_positions(self.explained_position, valid)
-        collector = _MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, return_layer_maps or return_rollout)
-        guard = ConsistencyGuard(self.get_name(), self.strict)
-
-        def on_layer(layer: LayerTensors) -> None:
-            dev = layer.hidden_in.device  # the layer's device (a device_map may spread the layers)
-            c = self.layer_contribution(layer, valid.to(dev), return_layer_maps)
-            if self.guards_completeness and "completeness_error" in c.errors:
-                guard.check(replace(layer, checks={}), c.errors["completeness_error"], self.kind.attention_block_output(layer))
-            collector.add(layer.index, c if dev == valid.device else tensors_to(c, valid.device))
-
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, guard=guard):
-            pass
+        collector, _ = self.stream_maps(prepared, return_layer_maps or return_rollout, return_layer_maps)
         with torch.no_grad():
             maps = collector.store.dense()
             scores, score_scale = collector.store.rollout_rows_scaled(pos, self.rollout_convention)
@@ -623,5 +413,62 @@ class LayerDecompositionAttribution(DecompositionAttribution):
                              **options)
         return format_output(inputs, pixel_attributions(inputs, res)), res.delta
 
-    def get_name(self) -> str:
-        return self.method_name
+    @property
+    def explains_next_tokens(self) -> bool:
+        r"""True for a causal LM: :meth:`explain_positions` rolls its maps out at any positions."""
+        return bool(self.adapter.causal)
+
+    def explain_positions(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        target: Optional[Tensor] = None,
+        quantity: str = "logit",
+        foil: Any = None,
+    ) -> PositionExplanation:
+        r"""The rollout rows of n positions of one sequence of a causal LM, from one forward pass.
+
+        All positions share the per-layer maps of that pass; row k equals the single-position
+        call (``explained_position``) at ``positions[k]``, up to rounding. The rows are
+        class-agnostic: ``quantity`` and ``foil`` are ignored (with a warning).
+
+        Args:
+            input_ids: (T,) or (1, T) token ids (one sequence, no padding).
+            positions: (n,) the explained positions.
+            target: (n,) the next token at each position, or None; it only yields ``log_probs``.
+            quantity, foil: see :func:`~captum_normattr.attr.positions.position_request` (ignored).
+
+        Returns:
+            :class:`~captum_normattr.attr.positions.PositionExplanation` (``quantity="rollout"``,
+            unsigned; ``extras["rollout_log2_scale"]`` where a raw rollout exceeds the dtype).
+        """
+        ids, positions, target, quantity, foil = position_request(self.model, input_ids, positions, target, quantity,
+                                                                  foil)
+        if not self.adapter.causal:
+            raise ValueError("explain_positions explains causal LMs; this attribution wraps an encoder")
+        if quantity != "logit" or foil is not None:
+            warnings.warn(f"{self.get_name()} rows are class-agnostic: quantity and foil are ignored",
+                          UserWarning, stacklevel=2)
+        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), None)
+        valid = prepared.valid
+        output = next_token_output(self.model, self.adapter) if target is not None else None
+        collector, f_out = self.stream_maps(prepared, True, False,
+                                            final_norm=output is not None and self.adapter.final_norm is not None)
+        store = collector.store
+        with torch.no_grad():
+            scores, scale = rollout_rows_at_scaled(store, positions, self.rollout_convention)
+            scores, scale = scores[0] * valid[0].to(store.dense().dtype), scale[0]
+            f_rows = None if f_out is None else f_out[0, positions.to(f_out.device)].to(valid.device)
+            log_probs = None if f_rows is None else position_log_probs(output, f_rows, target)
+        if warn_non_finite(prepared):
+            scores = torch.full_like(scores, float("nan"))
+        extras = {}
+        if bool((scale != 0).any()):  # a raw rollout beyond the dtype: returned divided by 2**scale (docs/reliability.md)
+            extras["rollout_log2_scale"] = scale
+            warnings.warn(
+                f"{self.get_name()}: the raw rollout of explained position(s) {positions[scale != 0].tolist()} exceeds "
+                f"{scores.dtype}'s range (the layer maps' rows are not normalised and their product over the layers "
+                "grows past the dtype); those rows are divided by 2**extras['rollout_log2_scale'] (exact ratios and "
+                "ranks); rollout='row_normalized' stays bounded.", RuntimeWarning, stacklevel=2)
+        return PositionExplanation(method=self.get_name(), scores=scores, positions=positions, signed=False,
+                                   target=target, quantity="rollout", log_probs=log_probs, extras=extras)

@@ -1,51 +1,59 @@
-r"""DecompX (Modarressi et al., ACL 2023): signed, class-specific token scores by exact propagation."""
+r"""DecompX (Modarressi et al., ACL 2023): signed, class-specific token scores by exact propagation.
+
+One skeleton for every model (:meth:`DecompXAttribution._run`: the layers streamed, the parts
+forward or the adjoint down); what is explained at the top is a readout
+(:mod:`captum_normattr.attr.decompx_readouts`: a classifier's classes, a Vision Transformer's
+classes, a causal LM's next-token logit, or n positions of one sequence for the LLM API).
+"""
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from captum.attr import Attribution
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import (
-    ConsistencyGuard,
-    DecompositionAttribution,
-    check_memory_budget,
-    compute_dtype,
-    format_output,
-    mark_non_finite,
-    streamed_forward,
+from captum_normattr.attr.base import DecompositionAttribution, format_output
+from captum_normattr.attr.decompx_readouts import (
+    ClassifierReadout,
+    DecompXReadout,
+    ImageClassifierReadout,
+    NextTokenReadout,
+    PositionsReadout,
 )
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
-from captum_normattr.attr.images import image_extras, pixel_attributions
-from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
+from captum_normattr.attr.images import pixel_attributions
+from captum_normattr.attr.inputs import prepare_inputs
+from captum_normattr.attr.positions import (
+    PositionExplanation,
+    explained_directions,
+    position_log_probs,
+    position_request,
+    warn_non_finite,
+)
+from captum_normattr.attr.prepared import PreparedInputs
+from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.methods.decompx.engine import (
     AdjointPass,
     FrozenLayer,
     PartsPropagation,
-    adjoint_head_scores,
-    adjoint_next_token_scores,
     check_bias_mode,
     ff_coefficients,
-    head_scores,
-    head_slope,
-    logit_scores,
-    mean_pool_weights,
-    pool_frozen_rows,
-    pool_head_parts,
 )
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
-from captum_normattr.decompose.kinds.registry import layer_kind
-from captum_normattr.decompose.methods.decompx.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
 from captum_normattr.models.capture.recorder import Recorder
+from captum_normattr.models.engine import compute_dtype, mark_non_finite, streamed_forward
+from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
-from captum_normattr.options import check_explained_position, check_positive_int
+from captum_normattr.options import check_explained_position, check_memory_budget, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
+
+__all__ = ["ALGORITHMS", "DecompXAttribution", "DecompXResult"]
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 
@@ -57,11 +65,6 @@ def _ordinary_tensors(obj: Any) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(_ordinary_tensors(o) for o in obj)
     return obj
-
-
-def _stack_layers(per_layer: Dict[int, Tensor], num_layers: int) -> Tensor:
-    r"""(B,) per layer index (filled in any order) -> (B, L)."""
-    return torch.stack([per_layer[l] for l in range(num_layers)], 1)
 
 
 def _checked_preactivations(layer: LayerTensors, got: Dict[str, Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
@@ -223,7 +226,7 @@ class DecompXAttribution(DecompositionAttribution):
         unembedding: decoders only: a (V, D) unembedding matrix used instead of the LM head
             (needed for a bare ``GPT2Model`` / ``LlamaModel`` ...).
         nodes: decoders with a gated FF: Gauss-Legendre nodes of the gate integrals.
-        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` (and
+        strict: raise :class:`~captum_normattr.models.guard.ConsistencyError` (and
             :class:`~captum_normattr.attr.explained_output.ExplainedOutputMismatchError`)
             instead of warning when the model's real tensors or logits disagree with the
             decomposition (docs/reliability.md).
@@ -419,180 +422,39 @@ class DecompXAttribution(DecompositionAttribution):
             inputs, additional_forward_args = _ordinary_tensors((inputs, additional_forward_args))
             prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
             algorithm = self._algorithm(layer_parts)
+            dtype = compute_dtype(self.model)
+            readout: DecompXReadout
             if self.vision:
-                return mark_non_finite(self._compute_image_classifier(prepared, target, algorithm, target_only), prepared.finite)
-            if self.decoder:
-                return mark_non_finite(self._compute_decoder(prepared, target, algorithm, foil), prepared.finite)
-            return mark_non_finite(self._compute_classifier(prepared, target, algorithm, target_only), prepared.finite)
-
-    # --- classifiers -----------------------------------------------------------------
-    def _compute_classifier(self, prepared: PreparedInputs, target: Any, algorithm: str, target_only: bool) -> DecompXResult:
-        valid = prepared.valid
-        dtype = compute_dtype(self.model)
-        n = len(self._modules_list)
-        pos = self.output.position
-        mean = self.output.head.pooling == "mean"  # ModernBERT's classifier_pooling="mean": the head reads every row
-        head_rows = torch.arange(valid.shape[1], device=valid.device) if mean else torch.tensor([pos], device=valid.device)
-        kept: Dict[str, Tensor] = {}
-        prop: Optional[PartsPropagation] = None
-        adj: Optional[AdjointPass] = None
-        if algorithm == "forward":
-            prop = PartsPropagation(n, valid, self.bias_mode, None if self.full_last_layer else head_rows, self.memory_budget_mb)
-        else:
-            adj = AdjointPass(n, head_rows)
-
-        def on_layer(layer: LayerTensors) -> None:
-            layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
-            if prop is not None:
-                prop.step(layer, *self._value_param(layer))
+                readout = ImageClassifierReadout(self, prepared, target, dtype, target_only)
+            elif self.decoder:
+                readout = NextTokenReadout(self, prepared, target, dtype, foil)
             else:
-                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
-            if layer.index == n - 1:
-                kept["pooled"] = layer.layer_out if mean else layer.layer_out[:, pos]  # the head's real input (rows)
+                readout = ClassifierReadout(self, prepared, target, dtype, target_only)
+            fields = self._run(prepared, readout, algorithm)
+            result = DecompXResult(method=self.get_name(), attention_mask=prepared.attention_mask,
+                                   bias_mode=self.bias_mode, algorithm=algorithm, **fields)
+            return mark_non_finite(result, prepared.finite)
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
-                             guard=ConsistencyGuard(self.get_name(), self.strict), probabilities=adj is None) as (
-            rec,
-            out,
-        ):
-            model_logits = (out.logits if hasattr(out, "logits") else out[0]).detach()
-            logits = model_logits.to(valid.device, dtype)
-            tgt = self.output.resolve(target, logits)
-            hp = self.output.params(dtype, kept["pooled"].device)
-            pool = None
-            if mean:  # the head's input: the weighted mean of the final-norm rows; the head itself then has no pre-norm
-                rows_real, weights, final = kept["pooled"], mean_pool_weights(valid, dtype), hp.pre_norm
-                kept["pooled"] = pool_frozen_rows(rows_real, rows_real, weights, final, with_bias=True)
-                hp = replace(hp, pre_norm=None)
-                pool = lambda y: pool_frozen_rows(y, rows_real, weights, final, with_bias=True)
-            self.output.check_against_model(kept["pooled"], hp, model_logits, self.strict)
-            ar = torch.arange(logits.shape[0], device=logits.device)
-            if adj is not None:
-                slope = head_slope(kept["pooled"], hp)
-                if target_only:  # one vector-Jacobian product per layer in all
-                    scores, bias_t = adjoint_head_scores(adj, self._rerun(rec), hp, slope, tgt, kept["pooled"], pool)
-                    scores = scores * valid.to(dtype)
-                    delta = (scores.sum(-1) + bias_t - logits[ar, tgt]).abs()
-                    return DecompXResult(
-                        method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
-                        target=tgt, logits=logits, bias_mode=self.bias_mode, algorithm=algorithm,
-                    )
-                cls_scores, bias_scores = adjoint_head_scores(adj, self._rerun(rec), hp, slope, real_input=kept["pooled"],
-                                                              pool=pool)
-        with torch.no_grad():
-            res = None
-            if prop is not None:
-                res = prop.result()
-                if mean:
-                    idx = torch.searchsorted(res.rows, head_rows)
-                    head_parts, head_bias, _ = pool_head_parts(res.parts[:, idx], res.bias[:, idx], rows_real, weights,
-                                                               final, self.bias_mode)
-                else:
-                    row = int((res.rows == pos).nonzero()[0, 0])
-                    head_parts, head_bias = res.parts[:, row], res.bias[:, row]
-                cls_scores, bias_scores = head_scores(
-                    head_parts, head_bias, kept["pooled"],
-                    hp.w_dense, hp.b_dense, hp.act, hp.w_cls, hp.b_cls, self.bias_mode, fallback=pos,
-                    pre_norm=hp.pre_norm, norm=hp.norm,
-                )
-            cls_scores = cls_scores * valid.to(dtype).unsqueeze(-1)
-            scores = cls_scores[ar, :, tgt]
-            delta = (scores.sum(-1) + bias_scores[ar, tgt] - logits[ar, tgt]).abs()
-        return DecompXResult(
-            method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta,
-            extras={"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)},
-            target=tgt, logits=logits, class_scores=cls_scores, bias_scores=bias_scores,
-            layer_part_norms=None if res is None else res.layer_part_norms,
-            layer_bias_norms=None if res is None else res.layer_bias_norms,
-            layer_errors=None if res is None else res.layer_errors,
-            bias_mode=self.bias_mode, algorithm=algorithm,
-        )
+    # --- the skeleton: one recorded pass, the parts forward or the adjoint down, the readout at the top ---------
+    def _run(self, prepared: PreparedInputs, readout: DecompXReadout, algorithm: str) -> Dict[str, Any]:
+        r"""DecompX of every model: the layers streamed, then ``readout``'s explained output.
 
-    # --- Vision Transformer classifiers ------------------------------------------------
-    def _compute_image_classifier(self, prepared, target: Any, algorithm: str, target_only: bool) -> DecompXResult:
-        r"""Pre-LN bidirectional layers, then the final norm and the linear head on its rows (docs/design.md, section 8)."""
+        ``"forward"`` propagates the parts layer by layer as the pass reaches them (keeping the
+        last layer's ``readout.rows`` only, unless ``full_last_layer``); ``"adjoint"`` keeps each
+        layer's input and, once the readout has read the model's output, walks the layers down,
+        rerunning each one for its vector-Jacobian product. Returns the readout's result fields.
+        """
         valid = prepared.valid
-        dtype = compute_dtype(self.model)
         n = len(self._modules_list)
-        t = valid.shape[1]
-        head = self.output.linear_head(t, prepared.num_prefix, dtype, valid.device)
-        rows = head.rows
-        quad: Dict[int, Tensor] = {}  # layer -> (B,) its largest quadrature error
+        quad: Dict[int, Tensor] = {}  # layer -> (B,) its largest quadrature error (over readout.quadrature_tokens)
+        vf = readout.quadrature_tokens
         prop: Optional[PartsPropagation] = None
         adj: Optional[AdjointPass] = None
         if algorithm == "forward":
-            prop = PartsPropagation(n, valid, self.bias_mode, None if self.full_last_layer else rows, self.memory_budget_mb)
-        else:
-            adj = AdjointPass(n, rows)
-
-        def on_layer(layer: LayerTensors) -> None:
-            if prop is not None:
-                step = self._frozen(layer, quad)
-                prop.step(layer, step.value_weight, step.value_bias, step.coefs)
-            else:
-                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
-
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, top_model=True, keep_calls=adj is not None,
-                             guard=ConsistencyGuard(self.get_name(), self.strict), probabilities=adj is None) as (
-            rec,
-            out,
-        ):
-            logits = out.logits.detach().to(dtype)
-            tgt = self.output.resolve(target, logits)
-            fparams, f_in, f_out = rec.final_norm_tensors()
-            f_rows = f_in[:, rows]
-            self.output.check_against_model(f_out[:, rows], head, out.logits, self.strict)
-            ar = torch.arange(logits.shape[0], device=logits.device)
-            if adj is not None:
-                cls_scores, bias_scores = adjoint_linear_head_scores(
-                    adj, self._rerun(rec, quad), fparams, f_rows, head.weight, head.bias, tgt if target_only else None
-                )
-                if target_only:
-                    delta = (cls_scores.sum(-1) + bias_scores - logits[ar, tgt]).abs()
-                    return DecompXResult(
-                        method=self.get_name(), scores=cls_scores, attention_mask=prepared.attention_mask, delta=delta,
-                        extras=image_extras(prepared, cls_scores), target=tgt, logits=logits, bias_mode=self.bias_mode,
-                        algorithm=algorithm,
-                    )
-        with torch.no_grad():
-            res = None
-            if prop is not None:
-                res = prop.result()
-                idx = torch.searchsorted(res.rows, rows)
-                cls_scores, bias_scores = linear_head_scores(
-                    res.parts[:, idx], res.bias[:, idx], fparams, f_rows, rows, head.weight, head.bias, self.bias_mode
-                )
-            scores = cls_scores[ar, :, tgt]
-            delta = (scores.sum(-1) + bias_scores[ar, tgt] - logits[ar, tgt]).abs()
-            extras = {"all_class_delta": (cls_scores.sum(1) + bias_scores - logits).abs().amax(-1)}
-            extras["quadrature_error"] = _stack_layers(quad, n)
-            extras.update(image_extras(prepared, scores))
-        return DecompXResult(
-            method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, delta=delta, extras=extras,
-            target=tgt, logits=logits, class_scores=cls_scores, bias_scores=bias_scores,
-            layer_part_norms=None if res is None else res.layer_part_norms,
-            layer_bias_norms=None if res is None else res.layer_bias_norms,
-            layer_errors=None if res is None else res.layer_errors,
-            bias_mode=self.bias_mode, algorithm=algorithm,
-        )
-
-    # --- decoders --------------------------------------------------------------------
-    def _compute_decoder(self, prepared: PreparedInputs, target: Any, algorithm: str, foil: Any = None) -> DecompXResult:
-        valid = prepared.valid
-        pos = explained_positions(self.explained_position, valid)
-        dtype = compute_dtype(self.model)
-        n = len(self._modules_list)
-        b = valid.shape[0]
-        ar = torch.arange(b, device=valid.device)
-        vf = valid.to(dtype)
-        quad: Dict[int, Tensor] = {}  # layer -> (B,) its largest quadrature error over real tokens
-        prop: Optional[PartsPropagation] = None
-        adj: Optional[AdjointPass] = None
-        if algorithm == "forward":
-            last_rows = None if self.full_last_layer else torch.unique(pos)
+            last_rows = None if self.full_last_layer else readout.rows
             prop = PartsPropagation(n, valid, self.bias_mode, last_rows, self.memory_budget_mb)
         else:
-            adj = AdjointPass(n, torch.unique(pos))
+            adj = AdjointPass(n, readout.rows)
 
         def on_layer(layer: LayerTensors) -> None:
             layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
@@ -601,46 +463,24 @@ class DecompXAttribution(DecompositionAttribution):
                 prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
                 adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
+            readout.keep(layer, layer.index == n - 1)
 
-        run, top_model, kept = self.output.guarded_forward(self.model, prepared, pos)
+        run = readout.forward_inputs()
         # the adjoint keeps only each layer's input (its checkpoint) from this pass and reruns the layers on the way
         # down: no probabilities here, the model's own (sdpa) attention runs (docs/performance.md, "Long prompts")
-        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model, keep_calls=adj is not None,
-                             guard=ConsistencyGuard(self.get_name(), self.strict), probabilities=adj is None) as (
-            rec,
-            model_out,
-        ):
+        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=readout.top_model,
+                              keep_calls=adj is not None, guard=ConsistencyGuard(self.get_name(), self.strict),
+                              probabilities=adj is None) as (rec, model_out):
             prepared.finite = run.finite
-            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
-            out = self.output.resolve(target, f_out[ar, pos], foil)
-            u, ub = out.direction, out.bias
-            logit = (f_out[ar, pos] * u).sum(-1) + ub  # the logit (difference) from the real final-norm output
-            self.output.check_against_model(  # ... and the model's own output logit: the same number
-                model_out if top_model else None, kept, pos, out, f_out[ar, pos], logit, self.strict)
+            readout.read(rec, model_out)
             if adj is not None:
-                frozen_at = self._rerun(rec, quad, vf)
-                scores, bias_score = adjoint_next_token_scores(adj, frozen_at, fparams, f_in, u, ub, pos)
+                readout.adjoint(adj, self._rerun(rec, quad, vf))
         with torch.no_grad():
             res = None
             if prop is not None:
                 res = prop.result()
-                idx = torch.searchsorted(res.rows, pos)
-                scores, bias_score = logit_scores(
-                    res.parts[ar, idx], res.bias[ar, idx], fparams, f_in[ar, pos], u, ub, self.bias_mode, fallback=pos
-                )
-            scores = scores * vf
-            delta = (scores.sum(-1) + bias_score - logit).abs()
-        return DecompXResult(
-            method=self.get_name(), scores=scores, attention_mask=prepared.attention_mask, explained_position=pos,
-            delta=delta, extras={"quadrature_error": _stack_layers(quad, n),
-                                 **self.output.cap_extras(logit, f_out[ar, pos], out)},
-            target=out.target, foil=out.foil, logits=logit.unsqueeze(-1),
-            class_scores=scores.unsqueeze(-1), bias_scores=bias_score.unsqueeze(-1),
-            layer_part_norms=None if res is None else res.layer_part_norms,
-            layer_bias_norms=None if res is None else res.layer_bias_norms,
-            layer_errors=None if res is None else res.layer_errors,
-            bias_mode=self.bias_mode, algorithm=algorithm,
-        )
+                readout.forward(res)
+            return readout.result(res, quad, n)
 
     def attribution_and_delta(self, inputs, target, additional_forward_args, foil: Any = None):
         r"""(signed token scores for the target class, delta (B,)): ``attribute``'s output.
@@ -653,6 +493,60 @@ class DecompXAttribution(DecompositionAttribution):
         """
         res = self._compute(inputs, target, additional_forward_args, layer_parts=False, target_only=True, foil=foil)
         return format_output(inputs, pixel_attributions(inputs, res)), res.delta
+
+    @property
+    def explains_next_tokens(self) -> bool:
+        r"""True for a causal LM (its next-token logits; :meth:`explain_positions`), False for a classifier."""
+        return self.decoder
+
+    def explain_positions(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        target: Optional[Tensor] = None,
+        quantity: str = "logit",
+        foil: Any = None,
+    ) -> PositionExplanation:
+        r"""Signed token scores of n next-token logits of one sequence of a causal LM, from one forward pass.
+
+        The parts are propagated (``"forward"``) or the adjoint walks the layers (``"adjoint"``)
+        once for every position together; row k equals the single-position call
+        (``explained_position=positions[k]``, ``target=target[k]``) up to rounding.
+
+        Args:
+            input_ids: (T,) or (1, T) token ids (one sequence, no padding).
+            positions: (n,) the explained positions (position i predicts token i + 1).
+            target: (n,) the explained token at each position (required).
+            quantity: ``"logit"``, ``"logit_minus_foil"`` or ``"logit_minus_mean"``
+                (:data:`~captum_normattr.attr.positions.QUANTITIES`).
+            foil: one id or (n,) ids, for ``"logit_minus_foil"``.
+
+        Returns:
+            :class:`~captum_normattr.attr.positions.PositionExplanation` (signed; ``no_token`` is
+            the bias score; ``extras["quadrature_error"]`` (n_layers,)).
+        """
+        ids, positions, target, quantity, foil = position_request(self.model, input_ids, positions, target, quantity,
+                                                                  foil)
+        if target is None:
+            raise ValueError("DecompX explains a target token at every position: give target")
+        if not self.decoder:
+            raise ValueError("DecompositionLLMAttribution explains causal LMs; this DecompXAttribution wraps a classifier")
+        # the adjoint differentiates the frozen layers, which autograd refuses on inference tensors
+        with torch.inference_mode(False):
+            prepared = prepare_inputs(self.model, self.adapter, _ordinary_tensors(ids).unsqueeze(0), None)
+            dtype = compute_dtype(self.model)
+            u, ub = explained_directions(self.output, target, quantity, foil, dtype, prepared.valid.device)
+            readout = PositionsReadout(self, prepared, dtype, positions, u.unsqueeze(0), ub.unsqueeze(0))
+            got = self._run(prepared, readout, self._algorithm(False))
+            log_probs = position_log_probs(self.output, got.pop("final_out"), target)
+        scores = got.pop("scores")
+        if warn_non_finite(prepared):
+            scores = torch.full_like(scores, float("nan"))
+        return PositionExplanation(
+            method=self.get_name(), scores=scores, positions=positions, signed=True, target=target, foil=foil,
+            quantity=quantity, explained=got["explained"], no_token=got["no_token"], delta=got["delta"],
+            log_probs=log_probs, extras={"quadrature_error": got["quadrature_error"]},
+        )
 
     def get_name(self) -> str:
         return {"separate": "DecompX", "spread": "DecompX (spread bias)"}.get(self.bias_mode, "DecompX (spread bias per key)")

@@ -12,6 +12,11 @@ Two kinds, each parsing ``target`` once for every method that explains it:
 - :class:`ImageClassLogit`: a class logit of a Vision Transformer classifier, linear in the
   final-norm output of the rows its head reads ([CLS]; [CLS] and distillation token;
   [CLS] and the mean of the patches).
+
+Then the guard every call runs against the model's own logits (:func:`check_explained_logit`) and
+the one check of a model for an additive next-token logit (:func:`check_additive_next_token_logit`).
+The module is over 700 lines because the three explained outputs share the target parsing
+(:func:`as_token_ids`) and the guard's tolerances; apart, each would import the others.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
+from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.primitives.guards import rebuild_norm
 from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.models.adapters import base_model, get_path, unwrap_model
@@ -142,7 +148,11 @@ def logit_scale(model: nn.Module, adapter: ArchitectureSpec) -> float:
     Raises:
         ValueError: a named attribute that the config lacks, that is not a number, or a zero divisor.
     """
-    config = getattr(unwrap_model(model), "config", None)
+    return _config_logit_scale(getattr(unwrap_model(model), "config", None), adapter)
+
+
+def _config_logit_scale(config: Any, adapter: ArchitectureSpec) -> float:
+    r""":func:`logit_scale` from the model's config."""
     scale = 1.0
     for attribute, divides in ((adapter.head.logit_multiplier, False), (adapter.head.logit_divisor, True)):
         if attribute is None:
@@ -226,9 +236,9 @@ class NextTokenLogit:
                 self._projection = get_path(base_model(model), path)
             except AttributeError:
                 self._projection = None
-        self.softcap = final_softcap(model, adapter)
+        self.softcap = _config_softcap(model.config, adapter)  # (:func:`final_softcap`)
         #: the model's logit scaling (:func:`logit_scale`), folded into every direction and logit
-        self.scale = logit_scale(model, adapter)
+        self.scale = _config_logit_scale(model.config, adapter)
 
     @property
     def weight(self) -> Tensor:
@@ -447,11 +457,15 @@ def final_softcap(model: nn.Module, adapter: ArchitectureSpec) -> Optional[float
     Gemma 2's ``final_logit_softcapping``); None when the description names none or the
     config sets it to None / 0.
     """
-    head = getattr(adapter, "head", None)
-    name = getattr(head, "final_softcap", None)
+    return _config_softcap(unwrap_model(model).config, adapter)
+
+
+def _config_softcap(config: Any, adapter: ArchitectureSpec) -> Optional[float]:
+    r""":func:`final_softcap` from the model's config."""
+    name = getattr(getattr(adapter, "head", None), "final_softcap", None)
     if not name:
         return None
-    cap = getattr(unwrap_model(model).config, name, None)
+    cap = getattr(config, name, None)
     return float(cap) if cap else None
 
 
@@ -699,20 +713,29 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
         return False
 
 
-def check_next_token_model(adapter: ArchitectureSpec, method: str) -> None:
-    r"""Raise a ValueError for a bidirectional text encoder (it predicts no next token)."""
+def check_additive_next_token_logit(adapter: ArchitectureSpec, method: str) -> None:
+    r"""Raise unless the model gives an additive next-token logit (what ALTI-Logit splits over tokens).
+
+    That is a model that predicts a next token (not a bidirectional text encoder), whose layer
+    kind splits the residual stream into additive updates (the kind decomposes ``"alti_logit"``:
+    norms inside the branches, not the stream norms of post-LN layers), read through a final norm.
+
+    Args:
+        adapter: the model's description.
+        method: named in the messages.
+
+    Raises:
+        ValueError: a bidirectional text encoder, or no final norm.
+        UnsupportedModelError: a layer kind that does not decompose ``"alti_logit"``.
+    """
     if not adapter.causal and adapter.modality == "text":  # a bidirectional encoder (ModernBERT) has no next token
         raise ValueError(
             f"{method} explains next-token logits of decoders; {adapter.family} is a bidirectional encoder, "
             "which predicts no next token: explain its class logits with DecompXAttribution and its token mixing with "
             "ALTIAttribution or GlobEncAttribution"
         )
-
-
-def check_logit_model(adapter: ArchitectureSpec, method: str) -> None:
-    r"""Raise a ValueError unless the model is a decoder with norms inside its branches and a final norm."""
-    check_next_token_model(adapter, method)
-    if not adapter.pre_ln or adapter.final_norm is None:
+    layer_kind(adapter.topology, adapter.family).require("alti_logit", adapter.family)
+    if adapter.final_norm is None:
         raise ValueError(
             f"{method} explains next-token logits of decoders with norms inside the branches, through their final "
             f"norm ({supported_causal_families()}); {adapter.family} is not one"
@@ -720,8 +743,23 @@ def check_logit_model(adapter: ArchitectureSpec, method: str) -> None:
 
 
 __all__ = [
-    "ClassLogit", "ExplainedOutputMismatchError", "ExplainedOutputMismatchWarning", "ImageClassLogit", "LogitDirection",
-    "NextTokenLogit", "accepts_logits_to_keep", "as_token_ids", "check_explained_logit", "check_logit_model", "check_next_token_model", "logit_scale",
-    "logit_tolerances", "with_forward_kwargs",
+    "CONTRAST_MOVED",
+    "ClassLogit",
+    "ExplainedOutputMismatchError",
+    "ExplainedOutputMismatchWarning",
+    "GUARD_LOGIT_ELEMENTS",
+    "ImageClassLogit",
+    "LogitDirection",
+    "NextTokenLogit",
+    "VOCAB_BLOCK",
+    "accepts_logits_to_keep",
+    "apply_final_softcap",
+    "as_token_ids",
+    "check_additive_next_token_logit",
+    "check_explained_logit",
+    "explains_next_token",
+    "final_softcap",
+    "logit_scale",
+    "logit_tolerances",
+    "with_forward_kwargs",
 ]
-

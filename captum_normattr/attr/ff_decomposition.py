@@ -6,11 +6,14 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution, check_memory_budget
+from captum_normattr.attr.base import LayerDecompositionAttribution
 from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS, IG_METHODS, LN_SCOPES, SCOPES
 from captum_normattr.decompose.kinds.registry import FFOptions
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.options import check_fraction, check_optional_positive_int, check_positive_int
+from captum_normattr.models.engine import LayerContribution
+from captum_normattr.options import check_fraction, check_memory_budget, check_optional_positive_int, check_positive_int
+
+__all__ = ["FFIntegratedDecomposition"]
 
 
 class FFIntegratedDecomposition(LayerDecompositionAttribution):
@@ -53,7 +56,7 @@ class FFIntegratedDecomposition(LayerDecompositionAttribution):
             norms of the LN-output scopes ATB and LN2 (Kobayashi et al. 2023 use 0.01);
             0 (default) ignores none; ``"norm"`` contribution and post-LN models only.
         strict: raise instead of warning when the model's real tensors disagree with what
-            the decomposition assumes (see :class:`~captum_normattr.attr.base.ConsistencyGuard`).
+            the decomposition assumes (see :class:`~captum_normattr.models.guard.ConsistencyGuard`).
 
     Examples::
 

@@ -5,9 +5,12 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from captum_normattr.attr.base import LayerContribution, LayerDecompositionAttribution
+from captum_normattr.attr.base import LayerDecompositionAttribution
 from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.models.engine import LayerContribution
+
+__all__ = ["GlobEncAttribution"]
 
 
 class GlobEncAttribution(LayerDecompositionAttribution):
@@ -35,8 +38,8 @@ class GlobEncAttribution(LayerDecompositionAttribution):
             for post-LN encoders, ``"N_RESLN"`` for pre-LN decoders.
         explained_position: explained row (None: 0 = [CLS] for encoders, ``"last"`` for decoders).
         rollout: ``"raw"`` (default) or ``"row_normalized"``.
-        strict: raise :class:`~captum_normattr.attr.base.ConsistencyError` instead of warning
-            (:class:`~captum_normattr.attr.base.ConsistencyWarning`, once per call) when the
+        strict: raise :class:`~captum_normattr.models.guard.ConsistencyError` instead of warning
+            (:class:`~captum_normattr.models.guard.ConsistencyWarning`, once per call) when the
             model's real tensors disagree with what the decomposition assumes, or the attention
             block's completeness error is large (docs/reliability.md, "Consistency guards").
 

@@ -14,6 +14,15 @@ from captum_normattr.models.adapters import base_model, max_positions
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
+__all__ = [
+    "check_target_is_not_forward_args",
+    "explained_positions",
+    "has_gaps",
+    "is_integer",
+    "prepare_inputs",
+    "warn_if_padded",
+]
+
 
 def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     if additional_forward_args is None:

@@ -11,12 +11,16 @@ Unlike ``LLMAttribution(FeatureAblation)`` (one forward pass per feature) or
 ``LLMGradientAttribution`` (one backward pass per generated token), the prompt and all
 target tokens go through the model once; every target position is explained from the same
 per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md.
+
+The methods explain themselves: this module only asks the attribution's class
+(``attribution.explain_positions``, answered with a
+:class:`~captum_normattr.attr.positions.PositionExplanation`) and adapts the answer to Captum.
 """
 from __future__ import annotations
 
 import string
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -25,309 +29,32 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
-from captum_normattr.attr.alti_logit import ALTILogitAttribution
-from captum_normattr.attr.base import LayerDecompositionAttribution, compute_dtype, configured_name, streamed_forward
-from captum_normattr.attr.decompx import DecompXAttribution
-from captum_normattr.attr.explained_output import VOCAB_BLOCK, NextTokenLogit
-from captum_normattr.attr.inputs import prepare_inputs
-from captum_normattr.decompose.methods.decompx.engine import AdjointPass, FrozenLayer, PartsPropagation, ff_coefficients, logit_scores
-from captum_normattr.decompose.primitives.multi_position import (
-    alti_logit_rows,
-    attention_logit_updates,
-    multi_logit_outputs,
-    rollout_rows_at_scaled,
-    unscaled_logit_directions,
+from captum_normattr.attr.base import configured_name
+from captum_normattr.attr.positions import (
+    LOG_PROB_NOT_ADDITIVE,
+    QUANTITIES,
+    PositionExplanation,
+    check_ids,
 )
-from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.primitives.rollout import LayerMapStore
-from captum_normattr.models.adapters import base_model, get_path, layer_modules, value_projection
-from captum_normattr.models.capture.recorder import norm_params
-from captum_normattr.models.weights import tensors_to
-
-#: The explained quantities of the signed methods (ALTI-Logit, DecompX).
-QUANTITIES: Tuple[str, ...] = ("logit", "logit_minus_foil", "logit_minus_mean")
 
 #: Captum's default generation arguments (``captum.attr._core.llm_attr.DEFAULT_GEN_ARGS`` in 0.9).
 DEFAULT_GEN_ARGS: Dict[str, Any] = {"max_new_tokens": 25, "do_sample": False, "temperature": None, "top_p": None}
 
-LOG_PROB_NOT_ADDITIVE = (
-    "log_prob = logit(target) - logsumexp(all logits) is not additive over the residual stream (logsumexp is "
-    "not linear), so no decomposition splits it exactly into token scores. Explain quantity='logit' (the default), "
-    "'logit_minus_mean' (the target logit minus the mean logit, the linear part of the log-probability's "
-    "dependence on the logits) or 'logit_minus_foil'; the log-probabilities are reported alongside "
-    "(GenerationExplanation.log_probs, LLMAttributionResult.output_probs)."
+#: what an unsupported attribution is told
+UNSUPPORTED = (
+    "{name} is not supported: use ALTILogitAttribution, DecompXAttribution, ALTIAttribution or GlobEncAttribution "
+    "of a causal LM (a class with an explain_positions method)"
 )
 
 
-# ----------------------------------------------------------------------------------------
-# The engines: n explained positions of one teacher-forced sequence
-# ----------------------------------------------------------------------------------------
-@dataclass
-class PositionExplanation:
-    r"""What one multi-position call computed, for one sequence of T tokens.
-
-    Attributes:
-        method: the method's readable name.
-        scores: (n, T) row k: the score of every token of the sequence for explained
-            position ``positions[k]`` (tokens after it exactly 0).
-        positions: (n,) long explained positions.
-        signed: the scores are signed logit contributions (ALTI-Logit, DecompX); False for
-            the rollout rows of ALTI / GlobEnc (class-agnostic, no target).
-        target: (n,) long target ids (or None); foil: (n,) long foil ids (or None).
-        quantity: one of :data:`QUANTITIES` (signed methods) or ``"rollout"``.
-        explained: (n,) the model's real explained quantity (signed methods), else None.
-        no_token: (n,) the terms that belong to no token (embedding at i, FF updates,
-            biases; DecompX: its bias score), else None.
-        delta: (n,) ``explained - (scores.sum(-1) + no_token)``, the completeness error.
-        log_probs: (n,) log p(target) at each position, when the model has an LM head.
-        extras: per-method tensors, e.g. ALTI-Logit's ``layer_token_contributions`` (n, L, T).
-    """
-
-    method: str
-    scores: Tensor
-    positions: Tensor
-    signed: bool
-    target: Optional[Tensor] = None
-    foil: Optional[Tensor] = None
-    quantity: str = "logit"
-    explained: Optional[Tensor] = None
-    no_token: Optional[Tensor] = None
-    delta: Optional[Tensor] = None
-    log_probs: Optional[Tensor] = None
-    extras: Dict[str, Tensor] = field(default_factory=dict)
-
-
-def _check_ids(ids: Tensor, name: str) -> Tensor:
-    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor of token ids")
-    return ids.reshape(-1).long()
-
-
-def _final_norm(model: nn.Module, adapter, dtype: torch.dtype, device: torch.device):
-    return norm_params(get_path(base_model(model), adapter.final_norm), adapter.head.final_norm, dtype, device)
-
-
-def _mean_unembedding(output: NextTokenLogit, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor]:
-    r"""(mean row of W_U (D,), mean LM-head bias ()), cast :data:`VOCAB_BLOCK` rows at a time."""
-    weight, bias = output.weight, output.weight_bias
-    total = torch.zeros(weight.shape[1], dtype=dtype, device=device)
-    for start in range(0, weight.shape[0], VOCAB_BLOCK):
-        total += weight[start:start + VOCAB_BLOCK].detach().to(device=device, dtype=dtype).sum(0)
-    mean_b = torch.zeros((), dtype=dtype, device=device)
-    if bias is not None:
-        mean_b = bias.detach().to(device=device, dtype=dtype).mean()
-    return total / weight.shape[0], mean_b
-
-
-def explained_directions(
-    output: NextTokenLogit, target: Tensor, quantity: str, foil: Optional[Tensor], dtype: torch.dtype, device
-) -> Tuple[Tensor, Tensor]:
-    r"""The unembedding direction u (n, D) and bias (n,) of every explained position.
+def check_explains_positions(attribution: Any) -> None:
+    r"""Raise a TypeError unless ``attribution`` explains positions (its class has ``explain_positions``).
 
     Args:
-        output: the model's :class:`~captum_normattr.attr.explained_output.NextTokenLogit`.
-        target: (n,) target ids; foil: (n,) foil ids for ``"logit_minus_foil"``.
-        quantity: one of :data:`QUANTITIES`.
-
-    Returns:
-        (u, bias): ``"logit"`` W_U[t], b[t]; ``"logit_minus_foil"`` W_U[t] - W_U[f],
-        b[t] - b[f]; ``"logit_minus_mean"`` W_U[t] - mean_v W_U[v], b[t] - mean_v b[v].
+        attribution: the attribution given to the LLM API.
     """
-    n = target.shape[0]
-    probe = torch.zeros(n, 1, dtype=dtype, device=device)
-    if quantity == "logit_minus_foil":
-        if foil is None:
-            raise ValueError("quantity='logit_minus_foil' needs foil= (a token id, a string of one token, or n ids)")
-        got = output.resolve(target.to(device), probe, foil=foil.to(device))
-        return got.direction, got.bias
-    got = output.resolve(target.to(device), probe)
-    if quantity == "logit_minus_mean":
-        mean_u, mean_b = _mean_unembedding(output, dtype, device)
-        return got.direction - mean_u, got.bias - mean_b
-    return got.direction, got.bias
-
-
-def _log_probs(output: Optional[NextTokenLogit], final_out: Tensor, target: Optional[Tensor]) -> Optional[Tensor]:
-    if output is None or target is None:
-        return None
-    logits = output.logits(final_out)  # (n, V)
-    return torch.log_softmax(logits, -1).gather(1, target.to(logits.device).view(-1, 1)).squeeze(1)
-
-
-def _lm_output(model: nn.Module, adapter) -> Optional[NextTokenLogit]:
-    try:
-        return NextTokenLogit(model, adapter)
-    except ValueError:
-        return None
-
-
-def _warn_non_finite(prepared) -> bool:
-    if prepared.finite is not None and not bool(prepared.finite.all()):
-        warnings.warn("the forward pass holds NaN or infinite values; the scores are NaN", RuntimeWarning, stacklevel=3)
-        return True
-    return False
-
-
-def _explain_alti_logit(
-    attr: ALTILogitAttribution, ids: Tensor, positions: Tensor, target: Tensor, quantity: str, foil: Optional[Tensor]
-) -> PositionExplanation:
-    model, adapter = attr.model, attr.adapter
-    prepared = prepare_inputs(model, adapter, ids.unsqueeze(0), None)
-    valid = prepared.valid
-    dtype, dev = compute_dtype(model), valid.device
-    u, ub = explained_directions(attr.output, target, quantity, foil, dtype, dev)
-    fparams0 = _final_norm(model, adapter, dtype, dev)
-    w_unscaled = unscaled_logit_directions(fparams0, u).unsqueeze(0)  # (1, n, D)
-    n_layers = len(layer_modules(model, adapter))
-    store = LayerMapStore(n_layers, adapter.causal, dense=True)
-    kept: Dict[str, Any] = {"updates": [None] * n_layers, "ff": [None] * n_layers, "biases": [None] * n_layers}
-
-    def on_layer(layer: LayerTensors) -> None:
-        layer = tensors_to(layer, dev)
-        l = layer.index
-        if l == 0:
-            kept["embedding"] = layer.hidden_in[:, positions]
-        store.put(l, attr.kind.alti_map(layer, valid, attr.memory_budget_mb))
-        layer = attr.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
-        kept["updates"][l] = attention_logit_updates(layer, positions, w_unscaled.to(layer.hidden_in.dtype))
-        kept["ff"][l] = layer.ff_out[:, positions]
-        zero = layer.hidden_in.new_zeros(layer.hidden_in.shape[-1])
-        kept["biases"][l] = layer.out_bias if layer.out_bias is not None else zero
-
-    with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
-        fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), dev)
-    with torch.no_grad():
-        f_in_p, f_out_p = f_in[:, positions], f_out[:, positions]
-        terms = alti_logit_rows(
-            torch.stack(kept["updates"], 1), store, kept["embedding"], torch.stack(kept["ff"], 1),
-            torch.stack(kept["biases"]), fparams, f_in_p, f_out_p, u.unsqueeze(0), ub.unsqueeze(0), valid,
-        )
-        no_token = (terms["embedding"] + terms["ff"].sum(-1) + terms["attention_bias"].sum(-1) + terms["final_bias"]
-                    + terms["unattributed"].sum(-1))
-        log_probs = _log_probs(attr.output, f_out_p[0], target)
-    scores = terms["scores"][0]
-    if _warn_non_finite(prepared):
-        scores = torch.full_like(scores, float("nan"))
-    return PositionExplanation(
-        method=attr.get_name(), scores=scores, positions=positions, signed=True, target=target, foil=foil,
-        quantity=quantity, explained=terms["logit"][0], no_token=no_token[0], delta=terms["delta"][0],
-        log_probs=log_probs,
-        extras={k: terms[k][0] for k in ("layer_token_contributions", "layer_logit_updates", "embedding", "ff",
-                                         "attention_bias", "final_bias", "unattributed")},
-    )
-
-
-def _ordinary(t: Tensor) -> Tensor:
-    return t.clone() if t.is_inference() else t
-
-
-def _explain_decompx(
-    attr: DecompXAttribution, ids: Tensor, positions: Tensor, target: Tensor, quantity: str, foil: Optional[Tensor]
-) -> PositionExplanation:
-    if not attr.decoder:
-        raise ValueError("DecompositionLLMAttribution explains causal LMs; this DecompXAttribution wraps a classifier")
-    model, adapter = attr.model, attr.adapter
-    # the adjoint differentiates the frozen layers, which autograd refuses on inference tensors
-    with torch.inference_mode(False):
-        prepared = prepare_inputs(model, adapter, _ordinary(ids).unsqueeze(0), None)
-        valid = prepared.valid
-        dtype, dev = compute_dtype(model), valid.device
-        vf = valid.to(dtype)
-        u, ub = explained_directions(attr.output, target, quantity, foil, dtype, dev)
-        u, ub = u.unsqueeze(0), ub.unsqueeze(0)
-        modules = layer_modules(model, adapter)
-        n_layers = len(modules)
-        rows = torch.unique(positions)
-        forward = attr.algorithm == "forward" or attr.bias_mode != "separate"
-        prop = PartsPropagation(n_layers, valid, attr.bias_mode, rows, attr.memory_budget_mb) if forward else None
-        adj = None if forward else AdjointPass(n_layers, rows)
-        quad: Dict[int, Tensor] = {}
-
-        def frozen(layer: LayerTensors) -> FrozenLayer:
-            coefs = ff_coefficients(layer, attr.nodes)
-            q = coefs.get("quadrature_error")
-            quad[layer.index] = ((q if q is not None else torch.zeros_like(layer.hidden_in[..., 0])) * vf).amax(-1)
-            w, b = value_projection(modules[layer.index], adapter)
-            d, t = layer.hidden_in.device, layer.hidden_in.dtype
-            return FrozenLayer(layer, w.detach().to(d, t), None if b is None else b.detach().to(d, t), coefs, vf > 0)
-
-        def on_layer(layer: LayerTensors) -> None:
-            layer = tensors_to(layer, dev)
-            if prop is not None:
-                step = frozen(layer)
-                prop.step(layer, step.value_weight, step.value_bias, step.coefs)
-            else:
-                adj.forward(layer.hidden_in)
-
-        with streamed_forward(model, adapter, prepared, on_layer, keep_calls=adj is not None) as (rec, _):
-            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), dev)
-            logit = (f_out[:, positions] * u).sum(-1) + ub  # (1, n)
-            if adj is not None:
-                outputs = multi_logit_outputs(positions, adj.last_rows, fparams, f_in, u, ub)
-                grads = adj.backward(lambda l, x: frozen(tensors_to(rec.rerun_layer(l, x), x.device)), outputs)
-                e = adj.embeddings
-                scores = torch.stack([(g * e).sum(-1).detach() for g in grads], 1)  # (1, n, T)
-                bias = torch.stack(adj.constants, 1)  # (1, n)
-                del grads
-        with torch.no_grad():
-            if prop is not None:
-                res = prop.result()
-                idx = torch.searchsorted(res.rows, positions)
-                got = [
-                    logit_scores(res.parts[:, int(idx[k])], res.bias[:, int(idx[k])], fparams,
-                                 f_in[:, int(positions[k])],
-                                 u[:, k], ub[:, k], attr.bias_mode, fallback=positions[k:k + 1])
-                    for k in range(positions.shape[0])
-                ]
-                scores = torch.stack([s for s, _ in got], 1)
-                bias = torch.stack([b for _, b in got], 1)
-            scores = scores * vf.unsqueeze(1)
-            delta = logit - (scores.sum(-1) + bias)
-            log_probs = _log_probs(attr.output, f_out[0, positions], target)
-    scores = scores[0]
-    if _warn_non_finite(prepared):
-        scores = torch.full_like(scores, float("nan"))
-    return PositionExplanation(
-        method=attr.get_name(), scores=scores, positions=positions, signed=True, target=target, foil=foil,
-        quantity=quantity, explained=logit[0], no_token=bias[0], delta=delta[0], log_probs=log_probs,
-        extras={"quadrature_error": torch.stack([quad[l] for l in range(n_layers)], 1)[0]},
-    )
-
-
-def _explain_rollout(
-    attr: LayerDecompositionAttribution, ids: Tensor, positions: Tensor, target: Optional[Tensor]
-) -> PositionExplanation:
-    model, adapter = attr.model, attr.adapter
-    prepared = prepare_inputs(model, adapter, ids.unsqueeze(0), None)
-    valid = prepared.valid
-    n_layers = len(layer_modules(model, adapter))
-    store = LayerMapStore(n_layers, adapter.causal, dense=True)
-
-    def on_layer(layer: LayerTensors) -> None:
-        d = layer.hidden_in.device
-        c = attr.layer_contribution(layer, valid.to(d), False)
-        store.put(layer.index, c.map.to(valid.device))
-
-    output = _lm_output(model, adapter) if target is not None else None
-    with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
-        f_out = rec.final_norm_tensors()[2] if (output is not None and adapter.final_norm is not None) else None
-    with torch.no_grad():
-        scores, scale = rollout_rows_at_scaled(store, positions, attr.rollout_convention)
-        scores, scale = scores[0] * valid[0].to(store.dense().dtype), scale[0]
-        f_rows = None if f_out is None else f_out[0, positions.to(f_out.device)].to(valid.device)
-        log_probs = None if f_rows is None else _log_probs(output, f_rows, target)
-    if _warn_non_finite(prepared):
-        scores = torch.full_like(scores, float("nan"))
-    extras = {}
-    if bool((scale != 0).any()):  # a raw rollout beyond the dtype: returned divided by 2**scale (docs/reliability.md)
-        extras["rollout_log2_scale"] = scale
-        warnings.warn(
-            f"{attr.get_name()}: the raw rollout of explained position(s) {positions[scale != 0].tolist()} exceeds "
-            f"{scores.dtype}'s range (the layer maps' rows are not normalised and their product over the layers grows "
-            "past the dtype); those rows are divided by 2**extras['rollout_log2_scale'] (exact ratios and ranks); "
-            "rollout='row_normalized' stays bounded.", RuntimeWarning, stacklevel=3)
-    return PositionExplanation(method=attr.get_name(), scores=scores, positions=positions, signed=False, target=target,
-                               quantity="rollout", log_probs=log_probs, extras=extras)
+    if not isinstance(attribution, Attribution) or not callable(getattr(attribution, "explain_positions", None)):
+        raise TypeError(UNSUPPORTED.format(name=type(attribution).__name__))
 
 
 def explain_positions(
@@ -338,24 +65,24 @@ def explain_positions(
     quantity: str = "logit",
     foil: Optional[Tensor] = None,
 ) -> PositionExplanation:
-    r"""Explain n positions of one token sequence in one forward pass.
+    r"""Explain n positions of one token sequence in one forward pass: ``attribution.explain_positions(...)``.
 
     Args:
         attribution: an :class:`~captum_normattr.ALTILogitAttribution`, a decoder
             :class:`~captum_normattr.DecompXAttribution`, or a rollout method
             (:class:`~captum_normattr.ALTIAttribution`, :class:`~captum_normattr.GlobEncAttribution`,
-            :class:`~captum_normattr.FFIntegratedDecomposition`) of a causal LM. Its own
-            ``explained_position`` is not used.
+            :class:`~captum_normattr.FFIntegratedDecomposition`) of a causal LM: any class with an
+            ``explain_positions`` hook. Its own ``explained_position`` is not used.
         input_ids: (T,) or (1, T) token ids (one sequence, no padding).
         positions: (n,) the explained positions (position i predicts token i + 1).
         target: (n,) the explained token at each position (needed by the signed methods;
             optional for the rollouts, where it only yields ``log_probs``).
-        quantity: one of :data:`QUANTITIES` (signed methods).
+        quantity: one of :data:`~captum_normattr.attr.positions.QUANTITIES` (signed methods).
         foil: (n,) or a single foil id, for ``quantity="logit_minus_foil"``.
 
     Returns:
-        :class:`PositionExplanation`; row k equals the single-position call of the same
-        class at ``positions[k]`` (up to rounding).
+        :class:`~captum_normattr.attr.positions.PositionExplanation`; row k equals the
+        single-position call of the same class at ``positions[k]`` (up to rounding).
 
     Examples::
 
@@ -364,50 +91,8 @@ def explain_positions(
         >>> ex = explain_positions(al, ids, torch.arange(ids.shape[0] - 1), ids[1:])
         >>> ex.scores.shape, ex.delta.abs().max()
     """
-    ids = _check_ids(input_ids, "input_ids")
-    pos = _check_ids(positions, "positions")
-    t = ids.shape[0]
-    if pos.numel() == 0:
-        raise ValueError("give at least one explained position")
-    if bool(((pos < 0) | (pos >= t)).any()):
-        raise ValueError(f"explained positions must lie in [0, {t - 1}]; got {pos.tolist()}")
-    if quantity == "log_prob":
-        raise ValueError(LOG_PROB_NOT_ADDITIVE)
-    if quantity not in QUANTITIES:
-        raise ValueError(f"quantity must be one of {QUANTITIES}; got {quantity!r}")
-    tgt = None if target is None else _check_ids(target, "target")
-    if tgt is not None and tgt.shape[0] != pos.shape[0]:
-        raise ValueError(f"target must have one token per explained position ({pos.shape[0]}); got {tgt.shape[0]}")
-    fl = None
-    if foil is not None:
-        fl = _check_ids(torch.as_tensor(foil), "foil")
-        fl = fl.expand(pos.shape[0]).clone() if fl.numel() == 1 else fl
-        if fl.shape[0] != pos.shape[0]:
-            raise ValueError(f"foil must be one id or one per explained position ({pos.shape[0]}); got {fl.shape[0]}")
-        if quantity == "logit":
-            quantity = "logit_minus_foil"
-    device = next(attribution.model.parameters()).device
-    ids, pos = ids.to(device), pos.to(device)
-    tgt = None if tgt is None else tgt.to(device)
-    if isinstance(attribution, ALTILogitAttribution):
-        if tgt is None:
-            raise ValueError("ALTI-Logit explains a target token at every position: give target")
-        return _explain_alti_logit(attribution, ids, pos, tgt, quantity, fl)
-    if isinstance(attribution, DecompXAttribution):
-        if tgt is None:
-            raise ValueError("DecompX explains a target token at every position: give target")
-        return _explain_decompx(attribution, ids, pos, tgt, quantity, fl)
-    if isinstance(attribution, LayerDecompositionAttribution):
-        if not attribution.adapter.causal:
-            raise ValueError("explain_positions explains causal LMs; this attribution wraps an encoder")
-        if quantity != "logit" or fl is not None:
-            warnings.warn(f"{attribution.get_name()} rows are class-agnostic: quantity and foil are ignored",
-                          UserWarning, stacklevel=2)
-        return _explain_rollout(attribution, ids, pos, tgt)
-    raise TypeError(
-        f"{type(attribution).__name__} is not supported: use ALTILogitAttribution, DecompXAttribution, "
-        "ALTIAttribution or GlobEncAttribution of a causal LM"
-    )
+    check_explains_positions(attribution)
+    return attribution.explain_positions(input_ids, positions, target, quantity, foil)
 
 
 # ----------------------------------------------------------------------------------------
@@ -548,7 +233,7 @@ class GenerationExplanation:
 
     @property
     def sink_share(self) -> Tensor:
-        r"""(n,) the sink's share of every row: |score of the sink| / sum of |scores| over the row."""
+        r"""(n,) the sink's share of every row: ``|score of the sink| / sum of |scores|`` over the row."""
         a = self.scores.abs()
         total = a.sum(-1)
         return torch.where(total > 0, a[:, self.sink_index] / total.clamp_min(torch.finfo(a.dtype).tiny),
@@ -670,7 +355,7 @@ def chat_token_input(
         tokenizer: the model's tokenizer.
         messages: the messages (rendered with :func:`chat_prompt`) or the rendered text.
         skip_tokens: as in ``TextTokenInput``.
-        add_generation_prompt, **kwargs: see :func:`chat_prompt`.
+        add_generation_prompt, ``**kwargs``: see :func:`chat_prompt`.
 
     Returns:
         ``TextTokenInput``.
@@ -764,15 +449,10 @@ class DecompositionLLMAttribution(Attribution):
             attr_method = _method_from_name(attr_method, model, **method_kwargs)
         elif method_kwargs:
             raise TypeError("method keywords apply to a method given by name only")
-        if not isinstance(attr_method, (ALTILogitAttribution, DecompXAttribution, LayerDecompositionAttribution)):
-            raise TypeError(
-                f"{type(attr_method).__name__} is not supported: use ALTILogitAttribution, DecompXAttribution, "
-                "ALTIAttribution or GlobEncAttribution of a causal LM"
-            )
-        adapter = attr_method.adapter
-        if not adapter.causal or isinstance(attr_method, DecompXAttribution) and not attr_method.decoder:
+        check_explains_positions(attr_method)
+        if not attr_method.explains_next_tokens:
             raise ValueError(f"DecompositionLLMAttribution explains causal LMs ({supported_causal_families()}); "
-                             f"{adapter.family} is not one")
+                             f"{attr_method.adapter.family} is not one")
         super().__init__(attr_method.model)
         self.attr_method = attr_method
         self.model: nn.Module = attr_method.model
@@ -802,7 +482,7 @@ class DecompositionLLMAttribution(Attribution):
         if isinstance(target, (list, tuple)):
             target = torch.tensor(list(target), dtype=torch.long)
         if isinstance(target, Tensor):
-            return _check_ids(target, "target").cpu()
+            return check_ids(target, "target").cpu()
         raise TypeError(f"target must be a string, token ids or None; got {type(target).__name__}")
 
     def _foil_ids(self, foil: Any, n: int) -> Optional[Tensor]:
@@ -912,7 +592,8 @@ class DecompositionLLMAttribution(Attribution):
         return self.decompose(inp, target, gen_args, quantity, foil).to_captum(exclude_sink)
 
     def has_convergence_delta(self) -> bool:
-        return isinstance(self.attr_method, (ALTILogitAttribution, DecompXAttribution))
+        r"""True for the signed methods (their scores depend on the target and carry a completeness error)."""
+        return bool(self.attr_method.uses_target)
 
     @configured_name
     def get_name(self) -> str:
@@ -923,13 +604,11 @@ __all__ = [
     "DEFAULT_GEN_ARGS",
     "DecompositionLLMAttribution",
     "GenerationExplanation",
-    "LOG_PROB_NOT_ADDITIVE",
-    "PositionExplanation",
-    "QUANTITIES",
+    "UNSUPPORTED",
     "chat_prompt",
     "chat_token_input",
+    "check_explains_positions",
     "explain_positions",
-    "explained_directions",
     "template_token_features",
     "template_value_spans",
 ]

@@ -22,14 +22,12 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from captum_normattr.attr import (
-    ALTIAttribution,
-    ALTILogitAttribution,
-    DecompXAttribution,
-    FFIntegratedDecomposition,
-    GlobEncAttribution,
-)
+from captum_normattr.attr.alti import ALTIAttribution
+from captum_normattr.attr.alti_logit import ALTILogitAttribution
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution
+from captum_normattr.attr.decompx import DecompXAttribution
+from captum_normattr.attr.ff_decomposition import FFIntegratedDecomposition
+from captum_normattr.attr.globenc import GlobEncAttribution
 from captum_normattr.decompose.methods.decompx.engine import BIAS_MODES
 from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS, SCOPES
@@ -200,6 +198,7 @@ class MethodSpec:
 
     @property
     def class_name(self) -> str:
+        r"""The name of :attr:`cls` (or of ``factory``)."""
         return self.cls.__name__ if self.cls is not None else getattr(self.factory, "__name__", "factory")
 
     def constructor_kwargs(self, options: Any = None) -> Dict[str, Any]:

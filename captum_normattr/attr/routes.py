@@ -18,7 +18,6 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
-from captum_normattr.attr.base import check_memory_budget, streamed_forward
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
 from captum_normattr.decompose.primitives.attention import project_values
 from captum_normattr.decompose.kinds.registry import layer_kind
@@ -33,7 +32,9 @@ from captum_normattr.decompose.methods.routes import (
     prune_routes,
 )
 from captum_normattr.models.adapters import get_adapter, layer_modules
+from captum_normattr.models.engine import streamed_forward
 from captum_normattr.models.weights import tensors_to
+from captum_normattr.options import check_memory_budget
 
 __all__ = ["DEFAULT_THRESHOLD", "InformationFlowRoutes", "RouteGraph"]
 

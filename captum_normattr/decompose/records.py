@@ -100,7 +100,7 @@ class LayerTensors:
         checks: relative differences (0-dim tensors) between the model's real tensors and the
             ones the decomposition assumes, by check name (attention input, norm rebuilt from
             its input, residual joins, ...; :mod:`captum_normattr.decompose.primitives.guards`), filled by
-            the capture and judged by :class:`captum_normattr.attr.base.ConsistencyGuard`.
+            the capture and judged by :class:`captum_normattr.models.guard.ConsistencyGuard`.
         source_dtype: the dtype the model computed the recorded tensors in (before the cast
             to the compute dtype); sets the tolerance of the checks. None: the compute dtype.
         topology: the layer's topology kind (``"post_ln"``, ``"pre_ln"``, ``"sandwich"``,

@@ -21,7 +21,7 @@ from captum_normattr import (
     UnsupportedModelError,
 )
 from captum_normattr.arch import ARCHITECTURES, Norm
-from captum_normattr.attr.base import ConsistencyError
+from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.models.adapters import get_adapter, max_positions
 from captum_normattr.models.capture.recorder import recording
 from decoder_models import decoder_batch

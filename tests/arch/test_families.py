@@ -21,7 +21,7 @@ from captum_normattr import (
 )
 from captum_normattr.arch import ARCHITECTURES, Norm, ValueProjection, lookup
 from captum_normattr.arch.registry import REFUSED
-from captum_normattr.attr.base import ConsistencyError
+from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.attr.explained_output import ExplainedOutputMismatchError, logit_scale
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS
 from captum_normattr.models.adapters import get_adapter, value_projection

@@ -13,12 +13,8 @@ import torch
 from captum.attr import LLMAttributionResult, TextTemplateInput, TextTokenInput
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
-from captum_normattr.attr.llm import (
-    LOG_PROB_NOT_ADDITIVE,
-    DecompositionLLMAttribution,
-    chat_token_input,
-    explain_positions,
-)
+from captum_normattr.attr.llm import DecompositionLLMAttribution, chat_token_input, explain_positions
+from captum_normattr.attr.positions import LOG_PROB_NOT_ADDITIVE
 from decoder_models import make_decoder
 from llm_tiny import tiny_tokenizer
 

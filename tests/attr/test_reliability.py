@@ -366,7 +366,7 @@ def test_overflowed_scores_are_told_apart_from_a_non_finite_forward_pass():
     of two instead: tests/test_rollout_overflow.py.)"""
     from dataclasses import replace
 
-    from captum_normattr.attr.base import mark_non_finite
+    from captum_normattr.models.engine import mark_non_finite
 
     ids, mask = random_batch([6, 4])
     res = GlobEncAttribution(make_model("bert")).decompose(ids, additional_forward_args=(mask,))

@@ -369,3 +369,16 @@ def test_reentrant_attribution_gives_a_clear_error():
     handle.remove()
     assert not capture._SWITCHED and not capture._FLAGS
     GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
+
+
+def test_the_engine_and_the_guard_live_in_models():
+    r"""attr/base.py keeps the two base classes; the engine and the guard are imported from their own modules."""
+    from captum_normattr.attr import base
+    from captum_normattr.models import engine, guard
+
+    for name in ("streamed_forward", "LayerContribution", "MapCollector", "layer_finite", "mark_non_finite",
+                 "compute_dtype"):
+        assert name in engine.__all__ and name not in base.__all__
+    for name in ("ConsistencyGuard", "ConsistencyWarning", "ConsistencyError"):
+        assert name in guard.__all__ and name not in base.__all__
+    assert set(base.__all__) >= {"DecompositionAttribution", "LayerDecompositionAttribution"}

@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from captum_normattr import ALTILogitAttribution, DecompXAttribution, FFIntegratedDecomposition
-from captum_normattr.attr.base import ConsistencyError
+from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.decompose.kinds.pre_ln import output_bias, pre_ln_ff_parts, residual_parts
 from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.capture.recorder import recording

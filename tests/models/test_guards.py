@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution
-from captum_normattr.attr.base import ConsistencyError, ConsistencyWarning
+from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.models.capture import recorder as capture
 from captum_normattr.models.adapters import get_adapter
 from conftest import make_model, random_batch

@@ -190,7 +190,7 @@ def test_kept_layer_probabilities_are_never_overwritten(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(capture, "_MIN_BLOCK_ROWS", 2)
 
-    from captum_normattr.attr.base import streamed_forward
+    from captum_normattr.models.engine import streamed_forward
     from captum_normattr.attr.inputs import prepare_inputs
     from captum_normattr.models.adapters import get_adapter
 
@@ -238,7 +238,7 @@ def test_decompx_checkpoint_pass_runs_the_models_attention(family, left, monkeyp
     r"""The adjoint's first pass records no probabilities and runs the model's sdpa (no eager attention there);
     the scores equal those of a first pass that records them, to 1e-12 (float64, padded batches)."""
     import captum_normattr as cn
-    from captum_normattr.attr import base
+    from captum_normattr.models import engine
     from captum_normattr.models.capture import recorder as capture
     from decoder_models import decoder_batch, make_decoder
 
@@ -251,7 +251,7 @@ def test_decompx_checkpoint_pass_runs_the_models_attention(family, left, monkeyp
     got = attr.decompose(ids, target=5, additional_forward_args=(mask,))
     n_layers = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer
     assert len(eager_calls) == n_layers  # only the reruns of the walk down record probabilities
-    real_stream = base.streamed_forward
+    real_stream = engine.streamed_forward
     monkeypatch.setattr("captum_normattr.attr.decompx.streamed_forward",
                         lambda *a, **k: real_stream(*a, **dict(k, probabilities=True)))
     want = attr.decompose(ids, target=5, additional_forward_args=(mask,))

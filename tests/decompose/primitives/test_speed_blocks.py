@@ -7,7 +7,7 @@ from layer_capture import capture_layers
 import torch
 
 from captum_normattr import GlobEncAttribution
-from captum_normattr.attr import base
+from captum_normattr.models import engine
 from captum_normattr.decompose.primitives import attention
 from captum_normattr.decompose.primitives import chunking
 from captum_normattr.decompose.primitives import compiled
@@ -162,13 +162,13 @@ def test_finiteness_reads_each_layer_output_once_and_still_sees_the_input(monkey
     model = make_model("bert")
     ids, mask = random_batch([6, 4], seed=9)
     seen = []
-    real = base.layer_finite
+    real = engine.layer_finite
 
     def spy(layer, valid, input_checked=False):
         seen.append(input_checked)
         return real(layer, valid, input_checked)
 
-    monkeypatch.setattr(base, "layer_finite", spy)
+    monkeypatch.setattr(engine, "layer_finite", spy)
     attr = GlobEncAttribution(model)
     attr.attribute(ids, additional_forward_args=(mask,))
     assert seen == [False, True]
