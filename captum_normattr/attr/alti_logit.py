@@ -18,7 +18,7 @@ from captum_normattr.attr.base import (
 )
 from captum_normattr.attr.explained_output import NextTokenLogit, check_logit_model, check_next_token_model
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
-from captum_normattr.decompose.kinds.pre_ln import alti_logit_terms, attention_update_at, logit_direction
+from captum_normattr.decompose.methods.alti_logit import alti_logit_terms, attention_update_at, logit_direction
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.models.adapters import get_adapter, layer_modules, unwrap_model

@@ -22,14 +22,12 @@ from captum_normattr.attr.base import (
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
-from captum_normattr.decompose.methods.decompx.engine import (
-    AdjointPass,
-    FrozenLayer,
-    PartsPropagation,
+from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
+from captum_normattr.decompose.methods.decompx.parts import check_bias_mode, ff_coefficients
+from captum_normattr.decompose.methods.decompx.propagation import PartsPropagation
+from captum_normattr.decompose.methods.decompx.readout import (
     adjoint_head_scores,
     adjoint_next_token_scores,
-    check_bias_mode,
-    ff_coefficients,
     head_scores,
     head_slope,
     logit_scores,
@@ -171,7 +169,7 @@ class DecompXAttribution(DecompositionAttribution):
     the (B, T, T, D) parts from layer to layer and keeps per layer only their norms;
     ``"adjoint"`` keeps each layer's input (B, T, D) and then walks the layers top-down,
     rerunning each layer on its input for one local vector-Jacobian product
-    (:class:`~captum_normattr.decompose.methods.decompx.engine.AdjointPass`).
+    (:class:`~captum_normattr.decompose.methods.decompx.adjoint.AdjointPass`).
 
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
@@ -180,7 +178,7 @@ class DecompXAttribution(DecompositionAttribution):
     describes (``Head.classifier``: DeBERTa-v2's pooler, ModernBERT's head, whose final norm and
     head LayerNorm are frozen at their real scales). A bare encoder (``BertModel`` ...) has no classes
     to explain and raises :class:`~captum_normattr.UnsupportedModelError`; its per-layer parts are
-    available from :func:`captum_normattr.decompose.methods.decompx.engine.propagate_parts`.
+    available from :func:`captum_normattr.decompose.methods.decompx.propagation.propagate_parts`.
 
     Decoders (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``; or a bare ``*Model`` with ``unembedding``): the parts go through the

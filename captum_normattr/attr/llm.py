@@ -30,7 +30,10 @@ from captum_normattr.attr.base import LayerDecompositionAttribution, compute_dty
 from captum_normattr.attr.decompx import DecompXAttribution
 from captum_normattr.attr.explained_output import VOCAB_BLOCK, NextTokenLogit
 from captum_normattr.attr.inputs import prepare_inputs
-from captum_normattr.decompose.methods.decompx.engine import AdjointPass, FrozenLayer, PartsPropagation, ff_coefficients, logit_scores
+from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
+from captum_normattr.decompose.methods.decompx.parts import ff_coefficients
+from captum_normattr.decompose.methods.decompx.propagation import PartsPropagation
+from captum_normattr.decompose.methods.decompx.readout import logit_scores
 from captum_normattr.decompose.primitives.multi_position import (
     alti_logit_rows,
     attention_logit_updates,
