@@ -1,4 +1,10 @@
-r"""Layer maps of pre-LN decoder layers (the ``pre_ln`` kind: GPT-2, the Llama-like families, ...; docs/design.md, sections 2-5).
+r"""The pre-LN layer kind (GPT-2, the Llama-like families, ViT, ...; docs/design.md, sections 2-6 and 8).
+
+Its maps, ALTI map, FF scopes and completeness errors (below), DecompX's step, frozen layer and
+transpose (:func:`pre_ln_layer_parts`, :func:`frozen_pre_ln_layer`, :func:`frozen_pre_ln_layer_vjp`)
+and its capture recipe (:data:`PRE_LN_CAPTURE`); :class:`PreLNKind` answers for these layers. The
+parallel and sandwich kinds reuse its residual helpers (which is why this module is about 700 lines: the
+helpers stay with the pre-LN functions they generalise).
 
 Pre-LN layer: h_i = x_i + sum_h sum_j alpha^h_ij f^h(LN1(x_j)) + b_O, out_i = h_i + FF(LN2(h_i)).
 LN1 acts on one token alone, so the whole value path f^h(LN1(x_j)) (the recorded value
