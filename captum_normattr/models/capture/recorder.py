@@ -857,7 +857,7 @@ class Recorder(AttentionRecords):
                 if returned:
                     handles.extend(returned_attention(i, layer))
                 for key, norm in (("attn_post", a.layer.attention.post_norm), ("ff_post", a.layer.ff.post_norm)):
-                    if norm is not None:  # sandwich: the norms on the branch outputs
+                    if norm is not None:  # the norms on the branch outputs that the description has
                         handles.append(get_path(layer, norm.path).register_forward_hook(store(i, key, "both")))
                 if recipe.branch_output is not None:  # the attention branch output as it joins the stream (parallel)
                     attn_branch = get_path(layer, a.attn_scale if a.attn_scale is not None else a.attn_out)
