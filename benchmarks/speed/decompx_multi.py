@@ -9,7 +9,7 @@ Model: :data:`_bench.LLAMA_100M` with ``--layers`` layers, random weights (seed 
 ``DecompositionLLMAttribution("decompx")`` explains ``--targets`` random target tokens after the
 prompt in one teacher-forced pass; "stacked": the walk as shipped (all cotangents through each
 layer in one call), "per cotangent": the same walk with
-:data:`~captum_normattr.decompose.methods.decompx.engine.STACK_BYTES` set to 1 byte (chunks of one output: one
+:data:`~captum_normattr.decompose.methods.decompx.adjoint.STACK_BYTES` set to 1 byte (chunks of one output: one
 call per cotangent and layer, the former walk); "one": ``DecompXAttribution`` explaining the
 first target on the prompt. The three are interleaved in one process, the minimum of
 ``--repeats`` calls is kept, and the rows of the two walks are compared. The last line of the
@@ -53,7 +53,7 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from captum_normattr.attr.llm import DecompositionLLMAttribution
-    from captum_normattr.decompose.methods.decompx import engine as dd
+    from captum_normattr.decompose.methods.decompx import adjoint as dd
     from captum_normattr.attr.methods import get_method
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)

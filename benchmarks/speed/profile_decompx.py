@@ -63,15 +63,16 @@ def _timed(fn, label):
 
 
 def instrument() -> None:
-    from captum_normattr.decompose.methods.decompx import engine as dd
+    from captum_normattr.decompose.methods.decompx import adjoint as dd
+    from captum_normattr.decompose.methods.decompx import parts as dp
     from captum_normattr.models.capture import recorder as capture
 
     phase = lambda: "backward phase" if PHASE["backward"] else "forward phase"
-    dd.gate_integrals = _timed(dd.gate_integrals, lambda a: f"gate integrals ({phase()})")
-    dd.ff_coefficients = _timed(dd.ff_coefficients, lambda a: f"FF coefficients, rest ({phase()})")
+    dp.gate_integrals = _timed(dp.gate_integrals, lambda a: f"gate integrals ({phase()})")
+    dp.ff_coefficients = _timed(dp.ff_coefficients, lambda a: f"FF coefficients, rest ({phase()})")
     import captum_normattr.attr.decompx as ad
 
-    ad.ff_coefficients = dd.ff_coefficients
+    ad.ff_coefficients = dp.ff_coefficients
     dd.AdjointPass.forward = _timed(dd.AdjointPass.forward, "checkpoints (forward phase)")
     capture.Recorder.rerun_layer = _timed(capture.Recorder.rerun_layer, "rerun real layer (backward phase)")
     dd.FrozenLayer.vjp = _timed(dd.FrozenLayer.vjp, "VJP, written out (backward phase)")

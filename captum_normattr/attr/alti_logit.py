@@ -23,7 +23,7 @@ from captum_normattr.attr.positions import (
     position_request,
     warn_non_finite,
 )
-from captum_normattr.decompose.kinds.pre_ln import alti_logit_terms, attention_update_at, logit_direction
+from captum_normattr.decompose.methods.alti_logit import alti_logit_terms, attention_update_at, logit_direction
 from captum_normattr.decompose.primitives.multi_position import (
     alti_logit_rows,
     attention_logit_updates,

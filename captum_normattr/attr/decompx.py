@@ -36,13 +36,9 @@ from captum_normattr.attr.positions import (
 )
 from captum_normattr.attr.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import layer_kind
-from captum_normattr.decompose.methods.decompx.engine import (
-    AdjointPass,
-    FrozenLayer,
-    PartsPropagation,
-    check_bias_mode,
-    ff_coefficients,
-)
+from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
+from captum_normattr.decompose.methods.decompx.parts import check_bias_mode, ff_coefficients
+from captum_normattr.decompose.methods.decompx.propagation import PartsPropagation
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
@@ -174,7 +170,7 @@ class DecompXAttribution(DecompositionAttribution):
     the (B, T, T, D) parts from layer to layer and keeps per layer only their norms;
     ``"adjoint"`` keeps each layer's input (B, T, D) and then walks the layers top-down,
     rerunning each layer on its input for one local vector-Jacobian product
-    (:class:`~captum_normattr.decompose.methods.decompx.engine.AdjointPass`).
+    (:class:`~captum_normattr.decompose.methods.decompx.adjoint.AdjointPass`).
 
     Supported models: sequence classifiers with the heads of
     :func:`captum_normattr.models.heads.supported_heads` — ``BertForSequenceClassification``,
@@ -183,7 +179,7 @@ class DecompXAttribution(DecompositionAttribution):
     describes (``Head.classifier``: DeBERTa-v2's pooler, ModernBERT's head, whose final norm and
     head LayerNorm are frozen at their real scales). A bare encoder (``BertModel`` ...) has no classes
     to explain and raises :class:`~captum_normattr.UnsupportedModelError`; its per-layer parts are
-    available from :func:`captum_normattr.decompose.methods.decompx.engine.propagate_parts`.
+    available from :func:`captum_normattr.decompose.methods.decompx.propagation.propagate_parts`.
 
     Decoders (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``; or a bare ``*Model`` with ``unembedding``): the parts go through the

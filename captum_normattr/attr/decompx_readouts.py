@@ -29,19 +29,9 @@ from torch import Tensor
 from captum_normattr.attr.images import image_extras
 from captum_normattr.attr.inputs import explained_positions
 from captum_normattr.attr.prepared import PreparedInputs
-from captum_normattr.decompose.methods.decompx.engine import (
-    AdjointPass,
-    FrozenLayer,
-    PropagatedParts,
-    adjoint_head_scores,
-    adjoint_next_token_scores,
-    head_scores,
-    head_slope,
-    logit_scores,
-    mean_pool_weights,
-    pool_frozen_rows,
-    pool_head_parts,
-)
+from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
+from captum_normattr.decompose.methods.decompx.propagation import PropagatedParts
+from captum_normattr.decompose.methods.decompx.readout import adjoint_head_scores, adjoint_next_token_scores, head_scores, head_slope, logit_scores, mean_pool_weights, pool_frozen_rows, pool_head_parts
 from captum_normattr.decompose.methods.decompx.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.primitives.multi_position import multi_logit_outputs
 from captum_normattr.decompose.records import LayerTensors

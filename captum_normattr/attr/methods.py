@@ -28,7 +28,7 @@ from captum_normattr.attr.alti_plus import ALTIPlusAttribution
 from captum_normattr.attr.decompx import DecompXAttribution
 from captum_normattr.attr.ff_decomposition import FFIntegratedDecomposition
 from captum_normattr.attr.globenc import GlobEncAttribution
-from captum_normattr.decompose.methods.decompx.engine import BIAS_MODES
+from captum_normattr.decompose.methods.decompx.parts import BIAS_MODES
 from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS, SCOPES
 from captum_normattr.decompose.primitives.rollout import ROLLOUT_CONVENTIONS

@@ -7,6 +7,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor
 
+__all__ = ["FFParams", "LayerTensors", "NormParams"]
+
 
 @dataclass
 class NormParams:
@@ -89,7 +91,6 @@ class LayerTensors:
         ln2_in / ln2_out: the real input and output of that norm, (B, T, D).
         ff_out: the real output of the feed-forward block (before the residual), (B, T, D).
         layer_out: the real output of the layer, (B, T, D).
-        pre_ln: True for pre-LN layers (GPT-2, Llama family), False for post-LN (BERT).
         ff: the feed-forward weights, :class:`FFParams`.
         causal: True when the self-attention is causal (decoders): every map is
             lower-triangular and chunked paths skip the all-zero upper triangle.
@@ -104,7 +105,9 @@ class LayerTensors:
         source_dtype: the dtype the model computed the recorded tensors in (before the cast
             to the compute dtype); sets the tolerance of the checks. None: the compute dtype.
         topology: the layer's topology kind (``"post_ln"``, ``"pre_ln"``, ``"sandwich"``,
-            ``"parallel"``; :data:`captum_normattr.arch.spec.TOPOLOGIES`), from the description.
+            ``"parallel"``; :data:`captum_normattr.arch.spec.TOPOLOGIES`), from the description;
+            what a method asks of the layer it asks its kind
+            (:func:`captum_normattr.decompose.kinds.registry.layer_kind`).
         attn_post / ff_post: parameters of the norms on the branch outputs (sandwich), or None.
         attn_post_in / attn_post_out: the real input (the attention branch output) and output
             (what joins the residual) of the attention post-norm, (B, T, D), or None.
@@ -112,6 +115,8 @@ class LayerTensors:
             ``ff_out``), or None.
         attn_branch_out: the real output of the attention branch as it joins the residual
             (the output projection's output; parallel layers, which never form x + Attn), or None.
+        ff_input_key: the field holding the feed-forward block's real input (:attr:`ff_input`),
+            as the layer's kind declares it (``CaptureRecipe.ff_input``; filled by the capture).
     """
 
     hidden_in: Tensor
@@ -127,14 +132,13 @@ class LayerTensors:
     ln2_out: Tensor
     ff_out: Tensor
     layer_out: Tensor
-    pre_ln: bool = False
     ff: Optional[FFParams] = None
     causal: bool = False
     index: int = 0
     context: Optional[Tensor] = None
     checks: Dict[str, Tensor] = field(default_factory=dict)
     source_dtype: Optional[torch.dtype] = None
-    topology: Optional[str] = None
+    topology: str = "post_ln"
     attn_post: Optional[NormParams] = None
     attn_post_in: Optional[Tensor] = None
     attn_post_out: Optional[Tensor] = None
@@ -142,19 +146,16 @@ class LayerTensors:
     ff_post_in: Optional[Tensor] = None
     ff_post_out: Optional[Tensor] = None
     attn_branch_out: Optional[Tensor] = None
-
-    def __post_init__(self) -> None:
-        if self.topology is None:
-            self.topology = "pre_ln" if self.pre_ln else "post_ln"
+    ff_input_key: str = "ln2_out"
 
     @property
     def ff_input(self) -> Tensor:
-        r"""The feed-forward branch's real input u, (B, T, D), from the record's own topology.
+        r"""The feed-forward branch's real input u, (B, T, D): the field :attr:`ff_input_key` names.
 
         The second norm's output in a pre-LN, parallel or sandwich layer, the first norm's
         output (the attention block's, which the FF reads) in a post-LN layer.
         """
-        return self.ln2_out if self.pre_ln else self.ln1_out
+        return getattr(self, self.ff_input_key)
 
     @property
     def num_heads(self) -> int:

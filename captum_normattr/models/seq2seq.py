@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from captum_normattr.arch import registry as arch_registry
 from captum_normattr.arch.spec import ArchitectureSpec, Layer
+from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
 from captum_normattr.models.capture.recorder import AttentionRecords, norm_params, recorder_session
@@ -90,7 +91,8 @@ class Seq2SeqAdapter:
         model_types: the ``config.model_type`` values it serves.
         encoder_layers / decoder_layers: paths of the layer lists, from the model holding both stacks.
         encoder_self / decoder_self / decoder_cross: the three :class:`BlockSpec`.
-        pre_ln: True where the norms sit inside the branches (the block output is the raw stream).
+        stream_norms: a norm on the stream follows every branch's join (post-LN, its layer kind's
+            ``CaptureRecipe.stream_norms``): a block's output is that norm's; else the raw stream.
         norm_kind: ``"layernorm"`` or ``"rmsnorm"`` (T5's scale-only norm).
         positions: how the family places tokens, for the docs and padding notes.
         spec: the description it was derived from.
@@ -103,7 +105,7 @@ class Seq2SeqAdapter:
     encoder_self: BlockSpec
     decoder_self: BlockSpec
     decoder_cross: BlockSpec
-    pre_ln: bool
+    stream_norms: bool
     norm_kind: str = "layernorm"
     positions: str = ""
     spec: Optional[ArchitectureSpec] = None
@@ -112,25 +114,25 @@ class Seq2SeqAdapter:
         return getattr(self, name)
 
 
-def attention_blocks(layer: Layer, pre_ln: bool) -> Tuple[BlockSpec, ...]:
+def attention_blocks(layer: Layer, stream_norms: bool) -> Tuple[BlockSpec, ...]:
     r"""One :class:`BlockSpec` per attention branch of a layer description, in the layer's order.
 
-    Post-LN: the residual is what the branch module reads, the block output the stream norm
-    after the join (that norm's input gives its scale). Pre-LN: the residual is the raw stream
-    entering the branch's pre-norm; the block output the raw stream entering the next branch's
-    pre-norm.
+    With ``stream_norms`` (post-LN): the residual is what the branch module reads, the block
+    output the stream norm after the join (that norm's input gives its scale). Without (pre-LN):
+    the residual is the raw stream entering the branch's pre-norm; the block output the raw
+    stream entering the next branch's pre-norm.
     """
     branches = layer.branches()
     blocks = []
     for i, (name, branch) in enumerate(branches):
         if name == "feed_forward":
             continue
-        if pre_ln:
-            nxt = branches[i + 1][1]
-            blocks.append(BlockSpec(branch.module, branch.out, (branch.pre_norm.path, "in"), (nxt.pre_norm.path, "in")))
-        else:
+        if stream_norms:
             norm = layer.stream_norms[i].path
             blocks.append(BlockSpec(branch.module, branch.out, (branch.module, "in"), (norm, "out"), norm=norm))
+        else:
+            nxt = branches[i + 1][1]
+            blocks.append(BlockSpec(branch.module, branch.out, (branch.pre_norm.path, "in"), (nxt.pre_norm.path, "in")))
     return tuple(blocks)
 
 
@@ -145,13 +147,13 @@ def seq2seq_adapter(spec: ArchitectureSpec) -> Seq2SeqAdapter:
         raise UnsupportedModelError(f"{spec.family} is not an encoder-decoder description (one stack)")
     if spec.topology not in ("post_ln", "pre_ln"):
         raise UnsupportedModelError(f"ALTI+ decomposes post-LN and pre-LN encoder-decoders; {spec.family} is {spec.topology}")
-    pre_ln = spec.topology == "pre_ln"
-    (encoder_self,) = attention_blocks(spec.layer, pre_ln)
-    decoder_self, decoder_cross = attention_blocks(spec.decoder_layer, pre_ln)
+    stream_norms = layer_kind(spec.topology, spec.family).capture.stream_norms
+    (encoder_self,) = attention_blocks(spec.layer, stream_norms)
+    decoder_self, decoder_cross = attention_blocks(spec.decoder_layer, stream_norms)
     kinds = {n.kind for n in spec.norms(spec.layer) + spec.norms(spec.decoder_layer)}
     return Seq2SeqAdapter(
         spec.family, spec.model_types, spec.layers, spec.decoder_layers, encoder_self, decoder_self, decoder_cross,
-        pre_ln=pre_ln, norm_kind=kinds.pop() if len(kinds) == 1 else "layernorm", positions=spec.notes, spec=spec,
+        stream_norms=stream_norms, norm_kind=kinds.pop() if len(kinds) == 1 else "layernorm", positions=spec.notes, spec=spec,
     )
 
 
@@ -288,7 +290,7 @@ class Seq2SeqRecorder(AttentionRecords):
         for name in BLOCKS:
             for i, layer in enumerate(self.layers[name.split("_")[0]]):
                 self._attn_keys[id(get_path(layer, adapter.block(name).attention))] = (name, i)
-        self._needed = ("probs", "values", "residual", "output") + (("norm_input",) if not adapter.pre_ln else ())
+        self._needed = ("probs", "values", "residual", "output") + (("norm_input",) if adapter.stream_norms else ())
         self.records: Dict[Tuple[str, int], Dict[str, Tensor]] = {}  # blocks still running
         self.blocks: Dict[Tuple[str, int], BlockTensors] = {}  # without on_block: the finished blocks
         self.finished: List[Tuple[str, int]] = []  # the finished blocks, in order

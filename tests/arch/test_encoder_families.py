@@ -199,7 +199,7 @@ def test_decompx_sums_to_the_models_class_logit(key, algorithm, bias_mode):
 def test_decompx_head_norms_are_needed():
     r"""ModernBERT's class logit goes through the final norm and the head's LayerNorm: dropping either
     from the head parameters leaves a completeness error far above rounding (the test above can fail)."""
-    from captum_normattr.decompose.methods.decompx.engine import head_scores
+    from captum_normattr.decompose.methods.decompx.readout import head_scores
 
     model = build("modernbert", "cls")
     ids, mask = decoder_batch([6], seed=9, left=False)

@@ -7,7 +7,8 @@ from layer_capture import capture_layers
 
 from captum_normattr import DecompXAttribution, UnsupportedModelError
 from captum_normattr.models.engine import compute_dtype
-from captum_normattr.decompose.methods.decompx.engine import BIAS_MODES, SPREAD_MODES, propagate_parts, spread_weights
+from captum_normattr.decompose.methods.decompx.parts import BIAS_MODES, SPREAD_MODES, spread_weights
+from captum_normattr.decompose.methods.decompx.propagation import propagate_parts
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, linear_params
 from captum_normattr.models.heads import find_classifier_head, head_params
 

@@ -49,7 +49,7 @@ def test_parts_of_every_layer_equal_real_tensors(family):
     t = _prefix(family) + 16
     v = torch.ones(2, t, dtype=torch.bool)
     for layer in layers:
-        assert layer.pre_ln and not layer.causal and layer.hidden_in.shape[1] == t
+        assert layer.topology == "pre_ln" and not layer.causal and layer.hidden_in.shape[1] == t
         assert (layer.probs.triu(1) > 0).any()  # bidirectional
         # the real tensors of the model: layer output = h + (layer-scaled) FF output
         assert (layer.ln2_in + layer.ff_out - layer.layer_out).abs().max() < 1e-12

@@ -9,15 +9,67 @@ topology; :mod:`~captum_normattr.decompose.kinds.registry` registers them all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
 from torch import Tensor
 
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose.primitives.chunking import rows_for_budget
-from captum_normattr.decompose.records import LayerTensors
+from captum_normattr.decompose.records import LayerTensors, NormParams
 
-__all__ = ["FFOptions", "KIND_METHODS", "LayerKind"]
+__all__ = ["COMMON_RECORD_KEYS", "CaptureRecipe", "FFOptions", "KIND_METHODS", "LayerKind"]
+
+#: What the capture records of every layer, whatever its kind (the record keys of
+#: :mod:`captum_normattr.models.capture.recorder`; a kind adds its own, :attr:`CaptureRecipe.extra_keys`).
+COMMON_RECORD_KEYS: Tuple[str, ...] = (
+    "hidden_in", "probs", "values", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out",
+)
+
+
+@dataclass(frozen=True)
+class CaptureRecipe:
+    r"""What the capture records of a layer of one kind, and how it checks and fills the record.
+
+    The recorder (:class:`captum_normattr.models.capture.recorder.Recorder`) never branches on
+    the topology: it reads this recipe of the layer's kind. Keys are those of the recorded
+    tensors (:data:`COMMON_RECORD_KEYS` plus :attr:`extra_keys`), which are also the names of
+    the :class:`~captum_normattr.decompose.records.LayerTensors` fields they become.
+
+    Attributes:
+        extra_keys: record keys this kind needs beyond :data:`COMMON_RECORD_KEYS`.
+        attention_input: the recorded tensor the attention module reads (its real inputs are
+            compared with it); attention_input_name: that tensor in readable words.
+        ff_input: the recorded tensor the feed-forward block reads; ff_input_name: in words.
+        identity_checks: (check name, real key, assumed key): recorded tensors the
+            decomposition assumes to be the same (compared where they are not one tensor).
+        attention_join: the recorded tensor where the layer input and the attention output
+            join (checked at the last position against x + context W_O + b_O), or None
+            where the attention output reaches the stream otherwise.
+        branch_output: the key under which the attention branch's output is recorded as it
+            joins the stream (the output projection's, or the layer scale's, output), or None.
+        post_norms: the :class:`LayerTensors` fields of the norms on the branch outputs
+            (``"attn_post"``, ``"ff_post"``), read from the description's post-norms.
+        stream_norms: a norm on the residual stream follows every branch's join (post-LN): an
+            attention block's output is that norm's output, and its input gives the scale
+            (the encoder-decoder capture, :mod:`captum_normattr.models.seq2seq`); else a
+            block's output is the raw stream.
+    """
+
+    extra_keys: Tuple[str, ...] = ()
+    attention_input: str = "ln1_out"
+    attention_input_name: str = "the first norm's output"
+    ff_input: str = "ln2_out"
+    ff_input_name: str = "the second norm's output"
+    identity_checks: Tuple[Tuple[str, str, str], ...] = (("first norm input vs the layer input", "ln1_in", "hidden_in"),)
+    attention_join: Optional[str] = None
+    branch_output: Optional[str] = None
+    post_norms: Tuple[str, ...] = ()
+    stream_norms: bool = False
+
+    @property
+    def record_keys(self) -> Tuple[str, ...]:
+        r"""Every key a layer of this kind must have recorded."""
+        return COMMON_RECORD_KEYS + self.extra_keys
 
 #: The methods a layer kind can decompose (:meth:`LayerKind.require`).
 KIND_METHODS: Tuple[str, ...] = ("maps", "alti", "ff", "decompx", "alti_logit", "routes")
@@ -52,6 +104,8 @@ class LayerKind:
     name: str = ""
     #: the methods of :data:`KIND_METHODS` this kind decomposes
     methods: FrozenSet[str] = frozenset(KIND_METHODS)
+    #: what the capture records of this kind's layers and checks (:class:`CaptureRecipe`)
+    capture: CaptureRecipe = CaptureRecipe()
 
     def require(self, method: str, family: str) -> None:
         r"""Raise :class:`UnsupportedModelError` if this kind does not decompose ``method``."""
@@ -114,3 +168,106 @@ class LayerKind:
     def alti_chunk_rows(self, layer: LayerTensors, memory_budget_mb: float) -> int:
         b, t, d = layer.hidden_in.shape
         return rows_for_budget(b, t, d, layer.hidden_in.element_size(), memory_budget_mb, causal=layer.causal)
+
+    # --- DecompX (docs/design.md, section 8) -----------------------------------------
+    def decompx_step(
+        self,
+        parts: Tensor,
+        bias: Tensor,
+        layer: LayerTensors,
+        value_weight: Tensor,
+        value_bias: Optional[Tensor],
+        bias_mode: str = "separate",
+        rows: Optional[Tensor] = None,
+        memory_budget_mb: float = 256.0,
+        coefs: Optional[Dict[str, Tensor]] = None,
+    ) -> Tuple[Tensor, Tensor]:
+        r"""DecompX's forward step: parts of the layer input to parts of its output.
+
+        Args:
+            parts: (B, T, K, D) parts of the layer input, entry [b, j, k] = x_{j<-k}.
+            bias: (B, T, D) its bias part.
+            layer: the layer's real tensors.
+            value_weight, value_bias: W_V (D, H_kv Dh) and b_V (or None).
+            bias_mode: one of :data:`~captum_normattr.decompose.methods.decompx.parts.BIAS_MODES`.
+            rows: (R,) long, the output rows to produce (default all).
+            memory_budget_mb: bound on the temporaries.
+            coefs: the layer's :func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients`
+                (computed if None where the step uses them).
+
+        Returns:
+            (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
+        """
+        raise NotImplementedError(f"DecompX has no step for {self.name} layers")
+
+    def frozen_layer(
+        self,
+        x: Tensor,
+        layer: LayerTensors,
+        value_weight: Tensor,
+        value_bias: Optional[Tensor],
+        with_bias: bool,
+        coefs: Dict[str, Tensor],
+        rows: Optional[Tensor] = None,
+    ) -> Tensor:
+        r"""The layer with its nonlinear quantities frozen at the real values: (B, R, D).
+
+        Linear in ``x`` without ``with_bias`` (the map of :meth:`decompx_step` applied to one
+        part); with it and the real input it reproduces the real output.
+
+        Args:
+            x: (B, T, D); layer: the layer's real tensors; value_weight, value_bias: W_V and b_V.
+            with_bias: add every bias; coefs: the layer's FF coefficients; rows: (R,) or None.
+        """
+        raise NotImplementedError(f"DecompX has no frozen layer for {self.name} layers")
+
+    def frozen_layer_vjp(
+        self,
+        g: Tensor,
+        layer: LayerTensors,
+        value_weight: Tensor,
+        coefs: Dict[str, Tensor],
+        rows: Optional[Tensor] = None,
+        valid: Optional[Tensor] = None,
+    ) -> Tensor:
+        r"""The transpose of :meth:`frozen_layer`'s linear part, J^T g.
+
+        Args:
+            g: (..., B, R, D) cotangent(s) of the layer output at ``rows`` (all T rows if None).
+            layer, value_weight, coefs, rows: as in :meth:`frozen_layer`.
+            valid: (B, T) bool real tokens, or None (lets a causal layer skip its zero triangle).
+
+        Returns:
+            (..., B, T, D) the cotangent of the layer input.
+        """
+        raise NotImplementedError(f"DecompX has no transpose for {self.name} layers")
+
+    # --- capture (models.capture.recorder) ----------------------------------------------
+    def join_checks(self, layer: LayerTensors) -> Dict[str, Tensor]:
+        r"""This kind's relative-difference checks of a record (its residual joins, its extra norms rebuilt).
+
+        Args:
+            layer: the layer's record in the compute dtype.
+
+        Returns:
+            check name -> 0-dim relative difference (judged by the consistency guard).
+        """
+        return {}
+
+    def fill_record(self, layer: LayerTensors, recorded: Mapping[str, Tensor], post_norms: Mapping[str, NormParams]) -> None:
+        r"""Fill the record's fields this kind adds (in place): its extra keys, its post-norms and its FF input.
+
+        Args:
+            layer: the record, its common fields filled.
+            recorded: :attr:`CaptureRecipe.extra_keys` -> the recorded tensor (compute dtype).
+            post_norms: :attr:`CaptureRecipe.post_norms` -> the norm's parameters.
+        """
+        for key in self.capture.extra_keys:
+            setattr(layer, key, recorded[key])
+        for key in self.capture.post_norms:
+            setattr(layer, key, post_norms[key])
+        layer.ff_input_key = self.capture.ff_input
+
+    def ff_input(self, layer: LayerTensors) -> Tensor:
+        r"""The feed-forward block's real input u, (B, T, D) (:attr:`CaptureRecipe.ff_input`)."""
+        return getattr(layer, self.capture.ff_input)

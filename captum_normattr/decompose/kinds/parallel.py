@@ -35,8 +35,11 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.methods.decompx import engine as decompx
+from captum_normattr.decompose.kinds.base import KIND_METHODS, CaptureRecipe, LayerKind
+from captum_normattr.decompose.methods.decompx.frozen import attention_block_vjp, ff_branch_vjp, frozen_attention_block, frozen_ff_branch
+from captum_normattr.decompose.methods.decompx.parts import two_branch_layer_parts
 from captum_normattr.decompose.kinds.pre_ln import (
+    PRE_LN_CAPTURE,
     block_example_completeness_error,
     finish_scope_maps,
     output_bias,
@@ -48,11 +51,12 @@ from captum_normattr.decompose.kinds.pre_ln import (
 )
 from captum_normattr.decompose.primitives.feed_forward import ff_parts
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES, gated_ff_parts
-from captum_normattr.decompose.kinds.base import KIND_METHODS, LayerKind
+from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.primitives.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.decompose.records import LayerTensors
 
 __all__ = [
+    "PARALLEL_CAPTURE",
     "PARALLEL_DEFAULT_MAP",
     "PARALLEL_MAPS",
     "PARALLEL_NORM_MAPS",
@@ -234,19 +238,19 @@ def parallel_layer_parts(
     y_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij N1(x)_{j<-k} W_V^h) W_O^h + FF_{i<-k}(N2(x)_{i<-k})
 
     Both norms at their real scale, the FF linear in its input parts through
-    :func:`~captum_normattr.decompose.methods.decompx.engine.ff_coefficients` at the real N2(x) (its parts
+    :func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients` at the real N2(x) (its parts
     are those of x, not of x + attention). Biases as in the pre-LN step (in ``"spread"``,
     W_O b_V + b_O over the attention-plus-residual parts, beta2 and the FF biases over the
     FF's parts).
 
     Args:
         parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb, coefs:
-            as in :func:`~captum_normattr.decompose.methods.decompx.engine.pre_ln_layer_parts`.
+            as in :func:`~captum_normattr.decompose.kinds.pre_ln.pre_ln_layer_parts`.
 
     Returns:
         (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
     """
-    return decompx.two_branch_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows,
+    return two_branch_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows,
                                           memory_budget_mb, coefs, ff_reads_block=False)
 
 
@@ -263,11 +267,11 @@ def frozen_parallel_layer(
 
     x + Attn(N1(x)) + FF(N2(x)), linear in ``x`` without ``with_bias`` (the map of
     :func:`parallel_layer_parts` applied to one part); arguments as in
-    :func:`~captum_normattr.decompose.methods.decompx.engine.frozen_pre_ln_layer`.
+    :func:`~captum_normattr.decompose.kinds.pre_ln.frozen_pre_ln_layer`.
     """
-    hcur = decompx.frozen_attention_block(x, layer, value_weight, value_bias, with_bias, rows)
+    hcur = frozen_attention_block(x, layer, value_weight, value_bias, with_bias, rows)
     sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
-    return hcur + decompx.frozen_ff_branch(sel(x), sel(layer.ln2_in), layer, with_bias, coefs, rows)
+    return hcur + frozen_ff_branch(sel(x), sel(layer.ln2_in), layer, with_bias, coefs, rows)
 
 
 def frozen_parallel_layer_vjp(
@@ -283,19 +287,27 @@ def frozen_parallel_layer_vjp(
     Args:
         g: (..., B, R, D) cotangent(s) of the layer output at ``rows`` (all T rows if None).
         layer, value_weight, coefs, rows, valid: as in
-            :func:`~captum_normattr.decompose.methods.decompx.engine.frozen_pre_ln_layer_vjp`.
+            :func:`~captum_normattr.decompose.kinds.pre_ln.frozen_pre_ln_layer_vjp`.
 
     Returns:
         (..., B, T, D) the cotangent of the layer input.
     """
-    g_x = decompx.attention_block_vjp(g, layer, value_weight, rows, valid)
-    g_ff = decompx.ff_branch_vjp(g, layer.ln2_in if rows is None else layer.ln2_in[:, rows], layer, coefs, rows)
+    g_x = attention_block_vjp(g, layer, value_weight, rows, valid)
+    g_ff = ff_branch_vjp(g, layer.ln2_in if rows is None else layer.ln2_in[:, rows], layer, coefs, rows)
     if rows is None:
         return g_x.add_(g_ff)
     return g_x.index_add_(g_x.dim() - 2, rows.to(g_x.device), g_ff)
 
 
-decompx.register_decompx_steps("parallel", parallel_layer_parts, frozen_parallel_layer, frozen_parallel_layer_vjp)
+# --- capture ------------------------------------------------------------------------------
+#: What the capture records of a parallel layer: the pre-LN keys and the attention branch output
+#: as it joins the stream (the model never forms x + Attn); both norms read the layer input.
+PARALLEL_CAPTURE = CaptureRecipe(
+    extra_keys=("attn_branch_out",),
+    identity_checks=PRE_LN_CAPTURE.identity_checks + (
+        ("second norm input vs the layer input (parallel branches)", "ln2_in", "hidden_in"),),
+    branch_output="attn_branch_out",
+)
 
 
 class ParallelKind(LayerKind):
@@ -306,6 +318,7 @@ class ParallelKind(LayerKind):
     globenc_maps = PARALLEL_MAPS
     default_map = PARALLEL_DEFAULT_MAP
     whole_layer_scope = "RES2"
+    capture = PARALLEL_CAPTURE
 
     def check_map(self, name: str) -> None:
         check_parallel_map(name)
@@ -346,3 +359,18 @@ class ParallelKind(LayerKind):
                 "of Kobayashi et al. 2023 acts on the LayerNorms that close the attention block and the layer of a "
                 "post-LN encoder; a parallel layer's norms sit before its branches. Use ignore_low_gamma=0"
             )
+
+    def decompx_step(self, parts, bias, layer, value_weight, value_bias, bias_mode="separate", rows=None,
+                     memory_budget_mb=256.0, coefs=None):
+        return parallel_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                    coefs)
+
+    def frozen_layer(self, x, layer, value_weight, value_bias, with_bias, coefs, rows=None):
+        return frozen_parallel_layer(x, layer, value_weight, value_bias, with_bias, coefs, rows)
+
+    def frozen_layer_vjp(self, g, layer, value_weight, coefs, rows=None, valid=None):
+        return frozen_parallel_layer_vjp(g, layer, value_weight, coefs, rows, valid)
+
+    def join_checks(self, layer):
+        return {"layer output vs the layer input plus both branch outputs": relative_difference(
+            layer.layer_out, layer.hidden_in + layer.attn_branch_out + layer.ff_out, temporary=True)}

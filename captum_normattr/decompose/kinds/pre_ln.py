@@ -1,4 +1,10 @@
-r"""Layer maps of pre-LN decoder layers (the ``pre_ln`` kind: GPT-2, the Llama-like families, ...; docs/design.md, sections 2-5).
+r"""The pre-LN layer kind (GPT-2, the Llama-like families, ViT, ...; docs/design.md, sections 2-6 and 8).
+
+Its maps, ALTI map, FF scopes and completeness errors (below), DecompX's step, frozen layer and
+transpose (:func:`pre_ln_layer_parts`, :func:`frozen_pre_ln_layer`, :func:`frozen_pre_ln_layer_vjp`)
+and its capture recipe (:data:`PRE_LN_CAPTURE`); :class:`PreLNKind` answers for these layers. The
+parallel and sandwich kinds reuse its residual helpers (which is why this module is about 700 lines: the
+helpers stay with the pre-LN functions they generalise).
 
 Pre-LN layer: h_i = x_i + sum_h sum_j alpha^h_ij f^h(LN1(x_j)) + b_O, out_i = h_i + FF(LN2(h_i)).
 LN1 acts on one token alone, so the whole value path f^h(LN1(x_j)) (the recorded value
@@ -31,10 +37,13 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.kinds.base import CaptureRecipe, LayerKind
 from captum_normattr.decompose.methods.alti import alti_map, l1_contributions
+from captum_normattr.decompose.methods.decompx.frozen import attention_block_vjp, ff_branch_vjp, frozen_attention_block, frozen_ff_branch
+from captum_normattr.decompose.methods.decompx.parts import two_branch_layer_parts
 from captum_normattr.decompose.primitives.chunking import rows_for_budget
 from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS
-from captum_normattr.decompose.kinds.base import LayerKind
+from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.primitives.attention import (
     attention_context,
     attention_parts_rows,
@@ -45,7 +54,40 @@ from captum_normattr.decompose.primitives.attention import (
 from captum_normattr.decompose.primitives.layer_norm import NormLinearMap, apply_norm_to_parts, norm_bias_part, norm_scale
 from captum_normattr.decompose.primitives.mixing import fixed_residual, pair_mask, row_normalize
 from captum_normattr.decompose.records import LayerTensors
-from captum_normattr.decompose.primitives.rollout import LayerMapStore
+
+__all__ = [
+    "PRE_LN_CAPTURE",
+    "PRE_LN_DEFAULT_MAP",
+    "PRE_LN_MAPS",
+    "PRE_LN_NORM_MAPS",
+    "PRE_LN_SCOPES",
+    "PRE_LN_SCOPE_OUTPUTS",
+    "PreLNKind",
+    "attention_update_sum",
+    "block_example_completeness_error",
+    "check_pre_ln_map",
+    "ff_preactivation_parts",
+    "ff_preactivation_setup",
+    "finish_scope_maps",
+    "frozen_pre_ln_layer",
+    "frozen_pre_ln_layer_vjp",
+    "output_bias",
+    "pre_ln_alti_map",
+    "pre_ln_completeness_error",
+    "pre_ln_component_scope_maps",
+    "pre_ln_example_completeness_error",
+    "pre_ln_ff_parts",
+    "pre_ln_layer_maps",
+    "pre_ln_layer_parts",
+    "pre_ln_norm_map_spec",
+    "pre_ln_scope_outputs",
+    "residual_alti_map",
+    "residual_layer_maps",
+    "residual_parts",
+    "residual_parts_sum",
+    "scope_chunk_rows",
+    "scope_scorer",
+]
 
 #: The GlobEnc-table maps that have a pre-LN meaning (see the module docstring).
 PRE_LN_MAPS: Tuple[str, ...] = ("W", "W_FIXEDRES", "N", "N_FIXEDRES", "N_RES", "N_RESLN")
@@ -499,166 +541,108 @@ def finish_scope_maps(
     return maps, {"ff": ff_ex.max(), "layer": layer_ex.max(), "ff_per_example": ff_ex, "layer_per_example": layer_ex}
 
 
-def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
-    r"""The vector w_i that maps a piece v of the final residual stream to its logit, v . w_i.
+# --- DecompX ------------------------------------------------------------------------------
+def pre_ln_layer_parts(
+    parts: Tensor,
+    bias: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    bias_mode: str = "separate",
+    rows: Optional[Tensor] = None,
+    memory_budget_mb: float = 256.0,
+    coefs: Optional[Dict[str, Tensor]] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""Map parts of a pre-LN layer's input to parts of its output (GPT-2, Llama, Mistral, Qwen2).
 
-    The final norm is linearised at the REAL scale of x_{L,i}: a piece v maps to
-    gamma * c(v) / s(x_{L,i}) (c = centering for LayerNorm, identity for RMSNorm), whose logit
-    is u . gamma c(v) / s = v . c(gamma * u) / s (centering is symmetric).
+    h_{i<-k} = x_{i<-k} + sum_h (sum_j alpha^h_ij LN1(x)_{j<-k} W_V^h) W_O^h   (bias part + b_V mixed, + b_O)
+    out_{i<-k} = h_{i<-k} + FF_{i<-k}(LN2(h)_{i<-k})                          (no norm after the residual)
 
-    Args:
-        params: the final norm's :class:`~captum_normattr.decompose.records.NormParams`.
-        real_input: (B, D) the real input x_{L,i} of the final norm at the explained positions.
-        unembed: (B, D) the unembedding direction u (W_U[target], or W_U[target] - W_U[foil]).
-
-    Returns:
-        (B, D).
-    """
-    w = unembed if params.weight is None else unembed * params.weight
-    if params.kind == "layernorm":
-        w = w - w.mean(-1, keepdim=True)
-    return w / norm_scale(real_input, params).unsqueeze(-1)
-
-
-def attention_update_at(layer: LayerTensors, position: Tensor) -> Tensor:
-    r"""The attention update of layer l at the explained positions, split over source positions.
-
-    Entry [b, j] is sum_h alpha^h_ij f^h(LN1(x_j)) for i = position[b]: the pieces whose
-    logits ALTI-Logit carries to the input tokens (:func:`alti_logit_terms`).
+    LN1/LN2 use the real per-token scale (RMSNorm: no centering, no beta); grouped-query
+    values are repeated per query head; rotary embeddings never touch values. The FF is
+    linear in its input parts through :func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients` (closed form for GPT-2's
+    elementwise activation, Gauss-Legendre integrals for a gated FF). The two halves are
+    :func:`~captum_normattr.decompose.methods.decompx.parts.attention_block_parts` and :func:`~captum_normattr.decompose.methods.decompx.parts.ff_branch_parts`.
 
     Args:
-        layer: the layer's tensors (pre-LN).
-        position: (B,) long explained positions.
+        parts, bias, layer, bias_mode, rows, memory_budget_mb: as in :func:`~captum_normattr.decompose.kinds.post_ln.post_ln_layer_parts`.
+        value_weight: (D, H_kv * Dh) W_V; value_bias: (H_kv * Dh,) or None.
+        coefs: :func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients` of this layer (computed if None).
 
     Returns:
-        (B, T, D).
+        (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
     """
-    bidx = torch.arange(position.shape[0], device=position.device)
-    projected = project_values(layer.values, layer.head_out_weight())  # (B, H, T, D)
-    return torch.einsum("bht,bhtd->btd", layer.probs[bidx, :, position], projected)
+    return two_branch_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                  coefs, ff_reads_block=True)
 
 
-def alti_logit_terms(
-    updates: Tensor,
-    alti_maps: LayerMapStore,
-    embedding: Tensor,
-    ff_updates: Tensor,
-    attention_biases: Tensor,
-    final_params,
-    final_in: Tensor,
-    final_out: Tensor,
-    unembed: Tensor,
-    unembed_bias: Tensor,
-    valid: Tensor,
-    position: Tensor,
-) -> Dict[str, Tensor]:
-    r"""ALTI-Logit (Ferrando et al. 2023): signed logit contributions of input tokens.
+def frozen_pre_ln_layer(
+    x: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    with_bias: bool,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""A pre-LN layer with its nonlinear quantities frozen at the real values.
 
-    logit = u . FinalNorm(x_{L,i}) + bias_u, with x_{L,i} = x_{0,i} + sum_l (sum_j attn_{l,i<-j}
-    + b_O^l + FF_l(i)). Each piece maps to its logit through :func:`logit_direction`. The
-    attention update of layer l splits over source positions j; its logit is carried to the
-    input tokens k by row j of the ALTI rollout R_{l-1} of the layers below (R_{-1} = I, rows
-    sum to 1):  contribution_k = sum_l sum_j logit(attn_{l,i<-j}) R_{l-1}[j, k], computed as
-    matrix products down the stored maps (O(L^2 T^2) work reading each map once, no T x T x T
-    product).
-    The embedding at i, the FF updates, the attention output biases and the final norm's
-    beta (with the LM head bias) belong to no token and are returned separately, and so is
-    the logit that the rollout carries to no token: a real row of an ALTI map is all zero
-    when every part of that token lies farther from the block's real output than the zero
-    vector (the clamp max(0, .) removes them all; large attention biases do this), and the
-    logit routed through it, sum_j logit(attn_{l,i<-j}) (1 - sum_k R_{l-1}[j, k]), is
-    ``unattributed`` (docs/design.md, section 7, ALTI-Logit; docs/fidelity.md).
+    Linear in ``x`` when ``with_bias`` is False (the map of :func:`pre_ln_layer_parts`
+    applied to one part); with ``with_bias`` and the real input it reproduces the real
+    output (up to the quadrature error of a gated FF).
 
     Args:
-        updates: (B, L, T, D) per layer, :func:`attention_update_at` (source position j).
-        alti_maps: the ALTI maps of the layers (a
-            :class:`~captum_normattr.decompose.primitives.rollout.LayerMapStore`); only layers 0 to L - 2 are
-            read (the top layer's update is carried down by the maps below it).
-        embedding: (B, D) the first layer's input x_{0,i} at the explained positions.
-        ff_updates: (B, L, D) every layer's FF output at the explained positions.
-        attention_biases: (L, D) every layer's attention output bias b_O (zeros if none).
-        final_params: the final norm's parameters.
-        final_in, final_out: (B, D) real input and output of the final norm at the explained positions.
-        unembed: (B, D) unembedding direction per example.
-        unembed_bias: (B,) the LM head bias along it (0 if none).
-        valid: (B, T) bool.
-        position: (B,) explained positions i.
+        x: (B, T, D).
+        layer: the layer's real tensors.
+        value_weight, value_bias: W_V (D, H_kv Dh) and b_V.
+        with_bias: add every bias (beta1, b_V, b_O, beta2, FF biases, g(0) W2).
+        coefs: :func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients` of this layer.
+        rows: (R,) output rows to produce (default all).
 
     Returns:
-        dict with ``scores`` (B, T) token contributions; ``layer_token_contributions``
-        (B, L, T) (the same per layer, summing to ``scores``); ``layer_logit_updates``
-        (B, L, T) logit of attn_{l,i<-j} per source position j (before the rollout);
-        ``embedding`` (B,), ``ff`` (B, L), ``attention_bias`` (B, L), ``final_bias`` (B,),
-        ``unattributed`` (B, L) (logit of layer l routed through empty ALTI rows): the
-        no-token terms; ``logit`` (B,) the model's real logit (from the real final
-        norm output); ``reconstruction`` (B,) tokens + no-token terms; ``delta`` (B,)
-        logit - reconstruction.
+        (B, R, D).
     """
-    w = logit_direction(final_params, final_in, unembed)  # (B, D)
-    vm = valid.to(w.dtype)
-    n_layers = updates.shape[1]
-    logit_updates = torch.einsum("bltd,bd->blt", updates, w) * vm.unsqueeze(1)  # (B, L, T)
-    # Row l times R_{l-1} = M_{l-1} ... M_0, all rows at once: going down the maps, M_m multiplies
-    # the rows of every layer above it in one matrix product ((L - 1 - m) x T times T x T), so
-    # each map is read once instead of once per layer above it (L - 1 products, not L (L - 1) / 2).
-    contrib = logit_updates.clone()
-    for m in range(n_layers - 2, -1, -1):
-        contrib[:, m + 1 :] = alti_maps.rows_times_layer(contrib[:, m + 1 :], m)
-    contrib = contrib * vm.unsqueeze(1)
-    # Logit that reaches no input token: rows of R_{l-1} summing to less than 1 (an ALTI row is all
-    # zero when every part lies farther from the block output than the zero vector, which large
-    # biases cause). mass_l = R_{l-1} 1, by matrix-vector products up the maps.
-    mass = vm.clone()
-    lost = []
-    for l in range(n_layers):
-        if l > 0:
-            mass = alti_maps.layer_times_column(mass, l - 1)
-        lost.append((logit_updates[:, l] * (vm - mass)).sum(-1))
-    unattributed = torch.stack(lost, 1)  # (B, L)
-    final_bias = unembed_bias.to(w.dtype)
-    if final_params.bias is not None:
-        final_bias = final_bias + (unembed * final_params.bias).sum(-1)
-    emb = (embedding * w).sum(-1)
-    ff_t = torch.einsum("bld,bd->bl", ff_updates, w)
-    bias_t = attention_biases @ w.T  # (L, B)
-    bias_t = bias_t.T
-    logit = (final_out * unembed).sum(-1) + unembed_bias.to(w.dtype)
-    return logit_terms(contrib.sum(1), contrib, logit_updates, emb, ff_t, bias_t, final_bias, unattributed, logit)
+    hcur = frozen_attention_block(x, layer, value_weight, value_bias, with_bias, rows)
+    return hcur + frozen_ff_branch(hcur, layer.ln2_in if rows is None else layer.ln2_in[:, rows], layer, with_bias, coefs,
+                                   rows)
 
 
-def logit_terms(
-    scores: Tensor,
-    contributions: Tensor,
-    logit_updates: Tensor,
-    embedding: Tensor,
-    ff: Tensor,
-    attention_bias: Tensor,
-    final_bias: Tensor,
-    unattributed: Tensor,
-    logit: Tensor,
-) -> Dict[str, Tensor]:
-    r"""ALTI-Logit's terms as one record, with the reconstruction and its completeness error.
+def frozen_pre_ln_layer_vjp(
+    g: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+    valid: Optional[Tensor] = None,
+) -> Tensor:
+    r"""The transpose of :func:`frozen_pre_ln_layer`'s linear part (``with_bias=False``): J^T g.
 
-    The reconstruction is the token scores plus every no-token term (embedding, FF updates,
-    attention biases, final bias, unattributed mass); ``delta`` = ``logit`` - reconstruction.
-    The per-layer terms (``ff``, ``attention_bias``, ``unattributed``) and ``scores`` carry
-    their layer / token axis last. Shared by :func:`alti_logit_terms` (one position) and
-    :func:`~captum_normattr.decompose.primitives.multi_position.alti_logit_rows` (n positions).
+    Written out instead of taken by autograd, so that no forward pass of the frozen layer
+    (and no graph) is needed; ``tests/decompose/methods/test_decompx_speed.py`` checks it against
+    ``torch.autograd`` in float64. The map is linear in ``g``: several cotangents stacked
+    along leading dimensions go through in one call (the weight products broadcast, the
+    attention mixing serves them all in one product; ``tests/decompose/methods/test_decompx_multi.py``).
+
+    Args:
+        g: (B, R, D) cotangent of the layer output at ``rows`` (all T rows if None), or a
+            stack (..., B, R, D) of such cotangents.
+        layer, value_weight, coefs, rows: as in :func:`frozen_pre_ln_layer`.
+        valid: (B, T) bool, the real tokens, or None. Given for a causal layer, the all-zero
+            triangle of the attention is skipped when ``g`` is 0 at the pad rows (as in the
+            adjoint pass, where no real row reads a pad row).
+
+    Returns:
+        (..., B, T, D) the cotangent of the layer input.
     """
-    recon = scores.sum(-1) + embedding + ff.sum(-1) + attention_bias.sum(-1) + final_bias + unattributed.sum(-1)
-    return {
-        "scores": scores,
-        "layer_token_contributions": contributions,
-        "layer_logit_updates": logit_updates,
-        "embedding": embedding,
-        "ff": ff,
-        "attention_bias": attention_bias,
-        "final_bias": final_bias,
-        "unattributed": unattributed,
-        "logit": logit,
-        "reconstruction": recon,
-        "delta": logit - recon,
-    }
+    g_h = g + ff_branch_vjp(g, layer.ln2_in if rows is None else layer.ln2_in[:, rows], layer, coefs, rows)
+    return attention_block_vjp(g_h, layer, value_weight, rows, valid)  # residual + LN2 and the FF, then the block
+
+
+
+# --- capture ------------------------------------------------------------------------------
+#: What the capture records of a pre-LN layer: the common keys; the attention reads the first
+#: norm's output, the FF the second's; the residual joins after the attention at the second norm's input.
+PRE_LN_CAPTURE = CaptureRecipe(attention_join="ln2_in")
 
 
 class PreLNKind(LayerKind):
@@ -707,3 +691,19 @@ class PreLNKind(LayerKind):
                 "layer of a post-LN encoder; a pre-LN layer's norms sit before its blocks and no norm follows its "
                 "residuals. Use ignore_low_gamma=0 (contribution='norm' or 'alti' both work)"
             )
+
+    capture = PRE_LN_CAPTURE
+
+    def decompx_step(self, parts, bias, layer, value_weight, value_bias, bias_mode="separate", rows=None,
+                     memory_budget_mb=256.0, coefs=None):
+        return pre_ln_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb, coefs)
+
+    def frozen_layer(self, x, layer, value_weight, value_bias, with_bias, coefs, rows=None):
+        return frozen_pre_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs, rows)
+
+    def frozen_layer_vjp(self, g, layer, value_weight, coefs, rows=None, valid=None):
+        return frozen_pre_ln_layer_vjp(g, layer, value_weight, coefs, rows, valid)
+
+    def join_checks(self, layer):
+        return {"layer output vs the residual stream plus the feed-forward output": relative_difference(
+            layer.layer_out, layer.ln2_in + layer.ff_out, temporary=True)}

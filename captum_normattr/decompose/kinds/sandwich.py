@@ -21,7 +21,8 @@ ALTI, the FF scopes and ALTI-Logit's pieces; the ``W`` maps read the REAL probab
 DecompX's steps fold gamma2 into W_down and 1/r2_i into the frozen per-neuron FF
 coefficients (a per-row factor on a linear map of the coefficients), and reuse the pre-LN
 steps (:func:`sandwich_layer_parts`, :func:`frozen_sandwich_layer`,
-:func:`frozen_sandwich_layer_vjp`).
+:func:`frozen_sandwich_layer_vjp`). :class:`SandwichKind` also declares what the capture
+records of these layers and checks (:data:`SANDWICH_CAPTURE`).
 
 A per-token bias (an attention output bias b_O, which P1 turns into gamma1 b_O / r1_i; an FF
 output bias or an elementwise activation with g(0) != 0 in DecompX) is not handled yet and
@@ -38,17 +39,20 @@ from torch import Tensor
 
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose.kinds import pre_ln as decoder
-from captum_normattr.decompose.methods.decompx.engine import register_form_steps
-from captum_normattr.decompose.kinds.base import KIND_METHODS
+from captum_normattr.decompose.methods.decompx.parts import ff_coefficients
+from captum_normattr.decompose.kinds.base import KIND_METHODS, CaptureRecipe
+from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.primitives.layer_norm import norm_scale
 from captum_normattr.decompose.primitives.mixing import fixed_residual, pair_mask
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 
 __all__ = [
+    "SANDWICH_CAPTURE",
     "SandwichKind",
     "attention_post_scale",
     "ff_post_scale",
     "frozen_sandwich_layer",
+    "frozen_form",
     "frozen_sandwich_layer_vjp",
     "pre_ln_form",
     "sandwich_alti_map",
@@ -116,7 +120,7 @@ def pre_ln_form(layer: LayerTensors) -> LayerTensors:
     out_weight = layer.out_weight * _gain(layer.attn_post, layer.out_weight)
     return dataclasses.replace(
         layer, probs=probs, context=context, out_weight=out_weight, ff_out=layer.ff_post_out, topology="pre_ln",
-        pre_ln=True, attn_post=None, attn_post_in=None, attn_post_out=None, ff_post=None, ff_post_in=None,
+        attn_post=None, attn_post_in=None, attn_post_out=None, ff_post=None, ff_post_in=None,
         ff_post_out=None, checks=layer.checks,
     )
 
@@ -195,7 +199,7 @@ def frozen_form(layer: LayerTensors, coefs: Dict[str, Tensor]) -> Tuple[LayerTen
     r"""The pre-LN record and FF coefficients whose frozen pre-LN layer is the frozen sandwich layer.
 
     :func:`pre_ln_form` with W_down' = W_down diag(gamma2); the coefficients ``slope`` /
-    ``gate`` / ``up`` (:func:`~captum_normattr.decompose.methods.decompx.engine.ff_coefficients`, at the real
+    ``gate`` / ``up`` (:func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients`, at the real
     FF input) divided by r2_i per row. Exact because the FF parts are linear in these
     coefficients and nothing else enters the FF output: an FF output bias, or an elementwise
     activation with g(0) != 0, would be a per-token bias and is refused.
@@ -216,11 +220,78 @@ def frozen_form(layer: LayerTensors, coefs: Dict[str, Tensor]) -> Tuple[LayerTen
     return view, scaled
 
 
-#: DecompX's steps of a sandwich layer, the pre-LN steps on :func:`frozen_form`:
-#: h_{i<-k} = x_{i<-k} + gamma1 (sum_h (sum_j alpha^h_ij N1(x)_{j<-k} W_V^h) W_O^h) / r1_i,
-#: out_{i<-k} = h_{i<-k} + gamma2 FF_{i<-k}(N2(h)_{i<-k}) / r2_i, the probabilities, the four norm
-#: scales and the FF coefficients frozen at their real values.
-sandwich_layer_parts, frozen_sandwich_layer, frozen_sandwich_layer_vjp = register_form_steps("sandwich", frozen_form)
+def sandwich_layer_parts(
+    parts: Tensor,
+    bias: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    bias_mode: str = "separate",
+    rows: Optional[Tensor] = None,
+    memory_budget_mb: float = 256.0,
+    coefs: Optional[Dict[str, Tensor]] = None,
+) -> Tuple[Tensor, Tensor]:
+    r"""DecompX's step of a sandwich layer: the pre-LN step on :func:`frozen_form`.
+
+    h_{i<-k} = x_{i<-k} + gamma1 (sum_h (sum_j alpha^h_ij N1(x)_{j<-k} W_V^h) W_O^h) / r1_i,
+    out_{i<-k} = h_{i<-k} + gamma2 FF_{i<-k}(N2(h)_{i<-k}) / r2_i, the probabilities, the four
+    norm scales and the FF coefficients frozen at their real values.
+
+    Args:
+        parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb: as in
+            :func:`~captum_normattr.decompose.kinds.pre_ln.pre_ln_layer_parts`.
+        coefs: the REAL layer's :func:`~captum_normattr.decompose.methods.decompx.parts.ff_coefficients`
+            (computed if None).
+
+    Returns:
+        (parts (B, R, K, D), bias part (B, R, D)) of the layer output at ``rows``.
+    """
+    view, scaled = frozen_form(layer, ff_coefficients(layer) if coefs is None else coefs)
+    return decoder.pre_ln_layer_parts(parts, bias, view, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                      scaled)
+
+
+def frozen_sandwich_layer(
+    x: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    value_bias: Optional[Tensor],
+    with_bias: bool,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+) -> Tensor:
+    r"""The frozen sandwich layer, (B, R, D): :func:`~captum_normattr.decompose.kinds.pre_ln.frozen_pre_ln_layer` on :func:`frozen_form`."""
+    view, scaled = frozen_form(layer, coefs)
+    return decoder.frozen_pre_ln_layer(x, view, value_weight, value_bias, with_bias, scaled, rows)
+
+
+def frozen_sandwich_layer_vjp(
+    g: Tensor,
+    layer: LayerTensors,
+    value_weight: Tensor,
+    coefs: Dict[str, Tensor],
+    rows: Optional[Tensor] = None,
+    valid: Optional[Tensor] = None,
+) -> Tensor:
+    r"""The transpose of :func:`frozen_sandwich_layer`'s linear part: the pre-LN transpose on :func:`frozen_form`.
+
+    Returns:
+        (..., B, T, D) the cotangent of the layer input.
+    """
+    view, scaled = frozen_form(layer, coefs)
+    return decoder.frozen_pre_ln_layer_vjp(g, view, value_weight, scaled, rows, valid)
+
+
+# --- capture ------------------------------------------------------------------------------
+#: What the capture records of a sandwich layer: the pre-LN keys, and the inputs and outputs of
+#: the norms on both branch outputs (their parameters from the description's post-norms); the FF
+#: post-norm reads the FF output; the residual joins are checked through the post-norms' outputs.
+SANDWICH_CAPTURE = CaptureRecipe(
+    extra_keys=("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"),
+    identity_checks=decoder.PRE_LN_CAPTURE.identity_checks + (
+        ("feed-forward post-norm input vs the feed-forward output", "ff_post_in", "ff_out"),),
+    post_norms=("attn_post", "ff_post"),
+)
 
 
 class SandwichKind(decoder.PreLNKind):
@@ -232,6 +303,7 @@ class SandwichKind(decoder.PreLNKind):
 
     name = "sandwich"
     methods = frozenset(m for m in KIND_METHODS if m != "routes")
+    capture = SANDWICH_CAPTURE
 
     def norm_maps(self, layer, valid, names):
         return sandwich_layer_maps(layer, valid, names)
@@ -260,3 +332,26 @@ class SandwichKind(decoder.PreLNKind):
 
     def logit_form(self, layer):
         return pre_ln_form(layer)
+
+    def decompx_step(self, parts, bias, layer, value_weight, value_bias, bias_mode="separate", rows=None,
+                     memory_budget_mb=256.0, coefs=None):
+        return sandwich_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb,
+                                    coefs)
+
+    def frozen_layer(self, x, layer, value_weight, value_bias, with_bias, coefs, rows=None):
+        return frozen_sandwich_layer(x, layer, value_weight, value_bias, with_bias, coefs, rows)
+
+    def frozen_layer_vjp(self, g, layer, value_weight, coefs, rows=None, valid=None):
+        return frozen_sandwich_layer_vjp(g, layer, value_weight, coefs, rows, valid)
+
+    def join_checks(self, layer):
+        return {
+            "attention post-norm rebuilt from its input": norm_rebuild_error(
+                layer.attn_post_in, layer.attn_post_out, layer.attn_post),
+            "feed-forward post-norm rebuilt from its input": norm_rebuild_error(
+                layer.ff_post_in, layer.ff_post_out, layer.ff_post),
+            "second norm input vs the layer input plus the attention post-norm output": relative_difference(
+                layer.ln2_in, layer.hidden_in + layer.attn_post_out, temporary=True),
+            "layer output vs the residual stream plus the feed-forward post-norm output": relative_difference(
+                layer.layer_out, layer.ln2_in + layer.ff_post_out, temporary=True),
+        }

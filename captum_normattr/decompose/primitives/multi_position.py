@@ -12,9 +12,9 @@ positions together, from the same per-layer tensors:
   computed as the forward pass runs (the final norm's real scale, known only at the end,
   is divided out afterwards: the logit of a piece is linear in it).
 - :func:`alti_logit_rows`: ALTI-Logit's terms for n positions (the single-position
-  version is :func:`~captum_normattr.decompose.kinds.pre_ln.alti_logit_terms`).
+  version is :func:`~captum_normattr.decompose.methods.alti_logit.alti_logit_terms`).
 - :func:`multi_logit_outputs`: the n explained logits of DecompX's adjoint pass, one per
-  position (through :func:`~captum_normattr.decompose.methods.decompx.engine.frozen_next_token_logit`).
+  position (through :func:`~captum_normattr.decompose.methods.decompx.readout.frozen_next_token_logit`).
 
 Every function is exact: row k equals the single-position computation at position k up to
 floating-point rounding (``tests/test_llm_attribution.py``).
@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.kinds.pre_ln import logit_terms
-from captum_normattr.decompose.methods.decompx.engine import frozen_next_token_logit
+from captum_normattr.decompose.methods.alti_logit import logit_terms
+from captum_normattr.decompose.methods.decompx.readout import frozen_next_token_logit
 from captum_normattr.decompose.primitives.layer_norm import norm_scale
 from captum_normattr.decompose.primitives.mixing import row_normalize
 from captum_normattr.decompose.records import LayerTensors, NormParams
@@ -95,7 +95,7 @@ def rollout_rows_at_scaled(
 
 
 def unscaled_logit_directions(final_params: NormParams, unembed: Tensor) -> Tensor:
-    r"""c(gamma * u): the logit direction of :func:`~captum_normattr.decompose.kinds.pre_ln.logit_direction`
+    r"""c(gamma * u): the logit direction of :func:`~captum_normattr.decompose.methods.alti_logit.logit_direction`
     times the final norm's real scale s(x_{L,i}).
 
     A piece v of the final residual stream at position i has the logit
@@ -152,7 +152,7 @@ def alti_logit_rows(
 ) -> Dict[str, Tensor]:
     r"""ALTI-Logit's terms at n explained positions, from one set of ALTI maps.
 
-    The same decomposition as :func:`~captum_normattr.decompose.kinds.pre_ln.alti_logit_terms`
+    The same decomposition as :func:`~captum_normattr.decompose.methods.alti_logit.alti_logit_terms`
     (Ferrando et al. 2023; docs/design.md, section 7), with an extra axis of explained
     positions: the logit of layer l's attention update at position i_k, split over source
     tokens j, is carried to the input tokens by the ALTI rollout R_{l-1} of the layers below
@@ -220,12 +220,12 @@ def multi_logit_outputs(
     Args:
         positions: (n,) long explained positions.
         last_rows: (R,) sorted long rows of the last layer kept by the
-            :class:`~captum_normattr.decompose.methods.decompx.engine.AdjointPass` (contains ``positions``).
+            :class:`~captum_normattr.decompose.methods.decompx.adjoint.AdjointPass` (contains ``positions``).
         final_params: the final norm's parameters; final_in: (B, T, D) its real input.
         directions: (B, n, D) u per position; direction_bias: (B, n) or None.
 
     Returns:
-        ``outputs(y)`` for :meth:`~captum_normattr.decompose.methods.decompx.engine.AdjointPass.backward`:
+        ``outputs(y)`` for :meth:`~captum_normattr.decompose.methods.decompx.adjoint.AdjointPass.backward`:
         y (B, R, D) -> n tensors (B,), the frozen logit of position k.
     """
     index = torch.searchsorted(last_rows.to(positions.device), positions)

@@ -336,7 +336,7 @@ class LayerMapStore:
         r"""Several row vectors per example times M_index at once: (B, K, T) -> (B, K, T).
 
         One matrix product per row block instead of K vector-matrix products: the map is
-        read once for all K rows (what :func:`~captum_normattr.decompose.kinds.pre_ln.alti_logit_terms`
+        read once for all K rows (what :func:`~captum_normattr.decompose.methods.alti_logit.alti_logit_terms`
         needs for the rows of every layer above).
         """
         if self._dense is not None:

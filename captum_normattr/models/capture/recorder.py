@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec, Norm
+from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import (
@@ -544,29 +545,22 @@ def _ff_rebuild_error(t: LayerTensors) -> Tensor:
     return relative_difference(t.ff_out[:, -1:], out, temporary=True)
 
 
-def _attention_join_error(t: LayerTensors) -> Tensor:
+def _attention_join_error(t: LayerTensors, joined_key: str) -> Tensor:
     r"""Relative difference of the real residual join after attention from the layer input plus
-    context W_O + b_O at the last position (pre-LN: the second norm's input; post-LN: the first's).
+    context W_O + b_O at the last position (``joined_key``: the field where the kind joins them,
+    ``CaptureRecipe.attention_join``; pre-LN: the second norm's input; post-LN: the first's).
 
     Compared relative to the residual stream, as the other joins: it catches an output scale
     (a branch multiplier, a layer scale) that the description misses.
     """
     ctx = t.context[:, -1].reshape(t.context.shape[0], -1)
     attn = ctx @ t.out_weight if t.out_bias is None else ctx @ t.out_weight + t.out_bias
-    joined = t.ln2_in if t.pre_ln else t.ln1_in
+    joined = getattr(t, joined_key)
     return relative_difference(joined[:, -1], t.hidden_in[:, -1] + attn, temporary=True)
 
 
 def _first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
-
-
-_RECORD_KEYS = ("hidden_in", "probs", "values", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out")
-#: what each topology records beyond :data:`_RECORD_KEYS`
-_TOPOLOGY_KEYS: Dict[str, Tuple[str, ...]] = {
-    "sandwich": ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"),
-    "parallel": ("attn_branch_out",),
-}
 
 
 class AttentionRecords:
@@ -639,6 +633,8 @@ class Recorder(AttentionRecords):
     ):
         self.model = model
         self.adapter = adapter
+        #: the layer kind: what is recorded of each layer and checked (its ``capture`` recipe)
+        self.kind = layer_kind(adapter.topology, adapter.family)
         self.dtype = dtype
         self.on_layer = on_layer
         self.keep_calls = keep_calls
@@ -819,8 +815,15 @@ class Recorder(AttentionRecords):
                     get_path(layer, a.attn_out).register_forward_pre_hook(context_hook),
                     attention.register_forward_hook(attention_hook)]
 
-        attention_input = "ln1_out" if a.pre_ln else "hidden_in"
-        ff_input = "ln2_out" if a.pre_ln else "ln1_out"
+        recipe = self.kind.capture
+
+        def keep_output(idx: int, key: str):
+            def hook(module, args, output):
+                if self._mine():
+                    self._keep(idx, key, _first_tensor(output))
+
+            return hook
+
         with _LOCK:
             for i, layer in enumerate(self.layers):
 
@@ -853,26 +856,25 @@ class Recorder(AttentionRecords):
                 if returned:
                     handles.extend(returned_attention(i, layer))
                 for key, norm in (("attn_post", a.layer.attention.post_norm), ("ff_post", a.layer.ff.post_norm)):
-                    if norm is not None:  # sandwich: the norms on the branch outputs
+                    if norm is not None:  # the norms on the branch outputs that the description has
                         handles.append(get_path(layer, norm.path).register_forward_hook(store(i, key, "both")))
-                if a.topology == "parallel":  # the attention branch output, which joins the stream beside the FF's
+                if recipe.branch_output is not None:  # the attention branch output as it joins the stream (parallel)
                     attn_branch = get_path(layer, a.attn_scale if a.attn_scale is not None else a.attn_out)
-                    handles.append(attn_branch.register_forward_hook(store(i, "attn_branch", "out")))
+                    handles.append(attn_branch.register_forward_hook(keep_output(i, recipe.branch_output)))
                 if a.layer.ff.kind == "experts":  # the routing the experts module is called with, and the shared gate
                     handles.extend(register_expert_hooks(
                         layer, a.layer.ff, self._mine, lambda key, t, idx=i: self._keep(idx, key, t),
                         lambda name, real, assumed, idx=i: self._check(idx, name, real, assumed),
-                        lambda idx=i: self.records.get(idx, {}).get(ff_input)))
+                        lambda idx=i: self.records.get(idx, {}).get(recipe.ff_input)))
                 ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
                 handles.append(get_path(layer, a.attention).register_forward_pre_hook(
-                    compare_inputs(i, "attention input vs " + ("the first norm's output" if a.pre_ln else "the layer input"),
-                                   attention_input, True, returned), with_kwargs=True))
+                    compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input, True,
+                                   returned), with_kwargs=True))
                 for path in (a.ff_in, a.ff_gate):
                     if path is not None:
                         handles.append(get_path(layer, path).register_forward_pre_hook(compare_inputs(
-                            i, "feed-forward input vs " + ("the second norm's output" if a.pre_ln else "the first norm's output"),
-                            ff_input, False)))
+                            i, "feed-forward input vs " + recipe.ff_input_name, recipe.ff_input, False)))
                 handles.append(get_path(layer, a.attn_out).register_forward_pre_hook(context_check(i)))
                 if a.layer.attention.probabilities == "module_output":  # DeBERTa: the module computes its attention
                     handles.extend(self._module_output_hooks(layer))
@@ -959,7 +961,7 @@ class Recorder(AttentionRecords):
 
     def _finish_layer(self, idx: int) -> None:
         rec = self.records.pop(idx, {})
-        missing = [k for k in _RECORD_KEYS + _TOPOLOGY_KEYS.get(self.adapter.topology, ()) if k not in rec
+        missing = [k for k in self.kind.capture.record_keys if k not in rec
                    and not (k == "probs" and not self.record_probabilities)]
         if missing:
             raise RuntimeError(
@@ -981,38 +983,17 @@ class Recorder(AttentionRecords):
         ``rec``: the raw recorded tensors (identical memory needs no arithmetic); ``t``: the
         same in the compute dtype.
         """
-        topology = t.topology
-        if t.pre_ln:
-            self._check(idx, "first norm input vs the layer input", rec["ln1_in"], rec["hidden_in"])
-        else:
-            self._check(idx, "layer output vs the second norm's output", rec["layer_out"], rec["ln2_out"])
-        if topology == "parallel":
-            self._check(idx, "second norm input vs the layer input (parallel branches)", rec["ln2_in"], rec["hidden_in"])
-        if topology == "sandwich":
-            self._check(idx, "feed-forward post-norm input vs the feed-forward output", rec["ff_post_in"], rec["ff_out"])
+        recipe = self.kind.capture
+        for name, real, assumed in recipe.identity_checks:
+            self._check(idx, name, rec[real], rec[assumed])
         checks = self.checks.pop(idx, {})
         checks["first norm rebuilt from its input"] = norm_rebuild_error(t.ln1_in, t.ln1_out, t.ln1)
         checks["second norm rebuilt from its input"] = norm_rebuild_error(t.ln2_in, t.ln2_out, t.ln2)
-        if topology == "sandwich":
-            checks["attention post-norm rebuilt from its input"] = norm_rebuild_error(t.attn_post_in, t.attn_post_out, t.attn_post)
-            checks["feed-forward post-norm rebuilt from its input"] = norm_rebuild_error(t.ff_post_in, t.ff_post_out, t.ff_post)
-            checks["second norm input vs the layer input plus the attention post-norm output"] = relative_difference(
-                t.ln2_in, t.hidden_in + t.attn_post_out, temporary=True)
-            checks["layer output vs the residual stream plus the feed-forward post-norm output"] = relative_difference(
-                t.layer_out, t.ln2_in + t.ff_post_out, temporary=True)
-        elif topology == "parallel":
-            checks["layer output vs the layer input plus both branch outputs"] = relative_difference(
-                t.layer_out, t.hidden_in + t.attn_branch_out + t.ff_out, temporary=True)
-        elif t.pre_ln:
-            checks["layer output vs the residual stream plus the feed-forward output"] = relative_difference(
-                t.layer_out, t.ln2_in + t.ff_out, temporary=True)
-        else:
-            checks["second norm input vs the first norm's output plus the feed-forward output"] = relative_difference(
-                t.ln2_in, t.ln1_out + t.ff_out, temporary=True)
+        checks.update(self.kind.join_checks(t))
         checks["feed-forward output rebuilt from its input and weights (last position)"] = _ff_rebuild_error(t)
-        if topology in ("pre_ln", "post_ln") and t.context is not None:
+        if recipe.attention_join is not None and t.context is not None:
             checks["residual join vs the layer input plus the attention output rebuilt from its weights (last position)"] = (
-                _attention_join_error(t))
+                _attention_join_error(t, recipe.attention_join))
         return checks
 
     # --- what the recorded tensors become ---------------------------------------
@@ -1074,20 +1055,21 @@ class Recorder(AttentionRecords):
             ln2_out=tokens(rec["ln2_out"]),
             ff_out=_times(tokens(rec["ff_out"]), m_ff),
             layer_out=tokens(rec["layer_out"]),
-            pre_ln=a.pre_ln,
             ff=ff,
             causal=a.causal,
             index=idx,
             source_dtype=rec["layer_out"].dtype,
             topology=a.topology,
-            attn_branch_out=_times(tokens(rec.get("attn_branch_out")), m_attn),
         )
-        if a.topology == "sandwich":
-            tensors.attn_post = norm_params(get_path(layer, a.layer.attention.post_norm.path), a.layer.attention.post_norm,
-                                            dtype, device)
-            tensors.ff_post = norm_params(get_path(layer, a.layer.ff.post_norm.path), a.layer.ff.post_norm, dtype, device)
-            for key in ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"):
-                setattr(tensors, key, tokens(rec[key]))
+        # what the kind adds to the record (its capture recipe): its extra recorded tensors (the attention
+        # branch output, as it joins the stream, times the branch multiplier) and the norms on the branch outputs
+        recipe = self.kind.capture
+        extra = {k: tokens(rec[k]) for k in recipe.extra_keys}
+        if recipe.branch_output is not None:
+            extra[recipe.branch_output] = _times(extra[recipe.branch_output], m_attn)
+        described = {"attn_post": a.layer.attention.post_norm, "ff_post": a.layer.ff.post_norm}
+        post_norms = {k: norm_params(get_path(layer, described[k].path), described[k], dtype, device) for k in recipe.post_norms}
+        self.kind.fill_record(tensors, extra, post_norms)
         tensors.checks = self._layer_checks(idx, rec, tensors)
         return tensors
 

@@ -42,7 +42,7 @@ def test_attention_block_parts_and_maps(family, left):
     v = mask.bool()
     m2 = (v[:, :, None] & v[:, None, :]).double().tril()
     for layer in capture(model, ids, mask):
-        assert layer.pre_ln
+        assert layer.topology == "pre_ln"
         # causal attention: a real query never puts weight on a later key
         probs = layer.probs * v[:, None, :, None]
         assert (probs.triu(1) == 0).all()

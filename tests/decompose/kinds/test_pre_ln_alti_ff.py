@@ -85,7 +85,7 @@ def test_scope_parts_complete_and_alti_equals_naive(name):
     if causal:
         m2 = m2.tril()
     for layer in capture_layers(model, x, mask):
-        assert layer.pre_ln and layer.causal == causal
+        assert layer.topology == "pre_ln" and layer.causal == causal
         parts, real = naive_scope_parts(layer)
         for s in PRE_LN_SCOPES:  # the parts of every scope sum to the model's real tensor
             p, bias = parts[s]

@@ -6,7 +6,7 @@ import torch
 from conftest import make_model
 
 from captum_normattr import DecompXAttribution
-from captum_normattr.decompose.methods.decompx.engine import BIAS_MODES, SPREAD_MODES
+from captum_normattr.decompose.methods.decompx.parts import BIAS_MODES, SPREAD_MODES
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder
 from layer_capture import capture_layers
@@ -282,7 +282,8 @@ def test_authentic_rmsnorm_delta_is_reported():
 
 
 def test_spread_weights_per_example_fallback():
-    from captum_normattr.decompose.methods.decompx.engine import logit_scores, spread_weights
+    from captum_normattr.decompose.methods.decompx.parts import spread_weights
+    from captum_normattr.decompose.methods.decompx.readout import logit_scores
     from captum_normattr.decompose.records import NormParams
 
     dots = torch.zeros(2, 1, 3)

@@ -1,6 +1,6 @@
 r"""DecompX's feed-forward split is the closed-form integrated-gradients split of the FF decomposition.
 
-DecompX freezes the FF at per-neuron coefficients (``decompose.methods.decompx.engine.ff_coefficients``):
+DecompX freezes the FF at per-neuron coefficients (``decompose.methods.decompx.parts.ff_coefficients``):
 (g(p) - g(0)) / p for an elementwise g, and b I1(a), I2(a) for a gated g(a) b. The FF
 decomposition (``FFIntegratedDecomposition``) splits the FF by integrated gradients with a
 zero baseline along the straight path: p_j (g(p) - g(0)) / p (closed form) and
@@ -16,7 +16,7 @@ from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
 from layer_capture import capture_layers
 
-from captum_normattr.decompose.methods.decompx.engine import ff_coefficients, frozen_ff_parts
+from captum_normattr.decompose.methods.decompx.parts import ff_coefficients, frozen_ff_parts
 from captum_normattr.decompose.primitives.feed_forward import ff_parts
 from captum_normattr.decompose.primitives.gated_feed_forward import gated_ff_parts
 

@@ -6,8 +6,10 @@ import torch
 from conftest import make_model
 from layer_capture import capture_layers
 
-from captum_normattr.decompose.methods.decompx import engine as dd
-from captum_normattr.decompose.methods.decompx.engine import AdjointPass, FrozenLayer, ff_coefficients
+from captum_normattr.decompose.methods.decompx import adjoint as dd
+from captum_normattr.decompose.methods.decompx import frozen as fz
+from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
+from captum_normattr.decompose.methods.decompx.parts import ff_coefficients
 from captum_normattr.models.adapters import get_adapter, layer_modules, value_projection
 from decoder_models import decoder_batch, make_decoder
 
@@ -42,8 +44,8 @@ def test_stacked_vjp_equals_one_call_per_cotangent(family, monkeypatch):
     t = ids.shape[1]
     gen = torch.Generator().manual_seed(7)
     causal_flags = []
-    mix = dd._mix_transpose
-    monkeypatch.setattr(dd, "_mix_transpose", lambda *a: causal_flags.append(len(a) > 3 and a[3]) or mix(*a))
+    mix = fz.mix_transpose
+    monkeypatch.setattr(fz, "mix_transpose", lambda *a: causal_flags.append(len(a) > 3 and a[3]) or mix(*a))
     for layer in layers:
         w_v, b_v = _value_param(model, layer)
         frozen = FrozenLayer(layer, w_v, b_v, ff_coefficients(layer), valid=mask.bool())

@@ -11,9 +11,10 @@ from layer_capture import capture_layers
 
 from captum_normattr import DecompXAttribution
 from captum_normattr.attr import decompx as attr_decompx
-from captum_normattr.decompose.methods.decompx import engine as dd
+from captum_normattr.decompose.methods.decompx import frozen as fz
 from captum_normattr.decompose.primitives import gated_feed_forward as gff
-from captum_normattr.decompose.methods.decompx.engine import FrozenLayer, ff_coefficients, frozen_layer
+from captum_normattr.decompose.methods.decompx.adjoint import FrozenLayer, frozen_layer
+from captum_normattr.decompose.methods.decompx.parts import ff_coefficients
 from captum_normattr.decompose.primitives.gated_feed_forward import (
     DEFAULT_NODES,
     gate_integrals,
@@ -169,14 +170,14 @@ def test_causal_blocks_equal_the_full_transpose(monkeypatch):
     cot = torch.randn(3, 13, 24, generator=torch.Generator().manual_seed(0), dtype=F64)
     assert frozen.layer.probs[2, :, 0, 1:].abs().max() > 0.01  # a fully masked pad row attends to later keys
     calls = []
-    mix = dd._mix_transpose
-    monkeypatch.setattr(dd, "_mix_transpose", lambda *a: calls.append(a[3]) or mix(*a))
+    mix = fz.mix_transpose
+    monkeypatch.setattr(fz, "mix_transpose", lambda *a: calls.append(a[3]) or mix(*a))
     for pads in ("random", "zero"):  # the adjoint's cotangents are 0 at the pad rows: only then are blocks skipped
         if pads == "zero":
             cot[mask == 0] = 0
         want = _autograd_vjp(cot, layer, w_v, coefs, None)
         for blocks in (1, 2, 3, 4, 6):
-            monkeypatch.setattr(dd, "CAUSAL_BLOCKS", blocks)
+            monkeypatch.setattr(fz, "CAUSAL_BLOCKS", blocks)
             calls.clear()
             got = frozen.vjp(cot)
             assert calls == [pads == "zero"]
@@ -274,7 +275,7 @@ def test_adjoint_bias_score_is_the_constant(family):
 def test_adjoint_pass_with_the_last_layer_kept():
     r"""``AdjointPass.forward(x, last_step)`` keeps the last frozen layer: the same gradients and
     constants, and the backward phase asks only for the layers below it."""
-    from captum_normattr.decompose.methods.decompx.engine import AdjointPass
+    from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass
 
     model = make_decoder("qwen2", layers=3)
     ids, mask = decoder_batch([9, 6], seed=9)

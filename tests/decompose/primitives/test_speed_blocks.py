@@ -184,7 +184,12 @@ def test_attention_in_blocks_of_one_example_equals_each_example_alone(monkeypatc
     padded batches decomposed one example per block equal each example decomposed alone."""
     from captum_normattr import ALTIAttribution, ALTIPlusAttribution
     from captum_normattr.models.capture import recorder as capture
-    from test_alti_plus import PAD, _pad, model_for, pair
+    from seq2seq_models import PAD, pair
+    from seq2seq_models import make_model as model_for
+
+    def _pad(x, n, left, value):
+        extra = torch.full((x.shape[0], n), value, dtype=x.dtype)
+        return torch.cat([extra, x], 1) if left else torch.cat([x, extra], 1)
 
     monkeypatch.setattr(capture, "EXAMPLE_BLOCK_BYTES", 1)
     bert = make_model("bert")

@@ -196,7 +196,7 @@ def test_map_store_products_and_alti_logit_rows_match_dense_products(dense):
         assert torch.allclose(store.rows_times_layer(rows, l), ref_r, rtol=0, atol=1e-13 * float(ref_r.abs().max()))
         assert torch.allclose(store.layer_times_column(col, l), ref_c, rtol=0, atol=1e-13 * float(ref_c.abs().max()))
     # the rows of alti_logit_terms: layer l's logit updates carried down by M_{l-1} ... M_0
-    from captum_normattr.decompose.kinds.pre_ln import alti_logit_terms
+    from captum_normattr.decompose.methods.alti_logit import alti_logit_terms
     from captum_normattr.decompose.records import NormParams
 
     d = 5

@@ -19,7 +19,9 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from captum_normattr.decompose.methods.decompx.engine import AdjointPass, FrozenStep, absorb_bias, check_bias_mode
+from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenStep
+
+from captum_normattr.decompose.methods.decompx.parts import absorb_bias, check_bias_mode
 from captum_normattr.decompose.primitives.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.decompose.records import NormParams
 
@@ -94,7 +96,7 @@ def adjoint_linear_head_scores(
     r"""Class scores of a streamed adjoint pass through the final norm and a linear head.
 
     Args:
-        adj: an :class:`~captum_normattr.decompose.methods.decompx.engine.AdjointPass` whose forward phase
+        adj: an :class:`~captum_normattr.decompose.methods.decompx.adjoint.AdjointPass` whose forward phase
             has seen every layer, with ``last_rows`` = the head's rows.
         frozen_at: as in :meth:`AdjointPass.backward`.
         final_params, final_input (B, R, D), weight, head_bias: as in :func:`linear_head_scores`.
