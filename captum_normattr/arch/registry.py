@@ -14,12 +14,15 @@ from captum_normattr.arch.families import decoders as family_decoders
 
 from captum_normattr.arch.families import encoders as family_encoders
 
+from captum_normattr.arch.families import frontier as family_frontier
+
 from captum_normattr.arch.families import moe as family_moe
 
 from captum_normattr.arch.families import parallel as family_parallel
 
 from captum_normattr.arch.families import seq2seq as family_seq2seq
-from captum_normattr.arch.families.base import BUILTIN, REFUSED
+from captum_normattr.arch.families import base as family_base
+from captum_normattr.arch.families.base import BUILTIN
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
@@ -39,11 +42,14 @@ __all__ = [
 #: Order (the docs' table): the text families of ``families``, the family groups, the vision families.
 ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
     [e for e in BUILTIN if e[1].modality == "text"]
-    + [e for group in (family_parallel, family_moe, family_decoders, family_encoders) for e in group.BUILTIN]
+    + [e for group in (family_parallel, family_moe, family_decoders, family_frontier, family_encoders)
+       for e in group.BUILTIN]
     + [e for e in BUILTIN if e[1].modality != "text"]
 )
 #: The registered encoder-decoder (two-stack) descriptions by key, explained by ALTIPlusAttribution.
 ENCODER_DECODERS: Dict[str, ArchitectureSpec] = dict(family_seq2seq.BUILTIN)
+#: ``config.model_type`` -> (family, why it is not supported): the family groups' refusals
+REFUSED: Dict[str, Tuple[str, str]] = {**family_base.REFUSED, **family_frontier.REFUSED}
 
 
 def register_architecture(spec: ArchitectureSpec, key: Optional[str] = None, replace: bool = False) -> ArchitectureSpec:
@@ -132,10 +138,11 @@ def supported_causal_families() -> str:
 def refusal(model_type: Optional[str], config: Any = None) -> Optional[str]:
     r"""Why a model type without a description is not supported, or None when nothing is known about it.
 
-    The families refused on purpose (:data:`~captum_normattr.arch.families.base.REFUSED`: state-space
-    and recurrent models, Swin, Funnel, ALBERT), a config that looks like a state-space model
-    (a ``state_size`` and no attention heads), and encoder-decoder models (explained by
-    :class:`~captum_normattr.ALTIPlusAttribution`, not by the encoder/decoder methods).
+    The families refused on purpose (:data:`REFUSED`: state-space and recurrent models, Swin, Funnel,
+    ALBERT, and the frontier families that need a mechanism no layer kind expresses), a config that
+    looks like a state-space model (a ``state_size`` and no attention heads), and encoder-decoder
+    models (explained by :class:`~captum_normattr.ALTIPlusAttribution`, not by the encoder/decoder
+    methods).
     """
     if model_type in REFUSED:
         family, why = REFUSED[model_type]
