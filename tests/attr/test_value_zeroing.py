@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
+from vision_models import images, make_vision
 from zoo import build
 
 from captum_normattr.attr.base import ConsistencyError, ConsistencyWarning
@@ -302,3 +303,14 @@ def test_value_layouts_of_the_zoo(key):
         one = vz.decompose(ids[b:b + 1, real])
         assert torch.allclose(res.scores[b, real], one.scores[0], atol=1e-12, rtol=0)
         assert float(one.delta.max()) < 1e-12
+
+
+def test_vision_transformer_pixels():
+    model = make_vision("vit")
+    x = images()
+    vz = ValueZeroingAttribution(model)
+    pixels, delta = vz.attribute(x, return_convergence_delta=True)
+    assert pixels.shape == x.shape and float(delta.max()) < 1e-12
+    res = vz.decompose(x)
+    assert res.scores.shape == (2, res.layer_maps.shape[-1]) and "patch_grid" in res.extras
+    assert torch.allclose(res.scores.sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-12)
