@@ -229,6 +229,7 @@ def normalize_rows(distances: Tensor, valid: Tensor) -> Tensor:
 
 
 def _first_tensor(output: Any) -> Tensor:
+    r"""The hidden states in a layer's output (a tensor, or the first tensor of a tuple or a model output)."""
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict):
