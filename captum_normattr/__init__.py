@@ -20,7 +20,10 @@ from captum_normattr.attr import (
     GlobEncAttribution,
     explain_generation,
 )
+from captum_normattr.attr.inference import ArchitectureInference, infer_architecture
 from captum_normattr.attr.routes import InformationFlowRoutes, RouteGraph
+from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
+from captum_normattr.models.quantization import QuantizedActivationsError
 from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.primitives.feed_forward import SCOPES as FF_SCOPES
 from captum_normattr.decompose.primitives.feed_forward import contextualization_change
@@ -38,6 +41,10 @@ from captum_normattr.models.weights import UnsupportedAdapterLayerError
 __version__ = "0.1.0"
 
 __all__ = [
+    "ValueZeroingAttribution",
+    "infer_architecture",
+    "ArchitectureInference",
+    "QuantizedActivationsError",
     "ALTIAttribution",
     "ALTILogitAttribution",
     "ALTILogitResult",

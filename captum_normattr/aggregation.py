@@ -38,6 +38,8 @@ Examples:
     >>> scores = torch.arange(enc["input_ids"].shape[1], dtype=torch.float)[None]  # doctest: +SKIP
     >>> aggregate_to_words(scores, enc, texts=["unbelievably good"])  # doctest: +SKIP
     [(['unbelievably', 'good'], tensor([15., 6.]))]
+
+It is over 700 lines because words, sentences, spans and their maps share the offset and span logic; the four aggregations are kept together so they agree.
 """
 from __future__ import annotations
 
@@ -119,8 +121,8 @@ def _join_pieces(tokens: Sequence[str]) -> str:
     given: WordPiece ``##`` continuations glued, SentencePiece ``▁`` and byte-fallback
     ``<0xNN>`` bytes decoded, byte-level BPE (``Ġ``, ``Ċ``, ``Ã©``) decoded through the byte
     map when the pieces form valid UTF-8 that way. (With the tokenizer at hand,
-    :func:`~captum_normattr.present.tokens.tokens_text` decodes exactly.)"""
-    from captum_normattr.present.tokens import byte_level_decode
+    :func:`~captum_normattr.tokens.tokens_text` decodes exactly.)"""
+    from captum_normattr.tokens import byte_level_decode
 
     out = []
     for k, t in enumerate(tokens):
@@ -153,7 +155,7 @@ def _normalized(s: str) -> str:
 
 def _token_forms(token: str) -> List[str]:
     r"""What a token string can stand for in the text, normalised (empty list: not checkable)."""
-    from captum_normattr.present.tokens import byte_level_decode
+    from captum_normattr.tokens import byte_level_decode
 
     if (token.startswith("[") and token.endswith("]")) or (token.startswith("<") and token.endswith(">")):
         return []  # [UNK], <unk>, byte fallback <0xNN>: no letters of the text to compare
@@ -239,7 +241,7 @@ def word_spans(
             :func:`check_texts_match`); otherwise they are rebuilt from the tokens
             (lower-cased by an uncased tokenizer).
         tokenizer: without ``texts``, the tokenizer: labels are the word's tokens decoded
-            together (:func:`~captum_normattr.present.tokens.tokens_text`); default: rebuilt
+            together (:func:`~captum_normattr.tokens.tokens_text`); default: rebuilt
             from the token strings (markers of WordPiece, SentencePiece and byte-level
             BPE removed).
 
@@ -284,7 +286,7 @@ def word_spans(
             end = max(enc.offsets[p][1] for p in sp.tokens)
             label = text[start:end]
         elif tokenizer is not None:
-            from captum_normattr.present.tokens import tokens_text
+            from captum_normattr.tokens import tokens_text
 
             label = tokens_text(tokenizer, [enc.ids[p] for p in sp.tokens])
         else:

@@ -11,7 +11,9 @@ from typing import List, Optional
 
 from captum_normattr.attr import ALTIAttribution, GlobEncAttribution
 from captum_normattr.models.loading import load_default_model
-from captum_normattr.present.tokens import readable_tokens
+from captum_normattr.tokens import readable_tokens
+
+__all__ = ["main"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -27,7 +27,7 @@ from captum_normattr.attr.positions import (
     position_request,
     warn_non_finite,
 )
-from captum_normattr.attr.prepared import PreparedInputs
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import LayerKind, layer_kind
 from captum_normattr.decompose.primitives.multi_position import rollout_rows_at_scaled
 from captum_normattr.decompose.primitives.rollout import check_convention, rollout_scaled

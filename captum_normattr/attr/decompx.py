@@ -34,7 +34,7 @@ from captum_normattr.attr.positions import (
     position_request,
     warn_non_finite,
 )
-from captum_normattr.attr.prepared import PreparedInputs
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
 from captum_normattr.decompose.methods.decompx.parts import check_bias_mode, ff_coefficients

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from captum_normattr.attr.images import image_extras
 from captum_normattr.attr.inputs import explained_positions
-from captum_normattr.attr.prepared import PreparedInputs
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
 from captum_normattr.decompose.methods.decompx.propagation import PropagatedParts
 from captum_normattr.decompose.methods.decompx.readout import adjoint_head_scores, adjoint_next_token_scores, head_scores, head_slope, logit_scores, mean_pool_weights, pool_frozen_rows, pool_head_parts

@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.prepared import PreparedInputs, single_input
+from captum_normattr.models.prepared import PreparedInputs, single_input
 from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.models.weights import input_device
 

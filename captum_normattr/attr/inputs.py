@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.prepared import PreparedInputs, single_input
+from captum_normattr.models.prepared import PreparedInputs, single_input
 from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.models.adapters import base_model, max_positions
 from captum_normattr.models.weights import input_device

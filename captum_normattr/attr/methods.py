@@ -4,11 +4,11 @@ evaluation baselines and the docs.
 Every entry is a :class:`MethodSpec`: the command-line key, the Captum class, what it
 explains, the constructor options it accepts (with their command-line flag, default,
 choices and help), whether its scores depend on ``target``, whether they are signed, and
-the model families it applies to. :data:`METHODS` maps the key to its spec.
+the groups of models it applies to (encoders, decoders, encoder-decoders). :data:`METHODS` maps the key to its spec.
 
 Examples:
     >>> sorted(METHODS)
-    ['alti', 'alti-logit', 'alti-plus', 'decompx', 'ff', 'globenc']
+    ['alti', 'alti-logit', 'alti-plus', 'decompx', 'ff', 'globenc', 'value-zeroing']
     >>> spec = get_method("globenc")
     >>> spec.cls.__name__, spec.uses_target, spec.signed
     ('GlobEncAttribution', False, False)
@@ -28,13 +28,14 @@ from captum_normattr.attr.alti_plus import ALTIPlusAttribution
 from captum_normattr.attr.decompx import DecompXAttribution
 from captum_normattr.attr.ff_decomposition import FFIntegratedDecomposition
 from captum_normattr.attr.globenc import GlobEncAttribution
+from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.decompose.methods.decompx.parts import BIAS_MODES
 from captum_normattr.decompose.kinds.post_ln import GLOBENC_MAPS
 from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS, SCOPES
 from captum_normattr.decompose.primitives.rollout import ROLLOUT_CONVENTIONS
 
 __all__ = [
-    "FAMILIES",
+    "MODEL_GROUPS",
     "METHODS",
     "MethodSpec",
     "OptionSpec",
@@ -45,10 +46,10 @@ __all__ = [
     "spec_for",
 ]
 
-#: the model families a method can apply to
-FAMILIES: Tuple[str, ...] = ("encoders", "decoders", "encoder-decoders")
-#: the families a method applies to unless its entry says otherwise
-DEFAULT_FAMILIES: Tuple[str, ...] = ("encoders", "decoders")
+#: the groups of models a method can apply to (not architecture families: see captum_normattr.arch)
+MODEL_GROUPS: Tuple[str, ...] = ("encoders", "decoders", "encoder-decoders")
+#: the model groups a method applies to unless its entry says otherwise
+DEFAULT_MODEL_GROUPS: Tuple[str, ...] = ("encoders", "decoders")
 
 
 def parse_position(value: str) -> Union[int, str]:
@@ -151,7 +152,7 @@ class MethodSpec:
         uses_target: the scores depend on ``target`` (it is passed to ``decompose`` /
             ``attribute``); False for the class-agnostic maps.
         signed: the scores carry a sign.
-        families: the model families it applies to, a subset of :data:`FAMILIES`.
+        model_groups: the groups of models it applies to, a subset of :data:`MODEL_GROUPS`.
         maps: ``decompose`` returns a :class:`~captum_normattr.result.DecompositionResult`
             and takes ``return_layer_maps`` / ``return_rollout``.
         fixed: constructor keywords always passed.
@@ -169,7 +170,7 @@ class MethodSpec:
     options: Tuple[OptionSpec, ...] = ()
     uses_target: bool = False
     signed: bool = False
-    families: Tuple[str, ...] = DEFAULT_FAMILIES
+    model_groups: Tuple[str, ...] = DEFAULT_MODEL_GROUPS
     maps: bool = False
     fixed: Mapping[str, Any] = field(default_factory=dict)
     factory: Optional[Callable[[Any, Any], Any]] = None
@@ -177,9 +178,9 @@ class MethodSpec:
     def __post_init__(self) -> None:
         if (self.cls is None) == (self.factory is None):
             raise ValueError(f"method {self.key!r}: give exactly one of cls and factory")
-        bad = [f for f in self.families if f not in FAMILIES]
+        bad = [f for f in self.model_groups if f not in MODEL_GROUPS]
         if bad:
-            raise ValueError(f"method {self.key!r}: unknown families {bad}; choose from {FAMILIES}")
+            raise ValueError(f"method {self.key!r}: unknown model groups {bad}; choose from {MODEL_GROUPS}")
 
     @property
     def name(self) -> str:
@@ -241,7 +242,7 @@ class MethodSpec:
 
     def applies_to(self, family: str) -> bool:
         r"""Whether the method applies to ``"encoders"`` or ``"decoders"``."""
-        return family in self.families
+        return family in self.model_groups
 
 
 METHODS: Dict[str, MethodSpec] = {}
@@ -257,7 +258,7 @@ def register_method(
     options: Tuple[OptionSpec, ...] = (),
     uses_target: bool = False,
     signed: bool = False,
-    families: Tuple[str, ...] = DEFAULT_FAMILIES,
+    model_groups: Tuple[str, ...] = DEFAULT_MODEL_GROUPS,
     maps: bool = False,
     fixed: Optional[Mapping[str, Any]] = None,
     replace: bool = False,
@@ -269,7 +270,7 @@ def register_method(
         build: ``build(model, options) -> attribution`` (``options``: the command line's
             namespace), for a method without a class entry.
         help: one-line description.
-        cls, explains, options, uses_target, signed, families, maps, fixed: see
+        cls, explains, options, uses_target, signed, model_groups, maps, fixed: see
             :class:`MethodSpec`.
         replace: allow overwriting an existing entry.
 
@@ -290,7 +291,7 @@ def register_method(
     else:
         spec = MethodSpec(
             key=name.lower(), cls=cls, description=help, explains=explains, options=tuple(options),
-            uses_target=uses_target, signed=signed, families=tuple(families), maps=maps,
+            uses_target=uses_target, signed=signed, model_groups=tuple(model_groups), maps=maps,
             fixed=dict(fixed or {}), factory=build,
         )
     if spec.key in METHODS and not replace:
@@ -350,7 +351,14 @@ register_method(MethodSpec(
     "ALTI-Logit (Ferrando et al. 2023): signed contributions to the next-token logit of a causal LM "
     "(-t token id; default: the predicted token)",
     explains="a next-token logit of a causal LM (or target minus foil)",
-    options=(POSITION_OPTION,), uses_target=True, signed=True, families=("decoders",),
+    options=(POSITION_OPTION,), uses_target=True, signed=True, model_groups=("decoders",),
+))
+register_method(MethodSpec(
+    "value-zeroing", ValueZeroingAttribution,
+    "Value Zeroing (Mohebbi et al. 2023): cosine distance of each layer's output when one token's value is zeroed "
+    "(O(T) layer reruns)",
+    explains="the explained row of the rolled-out, row-normalised Value Zeroing maps (class-agnostic)",
+    options=(POSITION_OPTION,), maps=True,
 ))
 
 register_method(MethodSpec(
@@ -358,22 +366,22 @@ register_method(MethodSpec(
     "ALTI+ (Ferrando et al. 2022): source and target-prefix contributions of an encoder-decoder "
     "(BART, Marian, mBART, M2M100/NLLB, Pegasus, T5/mT5)",
     explains="every decoder position's contributions from the source tokens and the target prefix (rows sum to 1)",
-    families=("encoder-decoders",),
+    model_groups=("encoder-decoders",),
 ))
 
 
 def method_table_markdown(methods: Optional[Mapping[str, MethodSpec]] = None) -> str:
     r"""The docs' method table (Markdown), rendered from the registry.
 
-    Columns: CLI name, class, what it explains, ``target``?, signed?, families, options
+    Columns: CLI name, class, what it explains, ``target``?, signed?, model groups, options
     (command-line flag, with the constructor keyword where it differs).
 
     Examples:
         >>> print(method_table_markdown().splitlines()[0])
-        | name | class | explains | target? | signed? | families | options |
+        | name | class | explains | target? | signed? | model groups | options |
     """
     rows = [
-        "| name | class | explains | target? | signed? | families | options |",
+        "| name | class | explains | target? | signed? | model groups | options |",
         "|---|---|---|:-:|:-:|---|---|",
     ]
     for spec in (METHODS if methods is None else methods).values():
@@ -384,6 +392,6 @@ def method_table_markdown(methods: Optional[Mapping[str, MethodSpec]] = None) ->
         rows.append(
             f"| `{spec.key}` | `{spec.class_name}` | {spec.explains or spec.description} | "
             f"{'yes' if spec.uses_target else 'no'} | {'yes' if spec.signed else 'no'} | "
-            f"{', '.join(spec.families)} | {opts} |"
+            f"{', '.join(spec.model_groups)} | {opts} |"
         )
     return "\n".join(rows)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.attr.explained_output import VOCAB_BLOCK, NextTokenLogit
-from captum_normattr.attr.prepared import PreparedInputs
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [

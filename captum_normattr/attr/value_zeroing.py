@@ -28,20 +28,14 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.arch.spec import ValueProjection
-from captum_normattr.attr.base import (
-    ConsistencyError,
-    ConsistencyWarning,
-    DecompositionAttribution,
-    format_output,
-    mark_non_finite,
-)
+from captum_normattr.arch.spec import ArchitectureSpec, ValueProjection
+from captum_normattr.attr.base import DecompositionAttribution, format_output
 from captum_normattr.attr.images import image_extras, pixel_attributions
-from captum_normattr.attr.inputs import PreparedInputs, explained_positions, prepare_inputs
+from captum_normattr.attr.inputs import explained_positions, prepare_inputs
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.primitives.guards import guard_tolerance
 from captum_normattr.decompose.primitives.rollout import rollout, rollout_rows
 from captum_normattr.models.adapters import (
-    ArchitectureAdapter,
     base_model,
     get_adapter,
     get_path,
@@ -50,6 +44,8 @@ from captum_normattr.models.adapters import (
     value_projection,
 )
 from captum_normattr.models.capture.recorder import eval_mode
+from captum_normattr.models.engine import mark_non_finite
+from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.options import check_explained_position, check_memory_budget
 from captum_normattr.result import DecompositionResult
 
@@ -97,7 +93,7 @@ def attention_shape(attention: nn.Module, model: nn.Module) -> Tuple[int, int]:
     return heads, find(("num_key_value_heads", "num_kv_heads")) or heads
 
 
-def value_columns(layer: nn.Module, adapter: ArchitectureAdapter, model: nn.Module) -> Tensor:
+def value_columns(layer: nn.Module, adapter: ArchitectureSpec, model: nn.Module) -> Tensor:
     r"""The output columns of a layer's value projection that hold the value states.
 
     The layouts of :class:`~captum_normattr.arch.spec.ValueProjection`: every column

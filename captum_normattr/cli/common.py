@@ -207,7 +207,7 @@ def _load_model(name_or_path: Optional[str], device: Any, trust_remote_code: boo
     """
     if name_or_path is None:
         try:
-            from captum_normattr import load_default_model
+            from captum_normattr.models.loading import load_default_model
         except ImportError:
             load_default_model = None  # type: ignore[assignment]
         if load_default_model is not None:

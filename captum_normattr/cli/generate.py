@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from captum_normattr.present.tokens import readable_tokens, terminal_lines, visible_text
+from captum_normattr.tokens import readable_tokens, terminal_lines, visible_text
 
 PROG = "captum-normattr generate"
 QUANTITY_NAMES = {"logit": "logit", "logit-minus-foil": "logit_minus_foil", "logit-minus-mean": "logit_minus_mean"}
@@ -38,13 +38,9 @@ def llm_methods() -> Tuple[str, ...]:
     Returns:
         Their registry keys (:data:`captum_normattr.attr.methods.METHODS`), in registry order.
     """
-    from captum_normattr.attr import ALTILogitAttribution, DecompXAttribution
-    from captum_normattr.attr.base import LayerDecompositionAttribution
     from captum_normattr.attr.methods import METHODS
 
-    # the classes DecompositionLLMAttribution explains, until each defines explain_positions (MethodSpec.llm)
-    return tuple(key for key, spec in METHODS.items() if spec.cls is not None and issubclass(
-        spec.cls, (ALTILogitAttribution, DecompXAttribution, LayerDecompositionAttribution)))
+    return tuple(key for key, spec in METHODS.items() if spec.llm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +175,7 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
 
 def feature_text(tokenizer: Any, features: Any) -> List[str]:
     r"""Readable labels of input features: a feature that is one of the tokenizer's tokens
-    (``Ġcapital``, ``▁Paris``) becomes its text (:func:`~captum_normattr.present.tokens.readable_tokens`);
+    (``Ġcapital``, ``▁Paris``) becomes its text (:func:`~captum_normattr.tokens.readable_tokens`);
     any other feature (a template value) is kept as it is."""
     out = []
     for f in features:

@@ -68,7 +68,7 @@ def run_image_cli(args: Any, specs: Sequence[Any]) -> int:
     from captum_normattr.attr.images import token_names
     from captum_normattr.cli.common import CLIError, model_adapter
     from captum_normattr.cli.output import use_agg_backend
-    from captum_normattr.present.tokens import visible_text
+    from captum_normattr.tokens import visible_text
 
     model, processor = load_image_model(args.model, bool(getattr(args, "trust_remote_code", False)))
     adapter = model_adapter(model, f"--image: the model {args.model!r}")

@@ -77,7 +77,7 @@ from captum_normattr.cli.common import (
 from captum_normattr.cli.output import check_output_path, use_agg_backend, write_results
 from captum_normattr.progress import progress_bar
 from captum_normattr.attr.methods import METHODS, MethodSpec, OptionSpec, get_method, register_method
-from captum_normattr.present.tokens import terminal_lines
+from captum_normattr.tokens import terminal_lines
 
 __all__ = ["CLIError", "METHODS", "MethodSpec", "build_parser", "explain", "main", "method_options", "register_method"]
 
@@ -367,7 +367,7 @@ def explain(
     from captum_normattr.attr.inputs import explained_positions
     from captum_normattr.present.report import explanations_from_results
     from captum_normattr.result import AttributionResult, DecompositionResult
-    from captum_normattr.present.tokens import readable_tokens
+    from captum_normattr.tokens import readable_tokens
     from captum_normattr.present.visualization import example_from_result
 
     device = next(model.parameters()).device
@@ -499,7 +499,7 @@ def _list_methods() -> str:
     lines = []
     for key, spec in METHODS.items():
         lines.append(f"{key.ljust(width)}  {spec.description}")
-        facts = [", ".join(spec.families)]
+        facts = [", ".join(spec.model_groups)]
         if spec.options:
             facts.append("options " + " ".join(o.flags[-1] for o in spec.options))
         if spec.uses_target:

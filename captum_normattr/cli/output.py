@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from captum_normattr.cli.common import PROG, CLIError, can_print_blocks, write_output
 from captum_normattr.cli.dataset.resume import same_file
-from captum_normattr.present.tokens import json_for_terminal, visible_text
+from captum_normattr.tokens import json_for_terminal, visible_text
 
 __all__ = ["check_output_path", "embed_maps", "save_plots", "use_agg_backend", "write_results"]
 

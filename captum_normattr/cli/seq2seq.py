@@ -36,7 +36,7 @@ from captum_normattr.cli.common import (
 )
 from captum_normattr.cli.output import use_agg_backend
 from captum_normattr.progress import progress_bar
-from captum_normattr.present.tokens import display_token, json_for_terminal, readable_tokens, visible_text
+from captum_normattr.tokens import display_token, json_for_terminal, readable_tokens, visible_text
 
 __all__ = ["SourcePair", "explain_pairs", "read_pairs", "render_seq2seq_table", "run_seq2seq"]
 

@@ -20,13 +20,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.prepared import PreparedInputs
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import base_model
 from captum_normattr.models.capture.recorder import Recorder, RecordedTensorModifiedError, recording
 from captum_normattr.models.guard import ConsistencyGuard
-from captum_normattr.result import AttributionResult
 
 __all__ = [
     "LayerContribution",
@@ -37,7 +36,7 @@ __all__ = [
     "streamed_forward",
 ]
 
-R = TypeVar("R", bound=AttributionResult)
+R = TypeVar("R")  # an AttributionResult (captum_normattr.result); typed loosely: results sit on a higher floor
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.present.figures import ArrayLike, to_numpy
-from captum_normattr.present.tokens import visible_text
+from captum_normattr.tokens import visible_text
 from captum_normattr.present.visualization import example_from_result, require_map, unpadded_tokens
 from captum_normattr.result import AttributionResult
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from captum_normattr.present.tokens import display_token, visible_text
+from captum_normattr.tokens import display_token, visible_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -79,7 +79,7 @@ def plot_label(text: Any) -> str:
     r"""A string for a matplotlib label, drawn literally.
 
     Control and format characters are shown visibly
-    (:func:`~captum_normattr.present.tokens.visible_text`) and every ``$`` is escaped, so that
+    (:func:`~captum_normattr.tokens.visible_text`) and every ``$`` is escaped, so that
     matplotlib never reads the text as mathtext (a token ``$x`` or ``a$b$c`` would
     otherwise be typeset as a formula, or crash the drawing with a parse error).
 
@@ -91,7 +91,7 @@ def plot_label(text: Any) -> str:
 
 
 def short_label(token: str, width: int = 14) -> str:
-    r"""A tick label: the token as shown (:func:`~captum_normattr.present.tokens.display_token`), cut to ``width``, ``$`` escaped."""
+    r"""A tick label: the token as shown (:func:`~captum_normattr.tokens.display_token`), cut to ``width``, ``$`` escaped."""
     token = display_token(token)
     short = token if len(token) <= width else token[: width - 1] + "\u2026"
     return short.replace("$", "\\$")

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.result import AttributionResult
-from captum_normattr.present.tokens import display_token, visible_text
+from captum_normattr.tokens import display_token, visible_text
 
 __all__ = [
     "TextExplanation",
@@ -58,10 +58,10 @@ class TextExplanation:
             the sum of ``scores``; an aggregated explanation keeps the totals of its
             tokens). The table shows unsigned scores as shares of it.
         raw_tokens: the tokenizer's own token strings (``Ġkeys``), when ``tokens`` are
-            readable labels (``" keys"``, :func:`~captum_normattr.present.tokens.readable_tokens`);
+            readable labels (``" keys"``, :func:`~captum_normattr.tokens.readable_tokens`);
             JSON writes them under ``"tokens"`` and the labels under ``"token_text"``.
             Default: taken from ``tokens.raw`` when ``tokens`` is a
-            :class:`~captum_normattr.present.tokens.ReadableTokens`, else None.
+            :class:`~captum_normattr.tokens.ReadableTokens`, else None.
         sink_share: method name -> the share of the first token (position 0: ``[CLS]``,
             BOS, or the first word of a decoder prompt, where attention sinks sit):
             ``|score_0| / sum_t |score_t|`` over the real tokens (NaN when all scores are
@@ -203,7 +203,7 @@ def explanations_from_results(
         texts: the B texts.
         tokens: the tokens of each text, padded length T (pads are removed with the
             attention mask) or already without pads; readable labels
-            (:func:`~captum_normattr.present.tokens.readable_tokens`) keep their raw tokens.
+            (:func:`~captum_normattr.tokens.readable_tokens`) keep their raw tokens.
         results: method name -> an :class:`~captum_normattr.result.AttributionResult`
             (its per-example ``example(i)`` gives the unpadded scores; its
             ``attention_mask`` and ``explained_position`` are the defaults of the two
@@ -330,7 +330,7 @@ def render_table(
     its first token in each method's absolute scores (``sink_share``: where decoders put
     their attention sink).
 
-    Everything printed passes through :func:`~captum_normattr.present.tokens.visible_text`:
+    Everything printed passes through :func:`~captum_normattr.tokens.visible_text`:
     control characters (escape sequences, carriage returns, newlines) and right-to-left
     overrides in a text, a token, a method name or a prediction are shown as ``\x1b``,
     ``\u202e``, never sent to the terminal.
@@ -542,7 +542,7 @@ def render_html(
     Returns:
         The HTML document as a string. Every text, token, label and value appears
         HTML-escaped, with control and format characters (right-to-left overrides ...)
-        shown visibly (:func:`~captum_normattr.present.tokens.visible_text`). Every text reports
+        shown visibly (:func:`~captum_normattr.tokens.visible_text`). Every text reports
         the first token's share of each method's absolute scores (``sink_share``).
 
     Examples:

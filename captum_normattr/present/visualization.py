@@ -21,7 +21,7 @@ Functions:
     - :func:`plot_label`: how every label is drawn: literally (no mathtext: a ``$`` in a
       token is a dollar sign), control characters shown visibly.
 
-Pass readable token labels (:func:`~captum_normattr.present.tokens.readable_tokens`: ``" keys"``
+Pass readable token labels (:func:`~captum_normattr.tokens.readable_tokens`: ``" keys"``
 rather than ``Ġkeys``). Every score plot and map takes ``exclude_sink=True`` to leave the
 first token (``[CLS]``, BOS: where decoders keep their attention sink) out of the picture
 and of its color scale, without changing the scores.
@@ -50,7 +50,7 @@ from captum_normattr.present.figures import (  # noqa: F401 - MISSING_MATPLOTLIB
     to_numpy,
 )
 from captum_normattr.result import AttributionResult
-from captum_normattr.present.tokens import display_token
+from captum_normattr.tokens import display_token
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -135,7 +135,7 @@ def example_from_result(
         None), ``method`` (str) and ``tokens`` (list of n str, or None).
 
     Examples:
-        >>> from captum_normattr.present.tokens import readable_tokens
+        >>> from captum_normattr.tokens import readable_tokens
         >>> ex = example_from_result(res, 0, readable_tokens(tokenizer, ids[0]))  # doctest: +SKIP
         >>> plot_layer_grid(ex["layer_maps"], ex["tokens"])  # doctest: +SKIP
     """

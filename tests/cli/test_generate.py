@@ -104,7 +104,7 @@ def test_feature_labels_are_readable_text():
     r"""The table's and report's input features read as text (``Ġcat`` -> ``cat``), for byte-level
     BPE and SentencePiece; a feature that is no single token (a template value) is kept."""
     from captum_normattr.cli.generate import feature_text
-    from captum_normattr.present.tokens import readable_tokens
+    from captum_normattr.tokens import readable_tokens
     from tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
 
     def readable_tokens_of(tok, toks):

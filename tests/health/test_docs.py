@@ -28,12 +28,17 @@ def test_readme_method_table_is_the_registry_table():
         "regenerate it with: UPDATE_README=1 python -m pytest tests/health/test_docs.py")
 
 
-def test_readme_keeps_the_setup_commands_of_ci():
+def test_ci_runs_the_readme_commands_as_written():
+    r""".ci/run reads README command 1 and 2 from the README's first bash block and runs them as written."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    ci = [line.replace(" -q", "") for line in (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
-    install = next(line for line in ci if "captum_normattr.quickstart" in line)
-    assert install in readme  # README command 1 is what CI runs (CI adds only -q)
-    assert "python -m pytest -q" in readme
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert "readme_command 1" in ci and "readme_command 2" in ci and 'bash -c "set -e; $CMD1"' in ci
+    func = ci[ci.index("readme_command() {"):ci.index("\n}\n", ci.index("readme_command() {")) + 3]
+    script = func + "\nreadme_command 1; echo '---'; readme_command 2\n"
+    out = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    cmd1, cmd2 = [c.strip() for c in out.split("---")]
+    assert "captum_normattr.quickstart" in cmd1 and "pip install" in cmd1 and cmd1 in readme
+    assert "python -m pytest -q" in cmd2 and cmd2 in readme
     assert "## Memory (streaming engine)" in readme and "## Speed" in readme
 
 

@@ -376,7 +376,7 @@ def test_table_html_and_json_report_the_sink_share():
     import json
 
     from captum_normattr.present.report import TextExplanation, explanations_from_results, render_html, render_json, render_table
-    from captum_normattr.present.tokens import ReadableTokens
+    from captum_normattr.tokens import ReadableTokens
 
     res = _sink_result()
     toks = [ReadableTokens(["pad", "The", "keys", "are", "here"], ["<pad>", "The", "\u0120keys", "\u0120are", "\u0120here"]),

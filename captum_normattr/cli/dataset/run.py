@@ -102,7 +102,7 @@ def _records(
 ) -> List[Dict[str, Any]]:
     from torch import Tensor
 
-    from captum_normattr.present.tokens import readable_tokens
+    from captum_normattr.tokens import readable_tokens
 
     out = []
     for i, item in enumerate(chunk):
@@ -351,7 +351,7 @@ def explain_dataset(
                           "give another output path")
     items = read_inputs(source, column, id_column, split)
     if model is None:
-        from captum_normattr import load_default_model
+        from captum_normattr.models.loading import load_default_model
 
         model, tokenizer = load_default_model()
     if tokenizer is None:
@@ -390,7 +390,7 @@ def add_arguments(parser: Any) -> None:
 def run_cli(args: Any, specs: Sequence[Any]) -> int:
     r"""``--format jsonl``: explain ``--file`` (and TEXT arguments) into ``--output``, resumable, multi-process."""
     from captum_normattr.cli.common import PROG, CLIError, is_decoder, load_model, resolve_device
-    from captum_normattr.present.tokens import terminal_lines, visible_text
+    from captum_normattr.tokens import terminal_lines, visible_text
 
     if args.output is None:
         raise CLIError("--format jsonl needs --output PATH (records are appended and resumed there)")

@@ -1,1 +1,3 @@
 r"""captum_normattr.decompose.kinds."""
+
+__all__ = []

@@ -29,6 +29,8 @@ meaning: in a post-LN layer the second LayerNorm closes the layer; in a pre-LN l
 norm follows the feed-forward residual. Asking for them raises a ValueError that names
 the valid maps. Causal attention makes every map lower-triangular: entries (i, j > i)
 are exactly 0.
+
+It is over 700 lines because the pre-LN kind is the one the parallel and sandwich kinds reuse: its maps, ALTI, FF scopes and DecompX step stay in one module.
 """
 from __future__ import annotations
 

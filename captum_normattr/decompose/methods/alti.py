@@ -30,6 +30,17 @@ from captum_normattr.decompose.primitives import native
 from captum_normattr.decompose.primitives.chunking import MIN_TILE_ROWS, tile_for_cache
 from captum_normattr.decompose.primitives.mixing import row_normalize
 
+__all__ = [
+    "ALTI_TILE_BYTES",
+    "COMPILE_ENV",
+    "COMPILE_MIN_ELEMENTS",
+    "COMPILE_MIN_EXAMPLE_ELEMENTS",
+    "FUSED_BLOCK_BYTES",
+    "alti_map",
+    "l1_contributions",
+    "use_compiled_kernel",
+]
+
 #: Bytes of one tile of the eager kernel's reused parts buffer (measured: larger tiles mean
 #: fewer, larger batched products; 16 MB beat 1-4 MB on MiniLM 32 x 128).
 ALTI_TILE_BYTES = 16 * 2**20

@@ -20,6 +20,14 @@ from torch import Tensor
 from captum_normattr.decompose.primitives.feed_forward import contextualization_change
 from captum_normattr.decompose.primitives.mixing import row_normalize
 
+__all__ = [
+    "AMPLIFICATION_NORMALIZATIONS",
+    "SCOPE_STEPS",
+    "amplification_scores",
+    "scope_contextualization_changes",
+    "top_amplified_pairs",
+]
+
 #: Successive scopes: (before, after, name of the step).
 SCOPE_STEPS: Tuple[Tuple[str, str, str], ...] = (("ATB", "FF", "+FF"), ("FF", "RES2", "+RES2"), ("RES2", "LN2", "+LN2"))
 AMPLIFICATION_NORMALIZATIONS = ("row", "sum")

@@ -31,6 +31,22 @@ from captum_normattr.decompose.primitives import compiled
 from captum_normattr.decompose.primitives.attention import project_values
 from captum_normattr.decompose.records import LayerTensors
 
+__all__ = [
+    "EDGE_KINDS",
+    "GRANULARITIES",
+    "PrunedRoutes",
+    "ROUTES_COMPILE_AFTER_SECONDS",
+    "ROUTES_MEMORY_BUDGET_MB",
+    "ROUTES_TILE_BYTES",
+    "attention_edge_importances",
+    "ff_edge_importances",
+    "head_importance_totals",
+    "head_part_distances",
+    "node_id",
+    "proximity",
+    "prune_routes",
+]
+
 #: Default memory budget (MB) that sizes the chunks of kept rows (their parts (R, H, T, D) would fit it).
 ROUTES_MEMORY_BUDGET_MB = 128.0
 #: Seconds the eager per-head distance kernel may take in a process before the compiled one replaces

@@ -1,1 +1,3 @@
 r"""captum_normattr.decompose.primitives."""
+
+__all__ = []

@@ -18,6 +18,18 @@ from captum_normattr.decompose.primitives import compiled
 from captum_normattr.decompose.primitives.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, MIN_TILE_ROWS, rows_for_budget, token_blocks
 from captum_normattr.decompose.primitives.mixing import mixing_ratio
 
+__all__ = [
+    "QUAD_COMPILE_AFTER_SECONDS",
+    "QUAD_COMPILE_MIN_ELEMENTS",
+    "attention_context",
+    "attention_parts_rows",
+    "diagonal_attention_parts",
+    "heads_through_out",
+    "norm_maps_and_ratios",
+    "part_norms_gram",
+    "project_values",
+]
+
 #: Probabilities (B H T^2) of a float32 layer from which the compiled quadratic-form kernel may be
 #: used by default. Measured on MiniLM 32 x 128 (6.3 M per layer): 3 ms against 12-20 ms for the
 #: eager blocks, about 0.1 s of a 1.2 s GlobEnc call.

@@ -16,6 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+__all__ = [
+    "CACHE_TILE_BYTES",
+    "GRAM_CHUNK_MB",
+    "MIN_TILE_ROWS",
+    "VECTOR_BLOCK_BYTES",
+    "row_chunks",
+    "rows_for_budget",
+    "tile_for_cache",
+    "token_blocks",
+]
+
 #: Bytes of one tile of explicit parts in the cache-blocked kernels (about an L2/L3 share per core).
 CACHE_TILE_BYTES = 4 * 2**20
 #: Fewest rows (and columns) of a cache tile: smaller matrix products run below the BLAS's speed.

@@ -16,6 +16,15 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+__all__ = [
+    "COMPILE_ENV",
+    "compile_setting",
+    "compiled_kernel",
+    "has_failed",
+    "kernel_failed",
+    "use_compiled_kernels",
+]
+
 #: Environment variable: ``0`` disables the compiled kernels, ``1`` uses them at every size.
 COMPILE_ENV = "CAPTUM_NORMATTR_COMPILE"
 

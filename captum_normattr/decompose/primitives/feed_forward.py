@@ -25,6 +25,24 @@ from captum_normattr.decompose.primitives.layer_norm import apply_norm_to_parts,
 from captum_normattr.decompose.primitives.mixing import row_normalize
 from captum_normattr.decompose.records import LayerTensors, NormParams
 
+__all__ = [
+    "CONTRIBUTIONS",
+    "IG_METHODS",
+    "LN_SCOPES",
+    "SCOPES",
+    "act_derivative_at_zero",
+    "component_scope_maps",
+    "contextualization_change",
+    "ff_parts",
+    "ff_parts_from_pre",
+    "ff_rows_per_chunk",
+    "ig_closed_form",
+    "ig_coefficients",
+    "ig_riemann",
+    "low_gamma_keep",
+    "scope_outputs",
+]
+
 SCOPES = ("ATB", "FF", "RES2", "LN2")
 #: How a layer map is made from explicit parts: ``"norm"`` (L2 norm of each part, GlobEnc-style)
 #: or ``"alti"`` (ALTI's L1 contribution against the real output of the scope, rows normalised).

@@ -28,6 +28,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+__all__ = [
+    "DEFAULT_NODES",
+    "SILU_CHUNK",
+    "gate_integrals",
+    "gated_ff_parts",
+    "gated_ff_parts_from_preactivations",
+    "gauss_legendre_unit",
+    "is_silu",
+    "local_autograd",
+    "quadrature_error",
+    "quadrature_gate_integrals",
+    "silu_gate_integrals",
+]
+
 #: Default number of Gauss-Legendre nodes: |a I1 + I2 - g(a)| < 1e-12 for SiLU gate values |a| <= 60 in float64.
 #: From this many nodes on, a SiLU gate's integrals are taken in closed form (:func:`silu_gate_integrals`).
 DEFAULT_NODES = 48

@@ -16,6 +16,15 @@ from torch.nn import functional as F
 
 from captum_normattr.decompose.records import NormParams
 
+__all__ = [
+    "GUARD_TOLERANCE",
+    "GUARD_TOLERANCE_LOW_PRECISION",
+    "guard_tolerance",
+    "norm_rebuild_error",
+    "rebuild_norm",
+    "relative_difference",
+]
+
 
 def relative_difference(real: Tensor, expected: Tensor, temporary: bool = False) -> Tensor:
     r"""max |real - expected| / max |real|, a 0-dim tensor (in the dtype of ``real``).

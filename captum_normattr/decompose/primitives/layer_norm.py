@@ -14,6 +14,8 @@ from torch import Tensor
 from captum_normattr.decompose.primitives import chunking
 from captum_normattr.decompose.records import NormParams
 
+__all__ = ["NormLinearMap", "apply_norm_to_parts", "norm_bias_part", "norm_linear_map", "norm_scale"]
+
 
 def norm_scale(u: Tensor, params: NormParams) -> Tensor:
     r"""The per-token denominator of a norm, computed from its real input.

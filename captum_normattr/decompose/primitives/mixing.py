@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = ["fixed_residual", "mixing_ratio", "pair_mask", "ratio_residual", "row_normalize"]
+
 
 def mixing_ratio(total_parts: Tensor, own_part: Tensor) -> Tensor:
     r"""Kobayashi et al. 2021 context-mixing ratio per receiving token.

@@ -22,6 +22,19 @@ from torch import Tensor
 
 from captum_normattr.decompose.primitives.mixing import row_normalize
 
+__all__ = [
+    "LayerMapStore",
+    "ROLLOUT_CONVENTIONS",
+    "carried_rows_times",
+    "check_convention",
+    "ldexp_exact",
+    "rollout",
+    "rollout_rows",
+    "rollout_rows_scaled",
+    "rollout_scaled",
+    "unscale",
+]
+
 ROLLOUT_CONVENTIONS = ("raw", "row_normalized")
 
 

@@ -1,1 +1,3 @@
 r"""captum_normattr.models.capture."""
+
+__all__ = []

@@ -28,6 +28,8 @@ joins, each norm rebuilt from its input and parameters, one layer's output again
 layer's input); each layer module must run exactly once per forward pass, in order; and a
 recorded tensor that the model changes in place afterwards is detected at hand-over (its
 version counter), after which that tensor is recorded as a copy.
+
+It is over 700 lines because the recording attention function, its thread state and the recorder share private state (the per-thread recorder stack, the switched configs); splitting it into attention / record / recorder / session modules is the next step of the layout (docs/design.md, 'The house').
 """
 from __future__ import annotations
 
@@ -54,6 +56,23 @@ from captum_normattr.models.adapters import (
 )
 from captum_normattr.models.experts import experts_ff_params, register_expert_hooks
 from captum_normattr.models.weights import module_tensor
+
+__all__ = [
+    "ATTENTION_NAME",
+    "AttentionRecords",
+    "CAUSAL_ROW_BLOCKS",
+    "EXAMPLE_BLOCK_BYTES",
+    "LayerRunError",
+    "ProbabilityBuffers",
+    "RecordedTensorModifiedError",
+    "Recorder",
+    "SCORE_CHUNK_BYTES",
+    "branch_multiplier",
+    "eval_mode",
+    "norm_params",
+    "recorder_session",
+    "recording",
+]
 
 ATTENTION_NAME = "captum_normattr_capture"
 #: Bytes of one chunk of attention scores in the recording attention.

@@ -1,1 +1,3 @@
 r"""captum_normattr.decompose.methods.decompx."""
+
+__all__ = []

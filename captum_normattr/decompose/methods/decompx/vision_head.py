@@ -25,6 +25,8 @@ from captum_normattr.decompose.methods.decompx.parts import absorb_bias, check_b
 from captum_normattr.decompose.primitives.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.decompose.records import NormParams
 
+__all__ = ["adjoint_linear_head_scores", "frozen_linear_head", "linear_head_scores"]
+
 
 def linear_head_scores(
     parts: Tensor,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from captum_normattr.present.tokens import ReadableTokens, byte_level_decode, readable_tokens, tokens_text, visible_text
+from captum_normattr.tokens import ReadableTokens, byte_level_decode, readable_tokens, tokens_text, visible_text
 
 from tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
 
@@ -93,7 +93,7 @@ def test_visible_text_keeps_ordinary_text():
 
 
 def test_display_token_never_shows_nothing():
-    from captum_normattr.present.tokens import display_token
+    from captum_normattr.tokens import display_token
 
     assert display_token(" ") == "\u2423" and display_token("  ") == "\u2423\u2423"
     assert display_token(" ", ascii_only=True) == "' '" and display_token("\x1b") == "\\x1b"
