@@ -16,7 +16,7 @@ from captum.attr import Attribution
 from captum_normattr.attr.methods import METHODS
 
 CLASS_SPECS = [s for s in METHODS.values() if s.cls is not None]
-CASES = [(s.key, group) for s in CLASS_SPECS for group in s.families]
+CASES = [(s.key, group) for s in CLASS_SPECS for group in s.model_groups]
 
 
 def _case(group):

@@ -4,7 +4,11 @@ Every recorded layer carries checks (relative differences between the model's re
 and the tensors the decomposition rebuilds, filled by the capture); the map methods add their
 attention block's completeness error. :class:`ConsistencyGuard` judges them for one call with
 the tolerance of the dtype the model computed in, and warns once (:class:`ConsistencyWarning`)
-or raises at the first failing layer (:class:`ConsistencyError`, ``strict=True``).
+or raises at the first failing layer (:class:`ConsistencyError`, ``strict=True``). A *gross*
+disagreement (a relative difference above :data:`GROSS_RELATIVE`, far above every rounding floor
+measured: at most ~1e-4 in bfloat16, ~1e-6 in float32) raises by default too: a wrong
+architecture description or a hook that changes the computation cannot return numbers with only
+a warning.
 ``docs/reliability.md``, "Consistency guards".
 """
 from __future__ import annotations
@@ -19,7 +23,10 @@ from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.primitives.guards import guard_tolerance
 from captum_normattr.decompose.records import LayerTensors
 
-__all__ = ["ConsistencyError", "ConsistencyGuard", "ConsistencyWarning"]
+__all__ = ["ConsistencyError", "ConsistencyGuard", "ConsistencyWarning", "GROSS_RELATIVE"]
+
+#: Relative differences above this raise :class:`ConsistencyError` even when not ``strict``.
+GROSS_RELATIVE = 1e-2
 
 
 class ConsistencyWarning(RuntimeWarning):
@@ -43,7 +50,8 @@ class ConsistencyGuard:
     Args:
         method: the method's name, for the message.
         strict: raise :class:`ConsistencyError` at the first layer that fails a check,
-            instead of one :class:`ConsistencyWarning` per call after the forward pass.
+            instead of one :class:`ConsistencyWarning` per call after the forward pass. Without
+            it, a difference above :data:`GROSS_RELATIVE` still raises.
     """
 
     def __init__(self, method: str, strict: bool = False):
@@ -76,6 +84,10 @@ class ConsistencyGuard:
         msg = f"layer {layer.index} ({'; '.join(bad)})"
         if self.strict:
             raise ConsistencyError(self._message([msg], tol))
+        if any(r > GROSS_RELATIVE for r in rel if r == r):
+            raise ConsistencyError(self._message([msg], tol) + (
+                f" Differences above {GROSS_RELATIVE:g} are refused even without strict=True: no rounding explains "
+                "them, so the scores would not decompose this model (docs/reliability.md, 'Consistency guards')."))
         self.failures.append(msg)
 
     def _message(self, failures: List[str], tol: float) -> str:

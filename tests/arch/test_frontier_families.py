@@ -32,7 +32,7 @@ from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families import frontier
 from captum_normattr.arch.families.base import LLAMA
 from captum_normattr.arch.registry import REFUSED, refusal
-from captum_normattr.attr.base import ConsistencyError
+from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.attr.routes import InformationFlowRoutes
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS

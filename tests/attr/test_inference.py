@@ -31,7 +31,7 @@ def test_a_description_with_another_norm_is_refused_with_the_part_that_differs()
     (llama,) = [p for p in found.proposals if p.key == "llama"]
     assert not llama.verified
     assert any("norm rebuilt from its input" in d for d in llama.differs)
-    assert any("logit" in d for d in llama.differs)  # the logit check sees it too
+    assert llama.max_relative_error > 1e-2  # a gross difference: the guard refuses it
 
 
 def test_structural_candidates_need_the_parts():

@@ -7,7 +7,7 @@ from decoder_models import decoder_batch, make_decoder
 from vision_models import images, make_vision
 from zoo import build
 
-from captum_normattr.attr.base import ConsistencyError, ConsistencyWarning
+from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution, repeat_examples, value_columns
 from captum_normattr.models.adapters import get_adapter, layer_modules
 

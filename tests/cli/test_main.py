@@ -383,7 +383,7 @@ def test_registry_lists_every_exported_attribution_class():
             "inputs", "target", "additional_forward_args", "return_convergence_delta"], spec.key
         assert not spec.uses_target or spec.cls.uses_target, spec.key
         assert spec.maps == ("return_layer_maps" in decompose and "return_rollout" in decompose), spec.key
-        assert set(spec.families) <= set(registry.FAMILIES) and spec.description and spec.explains
+        assert set(spec.model_groups) <= set(registry.MODEL_GROUPS) and spec.description and spec.explains
         for opt in spec.options:  # every option is a constructor keyword with the same default
             assert opt.param in init, (spec.key, opt.param)
             assert opt.default is None or opt.default == init[opt.param].default, (spec.key, opt.param)
