@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "not additive and are reported alongside)")
     p.add_argument("--foil", default=None, help="the foil token for --quantity logit-minus-foil")
     p.add_argument("--format", default="table", choices=("table", "json", "html"))
-    p.add_argument("-o", "--output", default=None, help="write here instead of standard output")
+    p.add_argument("-o", "--output", default=None, help="write here instead of standard output (an existing file only "
+                   "with --overwrite; written through a temporary file and renamed)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing -o file")
     p.add_argument("--top", type=int, default=5, help="input tokens shown per generated token in the table (default 5)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the tokenizer's chat template")
@@ -120,6 +122,26 @@ def _build_input(tok: Any, prompt: str, chat: bool, skip_special: bool):
     return TextTokenInput(prompt, tok, skip_tokens=skip)
 
 
+def check_generation_length(model: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    r"""Refuse ``--max-new-tokens`` that, with the prompt, exceed the model's positions, before generating.
+
+    Raises:
+        GenerateError: naming the prompt's length, the model's limit and the largest valid value.
+    """
+    from captum_normattr.models.adapters import get_adapter, max_positions
+
+    try:
+        limit = max_positions(model, get_adapter(model))
+    except Exception:  # noqa: BLE001 - an unsupported model is refused later, with its own message
+        limit = None
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        room = limit - prompt_tokens
+        raise GenerateError(
+            f"--max-new-tokens {max_new_tokens} plus the prompt's {prompt_tokens} tokens exceed the model's "
+            f"{limit} positions; " + (f"give --max-new-tokens {room} or less" if room >= 1 else
+                                      "shorten the prompt"))
+
+
 def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
     r"""Load, generate (or take the target), explain with every method; a JSON-able dict."""
     import torch
@@ -135,6 +157,7 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
         if args.max_new_tokens < 1:
             raise GenerateError("--max-new-tokens must be at least 1")
         ids = inp.inp_tensor.to(next(model.parameters()).device)
+        check_generation_length(model, int(ids.shape[1]), args.max_new_tokens)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
@@ -260,7 +283,15 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(list(sys.argv[2:] if argv is None else argv))
     except SystemExit as exc:
         return int(exc.code or 0)
+    from captum_normattr.cli.common import CLIError, write_output
+    from captum_normattr.cli.output import check_output_path
+
     try:
+        if args.output:
+            try:
+                check_output_path(args.output, [], args.model, refuse_existing=not args.overwrite)
+            except CLIError as err:
+                raise GenerateError(str(err)) from None
         record = explain_generation_cli(args)
         if args.format == "json":
             text = json.dumps(record)
@@ -269,11 +300,12 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             text = render_table(record, args.top)
         if args.output:
-            Path(args.output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+            write_output(text, args.output)
+            print(f"{PROG}: wrote {args.format} for {len(record['methods'])} method(s) to {args.output}", file=sys.stderr)
         else:
             print(text)
         return 0
-    except GenerateError as err:
+    except (GenerateError, CLIError) as err:
         print(f"{PROG}: error: {terminal_lines(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -281,5 +313,5 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
-__all__ = ["GenerateError", "build_parser", "explain_generation_cli", "feature_text", "generate_main", "llm_methods",
+__all__ = ["GenerateError", "build_parser", "check_generation_length", "explain_generation_cli", "feature_text", "generate_main", "llm_methods",
            "load_causal_lm", "render_html", "render_table", "simple_html_table"]

@@ -510,7 +510,7 @@ def _list_methods() -> str:
     return "\n".join(lines)
 
 
-def _check_paths(args: argparse.Namespace) -> None:
+def _check_paths(args: argparse.Namespace, refuse_existing: bool = False) -> None:
     r"""Usage errors of the paths, before anything is loaded: ``--image`` without ``--model``, a missing
     model folder, and an ``-o`` that is an input, a directory or unwritable (:func:`check_output_path`)."""
     if args.image and not args.model:
@@ -519,7 +519,7 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise CLIError(f"model folder not found: {args.model}")
     inputs = [("input file", args.file)] if args.file not in (None, "-") else []
     inputs += [("input image", image) for image in (args.image or [])]
-    check_output_path(args.output, inputs, args.model)
+    check_output_path(args.output, inputs, args.model, refuse_existing=refuse_existing)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -536,7 +536,7 @@ def _run(args: argparse.Namespace) -> int:
     if fmt is None:
         suffix = Path(args.output).suffix.lower() if args.output else ""
         fmt = {".json": "json", ".html": "html", ".htm": "html", ".jsonl": "jsonl"}.get(suffix, "table")
-    _check_paths(args)
+    _check_paths(args, refuse_existing=fmt != "jsonl" and not args.overwrite)
     if args.source or args.target_text or any(s.key == ALTI_PLUS for s in specs):  # encoder-decoders
         from captum_normattr.cli.seq2seq import run_seq2seq
 

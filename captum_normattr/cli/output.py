@@ -38,13 +38,16 @@ def use_agg_backend() -> None:
     matplotlib.use("Agg")
 
 
-def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], model: Optional[str] = None) -> None:
+def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], model: Optional[str] = None,
+                      refuse_existing: bool = False) -> None:
     r"""Refuse an ``-o`` path that would destroy an input or cannot be written, before anything runs.
 
     Args:
         output: the ``-o`` path (None: stdout, nothing to check).
         inputs: (what, path) of every input file (``--file``, ``--image``).
         model: the ``--model`` value; an existing file inside a local model folder is refused too.
+        refuse_existing: refuse an existing file (table, json and html outputs without
+            ``--overwrite``, as jsonl dataset runs refuse to replace a file they would not resume).
 
     Raises:
         CLIError: when ``output`` is an input (also through symbolic or hard links), an existing
@@ -63,6 +66,8 @@ def check_output_path(output: Optional[str], inputs: Sequence[Tuple[str, str]], 
             raise CLIError(f"-o {output} is a file of the model folder {model}; give another output path")
     if out.is_dir():
         raise CLIError(f"-o {output} is a directory; give a file path (e.g. {out / 'out.jsonl'})")
+    if refuse_existing and out.exists():
+        raise CLIError(f"-o {output} exists; pass --overwrite to replace it, or give another path")
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

@@ -136,3 +136,27 @@ def test_methods_and_signedness_come_from_the_registry(capsys, tiny_lm):
         assert m["quantity"] == ("logit_minus_mean" if m["signed"] else "rollout")
     code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "-m", "alti-plus")
     assert code == 2 and "invalid choice" in err
+
+
+def test_max_new_tokens_checked_against_the_models_positions_before_generating(capsys, tiny_lm, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    called = []
+    monkeypatch.setattr(LlamaForCausalLM, "generate", lambda *a, **k: called.append(1))
+    code, out, err = run(capsys, "generate", "--model", tiny_lm, "the cat sat", "--max-new-tokens", "1000000000")
+    assert code == 2 and not called  # refused up front, nothing generated
+    assert "--max-new-tokens 1000000000 plus the prompt's 4 tokens exceed the model's" in err
+    assert "give --max-new-tokens" in err and "Traceback" not in err
+
+
+def test_an_existing_output_needs_overwrite_and_the_write_is_announced(capsys, tiny_lm, tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text("keep me")
+    code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--max-new-tokens", "2", "--format", "json",
+                       "-m", "alti-logit", "-o", path)
+    assert code == 2 and "exists; pass --overwrite" in err and path.read_text() == "keep me"
+    code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--max-new-tokens", "2", "--format", "json",
+                       "-m", "alti-logit", "-o", path, "--overwrite")
+    assert code == 0, err
+    assert json.loads(path.read_text())["methods"] and f"wrote json for 1 method(s) to {path}" in err
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left

@@ -371,6 +371,7 @@ def test_registry_lists_every_exported_attribution_class():
 
     exported = {getattr(captum_normattr, n) for n in captum_normattr.__all__}
     classes = {c for c in exported if isinstance(c, type) and issubclass(c, Attribution)}
+    classes.discard(captum_normattr.DecompositionLLMAttribution)  # Captum's LLM API over the methods, not one of them
     assert classes == {s.cls for s in registry.METHODS.values() if s.cls is not None}
     for spec in registry.METHODS.values():
         if spec.cls is None:
@@ -610,3 +611,15 @@ def test_the_one_progress_bar(capsys):
     assert next(it) == 0
     it.close()  # a loop left early closes its bar
     assert list(progress_iter([1, 2], 2, enabled=False)) == [1, 2]
+
+
+@pytest.mark.parametrize("fmt", ["json", "html", "table"])
+def test_an_existing_output_file_is_refused_without_overwrite(capsys, tiny_model, tmp_path, fmt):
+    path = tmp_path / f"out.{ {'table': 'txt'}.get(fmt, fmt) }"
+    path.write_text("keep me")
+    code, _, err = run(capsys, "the film was great !", "--model", tiny_model, "--format", fmt, "-o", path)
+    assert code == 2 and "exists; pass --overwrite" in err and path.read_text() == "keep me"
+    code, _, err = run(capsys, "the film was great !", "--model", tiny_model, "--format", fmt, "-o", path,
+                       "--overwrite")
+    assert code == 0, err
+    assert path.read_text() != "keep me" and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -384,7 +384,9 @@ def add_arguments(parser: Any) -> None:
                    help="the column holding each record's id (default: line number, CSV row number or dataset index)")
     g.add_argument("--split", default=None, help="saved DatasetDict: the split to read")
     g.add_argument("--overwrite", action="store_true",
-                   help="start the --output file afresh (default: resume, skipping the ids already written)")
+                   help="replace an existing --output file: a jsonl dataset run starts it afresh (default: resume, "
+                        "skipping the ids already written); table, json and html outputs refuse an existing file "
+                        "without it")
 
 
 def run_cli(args: Any, specs: Sequence[Any]) -> int:
