@@ -250,6 +250,31 @@ def test_resume_refuses_another_job_or_other_texts_and_says_which(model_dir, tmp
     assert [r["text"] for r in _records(out)] == ["an inserted line"] + TEXTS[:4]
 
 
+def test_resume_after_a_targeted_weight_edit_is_refused(model_dir, tmp_path, capsys):
+    r"""A head or neuron ablation saved under the same folder (rows 8-15 of one projection zeroed, one FF row
+    scaled; neither touches the first or last 16 values) changes the fingerprint: the resume refuses instead of mixing two models in one file."""
+    import shutil
+
+    from transformers import BertForSequenceClassification
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS[:4]) + "\n")
+    out = tmp_path / "out.jsonl"
+    base = ["--model", str(folder), "--file", str(texts), "-o", str(out), "-q", "-m", "alti"]
+    assert cli.main(base) == 0
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:2]) + "\n")  # as if interrupted after two records
+    model = BertForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        model.bert.encoder.layer[0].attention.output.dense.weight[8:15] = 0  # not the first or last 16 values
+        model.bert.encoder.layer[0].output.dense.weight[3] *= 1.5
+    model.save_pretrained(folder)
+    assert cli.main(base) == 2
+    assert "another job" in capsys.readouterr().err
+
+
 ESC, RLO = "\x1b[31m", "\u202e"  # an escape sequence (red) and a right-to-left override
 
 
