@@ -34,6 +34,7 @@ EXPORTED = sorted(
 
 #: the readable name of every exported class, and of an instance with its default options (decoder models)
 NAMES = {
+    "ValueZeroingAttribution": ("Value Zeroing", "Value Zeroing"),
     "ALTIAttribution": ("ALTI", "ALTI"),
     "ALTILogitAttribution": ("ALTI-Logit", "ALTI-Logit"),
     "ALTIPlusAttribution": ("ALTI+", "ALTI+"),

@@ -428,8 +428,8 @@ def test_our_methods_come_from_the_registry(tiny):
     model, clf, ids, mask, labels = tiny
     ours = baselines.our_methods(model)
     expected = [k for k, s in METHODS.items() if s.cls is not None and s.applies_to("encoders")]
-    assert expected == ["globenc", "alti", "ff", "decompx"]  # alti-logit is for causal LMs
-    assert [m.name for m in ours] == ["GlobEnc (N_ENC)", "ALTI", "GlobEnc+FF", "DecompX"]
+    assert expected == ["globenc", "alti", "ff", "decompx", "value-zeroing"]  # alti-logit is for causal LMs
+    assert [m.name for m in ours] == ["GlobEnc (N_ENC)", "ALTI", "GlobEnc+FF", "DecompX", "Value Zeroing"]
     assert [m.uses_target for m in ours] == [METHODS[k].uses_target for k in expected]
     ff = baselines.ff(model, contribution="alti")
     assert ff.name == "ALTI+FF" and not ff.uses_target
