@@ -5,14 +5,8 @@ from captum.attr import NoiseTunnel
 from layer_capture import capture_layers
 from reference import ln2_parts
 from transformers import (
-    Dinov2Config,
-    Dinov2ForImageClassification,
-    Dinov2WithRegistersConfig,
-    Dinov2WithRegistersForImageClassification,
     DeiTConfig,
-    DeiTForImageClassificationWithTeacher,
     ViTConfig,
-    ViTForImageClassification,
     ViTModel,
 )
 

@@ -5,7 +5,6 @@ import torch
 from captum_normattr.decompose.methods.alti import alti_map
 from captum_normattr.decompose.primitives.attention import attention_context, part_norms_gram
 from captum_normattr.decompose.primitives.chunking import tile_for_cache
-from captum_normattr.decompose.primitives.mixing import row_normalize
 from alti_reference import probs_of as _probs, alti_layer as _alti_layer, naive_alti as _naive_alti  # noqa: F401
 
 
