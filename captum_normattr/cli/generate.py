@@ -166,7 +166,8 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
         if target.numel() == 0:
             raise GenerateError("the model generated no token")
     quantity = QUANTITY_NAMES[args.quantity]
-    record: Dict[str, Any] = {"model": args.model, "prompt": args.prompt, "methods": {}}
+    record: Dict[str, Any] = {"model": args.model, "prompt": args.prompt, "exclude_sink": bool(args.exclude_sink),
+                              "methods": {}}
     for key in args.method:
         spec = get_method(key)
         try:
@@ -209,60 +210,139 @@ def feature_text(tokenizer: Any, features: Any) -> List[str]:
     return out
 
 
-def render_table(record: Dict[str, Any], top: int = 5) -> str:
-    r"""One block per method, one line per generated token with its top input features."""
+def _decimals(values: Sequence[float]) -> int:
+    r"""Decimals that show the largest |value| of a block with about three significant digits."""
+    m = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+    return 1 if m >= 100 else (2 if m >= 1 else (3 if m >= 0.1 else 4))
+
+
+def ranked_positions(record: Dict[str, Any], name: str, k: int, exclude_sink: bool = False) -> List[Tuple[int, float]]:
+    r"""The positions that can contribute to generated token ``k``, ranked by |score|.
+
+    A generated token is predicted from the prompt and every token generated before it: its
+    row of the full map (``record["methods"][name]["rows"]``, over all prompt and generated
+    tokens) is ranked over those positions, so an earlier generated word can come first.
+
+    Args:
+        record: what :func:`explain_generation_cli` returns (or its JSON).
+        name: the method's name in ``record["methods"]``.
+        k: the generated token (0 = the first).
+        exclude_sink: leave the sink (``record["sink_index"]``) out.
+
+    Returns:
+        ``[(position, score), ...]``, largest |score| first.
+    """
+    row = record["methods"][name]["rows"][k]
+    n = min(len(row), int(record["prompt_length"]) + k)
+    sink = record.get("sink_index")
+    pos = [j for j in range(n) if not (exclude_sink and j == sink)]
+    return sorted(((j, float(row[j])) for j in pos), key=lambda jv: -abs(jv[1]) if math.isfinite(jv[1]) else 0.0)
+
+
+def render_table(record: Dict[str, Any], top: int = 5, exclude_sink: Optional[bool] = None) -> str:
+    r"""One block per method, one line per generated token with its top contributors, and a legend.
+
+    The contributors are ranked over every position that can contribute (the prompt and the
+    tokens generated before; generated ones marked ``*``, :func:`ranked_positions`); the
+    numbers of a block share their decimals and are right-aligned.
+
+    Args:
+        record: what :func:`explain_generation_cli` returns (or its JSON).
+        top: contributors shown per generated token.
+        exclude_sink: leave the sink out of the contributors (default: ``record["exclude_sink"]``).
+
+    Returns:
+        The table as text (a legend under every block).
+    """
+    if exclude_sink is None:
+        exclude_sink = bool(record.get("exclude_sink", False))
     lines: List[str] = []
     gen = record["generated"]
+    labels = list(record.get("token_text") or record["tokens"])
+    p_len = int(record["prompt_length"])
+    sink = record.get("sink_index")
     for name, m in record["methods"].items():
-        what = f"explains the {m['quantity'].replace('_', ' ')}" if m["signed"] else "rollout rows (class-agnostic)"
-        lines.append(f"{name}: {what}; one row per generated token, top input tokens")
-        lines.append(f"{'#':>3}  {'token':<14} {'score':>9} {'p':>7} {'sink':>5}  top input tokens")
-        for k, row in enumerate(m["token_attr"]):
-            total = m["explained"][k] if m["explained"] is not None else sum(row)
+        rows = m["rows"]
+        totals = [float(m["explained"][k]) if m["explained"] is not None else float(sum(rows[k]))
+                  for k in range(len(rows))]
+        d = _decimals(totals)
+        dc = _decimals([v for r in rows for v in r])
+        tw = min(14, max([5] + [len(visible_text(g)) for g in gen]))
+        sw = max(9, max((len(f"{t:.{d}f}") for t in totals), default=0))
+        what = (f"explains the {m['quantity'].replace('_', ' ')}" if m["signed"]
+                else "rollout rows (class-agnostic: no logit explained)")
+        lines.append(f"{name}: {what}; one row per generated token")
+        lines.append(f"{'#':>3}  {'token':<{tw}} {'score':>{sw}} {'p':>6} {'sink':>5}  top contributors")
+        for k in range(len(rows)):
             p = "" if m["log_probs"] is None else f"{math.exp(m['log_probs'][k]):.3f}"
-            order = sorted(range(len(row)), key=lambda j: -abs(row[j]))[:max(0, top)]
-            labels = m.get("input_feature_text") or m["input_features"]
-            tops = "  ".join(f"{visible_text(labels[j])}({row[j]:+.3g})" for j in order)
-            lines.append(f"{k:>3}  {visible_text(gen[k])[:14]:<14} {total:>9.4g} {p:>7} {m['sink_share'][k]:>5.2f}  {tops}")
-        lines.append("")
+            ranked = ranked_positions(record, name, k, exclude_sink)[:max(0, top)]
+            tops = "  ".join(f"{visible_text(labels[j]).strip() or visible_text(labels[j])}"
+                             f"{f'@{j}*' if j >= p_len else ''} {v:+.{dc}f}" for j, v in ranked)
+            lines.append(f"{k:>3}  {visible_text(gen[k])[:tw]:<{tw}} {totals[k]:>{sw}.{d}f} {p:>6} "
+                         f"{m['sink_share'][k]:>5.2f}  {tops}")
+        sink_tok = visible_text(labels[sink]) if isinstance(sink, int) and 0 <= sink < len(labels) else "?"
+        score = ("the explained quantity of the token (the sum of its contributions plus the completeness delta)"
+                 if m["signed"] else "the sum of the token's rollout row over the positions (class-agnostic: no logit is explained)")
+        lines += [
+            "  legend: score = " + score,
+            "          p = the model's probability of the token (reported, not explained)",
+            f"          sink = the share of the first token ({sink_tok}) in the row: |s_sink| / sum |s| (attention "
+            "sinks take large shares)",
+            "          top contributors = largest |contribution| over the prompt and the tokens generated before it "
+            "(@position* = generated)" + ("; the sink left out (--exclude-sink)" if exclude_sink else ""),
+            "",
+        ]
     return "\n".join(lines)
 
 
-def render_html(record: Dict[str, Any], title: str = "") -> str:
-    r"""The interactive report (:mod:`captum_normattr.present.interactive`) where it is installed, else a plain HTML table."""
-    import torch
+def render_html(record: Dict[str, Any], title: str = "", exclude_sink: Optional[bool] = None) -> str:
+    r"""The interactive report (:mod:`captum_normattr.present.interactive`): the heat table of every
+    generated token over the prompt and the generated tokens, coloured as every page of the package.
 
+    Args:
+        record: what :func:`explain_generation_cli` returns (or its JSON).
+        title: the page title (default: the prompt).
+        exclude_sink: the sink checkbox's initial state (default: ``record["exclude_sink"]``).
+
+    Returns:
+        The HTML text.
+    """
+    from captum_normattr.present.interactive import interactive_report_html
+    from captum_normattr.present.labels import model_display_name
+
+    if exclude_sink is None:
+        exclude_sink = bool(record.get("exclude_sink", False))
     tokens = list(record.get("token_text") or record["tokens"])
-    methods = {name: torch.tensor(m["rows"]) for name, m in record["methods"].items()}
-    try:
-        from captum_normattr.present.interactive import interactive_report_html
-    except ImportError:
-        interactive_report_html = None
-    if interactive_report_html is not None:
-        return interactive_report_html(tokens, methods, title=title, sink_index=record.get("sink_index"))
-    return simple_html_table(record, title)
+    methods = {name: m["rows"] for name, m in record["methods"].items()}
+    return interactive_report_html(
+        tokens, methods, title=title or str(record.get("prompt", ""))[:80], sink_index=record.get("sink_index"),
+        exclude_sink=exclude_sink, model_name=model_display_name(name_or_path=record.get("model")),
+        first_generated=int(record["prompt_length"]))
 
 
 def simple_html_table(record: Dict[str, Any], title: str = "") -> str:
-    r"""A self-contained HTML page: per method, generated tokens x input features, cells coloured by score."""
+    r"""A self-contained HTML page without script: per method, generated tokens x input features,
+    cells coloured by score on the package's scale (:mod:`captum_normattr.present.colours`)."""
+    from captum_normattr.present.colours import colour_bar_html, score_rgb, text_colour
+
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title or 'generation')}</title>",
              "<style>body{font-family:sans-serif}table{border-collapse:collapse;margin-bottom:2em}"
-             "td,th{border:1px solid #ddd;padding:2px 4px;font-size:12px}</style></head><body>",
-             f"<h1>{esc(title or 'Explained generation')}</h1>",
-             "<p>(plain table: the interactive report module is not installed)</p>"]
+             "td,th{border:1px solid #ddd;padding:2px 4px;font-size:12px}td{text-align:right}</style></head><body>",
+             f"<h1>{esc(title or 'Explained generation')}</h1>"]
     for name, m in record["methods"].items():
         rows = m["token_attr"]
         scale = max((abs(v) for r in rows for v in r), default=1.0) or 1.0
-        parts.append(f"<h2>{esc(name)}</h2><table><tr><th>generated</th>")
+        signed = any(v < 0 for r in rows for v in r)
+        parts.append(f"<h2>{esc(name)}</h2>" + colour_bar_html(scale, signed) + "<table><tr><th>generated</th>")
         parts += [f"<th>{esc(str(f))}</th>" for f in (m.get("input_feature_text") or m["input_features"])]
         parts.append("</tr>")
+        d = _decimals([v for r in rows for v in r])
         for k, r in enumerate(rows):
             parts.append(f"<tr><th>{esc(str(record['generated'][k]))}</th>")
             for v in r:
-                a = min(1.0, abs(v) / scale)
-                rgb = "0,128,0" if v >= 0 else "200,0,0"
-                parts.append(f"<td style='background:rgba({rgb},{a:.3f})' title='{v:.6g}'>{v:.3g}</td>")
+                rgb = score_rgb(v / scale)
+                parts.append(f"<td style='background:rgb{rgb};color:{text_colour(rgb)}' title='{v:.6g}'>{v:.{d}f}</td>")
             parts.append("</tr>")
         parts.append("</table>")
     parts.append("</body></html>")
@@ -296,7 +376,7 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.format == "json":
             text = json.dumps(record)
         elif args.format == "html":
-            text = render_html(record, title=f"{args.model}: {args.prompt[:60]}")
+            text = render_html(record, title=args.prompt[:80])
         else:
             text = render_table(record, args.top)
         if args.output:
@@ -314,4 +394,4 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["GenerateError", "build_parser", "check_generation_length", "explain_generation_cli", "feature_text", "generate_main", "llm_methods",
-           "load_causal_lm", "render_html", "render_table", "simple_html_table"]
+           "load_causal_lm", "ranked_positions", "render_html", "render_table", "simple_html_table"]

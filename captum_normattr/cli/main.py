@@ -365,7 +365,7 @@ def explain(
         dicts unless ``keep_maps``).
     """
     from captum_normattr.attr.inputs import explained_positions
-    from captum_normattr.present.report import explanations_from_results
+    from captum_normattr.present.report import delta_caption, explanations_from_results
     from captum_normattr.result import AttributionResult, DecompositionResult
     from captum_normattr.tokens import readable_tokens
     from captum_normattr.present.visualization import example_from_result
@@ -412,7 +412,7 @@ def explain(
                         continue  # plain scores: nothing more to show
                     err = res.extras.get("completeness_error")
                     if res.delta is not None:  # the explained logit's own error (ALTI-Logit's includes its layers')
-                        ex.extras[f"{label}: completeness error |sum - logit|"] = float(res.delta[i].abs())
+                        ex.extras[delta_caption(label, bool(res.signed))] = float(res.delta[i].abs())
                     elif err is not None:
                         ex.extras[f"{label}: max completeness error"] = float(err.max())
                     if keep_maps and isinstance(res, DecompositionResult) and res.layer_maps is not None \

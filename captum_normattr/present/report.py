@@ -24,11 +24,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from captum_normattr.present.colours import SINK_GREY, css_variables, score_css, score_rgb, text_colour
 from captum_normattr.result import AttributionResult
 from captum_normattr.tokens import display_token, visible_text
 
 __all__ = [
+    "LOGIT_ERROR",
     "TextExplanation",
+    "delta_caption",
     "explanations_from_results",
     "first_token_share",
     "render_html",
@@ -271,6 +274,47 @@ def explanations_from_results(
     return out
 
 
+#: How a signed method's convergence delta is captioned: the error of its sum against the explained logit.
+LOGIT_ERROR = "completeness error |sum - logit|"
+
+
+def delta_caption(label: str, signed: bool) -> str:
+    r"""The caption of a method's convergence delta in the reports.
+
+    A signed method (DecompX, ALTI-Logit: :attr:`~captum_normattr.attr.methods.MethodSpec.signed`)
+    explains a logit: its delta is ``|sum of the scores - the logit|``. A class-agnostic method
+    (GlobEnc, ALTI, Value Zeroing) explains no logit: its delta is the largest reconstruction
+    error of its layers' parts (the parts re-summed against the layer's real output, over
+    layers and tokens; docs/methods.md), which says how exact the maps are, not how well a
+    prediction is explained.
+
+    Args:
+        label: the method's label in the report.
+        signed: whether the method explains a logit.
+
+    Returns:
+        ``"<label>: completeness error |sum - logit|"`` or ``"<label>: layer reconstruction
+        error (max over layers and tokens; class-agnostic, no logit explained)"``.
+
+    Examples:
+        >>> delta_caption("ALTI", False)
+        'ALTI: layer reconstruction error (max over layers and tokens; class-agnostic, no logit explained)'
+    """
+    if signed:
+        return f"{label}: {LOGIT_ERROR}"
+    return f"{label}: layer reconstruction error (max over layers and tokens; class-agnostic, no logit explained)"
+
+
+def _extra_caption(ex: "TextExplanation", key: str) -> str:
+    r"""An ``extras`` key as shown: a class-agnostic method's delta never reads as a logit error."""
+    suffix = ": " + LOGIT_ERROR
+    if key.endswith(suffix):
+        label = key[: -len(suffix)]
+        if ex.signed.get(label) is False:
+            return delta_caption(label, False)
+    return key
+
+
 # --------------------------------------------------------------------------- table
 
 _BLOCKS = " \u258f\u258e\u258d\u258c\u258b\u258a\u2589\u2588"
@@ -362,6 +406,7 @@ def render_table(
         if ex.prediction is not None:
             lines.append(f"    prediction: {vis(ex.prediction)}")
         for key, val in ex.extras.items():
+            key = _extra_caption(ex, key)
             if isinstance(val, float):
                 lines.append(f"    {vis(key)}: {val:.2g}")
             elif isinstance(val, (int, str)):
@@ -453,28 +498,23 @@ def render_json(
 
 
 def score_color(v: float) -> str:
-    r"""Background color of a normalised score in [-1, 1], the same scale as Captum's.
-
-    Positive scores are green, negative red, 0 white.
+    r"""Background colour of a normalised score in [-1, 1]: the package's one scale
+    (:mod:`captum_normattr.present.colours`: blue negative, white 0, red positive).
 
     Args:
-        v: the normalised score (clipped to [-1, 1]).
+        v: the normalised score (clipped to [-1, 1]; non-finite: grey).
 
     Returns:
-        A CSS ``hsl(...)`` color.
+        A CSS ``rgb(...)`` colour.
 
     Examples:
-        >>> score_color(0.0)
-        'hsl(120, 75%, 100%)'
+        >>> score_color(0.0), score_color(1.0)
+        ('rgb(255, 255, 255)', 'rgb(103, 0, 31)')
     """
-    if not math.isfinite(v):
-        return "hsl(0, 0%, 85%)"
-    v = max(-1.0, min(1.0, v))
-    hue = 120 if v >= 0 else 0
-    return f"hsl({hue}, 75%, {int(round(100 - 50 * abs(v)))}%)"
+    return score_css(v)
 
 
-_CSS = """
+_CSS = css_variables() + """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:72em}
 h1{font-size:1.4em} h2{font-size:1.1em;margin-top:1.8em;border-bottom:1px solid #ddd;padding-bottom:.2em}
 .meta{font-size:.85em;color:#555} .meta td{padding:0 1em 0 0}
@@ -486,7 +526,8 @@ h1{font-size:1.4em} h2{font-size:1.1em;margin-top:1.8em;border-bottom:1px solid 
 table.scores{border-collapse:collapse;font-size:.8em;margin:.5em 0}
 table.scores td,table.scores th{border:1px solid #ddd;padding:.15em .5em;text-align:right}
 table.scores td.t{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
-.legend span{display:inline-block;width:1em;height:1em;border:1px solid #999;vertical-align:middle;margin:0 .2em 0 .8em}
+.legend{font-size:.85em;color:#444} .legend .bar{display:inline-block;width:16em;height:.9em;border:1px solid #999;
+ vertical-align:middle;margin:0 .4em;background:var(--na-signed-bar)}
 figure{margin:.5em 0} figure img,figure svg{max-width:100%;height:auto}
 details summary{cursor:pointer;font-size:.85em;color:#36c}
 """
@@ -504,8 +545,10 @@ def _token_spans(ex: TextExplanation, name: str, exclude_sink: bool = False) -> 
     spans = []
     for i, (tok, v) in enumerate(zip(ex.tokens, vals)):
         cls = "tok explained" if i == ex.explained_position else "tok"
+        rgb = (224, 224, 224) if (skip and i == 0) else score_rgb(v / m)
+        back = SINK_GREY if (skip and i == 0) else score_css(v / m)
         spans.append(
-            f'<span class="{cls}" style="background-color:{score_color(v / m)}" '
+            f'<span class="{cls}" style="background-color:{back};color:{text_colour(rgb)}" '
             f'title="{_esc(tok)}: {_fmt(v)}">{html.escape(display_token(tok), quote=True)}</span>'
         )
     return "".join(spans)
@@ -527,17 +570,19 @@ def render_html(
 ) -> str:
     r"""A self-contained HTML report (inline CSS, no scripts, no external files).
 
-    For every text: the prediction (if any), the tokens colored by each method's
-    scores (green positive, red negative, intensity = |score| / max |score| of that
-    method in that text; hover for the value; the explained token is outlined), a
+    For every text: the prediction (if any), the tokens coloured by each method's
+    scores on the package's one scale (:mod:`captum_normattr.present.colours`: blue
+    negative, white 0, red positive, intensity = |score| / max |score| of that method in
+    that text, black or white text for contrast; hover for the value; the explained token
+    is outlined), a
     table of the numbers, and the figures attached to the explanation.
 
     Args:
         explanations: the texts.
         meta: run information shown at the top (model, methods, options ...).
         title: page title.
-        exclude_sink: scale each method's colors by its largest |score| over the tokens
-            but the first (the first token's color saturates); the scores are unchanged.
+        exclude_sink: scale each method's colours by its largest |score| over the tokens
+            but the first (the first token is drawn grey); the scores are unchanged.
 
     Returns:
         The HTML document as a string. Every text, token, label and value appears
@@ -564,11 +609,12 @@ def render_html(
             for k, v in meta.items()
         )
         parts.append(f'<table class="meta">{rows}</table>')
+    sink_rule = ("the first token is left out of the scale (grey; its score unchanged)" if exclude_sink
+                 else "the first token (sink) is in the scale; --exclude-sink leaves it out")
     parts.append(
-        '<p class="legend">Colors:<span style="background:hsl(0,75%,50%)"></span>negative'
-        '<span style="background:hsl(0,0%,100%)"></span>zero'
-        '<span style="background:hsl(120,75%,50%)"></span>positive '
-        "(per method, scaled by its largest |score| in the text; hover a token for its value)</p>"
+        '<p class="legend">Colours: \u2212max<span class="bar"></span>+max '
+        "(blue: negative, white: 0, red: positive; per method, scaled by its largest |score| in the text; "
+        f"hover a token for its value). Sink: {sink_rule}.</p>"
     )
     for n, ex in enumerate(explanations, start=1):
         parts.append(f'<section class="text"><h2>[{n}] {esc(ex.text)}</h2>')
@@ -576,7 +622,7 @@ def render_html(
             parts.append(f'<div class="pred">prediction: {esc(ex.prediction)}</div>')
         for key, val in ex.extras.items():
             shown = f"{val:.2g}" if isinstance(val, float) else json.dumps(_jsonable(val))
-            parts.append(f'<div class="pred">{esc(key)}: {esc(shown)}</div>')
+            parts.append(f'<div class="pred">{esc(_extra_caption(ex, key))}: {esc(shown)}</div>')
         sink = _sink_line(ex)
         if sink is not None:
             parts.append(f'<div class="pred">{esc(sink)}</div>')

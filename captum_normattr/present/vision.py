@@ -12,6 +12,8 @@ from typing import Any, Optional, Tuple
 
 from torch import Tensor
 
+from captum_normattr.present.colours import colormap
+
 __all__ = ["image_for_display", "layer_patch_rows", "patch_heatmap"]
 
 
@@ -38,7 +40,8 @@ def patch_heatmap(
         patch_grid: (H/p, W/p) patch scores (``result.extras["patch_grid"][b]``).
         ax: a matplotlib axis (a new figure if None).
         alpha: opacity of the heat map.
-        cmap: colormap; default ``"bwr"`` (centred at 0) for signed scores, ``"viridis"`` otherwise.
+        cmap: colormap; default: the package's scale (:func:`~captum_normattr.present.colours.colormap`),
+            blue-white-red centred at 0 for signed scores, white to red otherwise.
         title: axis title.
 
     Returns:
@@ -61,8 +64,8 @@ def patch_heatmap(
     lim = float(g.abs().max()) or 1.0
     ax.imshow(img.numpy())
     im = ax.imshow(
-        g.numpy(), cmap=cmap or ("bwr" if signed else "viridis"), alpha=alpha, extent=(0, w, h, 0),
-        interpolation="nearest", vmin=-lim if signed else float(g.min()), vmax=lim,
+        g.numpy(), cmap=cmap or colormap(signed), alpha=alpha, extent=(0, w, h, 0),
+        interpolation="nearest", vmin=-lim if signed else min(0.0, float(g.min())), vmax=lim,
     )
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     ax.set_axis_off()
@@ -72,7 +75,8 @@ def patch_heatmap(
 
 
 def layer_patch_rows(
-    layer_maps: Tensor, row: int, grid: Tuple[int, int], num_prefix: int, cmap: str = "viridis", title: Optional[str] = None
+    layer_maps: Tensor, row: int, grid: Tuple[int, int], num_prefix: int, cmap: Optional[str] = None,
+    title: Optional[str] = None
 ):
     r"""The per-layer maps of one token's row as patch grids, one panel per layer.
 
@@ -81,7 +85,7 @@ def layer_patch_rows(
         row: the receiving token (0 = [CLS]; patch (r, c) is ``num_prefix + r * W/p + c``).
         grid: (H/p, W/p).
         num_prefix: tokens before the first patch (``result.extras["num_prefix_tokens"]``).
-        cmap: colormap.
+        cmap: colormap (default: the package's scale, white to red; one colour scale for all panels).
         title: figure title.
 
     Returns:
@@ -95,13 +99,16 @@ def layer_patch_rows(
     cols = min(n, 6)
     rows_ = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows_, cols, figsize=(2.2 * cols, 2.3 * rows_), squeeze=False)
+    patches = maps[:, row, num_prefix:]
+    lo, hi = float(patches.min()), float(patches.abs().max()) or 1.0
     for l in range(rows_ * cols):
         ax = axes[l // cols][l % cols]
         ax.set_axis_off()
         if l >= n:
             continue
         r = maps[l, row]
-        ax.imshow(r[num_prefix:].reshape(grid).numpy(), cmap=cmap, interpolation="nearest")
+        ax.imshow(r[num_prefix:].reshape(grid).numpy(), cmap=cmap or colormap(lo < 0), interpolation="nearest",
+                  vmin=0.0 if lo >= 0 else -hi, vmax=hi)
         total = float(r.sum())
         share = float(r[:num_prefix].sum()) / total if total else 0.0
         ax.set_title(f"layer {l + 1} (prefix {share:.0%})", fontsize=8)

@@ -49,6 +49,7 @@ from captum_normattr.present.figures import (  # noqa: F401 - MISSING_MATPLOTLIB
     tick_fontsize,
     to_numpy,
 )
+from captum_normattr.present.colours import colormap, score_hex, score_rgb, text_colour
 from captum_normattr.result import AttributionResult
 from captum_normattr.tokens import display_token
 
@@ -102,13 +103,20 @@ def unpadded_tokens(tokens: Optional[Sequence[str]], keep: Tensor, t_len: int) -
     raise ValueError(f"got {len(tokens)} tokens; expected {t_len} (padded) or {keep.numel()} (unpadded)")
 
 
-def _auto_cmap(values: np.ndarray, cmap: Optional[str]) -> Tuple[str, Optional[float], Optional[float]]:
-    r"""Sequential colormap for non-negative data, diverging (centered at 0) for signed."""
+def _auto_cmap(values: np.ndarray, cmap: Optional[Any]) -> Tuple[Any, Optional[float], Optional[float]]:
+    r"""The package's scale (:func:`~captum_normattr.present.colours.colormap`): diverging and
+    centred at 0 for signed data, its positive half (white to red) for non-negative data."""
     finite = values[np.isfinite(values)]
     if finite.size and finite.min() < 0:
         m = float(np.abs(finite).max()) or 1.0
-        return cmap or "RdBu_r", -m, m
-    return cmap or "Blues", 0.0, (float(finite.max()) if finite.size and finite.max() > 0 else 1.0)
+        return (cmap or colormap(True)), -m, m
+    return (cmap or colormap(False)), 0.0, (float(finite.max()) if finite.size and finite.max() > 0 else 1.0)
+
+
+def _cell_text_colour(v: float, lo: float, hi: float) -> str:
+    r"""Black or white text on a cell of the package's scale (the larger contrast)."""
+    m = max(abs(lo), abs(hi)) or 1.0
+    return text_colour(score_rgb(v / m))
 
 
 def example_from_result(
@@ -218,13 +226,11 @@ def _draw_map(
     if annotate is None:
         annotate = n <= 10
     if annotate:
-        mid = (lo + hi) / 2
         for i in range(matrix.shape[0]):
             for j in range(matrix.shape[1]):
                 v = matrix[i, j]
-                dark = v > mid if lo >= 0 else abs(v) > 0.6 * hi
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=max(fs - 2, 5),
-                        color="white" if dark else "black")
+                        color=_cell_text_colour(v, lo, hi))
     return im
 
 
@@ -251,8 +257,9 @@ def plot_token_map(
         tokens: T token labels (default ``0..T-1``).
         title: axes title.
         ax: draw into this axes instead of a new figure.
-        cmap: matplotlib colormap; default ``"Blues"`` for non-negative maps and a
-            diverging ``"RdBu_r"`` centered at 0 when there are negative entries.
+        cmap: matplotlib colormap; default: the package's scale
+            (:func:`~captum_normattr.present.colours.colormap`), white to red for
+            non-negative maps, blue-white-red centred at 0 when there are negative entries.
         vmin, vmax: color limits (default: from the data).
         annotate: write the values in the cells (default: when T <= 10).
         colorbar: add a colorbar.
@@ -438,13 +445,9 @@ def plot_component_maps(
 
 
 def _text_colors(values: np.ndarray) -> List[Tuple[float, float, float, float]]:
-    r"""Background colors for colored text: green positive, red negative (as Captum)."""
-    require_matplotlib()
-    from matplotlib import colormaps
-
+    r"""Background colours for coloured text: the package's scale (blue negative, white 0, red positive)."""
     m = float(np.abs(values).max()) or 1.0
-    pos, neg = colormaps["Greens"], colormaps["Reds"]
-    return [pos(0.85 * v / m) if v >= 0 else neg(0.85 * -v / m) for v in values]
+    return [tuple(c / 255.0 for c in score_rgb(v / m)) + (1.0,) for v in values]  # type: ignore[misc]
 
 
 def plot_rollout_row(
@@ -467,7 +470,8 @@ def plot_rollout_row(
         tokens: T token labels.
         b: example index when ``scores`` is a result.
         kind: ``"bar"`` (one bar per token) or ``"text"`` (the tokens written with a
-            background color: green positive, red negative, intensity = |score| / max).
+            background colour on the package's scale: blue negative, white 0, red positive,
+            intensity = |score| / max).
         explained_position: token index to mark as the explained one (taken from the
             result when not given).
         title: axes title (default: the method name of a result).
@@ -497,7 +501,7 @@ def plot_rollout_row(
             ax = fig.add_subplot(1, 1, 1)
         else:
             fig = ax.figure
-        colors = ["tab:green" if v >= 0 else "tab:red" for v in vals]
+        colors = [score_hex(0.8) if v >= 0 else score_hex(-0.8) for v in vals]
         ax.bar(range(n), vals, color=colors)
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_xticks(range(n))
@@ -619,9 +623,8 @@ def plot_method_comparison(
             for i in range(k):
                 for j in range(n):
                     v = data[i, j]
-                    strong = abs(v) > 0.6 * max(abs(lo), abs(hi))
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if strong else "black")
+                            color=_cell_text_colour(v, lo, hi))
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02)
     else:
         width = 0.8 / k

@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from torch import Tensor
 
+from captum_normattr.present.colours import colormap, score_hex, score_rgb, text_colour
 from captum_normattr.present.figures import check_tokens, finish_figure, new_figure, plot_label, short_label, tick_fontsize, to_numpy
 
 __all__ = ["generation_to_llm_attribution_result", "plot_contribution_matrix", "plot_source_share"]
@@ -51,7 +52,7 @@ def plot_contribution_matrix(
     target_tokens: Optional[Sequence[str]] = None,
     *,
     row_labels: Optional[Sequence[str]] = None,
-    cmap: str = "Blues",
+    cmap: Optional[str] = None,
     title: Optional[str] = "ALTI+ contributions",
     annotate: Optional[bool] = None,
     path: Optional[Union[str, Path]] = None,
@@ -66,7 +67,8 @@ def plot_contribution_matrix(
         target_tokens: the T decoder-input labels (columns of the target block).
         row_labels: labels of the rows (default: the target tokens; for a generation, give
             the generated tokens, the ones each row predicts).
-        cmap: colormap (values lie in [0, 1]).
+        cmap: colormap (values lie in [0, 1]; default: the package's scale, white to red,
+            :func:`~captum_normattr.present.colours.colormap`).
         title: figure title.
         annotate: write the values in the cells (default: when the matrix is small).
         path: save the figure there as well.
@@ -92,7 +94,7 @@ def plot_contribution_matrix(
     data = np.concatenate([src, tgt], axis=1)
     fig = new_figure((max(4.0, 0.45 * (s + t) + 2.0), max(3.0, 0.4 * t + 1.5)))
     ax = fig.add_subplot(1, 1, 1)
-    im = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=max(float(np.nanmax(data)) if data.size else 1.0, 1e-12), aspect="auto")
+    im = ax.imshow(data, cmap=cmap or colormap(False), vmin=0.0, vmax=max(float(np.nanmax(data)) if data.size else 1.0, 1e-12), aspect="auto")
     ax.axvline(s - 0.5, color="black", linewidth=1.5)
     fs = tick_fontsize(s + t)
     ax.set_xticks(range(s + t))
@@ -104,10 +106,11 @@ def plot_contribution_matrix(
     if annotate is None:
         annotate = (s + t) * t <= 200
     if annotate:
+        top = float(np.nanmax(np.abs(data))) or 1.0
         for i in range(t):
             for j in range(s + t):
                 ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=max(5.0, fs - 2),
-                        color="white" if data[i, j] > 0.6 * np.nanmax(data) else "black")
+                        color=text_colour(score_rgb(data[i, j] / top)))
     if title:
         ax.set_title(plot_label(title))
     fig.colorbar(im, ax=ax, fraction=0.04)
@@ -169,7 +172,7 @@ def plot_source_share(
     if len(series) == 1:
         values = series[0][start:]
         labels = check_tokens(target_tokens, len(series[0]))[start:] if target_tokens is not None else None
-        ax.bar(range(start, start + len(values)), values, color="#4C72B0")
+        ax.bar(range(start, start + len(values)), values, color=score_hex(0.8))
         if labels is not None:
             ax.set_xticks(range(start, start + len(values)))
             ax.set_xticklabels([short_label(x) for x in labels], rotation=90, fontsize=tick_fontsize(len(values)))
