@@ -154,7 +154,8 @@ def write_results(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], meta: Map
         args: the parsed command line (``output``, ``plots``, ``plot_format``, ``html_maps``,
             ``exclude_sink``, ``ascii``, ``raw``, ``quiet`` are read).
         fmt: ``table``, ``json`` or ``html``.
-        model_name: the model's readable name (the HTML title).
+        model_name: the model's name or folder (the HTML title and meta show its
+            :func:`~captum_normattr.present.labels.model_display_name`, never an absolute path).
 
     Raises:
         CLIError: when the output cannot be written.
@@ -172,7 +173,11 @@ def write_results(exps: Sequence[Any], maps: Sequence[Dict[str, Any]], meta: Map
     elif fmt == "html":
         if args.html_maps:
             embed_maps(exps, maps, args.exclude_sink)
-        text = report.render_html(exps, dict(meta), title=f"{PROG}: {model_name}", exclude_sink=args.exclude_sink)
+        from captum_normattr.present.labels import model_display_name
+
+        shown = model_display_name(name_or_path=model_name)  # a folder by its name, never its absolute path
+        page_meta = dict(meta, model=shown) if "model" in meta else dict(meta)
+        text = report.render_html(exps, page_meta, title=f"{PROG}: {shown}", exclude_sink=args.exclude_sink)
     else:
         text = report.render_table(exps, ascii_only=args.ascii or not can_print_blocks(), shares=not args.raw,
                                    exclude_sink=args.exclude_sink)

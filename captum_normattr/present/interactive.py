@@ -306,6 +306,7 @@ canvas#heat-canvas{image-rendering:pixelated;display:block;cursor:crosshair}
 #tokens span.tok.sink{text-decoration:underline dotted}
 #tokens span.tok.gen{font-style:italic}
 #tokens span.tok.norow{color:#767676}
+#routes-info{font-size:12px;color:#444;margin-bottom:.3em}
 #routes{overflow:auto;border:1px solid #ddd;max-height:80vh;position:relative}
 #routes .route-cols{position:sticky;top:0;background:rgba(255,255,255,.95);z-index:2;border-bottom:1px solid #ddd}
 #routes svg{display:block}
@@ -357,7 +358,7 @@ function rowForToken(key, i){ var R = rowsOf(key); var off = T - R; return i - o
 function rowVals(key, r){ if (key.charAt(0) === "l") { r = state.layer * T + r; } return source(key).dec.get(r); }
 function skipCol(){ return (D.sink !== null && sinkIn.checked) ? D.sink : -1; }
 function isGen(j){ return D.gen !== null && j >= D.gen; }
-function label(j){ return "\u201c" + D.tokens[j] + "\u201d" + (isGen(j) ? " (gen)" : "") + (j === D.sink ? " (sink)" : ""); }
+function label(j){ return "\u201c" + D.tokens[j] + "\u201d" + (isGen(j) ? " (gen @" + j + ")" : "") + (j === D.sink ? " (sink)" : ""); }
 function maxima(key){  // the map's and every row's largest |value|, the sink left out when asked
   var ck = key + "|" + state.layer + "|" + skipCol();
   if (ck in maxCache) { return maxCache[ck]; }
@@ -496,7 +497,7 @@ function paintBar(){
     (enc.nonfinite ? "; " + enc.nonfinite + " non-finite values shown as 0" : "");
 }
 function chip(j, v, m){
-  var s = document.createElement("span"); s.className = "chip"; s.textContent = D.tokens[j] + (isGen(j) ? " (gen)" : "") + " " + (v >= 0 ? "+" : "") + v.toPrecision(3);
+  var s = document.createElement("span"); s.className = "chip"; s.textContent = D.tokens[j] + (isGen(j) ? " (gen @" + j + ")" : "") + " " + (v >= 0 ? "+" : "") + v.toPrecision(3);
   paint(s, v, m, -2); return s;
 }
 function paintSummary(){

@@ -293,8 +293,8 @@ def delta_caption(label: str, signed: bool) -> str:
         signed: whether the method explains a logit.
 
     Returns:
-        ``"<label>: completeness error |sum - logit|"`` or ``"<label>: layer reconstruction
-        error (max over layers and tokens; class-agnostic, no logit explained)"``.
+        The caption: ``<label>: completeness error |sum - logit|`` for a signed method, else
+        ``<label>: layer reconstruction error (...; class-agnostic, no logit explained)``.
 
     Examples:
         >>> delta_caption("ALTI", False)

@@ -7,7 +7,7 @@ import torch
 from captum_normattr import ALTILogitAttribution
 
 from captum_normattr.cli import main as cli
-from captum_normattr.cli.generate import simple_html_table
+from captum_normattr.cli.generate import ranked_positions, render_html, render_table, simple_html_table
 from decoder_models import make_decoder
 from llm_tiny import tiny_tokenizer
 
@@ -52,9 +52,13 @@ def test_table_teacher_forcing_and_html(capsys, tiny_lm, tmp_path):
     assert code == 0, err
     lines = [l for l in out.splitlines() if l.strip()]
     assert lines[0].startswith("DecompX: explains the logit")
-    rows = lines[2:]
+    rows = lines[2:5]
     assert [r.split()[1] for r in rows] == ["on", "the", "mat"]
-    assert all("<s>" not in r.split("  ", 2)[-1] for r in rows)  # the sink is left out of the top tokens
+    assert all("<s>" not in r.split("  ", 3)[-1].split("top contributors")[-1] for r in rows)  # sink left out
+    assert all(" @" not in r and "*" in r for r in rows[1:])  # earlier generated tokens ranked, marked
+    legend = "\n".join(lines[5:])
+    assert "legend: score = " in legend and "sink = the share of the first token" in legend
+    assert "(--exclude-sink)" in legend
     html_path = tmp_path / "r.html"
     code, _, err = run(capsys, "generate", "--model", tiny_lm, "the cat", "--max-new-tokens", "2", "--format", "html",
                        "-o", html_path)
@@ -64,6 +68,50 @@ def test_table_teacher_forcing_and_html(capsys, tiny_lm, tmp_path):
     loaded = page.replace("http://www.w3.org/2000/svg", "")  # the SVG namespace is a name, not a download
     assert "http://" not in loaded and "https://" not in loaded  # self-contained
     assert "interactive report module is not installed" not in page  # the interactive report, not the fallback
+
+
+def _record(exclude_sink=False):
+    # prompt "<s> What is the" then generated " answer" " :" ; the ":" row's largest value is on " answer"
+    rows = [[0.5, 1.2, -0.3, 0.8, 0.0, 0.0],
+            [0.4, 0.9, 0.1, -1.1, 2.1, 0.0]]
+    return {"model": "/abs/cache/models--Org--Tiny/snapshots/9f", "prompt": "What is the", "prompt_length": 4,
+            "sink_index": 0, "exclude_sink": exclude_sink, "generated": [" answer", ":"],
+            "tokens": ["<s>", "What", "\u0120is", "\u0120the", "\u0120answer", ":"],
+            "token_text": ["<s>", "What", " is", " the", " answer", ":"],
+            "methods": {"ALTI-Logit": {"key": "alti-logit", "signed": True, "quantity": "logit", "rows": rows,
+                                       "token_attr": [r[:4] for r in rows], "input_features": ["<s>", "What", "is", "the"],
+                                       "explained": [2.2, 26.0], "log_probs": [-0.1, -2.0], "sink_share": [0.18, 0.09]},
+                        "ALTI": {"key": "alti", "signed": False, "quantity": "rollout", "explained": None,
+                                 "rows": [[0.25, 0.25, 0.25, 0.25, 0, 0], [0.1, 0.1, 0.1, 0.1, 0.6, 0]],
+                                 "token_attr": [[0.25] * 4, [0.1] * 4], "input_features": ["<s>", "What", "is", "the"],
+                                 "log_probs": None, "sink_share": [0.25, 0.1]}}}
+
+
+def test_table_ranks_earlier_generated_tokens_with_aligned_numbers():
+    rec = _record()
+    assert ranked_positions(rec, "ALTI-Logit", 1)[0] == (4, 2.1)  # the earlier generated " answer" comes first
+    assert [j for j, _ in ranked_positions(rec, "ALTI-Logit", 0)] == [1, 3, 0, 2]  # the prompt only, by |score|
+    assert 0 not in [j for j, _ in ranked_positions(rec, "ALTI-Logit", 1, exclude_sink=True)]
+    text = render_table(rec, top=3)
+    lines = text.splitlines()
+    head, r0, r1 = lines[1], lines[2], lines[3]
+    assert r1.endswith("answer@4* +2.10  the -1.10  What +0.90")
+    assert r0.endswith("What +1.20  the +0.80  <s> +0.50")
+    # the score column: same decimals, right-aligned under its header
+    end = head.index("score") + len("score")
+    assert r0[:end].endswith(" 2.20") and r1[:end].endswith("26.00")
+    assert "p = the model's probability" in text and "sink = the share of the first token (<s>)" in text
+    assert "@position* = generated" in text and "class-agnostic: no logit explained" in text
+    alti = text.split("ALTI:")[1].splitlines()
+    assert alti[2].split()[2] == "1.00" and alti[3].split()[2] == "1.00"  # a rollout row sums to 1 over the positions
+    assert "<s>" not in render_table(_record(exclude_sink=True), top=5).split("ALTI:")[0].splitlines()[3]
+
+
+def test_generate_page_names_the_model_not_its_path():
+    page = render_html(_record())
+    assert "model: Org/Tiny" in page and "/abs/cache" not in page and "snapshots" not in page
+    assert '"gen":4' in page and '"exclude_sink":false' in page
+    assert '"exclude_sink":true' in render_html(_record(exclude_sink=True))
 
 
 def test_fallback_html_table_is_self_contained():

@@ -262,13 +262,20 @@ def test_report_loads_hovers_and_draws_routes(browser, tmp_path):
     shown = browser.js("Array.from(document.querySelectorAll('#tokens span.tok')).map(function(e){return e.textContent})")
     assert shown[2] == HOSTILE[2] and shown[5] == "\u21b5" and shown[6] == "\\x07bell" and shown[8] == "</script>"
     assert browser.js("document.querySelectorAll('#tokens script').length") == 0
-    assert browser.js("window.__report.state.row") == -1
+    # before any hover: the last row is selected, the tokens and the heat table are coloured
+    assert browser.js("window.__report.state.row") == t - 1
+    assert browser.js("window.__report.state.heat") == "table"
+    assert browser.js("document.querySelectorAll('#heat-table tbody tr').length") == t
+    assert browser.js("Array.from(document.querySelectorAll('#heat-table td')).filter(function(e){"
+                      "return e.style.background !== ''}).length") > t
+    assert browser.js("document.getElementById('summary').textContent").startswith("Top contributors")
     browser.hover_token(4)
     assert browser.js("window.__report.state.row") == 4
     label4 = browser.js("document.getElementById('row-label').textContent")
     bg4 = browser.js("Array.from(document.querySelectorAll('#tokens span.tok')).map(function(e){return e.style.background})")
     assert "row 4" in label4 and browser.js("document.querySelector('#tokens span.current').dataset.i") == "4"
     assert bg4[5:] == [""] * (t - 5) and any(bg4[1:5])  # causal row: only tokens up to 4 are coloured
+    assert "var(--na-sink)" in bg4[0]  # the sink, left out of the scale by default, is grey
     browser.hover_token(9)
     assert browser.js("window.__report.state.row") == 9
     assert browser.js("document.querySelector('#tokens span.current').dataset.i") == "9"
@@ -286,7 +293,7 @@ def test_report_loads_hovers_and_draws_routes(browser, tmp_path):
     # the routes graph
     n_edges = browser.js("document.querySelectorAll('#routes-svg line.edge').length")
     assert n_edges == len(_routes_json(HOSTILE)["edges"]) and n_edges > 0
-    labels = browser.js("Array.from(document.querySelectorAll('#routes-svg text')).map(function(e){return e.textContent})")
+    labels = browser.js("Array.from(document.querySelectorAll('#routes svg text')).map(function(e){return e.textContent})")
     assert "\\x07bell" in labels and "emb" in labels and "out" in labels
     browser.js("var s=document.getElementById('method'); s.value='m:alti'; s.dispatchEvent(new Event('change'))")
     browser.hover_token(7)
@@ -306,10 +313,16 @@ def test_two_thousand_tokens(browser, tmp_path):
     path = tmp_path / "big.html"
     path.write_text(page, encoding="utf-8")
     t0 = time.time()
-    browser.open(str(path))
+    browser.open(str(path))  # the load event comes after the page's script has drawn the heat map
     load_s = time.time() - t0
     assert browser.js("document.querySelectorAll('#tokens span.tok').length") == t
     assert browser.js("document.getElementsByTagName('*').length") < t + 200  # T token elements, never T^2
+    # the whole map is drawn before any hover: a canvas, one pixel per number, coloured
+    assert browser.js("window.__report.state.heat") == "canvas"
+    coloured = browser.js("(function(){var c=document.getElementById('heat-canvas'),d=c.getContext('2d')"
+                          ".getImageData(0,0,c.width,c.height).data,n=0;for(var i=0;i<d.length;i+=4){"
+                          "if(d[i]<250||d[i+1]<250||d[i+2]<250){n++;}}return [c.width,c.height,n];})()")
+    assert coloured[:2] == [t, t] and coloured[2] > t * t // 4  # the lower triangle, less the faint cells
     t1 = time.time()
     browser.hover_token(1500)
     assert browser.js("window.__report.state.row") == 1500
@@ -321,7 +334,87 @@ def test_two_thousand_tokens(browser, tmp_path):
     assert np.allclose(vals, m[1500, :5], atol=scale / 127)
     browser.screenshot(str(tmp_path / "big.png"))
     assert browser.errors() == []
+    print(f"2,000-token page: {len(page) / 1e6:.1f} MB, load and first paint {load_s:.2f} s, hover {hover_s:.3f} s")
     assert load_s < 60 and hover_s < 10, (load_s, hover_s)
+
+
+def _pixels_near(png_path, rgb, tol=3):
+    from PIL import Image
+
+    im = np.asarray(Image.open(png_path).convert("RGB")).astype(int)
+    return int((np.abs(im - np.array(rgb)).max(-1) <= tol).sum())
+
+
+def test_colours_are_on_the_page_before_any_hover(browser, tmp_path):
+    pytest.importorskip("PIL")
+    from captum_normattr.present.colours import score_rgb
+
+    toks = ["<s>", " The", " capital", " of", " France", " is", " Paris"]
+    rows = np.array([[3.0, 0.5, 2.0, -0.2, 1.5, 0.1, 0.0],  # +max 2.0 once the sink (3.0) is left out
+                     [1.0, -2.0, 0.4, 0.3, 1.0, 0.2, 0.0]])  # -max -2.0
+    path = write_interactive_report(str(tmp_path / "p.html"), toks, {"ALTI-Logit": rows}, sink_index=0,
+                                    model_name="tiny", first_generated=6, title="colours")
+    browser.open(path)
+    assert browser.js("window.__report.scale()") == pytest.approx(2.0)
+    shot = browser.screenshot(str(tmp_path / "p.png"))  # no mouse event has been sent
+    assert _pixels_near(shot, score_rgb(1.0)) > 50 and _pixels_near(shot, score_rgb(-1.0)) > 50
+    assert _pixels_near(shot, score_rgb(0.75)) > 50  # 1.5 / 2.0: the cell of " France"
+    # the cell text is readable: white on the dark cells, black on the light ones
+    colours = browser.js("Array.from(document.querySelectorAll('#heat-table tbody tr')[0].querySelectorAll('td'))"
+                         ".map(function(e){var s=getComputedStyle(e);return [s.backgroundColor,s.color]})")
+    assert colours[2] == ["rgb(103, 0, 31)", "rgb(255, 255, 255)"]
+    assert colours[5][1] == "rgb(0, 0, 0)"
+    # the colour bar states the scale and the sink rule; the heading names the model, not a path
+    assert browser.js("document.getElementById('bar-hi').textContent") == "+2.00"
+    assert "left out of the scale" in browser.js("document.getElementById('legend').textContent")
+    assert browser.js("document.getElementById('meta').textContent").startswith("model: tiny")
+    assert browser.errors() == []
+
+
+def _generate_record():
+    return {"model": "/root/.cache/huggingface/hub/models--Org--Tiny-LM/snapshots/0123abc", "prompt": "The capital",
+            "prompt_length": 3, "sink_index": 0, "exclude_sink": False, "generated": [" of", " France"],
+            "tokens": ["<s>", "The", "\u0120capital", "\u0120of", "\u0120France"],
+            "token_text": ["<s>", "The", " capital", " of", " France"],
+            "methods": {"ALTI-Logit": {"rows": [[0.2, -1.0, 0.5, 0.0, 0.0], [0.3, 0.4, 1.0, 0.6, 0.0]]}}}
+
+
+def test_one_colour_convention_on_every_page(browser, tmp_path):
+    from captum_normattr.cli.generate import render_html as generate_html
+    from captum_normattr.present import colours
+    from captum_normattr.present.report import TextExplanation, render_html
+
+    pos, neg = colours.score_css(1.0), colours.score_css(-1.0)
+    assert (pos, neg) == ("rgb(103, 0, 31)", "rgb(5, 48, 97)")
+    ex = TextExplanation("a b c", ["[CLS]", "a", "b", "c"], {"DecompX": [0.1, 2.0, -2.0, 0.5]}, 0,
+                         signed={"DecompX": True})
+    pages = {
+        "encoder": (render_html([ex]), "document.querySelectorAll('span.tok')[{}]", (1, 2)),
+        "interactive": (interactive_report_html(["a", "b", "c"], {"m": [[0.5, 2.0, -2.0]]}),
+                        "document.querySelectorAll('#heat-table td')[{}]", (1, 2)),
+        "generate": (generate_html(_generate_record()), "document.querySelectorAll('#heat-table td')[{}]", (7, 1)),
+    }
+    from captum_normattr.attr.routes import RouteGraph
+    from captum_normattr.present.interactive import routes_report_html
+
+    pages["routes"] = (routes_report_html(RouteGraph.from_json(_routes_json(HOSTILE))), None, None)
+    seen = {}
+    for name, (page, cell, (i_pos, i_neg)) in ((k, (v[0], v[1], v[2] or (None, None))) for k, v in pages.items()):
+        path = tmp_path / f"{name}.html"
+        path.write_text(page, encoding="utf-8")
+        browser.open(str(path))
+        seen[name] = browser.js("(function(){var s=getComputedStyle(document.documentElement);return ["
+                                "'--na-neg-max','--na-zero','--na-pos-max','--na-sink'].map(function(v){"
+                                "return s.getPropertyValue(v).trim()})})()")
+        if cell is not None:  # the +max and -max cells: the same RGB on every page
+            assert browser.js(f"getComputedStyle({cell.format(i_pos)}).backgroundColor") == pos, name
+            assert browser.js(f"getComputedStyle({cell.format(i_neg)}).backgroundColor") == neg, name
+            assert browser.js(f"getComputedStyle({cell.format(i_pos)}).color") == "rgb(255, 255, 255)", name
+        assert browser.errors() == [], name
+    assert all(v == [colours.NEGATIVE_MAX, colours.ZERO, colours.POSITIVE_MAX, colours.SINK_GREY]
+               for v in seen.values()), seen
+    gen_page = pages["generate"][0]
+    assert "Org/Tiny-LM" in gen_page and "/root/.cache" not in gen_page and "snapshots" not in gen_page
 
 
 def test_route_graph_page(browser, tmp_path):
@@ -337,5 +430,13 @@ def test_route_graph_page(browser, tmp_path):
     browser.hover_token(len(HOSTILE) - 1)  # the explained (last) token: its row is the flow
     assert browser.js("window.__report.state.row") == 0
     assert browser.js("document.querySelectorAll('#tokens span.tok')[0].style.background") != ""
+    # the column labels stay at the top of the graph's scrolling box
+    labels = browser.js("Array.from(document.querySelectorAll('#routes .route-cols text.route-col')).map(function(e){return e.textContent})")
+    assert "\\x07bell" in labels and len(labels) > 1
+    browser.js("document.getElementById('routes').style.maxHeight='120px'; document.getElementById('routes').scrollTop=100000")
+    tops = browser.js("[document.getElementById('routes').getBoundingClientRect().top,"
+                      "document.querySelector('#routes .route-cols').getBoundingClientRect().top]")
+    assert browser.js("document.getElementById('routes').scrollTop") > 0
+    assert abs(tops[1] - tops[0]) <= 2, tops
     browser.screenshot(str(tmp_path / "routes.png"))
     assert browser.errors() == []
