@@ -140,10 +140,10 @@ def css_variables() -> str:
             f"--na-signed-bar:{css_gradient(True)};--na-unsigned-bar:{css_gradient(False)}}}")
 
 
-#: The same scale in JavaScript, for the interactive pages: ``naRgb(x)`` (x = score / max
-#: |score|, clipped to [-1, 1]) -> [r, g, b]; ``naCss(x)`` -> "rgb(r, g, b)"; ``naText(rgb)``
-#: -> "#000000" / "#ffffff" (the larger contrast ratio), as :func:`score_rgb` and
-#: :func:`text_colour`.
+#: The same scale in JavaScript, for the interactive pages: ``naRgb(x)`` (``x`` the score
+#: divided by the largest absolute score, clipped to [-1, 1]) gives ``[r, g, b]``; ``naCss(x)``
+#: gives ``"rgb(r, g, b)"``; ``naText(rgb)`` gives ``"#000000"`` or ``"#ffffff"`` (the larger
+#: contrast ratio), as :func:`score_rgb` and :func:`text_colour`.
 JS_COLOURS = r"""
 var NA_RAMP = @@RAMP@@;
 function naRgb(x){
