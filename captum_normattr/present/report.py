@@ -613,7 +613,8 @@ def render_html(
                  else "the first token (sink) is in the scale; --exclude-sink leaves it out")
     parts.append(
         '<p class="legend">Colours: \u2212max<span class="bar"></span>+max '
-        "(blue: negative, white: 0, red: positive; per method, scaled by its largest |score| in the text; "
+        "(blue: negative, white: 0, red: positive; unsigned methods: white to red; per method, scaled by its "
+        "largest |score| in the text; "
         f"hover a token for its value). Sink: {sink_rule}.</p>"
     )
     for n, ex in enumerate(explanations, start=1):
