@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from captum_normattr.cli.registry_view import llm_method_names
 from captum_normattr.tokens import readable_tokens, terminal_lines, visible_text
 
 PROG = "captum-normattr generate"
@@ -38,9 +39,7 @@ def llm_methods() -> Tuple[str, ...]:
     Returns:
         Their registry keys (:data:`captum_normattr.attr.methods.METHODS`), in registry order.
     """
-    from captum_normattr.attr.methods import METHODS
-
-    return tuple(key for key, spec in METHODS.items() if spec.llm)
+    return llm_method_names()  # the registry's, or its light view before it is imported (no torch for --help)
 
 
 def build_parser() -> argparse.ArgumentParser:
