@@ -18,6 +18,7 @@ The methods explain themselves: this module only asks the attribution's class
 """
 from __future__ import annotations
 
+import os
 import string
 import warnings
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.attr.base import configured_name
+from captum_normattr.models.adapters import require_loaded_model
 from captum_normattr.attr.positions import (
     LOG_PROB_NOT_ADDITIVE,
     QUANTITIES,
@@ -54,8 +56,31 @@ def check_explains_positions(attribution: Any) -> None:
     Args:
         attribution: the attribution given to the LLM API.
     """
+    if isinstance(attribution, nn.Module):  # the model itself, where its attribution belongs
+        raise TypeError(f"expected an attribution of the model, got the model {type(attribution).__name__}; wrap it "
+                        "in a method: DecompositionLLMAttribution(ALTILogitAttribution(model), tokenizer), or "
+                        "DecompositionLLMAttribution('alti-logit', tokenizer, model=model)")
     if not isinstance(attribution, Attribution) or not callable(getattr(attribution, "explain_positions", None)):
         raise TypeError(UNSUPPORTED.format(name=type(attribution).__name__))
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    r"""Raise a TypeError, saying how to load one, unless ``tokenizer`` looks like a loaded tokenizer.
+
+    Args:
+        tokenizer: the tokenizer given to the LLM API (it needs ``encode`` and ``convert_ids_to_tokens``).
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        name = os.fspath(tokenizer)
+        raise TypeError(f"expected a loaded tokenizer, got the string {name!r}; load it first: "
+                        f"AutoTokenizer.from_pretrained({name!r})")
+    if isinstance(tokenizer, nn.Module):
+        raise TypeError(f"expected a tokenizer, got the model {type(tokenizer).__name__}: "
+                        "DecompositionLLMAttribution(ALTILogitAttribution(model), tokenizer)")
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "convert_ids_to_tokens", None))):
+        got = "None" if tokenizer is None else type(tokenizer).__name__
+        raise TypeError(f"expected a loaded tokenizer (with encode and convert_ids_to_tokens), got {got}; load the "
+                        "model's: AutoTokenizer.from_pretrained(NAME)")
 
 
 def explain_positions(
@@ -398,10 +423,16 @@ def chat_token_input(
 
 
 def _method_from_name(name: str, model: Optional[nn.Module], **kwargs: Any) -> Attribution:
-    from captum_normattr.attr.methods import get_method
+    from captum_normattr.attr.methods import METHODS, get_method
 
+    if name.lower() not in METHODS:  # a model's name or folder where the attribution belongs?
+        raise TypeError(
+            f"expected an attribution or a method name ({', '.join(k for k, s in METHODS.items() if s.llm)}), got the "
+            f"string {name!r}; for a model, load it first: model = AutoModelForCausalLM.from_pretrained({name!r}), "
+            "then DecompositionLLMAttribution(ALTILogitAttribution(model), tokenizer)")
     if model is None:
         raise ValueError(f"method {name!r} given by name: pass model= as well")
+    require_loaded_model(model, "AutoModelForCausalLM")
     return get_method(name).build(model, None, **kwargs)
 
 
@@ -466,6 +497,7 @@ class DecompositionLLMAttribution(Attribution):
         model: Optional[nn.Module] = None,
         **method_kwargs: Any,
     ) -> None:
+        check_tokenizer(tokenizer)
         if isinstance(attr_method, str):
             attr_method = _method_from_name(attr_method, model, **method_kwargs)
         elif method_kwargs:
@@ -632,6 +664,7 @@ __all__ = [
     "chat_prompt",
     "chat_token_input",
     "check_explains_positions",
+    "check_tokenizer",
     "explain_positions",
     "feature_labels",
     "template_token_features",
