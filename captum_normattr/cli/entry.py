@@ -47,7 +47,7 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     "generate": Subcommand("captum_normattr.cli.generate", "generate_main",
                            "explain every token a causal LM generates (or a given continuation), from one forward pass"),
     "evaluate": Subcommand("captum_normattr.cli.evaluate", "evaluate_main",
-                           "compare the faithfulness of methods on a model and a task (docs/evaluation.md)"),
+                           "compare the faithfulness of methods on a model and a task"),
 }
 #: what runs when the first argument names no subcommand
 DEFAULT_SUBCOMMAND = "explain"

@@ -184,3 +184,19 @@ def test_the_snapshot_parser_equals_the_registry_parser(monkeypatch):
     monkeypatch.setattr(registry_view, "REGISTRY_MODULE", "captum_normattr.no_such_module")
     assert registry_view.methods() is registry_view.SNAPSHOT
     assert options(build_parser()) == live
+
+
+def test_docs_document_every_subcommand_and_every_generate_option():
+    from captum_normattr.cli.entry import SUBCOMMANDS
+    from captum_normattr.cli.generate import build_parser
+
+    doc = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    table = doc[doc.index("## Subcommands"):]
+    for name in SUBCOMMANDS:
+        assert f"| `{name}` |" in table, name
+    section = doc[doc.index("## Generated tokens of a causal LM (`generate`)"):doc.index("## Start-up time")]
+    for action in build_parser()._actions:
+        if action.dest == "help":
+            continue
+        flag = action.option_strings[-1] if action.option_strings else f"`{action.dest}`"
+        assert flag in section, f"docs/cli.md does not document generate's {flag}"
