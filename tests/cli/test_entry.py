@@ -200,3 +200,12 @@ def test_docs_document_every_subcommand_and_every_generate_option():
             continue
         flag = action.option_strings[-1] if action.option_strings else f"`{action.dest}`"
         assert flag in section, f"docs/cli.md does not document generate's {flag}"
+
+
+def test_the_console_script_is_the_light_entry_point():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg", encoding="utf-8")
+    scripts = cfg["options.entry_points"]["console_scripts"]
+    assert "captum-normattr = captum_normattr.cli.entry:main" in scripts
