@@ -184,10 +184,18 @@ _AUTO_BY_ARCHITECTURE = (
 OTHER_LOADERS = ("AutoModelForSequenceClassification or AutoModel for an encoder, AutoModelForSeq2SeqLM for an "
                  "encoder-decoder, AutoModelForImageClassification for a Vision Transformer")
 
+
+def _is_path(name: str) -> bool:
+    try:
+        return Path(name).expanduser().exists()
+    except (OSError, ValueError):  # an invalid path (a null byte, a name too long): a plain string
+        return False
+
+
 def _saved_config(name: str) -> Optional[Dict[str, Any]]:
     r"""The config.json of a local folder, or of a Hub name already in the local cache (never downloads)."""
-    path = Path(name).expanduser() / "config.json"
     try:
+        path: Optional[Path] = Path(name).expanduser() / "config.json"
         if not path.is_file():
             from huggingface_hub import try_to_load_from_cache
 
@@ -249,7 +257,7 @@ def require_loaded_model(model: Any, loader: Optional[str] = None) -> None:
     cls = type(model).__name__
     if isinstance(model, (str, os.PathLike)):
         name = os.fspath(model)
-        what = "path" if isinstance(model, os.PathLike) or Path(name).expanduser().exists() else "string"
+        what = "path" if isinstance(model, os.PathLike) or _is_path(name) else "string"
         raise TypeError(f"{head} the {what} {name!r}; load it first: {how(name, repr(name))}")
     if model is None:
         raise TypeError(f"{head} None; load a model first: {how('', 'NAME')}")
