@@ -18,6 +18,7 @@ The methods explain themselves: this module only asks the attribution's class
 """
 from __future__ import annotations
 
+import os
 import string
 import warnings
 from dataclasses import dataclass
@@ -30,12 +31,14 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.attr.base import configured_name
+from captum_normattr.models.adapters import require_loaded_model
 from captum_normattr.attr.positions import (
     LOG_PROB_NOT_ADDITIVE,
     QUANTITIES,
     PositionExplanation,
     check_ids,
 )
+from captum_normattr.tokens import ReadableTokens, display_token, readable_tokens
 
 #: Captum's default generation arguments (``captum.attr._core.llm_attr.DEFAULT_GEN_ARGS`` in 0.9).
 DEFAULT_GEN_ARGS: Dict[str, Any] = {"max_new_tokens": 25, "do_sample": False, "temperature": None, "top_p": None}
@@ -53,8 +56,31 @@ def check_explains_positions(attribution: Any) -> None:
     Args:
         attribution: the attribution given to the LLM API.
     """
+    if isinstance(attribution, nn.Module):  # the model itself, where its attribution belongs
+        raise TypeError(f"expected an attribution of the model, got the model {type(attribution).__name__}; wrap it "
+                        "in a method: DecompositionLLMAttribution(ALTILogitAttribution(model), tokenizer), or "
+                        "DecompositionLLMAttribution('alti-logit', tokenizer, model=model)")
     if not isinstance(attribution, Attribution) or not callable(getattr(attribution, "explain_positions", None)):
         raise TypeError(UNSUPPORTED.format(name=type(attribution).__name__))
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    r"""Raise a TypeError, saying how to load one, unless ``tokenizer`` looks like a loaded tokenizer.
+
+    Args:
+        tokenizer: the tokenizer given to the LLM API (it needs ``encode`` and ``convert_ids_to_tokens``).
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        name = os.fspath(tokenizer)
+        raise TypeError(f"expected a loaded tokenizer, got the string {name!r}; load it first: "
+                        f"AutoTokenizer.from_pretrained({name!r})")
+    if isinstance(tokenizer, nn.Module):
+        raise TypeError(f"expected a tokenizer, got the model {type(tokenizer).__name__}: "
+                        "DecompositionLLMAttribution(ALTILogitAttribution(model), tokenizer)")
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "convert_ids_to_tokens", None))):
+        got = "None" if tokenizer is None else type(tokenizer).__name__
+        raise TypeError(f"expected a loaded tokenizer (with encode and convert_ids_to_tokens), got {got}; load the "
+                        "model's: AutoTokenizer.from_pretrained(NAME)")
 
 
 def explain_positions(
@@ -185,14 +211,20 @@ class GenerationExplanation:
         positions: (n,) the explained positions, P - 1 + k for target k.
         scores: (n, T) row k: every token's score for target k (prompt and earlier target
             tokens; the tokens from position P + k on are exactly 0). The full, untouched scores.
-        tokens: the T tokens as strings; output_tokens: the n target tokens (Captum's pretty form).
+        tokens: the T tokens as the tokenizer spells them (``Ġcapital``, ``▁Paris``).
+        output_tokens: the n target tokens as readable text
+            (:func:`~captum_normattr.tokens.readable_tokens`: ``Paris``, no ``Ġ`` / ``▁``), a
+            :class:`~captum_normattr.tokens.ReadableTokens` whose ``.raw`` holds the tokenizer's spelling.
         feature_of_token: (P,) long interpretable feature index of every prompt token (-1: none:
             a skipped token or template text).
-        input_features: the feature names (``inp.values``).
+        input_features: the feature names as Captum's input holds them (``inp.values``: the
+            tokenizer's spelling of a ``TextTokenInput``'s tokens, a ``TextTemplateInput``'s values).
         sink_index: the attention-sink position (the first token: BOS where the tokenizer adds one).
         details: the :class:`PositionExplanation` (explained quantity, no-token terms, deltas,
             log-probabilities, per-method extras).
         inp: the Captum input.
+        feature_text: the readable text of every feature (a token's text, no ``Ġ`` / ``▁``; a
+            template value as given); None: :attr:`input_features`.
     """
 
     method: str
@@ -208,6 +240,7 @@ class GenerationExplanation:
     sink_index: int
     details: PositionExplanation
     inp: Any = None
+    feature_text: Optional[List[str]] = None
 
     @property
     def signed(self) -> bool:
@@ -274,8 +307,13 @@ class GenerationExplanation:
         r"""Captum's ``LLMAttributionResult`` (its own class), as ``LLMAttribution.attribute`` builds it.
 
         ``token_attr`` (n, features), ``seq_attr`` = its column sums (the attribution of the
-        sum of the explained quantities), ``input_tokens`` = the features, ``output_tokens``,
-        ``output_probs`` = p(target) where known.
+        sum of the explained quantities), ``output_probs`` = p(target) where known, and the
+        labels as readable text, so that ``plot_token_attr`` / ``plot_seq_attr`` show clean
+        words: ``input_tokens`` = the features' text (:attr:`feature_text`), ``output_tokens``
+        = the targets' text (each label as :func:`~captum_normattr.tokens.display_token` shows it:
+        a newline as ``\n``, a space-only token as ``␣``). The tokenizer's own spellings
+        (``Ġcapital``) are kept on the result as two more attributes, ``raw_input_tokens``
+        (:attr:`input_features`, what ``inp.values`` holds) and ``raw_output_tokens``, in the same order.
 
         Args:
             exclude_sink: leave the sink out of the plots and their colour scale: a sink
@@ -288,34 +326,42 @@ class GenerationExplanation:
         fmt = getattr(self.inp, "format_attr", None)
         full = fmt(full) if fmt is not None else full
         names = list(self.input_features)
+        labels = [display_token(t) for t in (self.feature_text if self.feature_text is not None else names)]
         inp = self.inp
         drop = self.sink_feature() if exclude_sink else None
         if drop is not None and full.shape[1] == len(names):
             keep = [j for j in range(full.shape[1]) if j != drop]
-            full, names, inp = full[:, keep], [names[j] for j in keep], None
+            full, names, labels, inp = full[:, keep], [names[j] for j in keep], [labels[j] for j in keep], None
         probs = None if self.log_probs is None else self.log_probs.exp()
-        return LLMAttributionResult(
-            seq_attr=full[0], token_attr=full[1:], input_tokens=names, output_tokens=list(self.output_tokens),
+        res = LLMAttributionResult(
+            seq_attr=full[0], token_attr=full[1:], input_tokens=labels,
+            output_tokens=[display_token(t) for t in self.output_tokens],
             output_probs=probs, inp=inp,
         )
+        res.raw_input_tokens = names  # the tokenizer's spelling (inp.values), next to the readable labels
+        res.raw_output_tokens = list(getattr(self.output_tokens, "raw", self.output_tokens))
+        return res
 
 
-def _pretty_tokens(ids: Tensor, tokenizer: Any) -> List[str]:
-    r"""Captum's readable output tokens (its ``_convert_ids_to_pretty_tokens``), or a plain per-token decode."""
-    try:
-        from captum.attr._core.llm_attr import _convert_ids_to_pretty_tokens as pretty  # captum's own labels
-    except ImportError:  # pragma: no cover - another captum version
-        pretty = None
-    if pretty is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                got = pretty(ids.cpu(), tokenizer)
-                if len(got) == ids.shape[0]:
-                    return got
-            except Exception:  # noqa: BLE001 - fall back to plain decoding
-                pass
-    return [tokenizer.decode([int(i)]) for i in ids.tolist()]
+def feature_labels(inp: Any, tokenizer: Any) -> ReadableTokens:
+    r"""The readable text of every interpretable feature of a Captum text input, with the raw spelling.
+
+    Args:
+        inp: a ``TextTokenInput`` (its features are tokens: each token's text, from
+            :func:`~captum_normattr.tokens.readable_tokens`, ``Ġcapital`` -> ``capital``) or a
+            ``TextTemplateInput`` (its values, kept as given).
+        tokenizer: the model's tokenizer.
+
+    Returns:
+        :class:`~captum_normattr.tokens.ReadableTokens`: the labels, with ``inp.values`` in ``.raw``.
+    """
+    values = [str(v) for v in inp.values]
+    itp = getattr(inp, "itp_tensor", None)
+    if isinstance(inp, TextTokenInput) and itp is not None and itp.numel() == len(values):
+        ids = itp.reshape(-1).tolist()
+        if tokenizer.convert_ids_to_tokens(ids) == values:  # the values are these tokens' spellings
+            return ReadableTokens(readable_tokens(tokenizer, ids), raw=values)
+    return ReadableTokens(values, raw=values)
 
 
 def chat_prompt(
@@ -377,10 +423,16 @@ def chat_token_input(
 
 
 def _method_from_name(name: str, model: Optional[nn.Module], **kwargs: Any) -> Attribution:
-    from captum_normattr.attr.methods import get_method
+    from captum_normattr.attr.methods import METHODS, get_method
 
+    if name.lower() not in METHODS:  # a model's name or folder where the attribution belongs?
+        raise TypeError(
+            f"expected an attribution or a method name ({', '.join(k for k, s in METHODS.items() if s.llm)}), got the "
+            f"string {name!r}; for a model, load it first: model = AutoModelForCausalLM.from_pretrained({name!r}), "
+            "then DecompositionLLMAttribution(ALTILogitAttribution(model), tokenizer)")
     if model is None:
         raise ValueError(f"method {name!r} given by name: pass model= as well")
+    require_loaded_model(model, "AutoModelForCausalLM")
     return get_method(name).build(model, None, **kwargs)
 
 
@@ -445,6 +497,7 @@ class DecompositionLLMAttribution(Attribution):
         model: Optional[nn.Module] = None,
         **method_kwargs: Any,
     ) -> None:
+        check_tokenizer(tokenizer)
         if isinstance(attr_method, str):
             attr_method = _method_from_name(attr_method, model, **method_kwargs)
         elif method_kwargs:
@@ -557,8 +610,9 @@ class DecompositionLLMAttribution(Attribution):
         return GenerationExplanation(
             method=details.method, input_ids=ids, prompt_length=p, target_ids=target_ids, positions=positions,
             scores=details.scores, tokens=self.tokenizer.convert_ids_to_tokens(ids.tolist()),
-            output_tokens=_pretty_tokens(target_ids, self.tokenizer), feature_of_token=self._features(inp, prompt),
+            output_tokens=readable_tokens(self.tokenizer, target_ids), feature_of_token=self._features(inp, prompt),
             input_features=list(inp.values), sink_index=0, details=details, inp=inp,
+            feature_text=list(feature_labels(inp, self.tokenizer)),
         )
 
     @log_usage()
@@ -584,7 +638,9 @@ class DecompositionLLMAttribution(Attribution):
 
         Returns:
             ``captum.attr.LLMAttributionResult``: ``token_attr`` (n, features), ``seq_attr``
-            (features,), ``output_probs`` (n,) the target probabilities.
+            (features,), ``output_probs`` (n,) the target probabilities; ``input_tokens`` /
+            ``output_tokens`` readable text (no ``Ġ`` / ``▁``), the tokenizer's spellings in
+            ``raw_input_tokens`` / ``raw_output_tokens`` (:meth:`GenerationExplanation.to_captum`).
         """
         if kwargs:
             warnings.warn(f"ignored (they mean nothing for a decomposition): {sorted(kwargs)}", UserWarning,
@@ -608,7 +664,9 @@ __all__ = [
     "chat_prompt",
     "chat_token_input",
     "check_explains_positions",
+    "check_tokenizer",
     "explain_positions",
+    "feature_labels",
     "template_token_features",
     "template_value_spans",
 ]

@@ -25,9 +25,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from captum_normattr.attr.methods import MethodSpec, get_method
+if TYPE_CHECKING:  # the registry imports torch: the parsers (which import this module) stay light
+    from captum_normattr.attr.methods import MethodSpec
 
 PROG = "captum-normattr"
 #: the registry key of the encoder-decoder method, which has its own input and output (:mod:`captum_normattr.cli.seq2seq`)
@@ -352,6 +353,8 @@ def build_alti_plus(model: Any, conventions: str) -> Any:
         CLIError: when ALTI+ cannot explain ``model``.
     """
     from captum_normattr.models.adapters import UnsupportedModelError
+
+    from captum_normattr.attr.methods import get_method
 
     try:
         return get_method(ALTI_PLUS).build(model, conventions=conventions)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from captum_normattr.cli.registry_view import llm_method_names
 from captum_normattr.tokens import readable_tokens, terminal_lines, visible_text
 
 PROG = "captum-normattr generate"
@@ -38,9 +39,7 @@ def llm_methods() -> Tuple[str, ...]:
     Returns:
         Their registry keys (:data:`captum_normattr.attr.methods.METHODS`), in registry order.
     """
-    from captum_normattr.attr.methods import METHODS
-
-    return tuple(key for key, spec in METHODS.items() if spec.llm)
+    return llm_method_names()  # the registry's, or its light view before it is imported (no torch for --help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,13 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (greedy; default 20)")
     p.add_argument("--target-text", default=None,
                    help="explain this continuation instead of generating (teacher forcing)")
-    p.add_argument("-m", "--method", nargs="+", default=["alti-logit"], choices=llm_methods(),
-                   help="method(s) (default alti-logit)")
+    p.add_argument("-m", "--method", nargs="+", default=["alti-logit"], choices=llm_methods(), metavar="METHOD",
+                   help=f"method(s): {', '.join(llm_methods())} (default alti-logit)")
     p.add_argument("--quantity", default="logit", choices=sorted(QUANTITY_NAMES),
                    help="signed methods: the explained quantity (default: the target logit; log-probabilities are "
                         "not additive and are reported alongside)")
     p.add_argument("--foil", default=None, help="the foil token for --quantity logit-minus-foil")
-    p.add_argument("--format", default="table", choices=("table", "json", "html"))
+    p.add_argument("--format", default="table", choices=("table", "json", "html"),
+                   help="table (default), json (every score) or html (the interactive report)")
     p.add_argument("-o", "--output", default=None, help="write here instead of standard output (an existing file only "
                    "with --overwrite; written through a temporary file and renamed)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing -o file")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-sink", action="store_true",
                    help="leave the attention sink (the first token) out of the table, plots and colour scales")
     p.add_argument("--dtype", default=None, choices=("float32", "float64"), help="cast the model (default: as saved)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model folder's own Python code to run (transformers' trust_remote_code; "
                         "off by default)")

@@ -5,7 +5,7 @@ Examples (shell)::
     captum-normattr "the film was a delight"                       # packaged MiniLM, GlobEnc
     captum-normattr "the film was a delight" -m globenc alti --map N_RES
     captum-normattr -m globenc,alti "the film was a delight"           # methods and texts in any order
-    captum-normattr explain -m alti -m ff "the film was a delight"     # 'explain' is the (only) subcommand
+    captum-normattr explain -m alti -m ff "the film was a delight"     # 'explain' is the default subcommand
     captum-normattr --file texts.txt -m alti --format json -o out.json
     captum-normattr --file texts.txt --format html -o report.html --html-maps
     captum-normattr --file texts.jsonl --column text -m alti --format jsonl -o out.jsonl   # resumable
@@ -36,6 +36,10 @@ A new method adds itself with :func:`register_method`::
     from captum_normattr.cli.main import register_method
     register_method("my-alti", lambda model, opts: MyAttribution(model), "my ALTI variant")
 
+Subcommands: :data:`captum_normattr.cli.entry.SUBCOMMANDS` (``explain``: :func:`explain_main`, the
+default; ``generate``; ``evaluate``). The parser imports nothing heavy (the methods come from
+:func:`captum_normattr.cli.registry_view.methods`): ``--help`` and usage errors do not import torch.
+
 Methods (``-m``/``--method``) are given as names, comma lists or both, and ``-m`` may be
 repeated. After ``-m``, the values that are not method names are texts (so
 ``-m globenc alti "a text"`` explains "a text" with two methods), except that a word
@@ -58,7 +62,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from captum_normattr.cli.common import (
     ALTI_PLUS,
@@ -74,25 +78,48 @@ from captum_normattr.cli.common import (
     resolve_device,
     resolve_max_length,
 )
+from captum_normattr.cli.entry import SUBCOMMANDS, subcommand_lines
+from captum_normattr.cli.entry import main as entry_main
 from captum_normattr.cli.output import check_output_path, use_agg_backend, write_results
+from captum_normattr.cli.registry_view import methods
 from captum_normattr.progress import progress_bar
-from captum_normattr.attr.methods import METHODS, MethodSpec, OptionSpec, get_method, register_method
 from captum_normattr.tokens import terminal_lines
 
-__all__ = ["CLIError", "METHODS", "MethodSpec", "build_parser", "explain", "main", "method_options", "register_method"]
+if TYPE_CHECKING:  # the registry imports torch: for the annotations only
+    from captum_normattr.attr.methods import MethodSpec
+
+__all__ = ["CLIError", "METHODS", "MethodSpec", "SUBCOMMANDS", "build_parser", "explain", "explain_main", "main",
+           "method_options", "register_method"]
+
+#: what this module re-exports from the registry, imported when first asked for (the registry imports torch)
+_REGISTRY_NAMES = ("METHODS", "MethodSpec", "OptionSpec", "get_method", "register_method")
+
+
+def __getattr__(name: str) -> Any:
+    r"""``METHODS``, ``MethodSpec``, ``register_method`` ...: the registry's own objects
+    (:mod:`captum_normattr.attr.methods`), imported on first use so that parsing stays light."""
+    if name in _REGISTRY_NAMES:
+        import captum_normattr.attr.methods as registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- parsing
 
 
-def method_options(specs: Optional[Sequence[MethodSpec]] = None) -> Dict[str, Tuple[OptionSpec, List[str]]]:
+def method_options(specs: Optional[Sequence[Any]] = None) -> Dict[str, Tuple[Any, List[str]]]:
     r"""The options of the registry's methods, once each: ``dest -> (option, method keys using it)``.
+
+    Args:
+        specs: registry entries (default: every method, from the light view
+            :func:`~captum_normattr.cli.registry_view.methods`, which imports nothing heavy).
 
     Raises:
         ValueError: when two methods declare different options under one ``dest``.
     """
-    out: Dict[str, Tuple[OptionSpec, List[str]]] = {}
-    for spec in (METHODS.values() if specs is None else specs):
+    out: Dict[str, Tuple[Any, List[str]]] = {}
+    for spec in (methods().values() if specs is None else specs):
         for opt in spec.options:
             if opt.dest in out:
                 if out[opt.dest][0] != opt:
@@ -113,14 +140,15 @@ def _positive_int(value: str) -> int:
     return v
 
 
-#: the one subcommand; accepted as the first argument and dropped
+#: this module's subcommand, the default one (:data:`~captum_normattr.cli.entry.SUBCOMMANDS`)
 SUBCOMMAND = "explain"
 
 
 def _is_method_list(value: str) -> bool:
     r"""True when ``value`` is a method name or a comma list of method names (case-insensitive)."""
     names = [m.strip().lower() for m in value.split(",") if m.strip()]
-    return bool(names) and all(n in METHODS for n in names)
+    known = methods()
+    return bool(names) and all(n in known for n in names)
 
 
 def _near_method(value: str) -> Optional[str]:
@@ -130,9 +158,10 @@ def _near_method(value: str) -> Optional[str]:
     word = value.strip().lower()
     if not word or any(c.isspace() for c in word):
         return None
+    known = methods()
     for part in word.split(","):
-        close = difflib.get_close_matches(part, list(METHODS), n=1, cutoff=0.75)
-        if part not in METHODS and close:
+        close = difflib.get_close_matches(part, list(known), n=1, cutoff=0.75)
+        if part not in known and close:
             return close[0]
     return None
 
@@ -157,7 +186,7 @@ class _MethodsAction(argparse.Action):
             if near is not None:
                 parser.error(
                     f"argument {option_string}: unknown method {value!r} (did you mean {near!r}?); "
-                    f"available: {', '.join(METHODS)}"
+                    f"available: {', '.join(methods())}"
                 )
             texts.append(value)
         setattr(namespace, self.dest, methods)
@@ -172,11 +201,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    r"""The argument parser of ``captum-normattr``.
+    r"""The argument parser of ``captum-normattr`` (``explain``, the default subcommand).
+
+    Built from light modules only (the methods from :func:`~captum_normattr.cli.registry_view.methods`),
+    so ``--help`` and usage errors answer without importing torch; its help ends with every
+    subcommand (:data:`~captum_normattr.cli.entry.SUBCOMMANDS`).
 
     Returns:
         An ``argparse.ArgumentParser``.
     """
+    known = methods()
     p = _Parser(
         prog=PROG,
         description="Explain texts with layer-decomposition attributions (GlobEnc, ALTI, ...) "
@@ -189,11 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"  {PROG} --file texts.txt --format html -o report.html\n"
         f"  {PROG} -m ff --scope RES2 --plots pics/ \"the film was a delight\"\n"
         f"  {PROG} --model DIR -m alti-plus --source \"das Haus\" --target-text \"the house\"   # encoder-decoders\n"
-        f"  {PROG} --model DIR -m alti-plus --file pairs.tsv --format jsonl -o out.jsonl",
+        f"  {PROG} --model DIR -m alti-plus --file pairs.tsv --format jsonl -o out.jsonl\n\n"
+        + subcommand_lines(PROG),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("texts", nargs="*", metavar="TEXT",
-                   help=f"text(s) to explain ({SUBCOMMAND!r} as the first argument is the subcommand)")
+                   help=f"text(s) to explain (a first argument naming a subcommand, {', '.join(SUBCOMMANDS)}, runs it: "
+                   f"'{PROG} {SUBCOMMAND} TEXT' explains any text)")
     p.add_argument("--image", nargs="+", metavar="PATH", default=None,
                    help="explain image(s) with a Vision Transformer (--model: a local folder with its image processor)")
     p.add_argument("-f", "--file", metavar="PATH",
@@ -201,11 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="Hugging Face Hub name or local model folder (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("-m", "--method", nargs="+", action=_MethodsAction, default=None, metavar="METHOD",
-                   help=f"one or more of: {', '.join(METHODS)} (default: globenc), as names or comma lists; "
+                   help=f"one or more of: {', '.join(known)} (default: globenc), as names or comma lists; "
                    "repeatable; texts may follow the methods; see --list-methods")
     for opt, used_by in method_options().values():
         opt.add_to(p, used_by)
-    target_users = [k for k, spec in METHODS.items() if spec.uses_target]
+    target_users = [k for k, spec in known.items() if spec.uses_target]
     p.add_argument("-t", "--target", type=int, default=None,
                    help=f"target class/token passed to the methods that use it [methods: {', '.join(target_users)}]")
     p.add_argument("-b", "--batch-size", type=_positive_int, default=8, help="texts per batch (default: 8)")
@@ -495,6 +531,8 @@ def _component_maps(res: Any, b: int) -> Dict[str, Any]:
 
 def _list_methods() -> str:
     r"""``--list-methods``: every registered method, its description, options and properties."""
+    from captum_normattr.attr.methods import METHODS
+
     width = max(len(k) for k in METHODS)
     lines = []
     for key, spec in METHODS.items():
@@ -522,36 +560,49 @@ def _check_paths(args: argparse.Namespace, refuse_existing: bool = False) -> Non
     check_output_path(args.output, inputs, args.model, refuse_existing=refuse_existing)
 
 
+def _specs(names: Sequence[str]) -> List["MethodSpec"]:
+    r"""The registry entries of ``names`` (importing the registry, hence torch: only to run)."""
+    from captum_normattr.attr.methods import get_method
+
+    try:
+        return [get_method(m) for m in names]
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.list_methods:
         print(terminal_lines(_list_methods()))  # registered descriptions are anyone's text
         return 0
     default = [ALTI_PLUS] if (args.source or args.target_text) else ["globenc"]
-    names = [m.strip().lower() for arg in (args.method or default) for m in arg.split(",") if m.strip()]
-    try:
-        specs = [get_method(m) for m in dict.fromkeys(names)]
-    except ValueError as err:
-        raise CLIError(str(err)) from None
+    names = list(dict.fromkeys(m.strip().lower() for arg in (args.method or default) for m in arg.split(",")
+                               if m.strip()))
+    known = methods()  # the light view: an unknown method is a usage error before torch is imported
+    for name in names:
+        if name not in known:
+            near = _near_method(name)
+            hint = f" (did you mean {near!r}?)" if near else ""
+            raise CLIError(f"unknown method {name!r}{hint}; available: {', '.join(known)}")
     fmt = args.format
     if fmt is None:
         suffix = Path(args.output).suffix.lower() if args.output else ""
         fmt = {".json": "json", ".html": "html", ".htm": "html", ".jsonl": "jsonl"}.get(suffix, "table")
     _check_paths(args, refuse_existing=fmt != "jsonl" and not args.overwrite)
-    if args.source or args.target_text or any(s.key == ALTI_PLUS for s in specs):  # encoder-decoders
+    if args.source or args.target_text or ALTI_PLUS in names:  # encoder-decoders
         from captum_normattr.cli.seq2seq import run_seq2seq
 
-        return run_seq2seq(args, specs, fmt)
+        return run_seq2seq(args, _specs(names), fmt)
     if args.image:  # Vision Transformers: see captum_normattr/present/vision.py
         if args.exclude_sink:
             raise CLIError("--exclude-sink does not apply to --image: the [CLS] and other prefix tokens are shown "
                            "apart from the top patches already")
         from captum_normattr.cli.images import run_image_cli
 
-        return run_image_cli(args, specs)
+        return run_image_cli(args, _specs(names))
     if fmt == "jsonl":  # dataset runs: captum_normattr/cli/dataset/run.py
         from captum_normattr.cli.dataset.run import run_cli
 
-        return run_cli(args, specs)
+        return run_cli(args, _specs(names))
     if args.html_maps and fmt != "html":
         raise CLIError("--html-maps needs --format html (or an --output ending in .html)")
     if args.exclude_sink and args.aggregate:
@@ -565,6 +616,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{PROG}: note: explaining the word {SUBCOMMAND!r} as a text; the subcommand {SUBCOMMAND!r} is "
               f"recognised only as the first argument ({PROG} {SUBCOMMAND} [options] TEXT ...)", file=sys.stderr)
     texts = read_texts(given, args.file)
+    specs = _specs(names)
     device = resolve_device(args.device)
     model, tok, model_name = load_model(args.model, device, args.trust_remote_code)
     if tok.pad_token is None:
@@ -588,33 +640,40 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    r"""Entry point of ``captum-normattr``.
+    r"""Entry point of ``captum-normattr``: every subcommand (:func:`captum_normattr.cli.entry.main`).
 
     Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
+        argv: the arguments (default: ``sys.argv[1:]``); a first argument naming a subcommand runs
+            it, anything else is explained (:func:`explain_main`).
 
     Returns:
-        The exit code: 0 success, 2 usage error (message on stderr, no traceback),
-        1 error while explaining, 130 on Ctrl-C.
+        The exit code: 0 success, 2 usage error (no traceback), 1 error while explaining, 130 on Ctrl-C.
 
     Examples:
         >>> main(["--list-methods"])  # doctest: +SKIP
         globenc  GlobEnc and the norm-based maps ...
         0
     """
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "generate":  # `captum-normattr generate ...` (captum_normattr/cli/generate.py)
-        from captum_normattr.cli.generate import generate_main
+    return entry_main(argv)
 
-        return generate_main(argv[1:])
-    if argv and argv[0] == SUBCOMMAND:  # `captum-normattr explain ...`: the one subcommand
-        argv = argv[1:]
+
+def explain_main(argv: Sequence[str]) -> int:
+    r"""``captum-normattr [explain] ...``: parse the arguments (light: no torch) and explain.
+
+    Args:
+        argv: the arguments after ``explain`` (or all of them, ``explain`` being the default).
+
+    Returns:
+        The exit code: 0 success, 2 usage error (message on stderr, no traceback),
+        1 error while explaining, 130 on Ctrl-C.
+    """
+    parser = build_parser()
+    argv = list(argv)
     try:
         args = parser.parse_intermixed_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    args._argv = argv  # what a dataset run restarts as several CPU processes (captum_normattr/cli/dataset/launch.py)
+    args._argv = [SUBCOMMAND] + argv  # what a dataset run restarts as several CPU processes (cli/dataset/launch.py)
     try:
         return _run(args)
     except CLIError as err:
@@ -634,5 +693,6 @@ if __name__ == "__main__":  # pragma: no cover
     from captum_normattr.cli.dataset.launch import close_process_group
 
     code = main()
-    close_process_group()
+    if "torch.distributed" in sys.modules:  # a group exists only where a run imported torch.distributed
+        close_process_group()
     sys.exit(code)

@@ -7,7 +7,10 @@ one layer module.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor, nn
 
@@ -26,6 +29,7 @@ __all__ = [
     "encoder_decoder_table_markdown",
     "family_methods",
     "get_adapter",
+    "require_loaded_model",
     "get_path",
     "layer_modules",
     "layer_scale",
@@ -167,6 +171,104 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+#: the transformers Auto class that loads a checkpoint, by the end of the class name in its config.json
+_AUTO_BY_ARCHITECTURE = (
+    (("ForCausalLM", "LMHeadModel"), "AutoModelForCausalLM"),
+    (("ForSequenceClassification",), "AutoModelForSequenceClassification"),
+    (("ForImageClassification",), "AutoModelForImageClassification"),
+    (("ForMaskedLM",), "AutoModelForMaskedLM"),
+    (("ForTokenClassification",), "AutoModelForTokenClassification"),
+    (("ForConditionalGeneration",), "AutoModelForSeq2SeqLM"),
+)
+#: the other Auto classes named when the checkpoint's config cannot be read
+OTHER_LOADERS = ("AutoModelForSequenceClassification or AutoModel for an encoder, AutoModelForSeq2SeqLM for an "
+                 "encoder-decoder, AutoModelForImageClassification for a Vision Transformer")
+
+
+def _is_path(name: str) -> bool:
+    try:
+        return Path(name).expanduser().exists()
+    except (OSError, ValueError):  # an invalid path (a null byte, a name too long): a plain string
+        return False
+
+
+def _saved_config(name: str) -> Optional[Dict[str, Any]]:
+    r"""The config.json of a local folder, or of a Hub name already in the local cache (never downloads)."""
+    try:
+        path: Optional[Path] = Path(name).expanduser() / "config.json"
+        if not path.is_file():
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+            path = Path(cached) if isinstance(cached, str) else None
+        return json.loads(path.read_text(encoding="utf-8")) if path is not None else None
+    except Exception:  # noqa: BLE001 - no hub library, not a repo id, unreadable: no config, a generic hint
+        return None
+
+
+def _auto_class(name: str) -> Optional[str]:
+    r"""The Auto class that loads checkpoint ``name`` (from its config.json when it can be read), or None."""
+    config = _saved_config(name)
+    if not config:
+        return None
+    for arch in config.get("architectures") or []:
+        for endings, auto in _AUTO_BY_ARCHITECTURE:
+            if str(arch).endswith(endings):
+                if auto == "AutoModelForSeq2SeqLM" and not config.get("is_encoder_decoder", False):
+                    continue  # e.g. a vision-language *ForConditionalGeneration
+                return auto
+    if config.get("is_encoder_decoder"):
+        return "AutoModelForSeq2SeqLM"
+    return "AutoModel" if any(str(a).endswith("Model") for a in config.get("architectures") or []) else None
+
+
+def require_loaded_model(model: Any, loader: Optional[str] = None) -> None:
+    r"""Raise a TypeError, saying how to load one, unless ``model`` is a loaded model (a ``torch.nn.Module``).
+
+    Every attribution class reaches it (:func:`get_adapter`, and the encoder-decoder adapter of
+    ALTI+), so a model name, a path, a tokenizer or None passed where the model belongs is told
+    what to do, e.g. ``expected a loaded model (torch.nn.Module), got the string 'gpt2'; load it
+    first: AutoModelForCausalLM.from_pretrained('gpt2')``. The Auto class is read from the
+    checkpoint's ``config.json`` where it can be found without downloading (a local folder, or the
+    Hugging Face cache), else ``loader`` (or a list of the usual ones) is named.
+
+    Args:
+        model: what was passed as the model.
+        loader: the Auto class to suggest when the checkpoint's config cannot be read (e.g.
+            ``"AutoModelForCausalLM"`` for the LLM API); default: the usual ones, by kind of model.
+
+    Raises:
+        TypeError: for anything that is not a ``torch.nn.Module``.
+
+    Examples:
+        >>> require_loaded_model("no-such-folder/model")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        TypeError: expected a loaded model (torch.nn.Module), got the string 'no-such-folder/model'; load it first: ...
+    """
+    if isinstance(model, nn.Module):
+        return
+    head = "expected a loaded model (torch.nn.Module), got"
+
+    def how(name: str, shown: str) -> str:
+        auto = _auto_class(name) if name else None
+        call = f"{auto or loader or 'AutoModelForCausalLM'}.from_pretrained({shown})"
+        return call if auto or loader else f"{call} (transformers; for a decoder, or {OTHER_LOADERS})"
+
+    cls = type(model).__name__
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        what = "path" if isinstance(model, os.PathLike) or _is_path(name) else "string"
+        raise TypeError(f"{head} the {what} {name!r}; load it first: {how(name, repr(name))}")
+    if model is None:
+        raise TypeError(f"{head} None; load a model first: {how('', 'NAME')}")
+    if callable(getattr(model, "convert_ids_to_tokens", None)) or "Tokenizer" in cls or "Processor" in cls:
+        name = str(getattr(model, "name_or_path", "") or "")
+        kind = "processor" if "Processor" in cls else "tokenizer"
+        raise TypeError(f"{head} a {kind} ({cls}); pass the model itself, loaded with "
+                        f"{how(name, repr(name) if name else 'NAME')}")
+    raise TypeError(f"{head} {cls}; load a model first: {how('', 'NAME')}")
+
+
 def get_adapter(model: nn.Module) -> ArchitectureSpec:
     r"""The adapter for a Hugging Face model, from its ``config.model_type``.
 
@@ -178,8 +280,11 @@ def get_adapter(model: nn.Module) -> ArchitectureSpec:
         The matching :class:`ArchitectureSpec`.
 
     Raises:
+        TypeError: ``model`` is not a loaded model (a name, a path, a tokenizer, None:
+            :func:`require_loaded_model` says how to load it).
         UnsupportedModelError: naming the supported families.
     """
+    require_loaded_model(model)
     model = unwrap_model(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)

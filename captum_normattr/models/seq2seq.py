@@ -34,7 +34,7 @@ from captum_normattr.arch import registry as arch_registry
 from captum_normattr.arch.spec import ArchitectureSpec, Layer
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.records import NormParams
-from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
+from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params, require_loaded_model
 from captum_normattr.models.capture.recorder import AttentionRecords, norm_params, recorder_session
 
 __all__ = [
@@ -180,8 +180,10 @@ def get_seq2seq_adapter(model: nn.Module) -> Seq2SeqAdapter:
     r"""The adapter of an encoder-decoder model, from its ``config.model_type``.
 
     Raises:
+        TypeError: ``model`` is not a loaded model (:func:`~captum_normattr.models.adapters.require_loaded_model`).
         UnsupportedModelError: for other models; the message names the supported families.
     """
+    require_loaded_model(model, "AutoModelForSeq2SeqLM")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     spec = arch_registry.lookup_encoder_decoder(model_type, config)
