@@ -185,7 +185,7 @@ def explain_generation_cli(args: argparse.Namespace) -> Dict[str, Any]:
         d = ex.details
         record["methods"][ex.method] = {
             "key": key, "signed": ex.signed, "quantity": ex.quantity if ex.signed else "rollout",
-            "input_features": list(res.input_tokens), "input_feature_text": feature_text(tok, res.input_tokens),
+            "input_features": list(getattr(res, "raw_input_tokens", res.input_tokens)), "input_feature_text": list(res.input_tokens),
             "token_attr": res.token_attr.tolist(),
             "seq_attr": res.seq_attr.tolist(), "rows": ex.scores.tolist(),
             "explained": None if d.explained is None else d.explained.tolist(),
