@@ -193,8 +193,9 @@ def test_moe_families_route_tokens_differently_and_keep_dense_layers(key):
     ids, mask = decoder_batch([6, 6], seed=4)
     calls = []
     layers = model.model.layers
-    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, args: calls.append(args[1].clone()))
-             for layer in layers if hasattr(layer.mlp, "experts")]
+    path = ARCHITECTURES[key].layer.ff.experts.module.split(".")  # mlp.experts, block_sparse_moe.experts
+    hooks = [getattr(getattr(layer, path[0]), path[1]).register_forward_pre_hook(
+        lambda m, args: calls.append(args[1].clone())) for layer in layers if hasattr(getattr(layer, path[0]), path[1])]
     try:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
@@ -257,9 +258,13 @@ def test_refused_frontier_families_name_the_missing_mechanism(model_type):
             cls(_Stub(config))
 
 
-def test_granite_moe_multiplier_on_experts_is_not_describable():
-    r"""Granite-MoE is refused because the experts description takes no residual multiplier: the description
-    with one is rejected when it is made."""
-    moe = ARCHITECTURES["olmoe"]
-    with pytest.raises(ValueError, match="mixture of experts"):
-        replace(moe, layer=replace(moe.layer, ff=replace(moe.layer.ff, multiplier="residual_multiplier")))
+def test_granite_moe_described_without_its_multiplier_is_caught():
+    r"""Granite-MoE's residual multiplier on the experts branch is folded into the experts' W_down: described
+    without it (every path right), the guards refuse the call instead of decomposing another model."""
+    model = build("granitemoe", "lm")
+    ids, mask = decoder_batch([6, 4], seed=7)
+    spec = ARCHITECTURES["granitemoe"]
+    wrong = replace(spec, layer=replace(spec.layer, ff=replace(spec.layer.ff, multiplier=None)))
+    with described_as("granitemoe", wrong):
+        with pytest.raises(ConsistencyError):
+            ALTILogitAttribution(model, strict=True).decompose(ids, target=3, additional_forward_args=(mask,))

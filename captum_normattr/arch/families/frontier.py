@@ -22,7 +22,11 @@ and every family's status are in ``docs/frontier.md``):
   plain xIELU FF, norms named ``attention_layernorm`` / ``feedforward_layernorm``), nanochat
   (parameter-free RMSNorms, a plain ReLU² FF, a final-logit soft-cap), GLM-4 (four norms per
   layer: a sandwich layer with a fused [gate | up] FF), VaultGemma (Gemma's ``1 + w`` norms in a
-  pre-LN layer with Gemma 2's soft-caps).
+  pre-LN layer with Gemma 2's soft-caps);
+- new parts of softmax-attention layers (``docs/frontier.md``, "New mechanisms"): GPT-OSS (learned
+  attention sinks, ``Attention.sinks``; clamped SwiGLU experts with biases,
+  ``Experts(kind="clamped_swiglu")``), Granite-MoE (Mixtral's experts block behind Granite's residual
+  multiplier, folded into the experts' W_down).
 
 ``REFUSED`` names, per model type, the mechanism that no layer kind expresses yet, for the
 families of the same generation that no description decomposes (the registry's
@@ -34,13 +38,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, Tuple
 
-from captum_normattr.arch.families.base import GEMMA2, LLAMA
+from captum_normattr.arch.families.base import GEMMA2, GRANITE, LLAMA
 from captum_normattr.arch.families.decoders import OLMO2
 from captum_normattr.arch.families.moe import QWEN3_MOE
 from captum_normattr.arch.families.parallel import COHERE
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
     Attention,
+    Experts,
     FeedForward,
     Head,
     Inputs,
@@ -59,6 +64,8 @@ __all__ = [
     "EXAONE4",
     "GLM4",
     "GLM4_MOE",
+    "GPT_OSS",
+    "GRANITE_MOE",
     "HUNYUAN_DENSE",
     "MINISTRAL",
     "MINIMAX_M2",
@@ -171,11 +178,39 @@ VAULTGEMMA = ArchitectureSpec(
     notes="Gemma 2's soft-caps and 1 + w norms in a pre-LN layer (input_layernorm, pre_feedforward_layernorm)",
 )
 
+# --- softmax attention with new parts (docs/frontier.md, "New mechanisms") ---------------------------
+GPT_OSS = ArchitectureSpec(
+    family="GPT-OSS", model_types=("gpt_oss",), layers="layers", causal=True,
+    layer=Layer(
+        attention=replace(_LLAMA_ATTENTION, sinks="self_attn.sinks"),
+        ff=FeedForward(up="mlp", act="mlp.experts", down="mlp", pre_norm=Norm("post_attention_layernorm", **_RMS),
+                       experts=Experts("mlp.experts", kind="clamped_swiglu")),
+    ),
+    head=LLAMA.head,
+    notes="learned attention sinks (probabilities summing to less than 1); clamped SwiGLU experts with biases, "
+          "routing held fixed; sliding-window layers through the mask",
+)
+
+GRANITE_MOE = ArchitectureSpec(
+    family="Granite-MoE", model_types=("granitemoe",), layers="layers", causal=True,
+    layer=Layer(
+        attention=GRANITE.layer.attention,
+        ff=FeedForward(up="block_sparse_moe", act="block_sparse_moe.experts.act_fn", down="block_sparse_moe",
+                       pre_norm=Norm("post_attention_layernorm", **_RMS), multiplier="residual_multiplier",
+                       experts=Experts("block_sparse_moe.experts")),
+    ),
+    head=GRANITE.head, inputs=GRANITE.inputs,
+    notes="Mixtral's experts block; Granite's residual multiplier on both branches (folded into W_O and the "
+          "experts' W_down), attention_multiplier as the attention scaling (recorded), logits_scaling; routing held "
+          "fixed",
+)
+
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
     ("seed_oss", SEED_OSS), ("ernie4_5", ERNIE4_5), ("ministral", MINISTRAL), ("ministral3", MINISTRAL3),
     ("hunyuan_v1_dense", HUNYUAN_DENSE), ("exaone4", EXAONE4), ("olmo3", OLMO3), ("cohere2", COHERE2),
     ("olmoe", OLMOE), ("ernie4_5_moe", ERNIE4_5_MOE), ("glm4_moe", GLM4_MOE), ("minimax_m2", MINIMAX_M2), ("phimoe", PHIMOE), ("arcee", ARCEE), ("apertus", APERTUS),
-    ("nanochat", NANOCHAT), ("glm4", GLM4), ("vaultgemma", VAULTGEMMA),
+    ("nanochat", NANOCHAT), ("glm4", GLM4), ("vaultgemma", VAULTGEMMA), ("gpt_oss", GPT_OSS),
+    ("granitemoe", GRANITE_MOE),
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
@@ -191,9 +226,6 @@ _LLAMA4 = ("its mixture of experts scales each expert's INPUT by the routing sco
            "(r FF_e(x), the form of the experts description: with a gated expert the score enters non-linearly)")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
-    "gpt_oss": ("GPT-OSS", "learned attention sinks: every head's softmax has one more learned logit in its "
-                           "denominator, so the probabilities over the tokens sum to less than 1, which no attention "
-                           "description expresses (its experts also have biases and a clamped SwiGLU)"),
     "deepseek_v3": ("DeepSeek-V3", "multi-head latent attention: the values are projected up from an RMS-normalised "
                                    "low-rank latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj), so the value is "
                                    "not a linear map of the attention input, which the value projection cannot express"),
@@ -205,9 +237,6 @@ REFUSED: Dict[str, Tuple[str, str]] = {
     "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),
     "qwen3_5_moe_text": ("Qwen3.5-MoE", _LINEAR_ATTENTION), "qwen3_5_moe": ("Qwen3.5-MoE", _LINEAR_ATTENTION),
     "gemma4_text": ("Gemma 4", _GEMMA4), "gemma4": ("Gemma 4", _GEMMA4),
-    "granitemoe": ("Granite-MoE", "a residual multiplier on a mixture-of-experts branch (y = h + m * MoE(N2(h))): the "
-                                  "experts description folds no multiplier (Granite's dense multiplier is folded into "
-                                  "W_down)"),
     "granitemoehybrid": ("Granite 4 (hybrid)", _MAMBA_HYBRID),
     "nemotron_h": ("Nemotron-H", _MAMBA_HYBRID + "; each of its layers is one mixer (Mamba-2, attention or a ReLU² "
                                                  "FF) behind its own norm"),

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.decompose.primitives.attention import softmax_with_sinks
+
 __all__ = [
     "ATTENTION_NAME",
     "CAUSAL_ROW_BLOCKS",
@@ -217,6 +219,22 @@ def _eager_attention(query, key, value, attention_mask, scaling, dropout, traini
     return out, (probs if keep_probs else None), value
 
 
+def _sink_attention(query, key, value, attention_mask, scaling, dropout, training, sinks: Tensor, keep_probs: bool):
+    r"""Eager attention with learned sinks (GPT-OSS; :func:`softmax_with_sinks`), in one piece; as :func:`_eager_attention`."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)).mul_(query.shape[-1] ** -0.5 if scaling is None else scaling)
+    _add_bias_and_mask(scores, None, attention_mask, slice(None), slice(None), slice(0, key.shape[-2]))
+    soft_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    probs = softmax_with_sinks(scores, sinks, soft_dtype)
+    used = probs.to(query.dtype)
+    if training and dropout > 0:
+        used = nn.functional.dropout(used, p=dropout, training=True)
+    out = torch.matmul(used, value).transpose(1, 2).contiguous()
+    return out, (probs if keep_probs else None), value
+
+
 def _add_bias_and_mask(scores: Tensor, position_bias: Optional[Tensor], attention_mask: Optional[Tensor],
                        heads: slice, rows: slice, cols: slice, examples: slice = slice(None)) -> None:
     r"""Add the position bias and the mask (additive or boolean) to a block of scores, in place.
@@ -304,8 +322,18 @@ def _recording_attention(
                 for recorder in watching:
                     recorder.record_attention(module, None, values, out if not (module.training and dropout > 0) else None)
             return out, None
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("learned attention sinks (s_aux) are not supported by captum_normattr")
+    if kwargs.get("s_aux") is not None:  # learned sinks (GPT-OSS): a description that does not say so is refused
+        undescribed = [r for r in watching if getattr(getattr(r, "adapter", None), "layer", None) is None
+                       or r.adapter.layer.attention.sinks is None]
+        if undescribed:
+            raise NotImplementedError(
+                f"{type(module).__name__} passes learned attention sinks (s_aux) but the description does not name "
+                "them (Attention.sinks): its probabilities would be taken as summing to 1")
+        out, probs, values = _sink_attention(query, key, value, attention_mask, scaling, dropout, module.training,
+                                             kwargs["s_aux"], keep_probs=needs_probs)
+        for recorder in watching:
+            recorder.record_attention(module, probs, values, out if not (module.training and dropout > 0) else None)
+        return out, probs
     out, probs, values = _eager_attention(
         query, key, value, attention_mask, scaling, dropout, module.training, keep_probs=needs_probs,
         position_bias=kwargs.get("position_bias"), causal=bool(getattr(module, "is_causal", False)),

@@ -11,6 +11,7 @@ output joined to the stream (``docs/reliability.md``, "Consistency guards").
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -210,7 +211,7 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
     m_ff = branch_multiplier(base, a.layer.ff.multiplier)
     if m_attn is not None:
         w_o, b_o = _scaled(w_o, b_o, torch.tensor(m_attn, dtype=torch.float64))
-    if m_ff is not None:
+    if m_ff is not None and not experts:  # the experts' W_down is scaled once read (below)
         w_out, b_out = _scaled(w_out, b_out, torch.tensor(m_ff, dtype=torch.float64))
     w_g = b_g = None
     if a.layer.ff.kind == "fused_gate_up":  # Phi-3's gate_up_proj: the gate and up halves of one projection
@@ -219,6 +220,8 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
     if experts:
         ff = experts_ff_params(layer, a.layer.ff, rec, dtype, device)
+        if m_ff is not None:  # Granite-MoE: y = h + m * MoE(u), folded into the stacked experts' W_down
+            ff = replace(ff, w_out=ff.w_out * m_ff, b_out=_times(ff.b_out, m_ff))
     else:
         ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
     tensors = LayerTensors(
