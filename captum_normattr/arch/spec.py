@@ -87,7 +87,9 @@ HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: ``query_key_value``), ``grouped`` (one projection whose output is, per key/value head, its
 #: H / H_kv query heads, then its key and its value head, Dh columns each: Falcon's new decoder
 #: architecture).
-VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped")
+#: ``latent`` (multi-head latent attention, DeepSeek-V3: the values are projected up from an
+#: RMS-normalised low-rank latent, v_j = RMSNorm(x_j W_a^c + b_a^c) W_b^v; see :class:`ValueProjection`).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent")
 #: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
 #: attention function, which the capture replaces by its recording one), ``returned`` (the module
 #: computes its attention itself and returns its probabilities, as BLOOM's ALiBi attention),
@@ -147,14 +149,28 @@ class ValueProjection:
             equal slices; for ``interleaved``: each head's output block is ``count``
             equal slices, the value being slice ``index``; for ``fused_gqa`` and ``grouped``:
             ``count`` is 3 and ``index`` 0, 1 or 2 (q, k, v: the value is 2).
+        latent_norm, latent_up: for ``latent`` (multi-head latent attention): the norm of the
+            latent (``kv_a_layernorm``) and the up-projection (``kv_b_proj``, per head
+            [key part | value part]); ``path`` is then the down-projection whose first
+            ``kv_lora_rank`` outputs are the latent c (``kv_a_proj_with_mqa``, the decoupled
+            rotary key part after them). The head sizes are the attention module's
+            ``kv_lora_rank``, ``qk_nope_head_dim`` and ``v_head_dim``. With the latent's norm
+            scale s_j = 1 / rms(c_j) recorded, v_j = s_j (x_j W_a^c diag(g) W_b^v + b_a^c diag(g) W_b^v):
+            the capture folds s_j into the probabilities (p_ij s_j) and records v_j / s_j, a
+            linear map of the attention input (``docs/frontier.md``, "Multi-head latent attention").
     """
 
     path: str
     layout: str = "plain"
     index: int = 0
     count: int = 1
+    latent_norm: Optional[Norm] = None
+    latent_up: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if (self.layout == "latent") != (self.latent_norm is not None and self.latent_up is not None):
+            raise ValueError(f"ValueProjection {self.path!r}: a latent value projection (and only it) names its "
+                             "latent_norm and latent_up")
         if self.layout not in VALUE_LAYOUTS:
             raise ValueError(f"ValueProjection {self.path!r}: layout must be one of {VALUE_LAYOUTS}, got {self.layout!r}")
         if self.layout != "plain" and not 0 <= self.index < self.count:
@@ -748,8 +764,8 @@ class ArchitectureSpec:
             out.append("sigmoid-gated shared expert" if lay.ff.experts.shared_gate else "shared expert")
         v = lay.attention.value
         if v is not None and v.layout != "plain":
-            out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head"}.get(
-                v.layout, f"{v.layout} QKV"))
+            out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head",
+                        "latent": "multi-head latent attention"}.get(v.layout, f"{v.layout} QKV"))
         if lay.attention.probabilities == "module_output":
             out.append("attention computed in its module")
         if lay.attention.softcap:

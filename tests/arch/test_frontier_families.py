@@ -202,7 +202,7 @@ def test_moe_families_route_tokens_differently_and_keep_dense_layers(key):
     finally:
         for h in hooks:
             h.remove()
-    dense_first = key in ("ernie4_5_moe", "glm4_moe")  # layer 0 dense (moe_layer_start_index, first_k_dense_replace)
+    dense_first = key in ("ernie4_5_moe", "glm4_moe", "deepseek_v3")  # layer 0 dense (moe_layer_start_index, first_k_dense_replace)
     assert len(calls) == len(hooks) == (1 if dense_first else 2)
     if dense_first:
         assert not hasattr(layers[0].mlp, "experts") and hasattr(layers[0].mlp, "gate_proj")

@@ -4,6 +4,10 @@ tokens, experts and neurons, float64).
 - learned attention sinks (GPT-OSS): the probabilities with one more logit per head in each softmax row, the
   recorded probabilities equal to the model's own eager ones, the attention output of every token as an explicit
   sum over its source tokens; a description that does not name the sinks is refused;
+- multi-head latent attention (DeepSeek-V3): the recorded values are the explicit linear map of the attention
+  input through the down-projection, the latent's gain and the up-projection's value columns; the recorded
+  probabilities are the model's own times the latent's norm scale of the source token; every token's attention
+  output is the explicit sum over its sources;
 - clamped SwiGLU experts with biases (GPT-OSS): the experts read as one gated FF with a frozen hidden scale equal
   to an explicit loop over the chosen experts and their neurons, with the clamps exercised; the clamped gate's
   closed-form path integrals against a fine midpoint rule.
@@ -20,12 +24,12 @@ from captum_normattr import ALTILogitAttribution
 from captum_normattr.arch import ARCHITECTURES
 from captum_normattr.decompose.primitives.attention import softmax_with_sinks
 from captum_normattr.decompose.primitives.gated_feed_forward import ClampedSwiGLUGate, gate_integrals
-from captum_normattr.models.adapters import get_adapter
+from captum_normattr.models.adapters import get_adapter, value_projection
 from captum_normattr.models.capture.session import recording
 from captum_normattr.models.experts import clamped_swiglu_ff_params, routing_scale
 from decoder_models import decoder_batch
 from registry_state import described_as
-from zoo import build
+from zoo import EXACT_ATTENTION, build
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,6 +101,58 @@ def test_undescribed_sinks_are_refused():
     with described_as("gpt_oss", wrong):
         with pytest.raises(NotImplementedError, match="Attention.sinks"):
             ALTILogitAttribution(model, strict=True).decompose(ids, target=3, additional_forward_args=(mask,))
+
+
+# --- multi-head latent attention -------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_deepseek_latent_values_are_linear_with_the_norm_scale_in_the_probabilities():
+    model = build("deepseek_v3", "lm")
+    ids, mask = decoder_batch([6, 4], seed=5)
+    model.config._attn_implementation = EXACT_ATTENTION  # the model's probabilities (eager's softmax is float32)
+    own = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    model.config._attn_implementation = "sdpa"
+    got = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.kv_a_layernorm.register_forward_hook(
+            lambda m, a, o, i=i: got.__setitem__(("latent", i), a[0].detach())))
+        hooks.append(layer.self_attn.o_proj.register_forward_hook(
+            lambda m, a, o, i=i: got.__setitem__(("out", i), o.detach())))
+    layers = []
+    try:
+        with recording(model, get_adapter(model), layers.append, dtype=torch.float64):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    real = mask.bool()
+    spec = get_adapter(model)
+    for i, (t, layer) in enumerate(zip(layers, model.model.layers)):
+        attn = layer.self_attn
+        rank, nope, dv, heads = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.v_head_dim, attn.num_heads
+        x = t.ln1_out
+        # explicit: latent c = x W_a[:rank] + b_a[:rank]; v~ = (c * gain) W_b^v per head; s = 1 / rms(c)
+        c = x @ attn.kv_a_proj_with_mqa.weight[:rank].T + attn.kv_a_proj_with_mqa.bias[:rank]
+        assert _rel(c, got[("latent", i)]) < 1e-13
+        s = 1 / torch.sqrt(c.pow(2).mean(-1) + attn.kv_a_layernorm.eps)
+        up = attn.kv_b_proj.weight.T.reshape(rank, heads, nope + dv)[..., nope:]
+        v_tilde = torch.einsum("btr,r,rhd->bhtd", c, attn.kv_a_layernorm.weight, up)
+        assert _rel(t.values, v_tilde) < 1e-13
+        w_eff, b_eff = value_projection(layer, spec)
+        assert _rel((x @ w_eff + b_eff).reshape(*x.shape[:2], heads, dv).transpose(1, 2), v_tilde) < 1e-13
+        rows = t.probs.transpose(1, 2)[real]  # (tokens, H, S)
+        assert _rel(rows, (own[i] * s[:, None, None, :]).transpose(1, 2)[real]) < 1e-13
+        w_o = t.out_weight.reshape(heads, dv, -1)
+        for e in range(x.shape[0]):
+            for q in range(x.shape[1]):
+                if not real[e, q]:
+                    continue
+                out = t.out_bias.clone()
+                for head in range(heads):
+                    for src in range(x.shape[1]):
+                        out += t.probs[e, head, q, src] * (t.values[e, head, src] @ w_o[head])
+                assert _rel(out, got[("out", i)][e, q]) < 1e-12
 
 
 # --- clamped SwiGLU experts with biases -------------------------------------------------------------------

@@ -26,7 +26,8 @@ and every family's status are in ``docs/frontier.md``):
 - new parts of softmax-attention layers (``docs/frontier.md``, "New mechanisms"): GPT-OSS (learned
   attention sinks, ``Attention.sinks``; clamped SwiGLU experts with biases,
   ``Experts(kind="clamped_swiglu")``), Granite-MoE (Mixtral's experts block behind Granite's residual
-  multiplier, folded into the experts' W_down).
+  multiplier, folded into the experts' W_down), DeepSeek-V3 (multi-head latent attention,
+  ``ValueProjection(layout="latent")``, with GLM-4.5's experts block).
 
 ``REFUSED`` names, per model type, the mechanism that no layer kind expresses yet, for the
 families of the same generation that no description decomposes (the registry's
@@ -59,6 +60,7 @@ __all__ = [
     "ARCEE",
     "BUILTIN",
     "COHERE2",
+    "DEEPSEEK_V3",
     "ERNIE4_5",
     "ERNIE4_5_MOE",
     "EXAONE4",
@@ -205,12 +207,27 @@ GRANITE_MOE = ArchitectureSpec(
           "fixed",
 )
 
+DEEPSEEK_V3 = ArchitectureSpec(
+    family="DeepSeek-V3", model_types=("deepseek_v3",), layers="layers", causal=True,
+    layer=Layer(
+        attention=Attention("self_attn", out="self_attn.o_proj", pre_norm=Norm("input_layernorm", **_RMS),
+                            value=ValueProjection("self_attn.kv_a_proj_with_mqa", layout="latent",
+                                                  latent_norm=Norm("self_attn.kv_a_layernorm", **_RMS),
+                                                  latent_up="self_attn.kv_b_proj")),
+        ff=GLM4_MOE.layer.ff,
+    ),
+    head=LLAMA.head,
+    notes="multi-head latent attention (values from an RMS-normalised latent, its scale recorded; low-rank queries "
+          "and the decoupled rotary key part inside the attention); GLM-4.5's experts block (ungated shared "
+          "experts, dense layers before first_k_dense_replace), sigmoid group-limited routing held fixed",
+)
+
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
     ("seed_oss", SEED_OSS), ("ernie4_5", ERNIE4_5), ("ministral", MINISTRAL), ("ministral3", MINISTRAL3),
     ("hunyuan_v1_dense", HUNYUAN_DENSE), ("exaone4", EXAONE4), ("olmo3", OLMO3), ("cohere2", COHERE2),
     ("olmoe", OLMOE), ("ernie4_5_moe", ERNIE4_5_MOE), ("glm4_moe", GLM4_MOE), ("minimax_m2", MINIMAX_M2), ("phimoe", PHIMOE), ("arcee", ARCEE), ("apertus", APERTUS),
     ("nanochat", NANOCHAT), ("glm4", GLM4), ("vaultgemma", VAULTGEMMA), ("gpt_oss", GPT_OSS),
-    ("granitemoe", GRANITE_MOE),
+    ("granitemoe", GRANITE_MOE), ("deepseek_v3", DEEPSEEK_V3),
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
@@ -226,12 +243,9 @@ _LLAMA4 = ("its mixture of experts scales each expert's INPUT by the routing sco
            "(r FF_e(x), the form of the experts description: with a gated expert the score enters non-linearly)")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
-    "deepseek_v3": ("DeepSeek-V3", "multi-head latent attention: the values are projected up from an RMS-normalised "
-                                   "low-rank latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj), so the value is "
-                                   "not a linear map of the attention input, which the value projection cannot express"),
     "kimi_linear": ("Kimi Linear", "Kimi delta attention (linear-attention layers mixing tokens through a recurrent "
-                                   "state, without attention probabilities) beside multi-head latent attention layers "
-                                   "(values projected up from an RMS-normalised latent)"),
+                                   "state, without attention probabilities) beside its multi-head latent attention "
+                                   "layers (which DeepSeek-V3's latent value projection describes)"),
     "llama4_text": ("Llama 4", _LLAMA4), "llama4": ("Llama 4", _LLAMA4),
     "qwen3_next": ("Qwen3-Next", _LINEAR_ATTENTION),
     "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),

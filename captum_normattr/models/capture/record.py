@@ -245,6 +245,9 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         source_dtype=rec["layer_out"].dtype,
         topology=a.topology,
     )
+    value = a.layer.attention.value
+    if value is not None and value.layout == "latent":  # multi-head latent attention: fold the latent's norm scale
+        _fold_latent_scale(tensors, layer, a, dtype, device)
     # what the kind adds to the record (its capture recipe): its extra recorded tensors (the attention
     # branch output, as it joins the stream, times the branch multiplier) and the norms on the branch outputs
     recipe = kind.capture
@@ -255,6 +258,24 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
     post_norms = {k: norm_params(get_path(layer, described[k].path), described[k], dtype, device) for k in recipe.post_norms}
     kind.fill_record(tensors, extra, post_norms)
     return tensors
+
+
+def _fold_latent_scale(tensors: LayerTensors, layer: nn.Module, a: ArchitectureSpec, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    r"""Multi-head latent attention: v_j = s_j v~_j with s_j = 1 / rms(c_j) the latent's norm scale and v~_j linear in
+    the attention input x_j; record p_ij s_j as the probabilities and v~_j = v_j / s_j as the values (the products
+    p_ij v_j, the context and every part are unchanged). s_j is the latent norm's scale at the real attention input."""
+    spec = a.layer.attention.value
+    w, b = linear_params(get_path(layer, spec.path), a.transposed_weights)
+    rank = int(getattr(get_path(layer, a.attention), "kv_lora_rank"))
+    c = tensors.ln1_out @ w[:, :rank].to(device=device, dtype=dtype)
+    if b is not None:
+        c = c + b[:rank].to(device=device, dtype=dtype)
+    eps = norm_params(get_path(layer, spec.latent_norm.path), spec.latent_norm).eps
+    s = torch.rsqrt(c.pow(2).mean(-1) + eps)  # (B, T)
+    tensors.values = tensors.values / s[:, None, :, None]
+    if tensors.probs is not None:
+        tensors.probs = tensors.probs * s[:, None, None, :]
 
 
 def record_checks(kind: Any, t: LayerTensors, checks: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
