@@ -74,7 +74,9 @@ FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: The expert types of an ``experts`` feed-forward (:attr:`Experts.kind`): ``gated`` (transformers'
 #: fused gated experts without biases: Mixtral, Qwen-MoE) and ``clamped_swiglu`` (GPT-OSS: biases,
 #: a clamped gate and up, (up + 1) * gate * sigmoid(alpha * gate)).
-EXPERT_KINDS: Tuple[str, ...] = ("gated", "clamped_swiglu")
+#: ``input_scaled`` (Llama 4: every expert reads the routing-scaled input, FF_e(r u), the scores
+#: read from the router's output, :attr:`Experts.router`).
+EXPERT_KINDS: Tuple[str, ...] = ("gated", "clamped_swiglu", "input_scaled")
 #: The fixed functions a classification head may apply (:attr:`ClassifierHead.activation_fn`), by
 #: their name in ``torch``: the activation is ``getattr(torch, name)``.
 HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
@@ -270,7 +272,14 @@ class Experts:
             (E, D, 2F) ``gate_up_proj`` applied as u @ W^e with interleaved [gate, up] columns and
             a bias ``gate_up_proj_bias``, the expert computing
             (clamp(b, -L, L) + 1) * c sigmoid(alpha c), c = min(a, L), then ``down_proj`` (E, F, D)
-            plus ``down_proj_bias``; L and alpha are the module's ``limit`` and ``alpha``).
+            plus ``down_proj_bias``; L and alpha are the module's ``limit`` and ``alpha``) or
+            ``"input_scaled"`` (Llama 4: the experts module is called with every token repeated
+            per expert and multiplied by its routing score, FF_e(r_e u) =
+            (g(r_e u W_gate^e) * (r_e u W_up^e)) W_down^e, r_e = 0 for the experts not chosen; the
+            (E, D, 2F) ``gate_up_proj`` [gate | up] is applied as u @ W^e; the scores are recorded
+            from the output of :attr:`router`).
+        router: for ``input_scaled``: the router module, whose first output is the (N, E)
+            routing scores the experts' input is multiplied by; None otherwise.
     """
 
     module: str
@@ -278,10 +287,13 @@ class Experts:
     shared_gate: Optional[str] = None
     dense: Optional["FeedForward"] = None
     kind: str = "gated"
+    router: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kind not in EXPERT_KINDS:
             raise ValueError(f"Experts: kind must be one of {EXPERT_KINDS}, got {self.kind!r}")
+        if (self.kind == "input_scaled") != (self.router is not None):
+            raise ValueError("Experts: input-scaled experts (and only they) name the router whose scores they read")
         for name, ff in (("shared expert", self.shared), ("dense feed-forward", self.dense)):
             if ff is not None and ff.kind not in ("gated", "fused_gate_up"):
                 raise ValueError(f"Experts: the {name} is a gated FeedForward, got kind {ff.kind!r}")
@@ -760,6 +772,8 @@ class ArchitectureSpec:
                     "experts": "top-k gated experts"}.get(lay.ff.kind, lay.ff.kind))
         if lay.ff.experts is not None and lay.ff.experts.kind == "clamped_swiglu":
             out.append("clamped SwiGLU experts with biases")
+        if lay.ff.experts is not None and lay.ff.experts.kind == "input_scaled":
+            out.append("experts on the routing-scaled input")
         if lay.ff.experts is not None and lay.ff.experts.shared is not None:
             out.append("sigmoid-gated shared expert" if lay.ff.experts.shared_gate else "shared expert")
         v = lay.attention.value

@@ -221,7 +221,11 @@ def get_path(root: nn.Module, path: str):
 def base_model(model: nn.Module) -> nn.Module:
     r"""The bare Transformer inside a model with a head (``model.base_model``), wrappers removed (:func:`unwrap_model`)."""
     model = unwrap_model(model)
-    return getattr(model, "base_model", model)
+    base = getattr(model, "base_model", model)
+    body = getattr(model, "model", None)
+    if base is model and isinstance(body, nn.Module) and getattr(model, "base_model_prefix", "model") != "model":
+        return body  # a head whose base_model_prefix names no attribute (Llama 4's *ForCausalLM: language_model / .model)
+    return base
 
 
 def layer_modules(model: nn.Module, adapter: ArchitectureSpec):

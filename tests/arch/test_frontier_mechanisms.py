@@ -10,7 +10,10 @@ tokens, experts and neurons, float64).
   output is the explicit sum over its sources;
 - clamped SwiGLU experts with biases (GPT-OSS): the experts read as one gated FF with a frozen hidden scale equal
   to an explicit loop over the chosen experts and their neurons, with the clamps exercised; the clamped gate's
-  closed-form path integrals against a fine midpoint rule.
+  closed-form path integrals against a fine midpoint rule;
+- experts on the routing-scaled input (Llama 4): the experts read as one gated FF with the score on the gate and the
+  up pre-activations, equal to an explicit loop over the experts and the shared expert; the model with its
+  position-dependent query temperature (not padding-invariant itself) decomposed exactly on a padded batch.
 """
 from __future__ import annotations
 
@@ -20,16 +23,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from captum_normattr import ALTILogitAttribution
+from captum_normattr import ALTILogitAttribution, DecompXAttribution
 from captum_normattr.arch import ARCHITECTURES
 from captum_normattr.decompose.primitives.attention import softmax_with_sinks
 from captum_normattr.decompose.primitives.gated_feed_forward import ClampedSwiGLUGate, gate_integrals
 from captum_normattr.models.adapters import get_adapter, value_projection
 from captum_normattr.models.capture.session import recording
-from captum_normattr.models.experts import clamped_swiglu_ff_params, routing_scale
+from captum_normattr.models.experts import clamped_swiglu_ff_params, input_scaled_ff_params, routing_scale
 from decoder_models import decoder_batch
 from registry_state import described_as
-from zoo import EXACT_ATTENTION, build
+from zoo import EXACT_ATTENTION, build, real_next_token_logits
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -217,3 +220,58 @@ def test_clamped_gate_integrals_are_the_path_integrals():
         (grad,) = torch.autograd.grad(y.sum(), x)
         assert abs(float((grad * t).mean() - i1[k])) < 1e-6  # the midpoint rule's own error at the kink: ~1e-7
         assert abs(float(y.detach().mean() - i2[k])) < 1e-10
+
+
+# --- experts on the routing-scaled input (Llama 4) ---------------------------------------------------------
+
+@torch.no_grad()
+def test_input_scaled_experts_are_the_explicit_loop_over_experts():
+    model = build("llama4_text", "lm")
+    ids, mask = decoder_batch([6, 5], seed=4)
+    layer = model.model.layers[1]
+    moe = layer.feed_forward
+    got = {}
+    handles = [moe.register_forward_pre_hook(lambda m, a: got.__setitem__("u", a[0].detach())),
+               moe.register_forward_hook(lambda m, a, o: got.__setitem__("out", o[0].detach())),
+               moe.router.register_forward_hook(lambda m, a, o: got.__setitem__("scores", o[0].detach()))]
+    try:
+        model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    u, scores = got["u"].reshape(-1, got["u"].shape[-1]), got["scores"]
+    ex, shared = moe.experts, moe.shared_expert
+    f = ex.gate_up_proj.shape[-1] // 2
+    silu = torch.nn.functional.silu
+    naive = torch.zeros_like(u)
+    for tok in range(u.shape[0]):
+        naive[tok] = shared.down_proj(silu(shared.gate_proj(u[tok])) * shared.up_proj(u[tok]))
+        for e in range(ex.gate_up_proj.shape[0]):
+            x = scores[tok, e] * u[tok]  # the expert reads the scaled input
+            for n in range(f):
+                a, b = x @ ex.gate_up_proj[e, :, n], x @ ex.gate_up_proj[e, :, f + n]
+                naive[tok] += silu(a) * b * ex.down_proj[e, n]
+    assert float((scores > 0).sum(-1).max()) == 2 and float((scores == 0).sum()) > 0  # top-2 of 4, others exactly 0
+    assert _rel(naive, got["out"]) < 1e-12
+    rec = {"ln2_out": got["u"], "expert_scores": scores}
+    ff = input_scaled_ff_params(layer, get_adapter(model).layer.ff, ex, rec, torch.float64, u.device)
+    gated = ff.act((u @ ff.w_gate) * ff.gate_scale.reshape(u.shape[0], -1)) * (u @ ff.w_in) * ff.hidden_scale.reshape(
+        u.shape[0], -1)
+    assert _rel(gated @ ff.w_out, naive) < 1e-12
+
+
+def test_llama4_with_its_query_temperature_is_exact_on_a_padded_batch():
+    r"""Llama 4's NoPE layers scale the queries by a temperature of the absolute cache position: the model itself
+    gives a left-padded example other logits than alone; the decompositions reproduce its own padded logits."""
+    model = build("llama4_text", "lm")
+    assert model.config.attn_temperature_tuning and model.config.no_rope_layers == [1, 0]
+    ids, mask = decoder_batch([6, 4], seed=3)
+    logits = real_next_token_logits(model, ids, mask)
+    with torch.no_grad():
+        alone = model(input_ids=ids[1:, 2:]).logits[0, -1]
+    assert float((alone - logits[1]).abs().max()) > 1e-3  # the model's own padding dependence
+    target = logits.argmax(-1)
+    res = ALTILogitAttribution(model, strict=True).decompose(ids, target=target, additional_forward_args=(mask,))
+    assert _rel(res.scores.sum(-1) + res.no_token_total, logits.gather(1, target[:, None])[:, 0]) < 1e-10
+    res = DecompXAttribution(model, strict=True).decompose(ids, target=5, additional_forward_args=mask)
+    assert _rel(res.class_scores.sum(1) + res.bias_scores, logits[:, 5:6]) < 1e-10

@@ -26,7 +26,8 @@ and every family's status are in ``docs/frontier.md``):
 - new parts of softmax-attention layers (``docs/frontier.md``, "New mechanisms"): GPT-OSS (learned
   attention sinks, ``Attention.sinks``; clamped SwiGLU experts with biases,
   ``Experts(kind="clamped_swiglu")``), Granite-MoE (Mixtral's experts block behind Granite's residual
-  multiplier, folded into the experts' W_down), DeepSeek-V3 (multi-head latent attention,
+  multiplier, folded into the experts' W_down), Llama 4 text (experts on the routing-scaled input,
+  ``Experts(kind="input_scaled")``), DeepSeek-V3 (multi-head latent attention,
   ``ValueProjection(layout="latent")``, with GLM-4.5's experts block).
 
 ``REFUSED`` names, per model type, the mechanism that no layer kind expresses yet, for the
@@ -68,6 +69,7 @@ __all__ = [
     "GLM4_MOE",
     "GPT_OSS",
     "GRANITE_MOE",
+    "LLAMA4_TEXT",
     "HUNYUAN_DENSE",
     "MINISTRAL",
     "MINIMAX_M2",
@@ -222,12 +224,34 @@ DEEPSEEK_V3 = ArchitectureSpec(
           "experts, dense layers before first_k_dense_replace), sigmoid group-limited routing held fixed",
 )
 
+_LLAMA4_FF = dict(act="feed_forward.activation_fn", down="feed_forward.down_proj")
+LLAMA4_TEXT = ArchitectureSpec(
+    family="Llama 4", model_types=("llama4_text",), layers="layers", causal=True,
+    layer=Layer(
+        attention=_LLAMA_ATTENTION,
+        ff=FeedForward(up="feed_forward", act="feed_forward.experts.act_fn", down="feed_forward",
+                       pre_norm=Norm("post_attention_layernorm", **_RMS),
+                       experts=Experts("feed_forward.experts", kind="input_scaled", router="feed_forward.router",
+                                       shared=FeedForward(up="feed_forward.shared_expert.up_proj",
+                                                          gate="feed_forward.shared_expert.gate_proj",
+                                                          act="feed_forward.shared_expert.activation_fn",
+                                                          down="feed_forward.shared_expert.down_proj"),
+                                       dense=FeedForward(up="feed_forward.up_proj", gate="feed_forward.gate_proj",
+                                                         **_LLAMA4_FF))),
+    ),
+    head=LLAMA.head,
+    notes="experts on the routing-scaled input (scores held fixed, in the gate and the up pre-activations) beside "
+          "an ungated shared expert, dense layers outside moe_layers; chunked local attention (mask), NoPE layers "
+          "with temperature-tuned queries and L2 q/k norms inside the attention (recorded)",
+)
+
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
     ("seed_oss", SEED_OSS), ("ernie4_5", ERNIE4_5), ("ministral", MINISTRAL), ("ministral3", MINISTRAL3),
     ("hunyuan_v1_dense", HUNYUAN_DENSE), ("exaone4", EXAONE4), ("olmo3", OLMO3), ("cohere2", COHERE2),
     ("olmoe", OLMOE), ("ernie4_5_moe", ERNIE4_5_MOE), ("glm4_moe", GLM4_MOE), ("minimax_m2", MINIMAX_M2), ("phimoe", PHIMOE), ("arcee", ARCEE), ("apertus", APERTUS),
     ("nanochat", NANOCHAT), ("glm4", GLM4), ("vaultgemma", VAULTGEMMA), ("gpt_oss", GPT_OSS),
     ("granitemoe", GRANITE_MOE), ("deepseek_v3", DEEPSEEK_V3),
+    ("llama4_text", LLAMA4_TEXT),
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
@@ -239,14 +263,14 @@ _MAMBA_HYBRID = ("Mamba-2 (state-space) mixer layers beside the attention layers
 _GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer token embedding, "
            "projected and normed), a learned scalar multiplying the whole residual stream after every layer "
            "(layer_scalar) and key/value states shared across layers, which no layer kind expresses")
-_LLAMA4 = ("its mixture of experts scales each expert's INPUT by the routing score (FF_e(r x)) instead of its output "
-           "(r FF_e(x), the form of the experts description: with a gated expert the score enters non-linearly)")
+_LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector before the text model); its text model "
+           "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
     "kimi_linear": ("Kimi Linear", "Kimi delta attention (linear-attention layers mixing tokens through a recurrent "
                                    "state, without attention probabilities) beside its multi-head latent attention "
                                    "layers (which DeepSeek-V3's latent value projection describes)"),
-    "llama4_text": ("Llama 4", _LLAMA4), "llama4": ("Llama 4", _LLAMA4),
+    "llama4": ("Llama 4", _LLAMA4),
     "qwen3_next": ("Qwen3-Next", _LINEAR_ATTENTION),
     "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),
     "qwen3_5_moe_text": ("Qwen3.5-MoE", _LINEAR_ATTENTION), "qwen3_5_moe": ("Qwen3.5-MoE", _LINEAR_ATTENTION),

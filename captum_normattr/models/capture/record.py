@@ -142,7 +142,11 @@ def _ff_rebuild_error(t: LayerTensors) -> Tensor:
     pre = linear(u, ff.w_in, ff.b_in)
     if ff.hidden_scale is not None:  # experts: the recorded routing weights (and shared gate) of the last token
         pre = pre * ff.hidden_scale[:, -1:]
-    h = ff.act(pre) if ff.w_gate is None else ff.act(linear(u, ff.w_gate, ff.b_gate)) * pre
+    if ff.w_gate is None:
+        h = ff.act(pre)
+    else:
+        a = linear(u, ff.w_gate, ff.b_gate)
+        h = ff.act(a if ff.gate_scale is None else a * ff.gate_scale[:, -1:]) * pre
     out = linear(h, ff.w_out, ff.b_out)
     return relative_difference(t.ff_out[:, -1:], out, temporary=True)
 
