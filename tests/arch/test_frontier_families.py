@@ -49,12 +49,6 @@ MOE = [key for key in REGISTERED if ARCHITECTURES[key].layer.ff.kind == "experts
 HEADS = [(key, "bare") for key in REGISTERED] + [(key, "cls") for key in REGISTERED if FAMILIES[key][0][3] is not None]
 
 
-#: config overrides under which a family's own model gives a left-padded example the logits it has alone: Llama 4's
-#: NoPE layers scale their queries by a temperature of the absolute cache position (pads included), so the model
-#: itself is not padding-invariant with it (its completeness with it: test_frontier_mechanisms.py)
-PADDING_INVARIANT = {"llama4_text": dict(attn_temperature_tuning=False)}
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
@@ -103,7 +97,7 @@ def test_the_zoos_exact_norms_are_the_familys_own(key):
 
 @pytest.mark.parametrize("key", REGISTERED)
 def test_every_method_is_exact_padding_free_and_leaves_the_model(key):
-    model = build(key, "lm", **PADDING_INVARIANT.get(key, {}))
+    model = build(key, "lm")
     spec = get_adapter(model)
     methods = _methods(key)
     state = copy.deepcopy(model.state_dict())

@@ -23,7 +23,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from captum_normattr import ALTILogitAttribution, DecompXAttribution
+from captum_normattr import (
+    ALTIAttribution,
+    ALTILogitAttribution,
+    DecompXAttribution,
+    FFIntegratedDecomposition,
+    GlobEncAttribution,
+)
 from captum_normattr.arch import ARCHITECTURES
 from captum_normattr.decompose.primitives.attention import softmax_with_sinks
 from captum_normattr.decompose.primitives.gated_feed_forward import ClampedSwiGLUGate, gate_integrals
@@ -263,8 +269,8 @@ def test_input_scaled_experts_are_the_explicit_loop_over_experts():
 def test_llama4_with_its_query_temperature_is_exact_on_a_padded_batch():
     r"""Llama 4's NoPE layers scale the queries by a temperature of the absolute cache position: the model itself
     gives a left-padded example other logits than alone; the decompositions reproduce its own padded logits."""
-    model = build("llama4_text", "lm")
-    assert model.config.attn_temperature_tuning and model.config.no_rope_layers == [1, 0]
+    model = build("llama4_text", "lm", attn_temperature_tuning=True)
+    assert model.config.no_rope_layers == [1, 0]  # layer 1 NoPE: its queries scaled by the temperature
     ids, mask = decoder_batch([6, 4], seed=3)
     logits = real_next_token_logits(model, ids, mask)
     with torch.no_grad():
@@ -275,3 +281,6 @@ def test_llama4_with_its_query_temperature_is_exact_on_a_padded_batch():
     assert _rel(res.scores.sum(-1) + res.no_token_total, logits.gather(1, target[:, None])[:, 0]) < 1e-10
     res = DecompXAttribution(model, strict=True).decompose(ids, target=5, additional_forward_args=mask)
     assert _rel(res.class_scores.sum(1) + res.bias_scores, logits[:, 5:6]) < 1e-10
+    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
+        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
+        assert float(res.extras["completeness_error"].max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
