@@ -45,6 +45,7 @@ __all__ = [
     "ArchitectureSpec",
     "Attention",
     "ClassifierHead",
+    "EXPERT_KINDS",
     "Experts",
     "FeedForward",
     "HEAD_FUNCTIONS",
@@ -70,6 +71,12 @@ NORM_KINDS: Tuple[str, ...] = ("layernorm", "rmsnorm", "identity")
 #: (:class:`Experts`; Mixtral, Qwen2-MoE, Qwen3-MoE), decomposed with the routing of the real
 #: forward pass held fixed (``docs/architectures.md``, "Mixtures of experts").
 FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
+#: The expert types of an ``experts`` feed-forward (:attr:`Experts.kind`): ``gated`` (transformers'
+#: fused gated experts without biases: Mixtral, Qwen-MoE) and ``clamped_swiglu`` (GPT-OSS: biases,
+#: a clamped gate and up, (up + 1) * gate * sigmoid(alpha * gate)).
+#: ``input_scaled`` (Llama 4: every expert reads the routing-scaled input, FF_e(r u), the scores
+#: read from the router's output, :attr:`Experts.router`).
+EXPERT_KINDS: Tuple[str, ...] = ("gated", "clamped_swiglu", "input_scaled")
 #: The fixed functions a classification head may apply (:attr:`ClassifierHead.activation_fn`), by
 #: their name in ``torch``: the activation is ``getattr(torch, name)``.
 HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
@@ -82,7 +89,9 @@ HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: ``query_key_value``), ``grouped`` (one projection whose output is, per key/value head, its
 #: H / H_kv query heads, then its key and its value head, Dh columns each: Falcon's new decoder
 #: architecture).
-VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped")
+#: ``latent`` (multi-head latent attention, DeepSeek-V3: the values are projected up from an
+#: RMS-normalised low-rank latent, v_j = RMSNorm(x_j W_a^c + b_a^c) W_b^v; see :class:`ValueProjection`).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent")
 #: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
 #: attention function, which the capture replaces by its recording one), ``returned`` (the module
 #: computes its attention itself and returns its probabilities, as BLOOM's ALiBi attention),
@@ -142,14 +151,28 @@ class ValueProjection:
             equal slices; for ``interleaved``: each head's output block is ``count``
             equal slices, the value being slice ``index``; for ``fused_gqa`` and ``grouped``:
             ``count`` is 3 and ``index`` 0, 1 or 2 (q, k, v: the value is 2).
+        latent_norm, latent_up: for ``latent`` (multi-head latent attention): the norm of the
+            latent (``kv_a_layernorm``) and the up-projection (``kv_b_proj``, per head
+            [key part | value part]); ``path`` is then the down-projection whose first
+            ``kv_lora_rank`` outputs are the latent c (``kv_a_proj_with_mqa``, the decoupled
+            rotary key part after them). The head sizes are the attention module's
+            ``kv_lora_rank``, ``qk_nope_head_dim`` and ``v_head_dim``. With the latent's norm
+            scale s_j = 1 / rms(c_j) recorded, v_j = s_j (x_j W_a^c diag(g) W_b^v + b_a^c diag(g) W_b^v):
+            the capture folds s_j into the probabilities (p_ij s_j) and records v_j / s_j, a
+            linear map of the attention input (``docs/frontier.md``, "Multi-head latent attention").
     """
 
     path: str
     layout: str = "plain"
     index: int = 0
     count: int = 1
+    latent_norm: Optional[Norm] = None
+    latent_up: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if (self.layout == "latent") != (self.latent_norm is not None and self.latent_up is not None):
+            raise ValueError(f"ValueProjection {self.path!r}: a latent value projection (and only it) names its "
+                             "latent_norm and latent_up")
         if self.layout not in VALUE_LAYOUTS:
             raise ValueError(f"ValueProjection {self.path!r}: layout must be one of {VALUE_LAYOUTS}, got {self.layout!r}")
         if self.layout != "plain" and not 0 <= self.index < self.count:
@@ -189,6 +212,12 @@ class Attention:
             None.
         probabilities: one of :data:`PROBABILITY_SOURCES`: how the module's real
             probabilities are recorded (never by re-implementing its attention).
+        sinks: the attention module's parameter of learned per-head sink logits (GPT-OSS's
+            ``sinks``, passed to the attention function as ``s_aux``), or None. Each head's
+            softmax row has one more logit s_h in its denominator,
+            p_ij = exp(z_ij) / (sum_k exp(z_ik) + exp(s_h)), so the probabilities over the tokens
+            sum to less than 1 (the sink's mass goes nowhere); the recording attention computes
+            them so, and every method is exact with them (``docs/frontier.md``, "Attention sinks").
     """
 
     module: str
@@ -200,8 +229,12 @@ class Attention:
     softcap: Optional[str] = None
     multiplier: Optional[str] = None
     probabilities: str = "interface"
+    sinks: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.sinks is not None and self.probabilities != "interface":
+            raise ValueError(f"Attention {self.module!r}: sinks are applied by the recording attention function "
+                             "(probabilities='interface')")
         if self.probabilities not in PROBABILITY_SOURCES:
             raise ValueError(f"Attention {self.module!r}: probabilities must be one of {PROBABILITY_SOURCES}, "
                              f"got {self.probabilities!r}")
@@ -234,14 +267,33 @@ class Experts:
             a sigmoid), or None (a shared expert without gate is added as it is).
         dense: the feed-forward of the layers that have no experts module (Qwen2-MoE's and
             Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``), or None.
+        kind: one of :data:`EXPERT_KINDS`: ``"gated"`` (transformers' fused experts, no
+            biases: g(u W_gate^e) * (u W_up^e)) or ``"clamped_swiglu"`` (GPT-OSS:
+            (E, D, 2F) ``gate_up_proj`` applied as u @ W^e with interleaved [gate, up] columns and
+            a bias ``gate_up_proj_bias``, the expert computing
+            (clamp(b, -L, L) + 1) * c sigmoid(alpha c), c = min(a, L), then ``down_proj`` (E, F, D)
+            plus ``down_proj_bias``; L and alpha are the module's ``limit`` and ``alpha``) or
+            ``"input_scaled"`` (Llama 4: the experts module is called with every token repeated
+            per expert and multiplied by its routing score, FF_e(r_e u) =
+            (g(r_e u W_gate^e) * (r_e u W_up^e)) W_down^e, r_e = 0 for the experts not chosen; the
+            (E, D, 2F) ``gate_up_proj`` [gate | up] is applied as u @ W^e; the scores are recorded
+            from the output of :attr:`router`).
+        router: for ``input_scaled``: the router module, whose first output is the (N, E)
+            routing scores the experts' input is multiplied by; None otherwise.
     """
 
     module: str
     shared: Optional["FeedForward"] = None
     shared_gate: Optional[str] = None
     dense: Optional["FeedForward"] = None
+    kind: str = "gated"
+    router: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.kind not in EXPERT_KINDS:
+            raise ValueError(f"Experts: kind must be one of {EXPERT_KINDS}, got {self.kind!r}")
+        if (self.kind == "input_scaled") != (self.router is not None):
+            raise ValueError("Experts: input-scaled experts (and only they) name the router whose scores they read")
         for name, ff in (("shared expert", self.shared), ("dense feed-forward", self.dense)):
             if ff is not None and ff.kind not in ("gated", "fused_gate_up"):
                 raise ValueError(f"Experts: the {name} is a gated FeedForward, got kind {ff.kind!r}")
@@ -266,7 +318,8 @@ class FeedForward:
         pre_norm, post_norm, scale: as in :class:`Attention` (``scale``: DINOv2's
             ``layer_scale2``; the recorded FF output is then the scale module's output).
         multiplier: as in :class:`Attention` (Granite's ``residual_multiplier``:
-            y = h + m * FF(N2(h))), folded into W_down and b_down.
+            y = h + m * FF(N2(h))), folded into W_down and b_down (for ``experts``: into the
+            stacked experts' W_down, Granite-MoE).
         gate_first: for ``fused_gate_up``: the output's first half is the gate (Phi-3's
             ``gate, up = gate_up_proj(x).chunk(2, -1)``); False: the up half comes first.
         experts: for ``experts``: the :class:`Experts`; ``up`` then names the module that
@@ -561,9 +614,9 @@ class ArchitectureSpec:
         if len({b.post_norm is None for _, b in lay.branches()}) > 1:
             raise ValueError(f"{self.family}: a sandwich layer has post-norms on every branch")
         if lay.ff.kind == "experts" and (lay.parallel or lay.stream_norms or lay.ff.post_norm is not None
-                                          or lay.ff.scale is not None or lay.ff.multiplier is not None):
-            raise ValueError(f"{self.family}: a mixture of experts is supported in pre-LN layers without a post-norm, "
-                             "layer scale or multiplier on its branch")
+                                          or lay.ff.scale is not None):
+            raise ValueError(f"{self.family}: a mixture of experts is supported in pre-LN layers without a post-norm "
+                             "or layer scale on its branch (a residual multiplier is folded into the experts' W_down)")
         for name, branch in lay.branches():
             if branch.multiplier is not None and (branch.post_norm is not None or branch.scale is not None):
                 raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
@@ -717,16 +770,22 @@ class ArchitectureSpec:
             out.append("no pre-norms")
         out.append({"plain": "plain FF", "gated": "gated FF", "fused_gate_up": "fused gate-up FF",
                     "experts": "top-k gated experts"}.get(lay.ff.kind, lay.ff.kind))
+        if lay.ff.experts is not None and lay.ff.experts.kind == "clamped_swiglu":
+            out.append("clamped SwiGLU experts with biases")
+        if lay.ff.experts is not None and lay.ff.experts.kind == "input_scaled":
+            out.append("experts on the routing-scaled input")
         if lay.ff.experts is not None and lay.ff.experts.shared is not None:
             out.append("sigmoid-gated shared expert" if lay.ff.experts.shared_gate else "shared expert")
         v = lay.attention.value
         if v is not None and v.layout != "plain":
-            out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head"}.get(
-                v.layout, f"{v.layout} QKV"))
+            out.append({"fused_gqa": "fused QKV with GQA", "grouped": "QKV grouped per key/value head",
+                        "latent": "multi-head latent attention"}.get(v.layout, f"{v.layout} QKV"))
         if lay.attention.probabilities == "module_output":
             out.append("attention computed in its module")
         if lay.attention.softcap:
             out.append("attention soft-cap")
+        if lay.attention.sinks:
+            out.append("attention sinks")
         if lay.attention.probabilities == "returned":
             out.append("attention inside its module")
         if self.head.final_softcap:

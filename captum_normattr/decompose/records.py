@@ -46,6 +46,10 @@ class FFParams:
             hidden neurons side by side (F = E F_e [+ F_shared]) and the factor the routing
             weight of the token's chosen experts (0 for the others; the shared expert's
             sigmoid gate): ``docs/architectures.md``, "Mixtures of experts". Gated FFs only.
+        gate_scale: (B, T, F) a per-token factor on every gate pre-activation, or None (1):
+            the gate reads g((u_i W_gate + b_gate) * gate_scale_i), frozen at the real forward pass.
+            Llama 4's experts read the routing-scaled input, FF_e(r u) = (g(r u W_gate) * (r u W_up)) W_down:
+            gate_scale r and hidden_scale r (``docs/frontier.md``, "Input-scaled experts"). Gated FFs only.
     """
 
     w_in: Tensor
@@ -56,8 +60,11 @@ class FFParams:
     w_gate: Optional[Tensor] = None
     b_gate: Optional[Tensor] = None
     hidden_scale: Optional[Tensor] = None
+    gate_scale: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
+        if self.gate_scale is not None and self.w_gate is None:
+            raise ValueError("FFParams: a per-token gate scale (input-scaled experts) is supported for gated FFs only")
         if self.hidden_scale is not None and self.w_gate is None:
             raise ValueError("FFParams: a per-token hidden scale (experts) is supported for gated FFs only")
 

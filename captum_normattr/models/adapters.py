@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch import registry as arch_registry
@@ -325,7 +326,11 @@ def get_path(root: nn.Module, path: str):
 def base_model(model: nn.Module) -> nn.Module:
     r"""The bare Transformer inside a model with a head (``model.base_model``), wrappers removed (:func:`unwrap_model`)."""
     model = unwrap_model(model)
-    return getattr(model, "base_model", model)
+    base = getattr(model, "base_model", model)
+    body = getattr(model, "model", None)
+    if base is model and isinstance(body, nn.Module) and getattr(model, "base_model_prefix", "model") != "model":
+        return body  # a head whose base_model_prefix names no attribute (Llama 4's *ForCausalLM: language_model / .model)
+    return base
 
 
 def layer_modules(model: nn.Module, adapter: ArchitectureSpec):
@@ -378,6 +383,8 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
     if spec is None:
         raise ValueError(f"the {adapter.family} description does not name the value projection (attention value)")
     w, b = linear_params(get_path(layer, spec.path), adapter.transposed_weights)
+    if spec.layout == "latent":
+        return _latent_value_projection(layer, adapter, w, b)
     if spec.layout == "fused":
         size = w.shape[1] // spec.count
         cols = slice(spec.index * size, (spec.index + 1) * size)
@@ -418,6 +425,30 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
 
         return grouped(w), None if b is None else grouped(b)
     return w, b
+
+
+def _latent_value_projection(layer: nn.Module, adapter: ArchitectureSpec, w: Tensor, b: Optional[Tensor]):
+    r"""(W_a^c diag(g) W_b^v, b_a^c diag(g) W_b^v): multi-head latent attention's values before the latent's norm scale.
+
+    ``w``, ``b``: the down-projection (D, kv_lora_rank + rotary); its first ``kv_lora_rank``
+    columns are the latent c. The up-projection's output is per head [key (qk_nope_head_dim) |
+    value (v_head_dim)]; its value columns, heads in order, give (D, H * v_head_dim).
+    """
+    spec = adapter.layer.attention.value
+    attention = get_path(layer, adapter.attention)
+    rank, nope, dv = (getattr(attention, n, None) for n in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
+    if None in (rank, nope, dv):
+        raise ValueError(f"the {adapter.family} description reads latent values, but {type(attention).__name__} has no "
+                         "kv_lora_rank / qk_nope_head_dim / v_head_dim")
+    norm = get_path(layer, spec.latent_norm.path)
+    gain = module_tensor(norm, "weight")
+    gain = (torch.ones(rank, dtype=w.dtype, device=w.device) if gain is None else gain.detach().to(w.dtype)) + \
+        spec.latent_norm.weight_offset
+    up, _ = linear_params(get_path(layer, spec.latent_up), adapter.transposed_weights)  # (rank, H (nope + dv))
+    heads = up.shape[1] // (nope + dv)
+    up_v = up.reshape(rank, heads, nope + dv)[..., nope:].reshape(rank, heads * dv).to(w.dtype)
+    w_eff = (w[:, :rank] * gain) @ up_v
+    return w_eff, None if b is None else (b[:rank] * gain) @ up_v
 
 
 def value_states(projection_output: Tensor, layer: nn.Module, adapter: ArchitectureSpec, heads: int) -> Tensor:

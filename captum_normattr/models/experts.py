@@ -29,11 +29,17 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import FeedForward
+from captum_normattr.decompose.primitives.gated_feed_forward import ClampedSwiGLUGate
 from captum_normattr.decompose.records import FFParams
 from captum_normattr.models.adapters import linear_params
 from captum_normattr.models.weights import module_tensor
 
-__all__ = ["EXPERT_KEYS", "experts_ff_params", "experts_module", "register_expert_hooks"]
+__all__ = ["BIAS_NEURON_GATE", "EXPERT_KEYS", "clamped_swiglu_ff_params", "experts_ff_params", "experts_module",
+           "input_scaled_ff_params", "register_expert_hooks", "routing_scale"]
+
+#: The gate pre-activation of the constant neurons that carry GPT-OSS's per-expert output biases
+#: (:func:`clamped_swiglu_ff_params`): any value with g(a) != 0 will do; 1 keeps g(a) of order 1.
+BIAS_NEURON_GATE = 1.0
 
 #: what the capture records of a sparse block: the routing the experts module was called with
 #: and (with a gated shared expert) the shared gate's logit
@@ -93,6 +99,8 @@ def register_expert_hooks(
     module = experts_module(layer, ff)
     if module is None:
         return []
+    if ff.experts.kind == "input_scaled":
+        return _input_scaled_hooks(layer, ff, module, mine, keep, check, ff_input)
 
     def pre_hook(mod, args, kwargs=None):  # kwargs=None: see the capture's compare_inputs
         if not mine():
@@ -113,6 +121,88 @@ def register_expert_hooks(
 
         handles.append(_path(layer, ff.experts.shared_gate).register_forward_hook(gate_hook))
     return handles
+
+
+def _input_scaled_hooks(layer: nn.Module, ff: FeedForward, module: nn.Module, mine: Callable[[], bool],
+                        keep: Callable[[str, Tensor], None], check: Callable[[str, Tensor, Tensor], None],
+                        ff_input: Callable[[], Optional[Tensor]]) -> List:
+    r"""Llama 4's routing: the router's (N, E) scores as it returned them, and a check that the experts module reads
+    every token repeated per expert times its score (what :func:`input_scaled_ff_params` assumes)."""
+    got: dict = {}
+
+    def router_hook(mod, args, output):
+        if mine():
+            scores = output[0] if isinstance(output, (tuple, list)) else output
+            got["scores"] = scores
+            keep("expert_scores", scores)
+
+    def experts_hook(mod, args):
+        u, scores = ff_input(), got.pop("scores", None)
+        if not mine() or not args or u is None or scores is None:
+            return
+        routed = args[0]
+        u = u.reshape(-1, u.shape[-1])
+        if routed.shape == (scores.shape[1] * u.shape[0], u.shape[1]):
+            assumed = u.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1).to(u.dtype)
+            check("experts input vs the second norm's output times the routing scores", routed, assumed)
+
+    return [_path(layer, ff.experts.router).register_forward_hook(router_hook),
+            module.register_forward_pre_hook(experts_hook)]
+
+
+def input_scaled_ff_params(layer: nn.Module, ff: FeedForward, module: nn.Module, rec: dict, dtype: torch.dtype,
+                           device: torch.device) -> FFParams:
+    r"""Llama 4's experts (``Experts.kind="input_scaled"``) as one gated :class:`FFParams` with frozen scales.
+
+    Expert e reads the routing-scaled input: FF_e(r_e u) = (g(r_e u W_gate^e) * (r_e u W_up^e)) W_down^e,
+    with r_e the router's score of the token (0 for the experts not chosen). With the scores held
+    fixed this is the gated form with the per-token factor r_e on the gate pre-activation
+    (``gate_scale``) and on the up pre-activation (``hidden_scale``); the shared expert (an
+    ungated gated FF on u) has both factors 1. Every gated-FF decomposition applies it: the
+    gate's path integrals are taken at the real gate input r_e a (``docs/frontier.md``,
+    "Input-scaled experts").
+
+    Args:
+        layer: the layer module.
+        ff: its feed-forward description (kind ``experts``, ``Experts.kind="input_scaled"``).
+        module: the experts module (``gate_up_proj`` (E, D, 2F) [gate | up] applied as u @ W^e,
+            ``down_proj`` (E, F, D), as its ``is_transposed`` / ``is_concatenated`` flags say).
+        rec: the layer's recorded tensors (``ln2_out`` and ``expert_scores`` (N, E)).
+        dtype, device: of the returned tensors.
+
+    Returns:
+        :class:`FFParams` of width E F [+ F_s] with ``hidden_scale`` and ``gate_scale`` (B, T, F).
+    """
+    ex = ff.experts
+    if "expert_scores" not in rec:
+        raise RuntimeError(f"the forward pass recorded no routing scores from the router {ex.router!r}")
+    cast = lambda x: None if x is None else x.detach().to(device=device, dtype=dtype)
+    gate_up, down = cast(module_tensor(module, "gate_up_proj", ex.module)), cast(module_tensor(module, "down_proj", ex.module))
+    if gate_up is None or down is None or gate_up.dim() != 3:
+        raise ValueError(f"the experts module {ex.module} ({type(module).__name__}) has no 3-D gate_up_proj / down_proj")
+    if not getattr(module, "is_transposed", True):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    e, d, two_f = gate_up.shape
+    f = two_f // 2
+    g_cols, u_cols = (slice(0, f), slice(f, two_f)) if getattr(module, "is_concatenated", True) else (
+        slice(0, None, 2), slice(1, None, 2))
+    flat = lambda w: w.permute(1, 0, 2).reshape(d, e * f)
+    w_g, w_u, w_d = flat(gate_up[..., g_cols]), flat(gate_up[..., u_cols]), down.reshape(e * f, d)
+    b, t = rec["ln2_out"].shape[:2]
+    scores = cast(rec["expert_scores"]).reshape(b * t, e)
+    scale = scores.repeat_interleave(f, dim=1)
+    act = _path(layer, ff.act)
+    if ex.shared is not None:
+        sg, sgb, su, sub, sd, sdb = _gated_weights(layer, ex.shared)
+        if any(x is not None for x in (sgb, sub, sdb)):
+            raise NotImplementedError("a shared expert with biases is not decomposed")
+        if not _same_activation(act, _path(layer, ex.shared.act)):
+            raise NotImplementedError("the shared expert's activation differs from the experts': not decomposed")
+        w_g, w_u = torch.cat([w_g, cast(sg)], 1), torch.cat([w_u, cast(su)], 1)
+        w_d = torch.cat([w_d, cast(sd)], 0)
+        scale = torch.cat([scale, scale.new_ones(b * t, sd.shape[0])], 1)
+    scale = scale.reshape(b, t, -1)
+    return FFParams(w_u, None, w_d, None, act, w_g, None, hidden_scale=scale, gate_scale=scale)
 
 
 def _gated_weights(layer: nn.Module, ff: FeedForward) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
@@ -149,7 +239,8 @@ def _stacked_expert_weights(module: nn.Module, where: str) -> Tuple[Tensor, Tens
         if bool(getattr(module, flag, not refused)) == refused:
             raise NotImplementedError(
                 f"the experts module {where} ({type(module).__name__}) has {flag}={refused}: only gated experts "
-                "without biases or post-expert norms are decomposed"
+                "without biases or post-expert norms are decomposed (GPT-OSS's biased, clamped experts are described "
+                "with Experts(kind='clamped_swiglu'))"
             )
     gate_up = module_tensor(module, "gate_up_proj", where)
     down = module_tensor(module, "down_proj", where)
@@ -214,15 +305,21 @@ def experts_ff_params(
             raise ValueError(f"the layer has no experts module {ex.module!r} and the description names no dense FF")
         w_g, b_g, w_u, b_u, w_d, b_d = _gated_weights(layer, ex.dense)
         return FFParams(cast(w_u), cast(b_u), cast(w_d), cast(b_d), _path(layer, ex.dense.act), cast(w_g), cast(b_g))
+    if ex.kind == "input_scaled":
+        return input_scaled_ff_params(layer, ff, module, rec, dtype, device)
     missing = [k for k in EXPERT_KEYS + (("shared_gate_logit",) if ex.shared_gate else ()) if k not in rec]
     if missing:
         raise RuntimeError(f"the forward pass recorded no {missing} for the experts module {ex.module!r}")
-    gate, up, down, e = _stacked_expert_weights(module, ex.module)  # (E F, D), (E F, D), (D, E F)
-    f = gate.shape[0] // e
     b, t = rec["ln2_out"].shape[:2]
     index, weights = rec["expert_index"], rec["expert_weights"]
     if index.shape[0] != b * t:
         raise RuntimeError(f"the experts module routed {index.shape[0]} tokens, not the batch's {b} x {t}")
+    if ex.kind == "clamped_swiglu":
+        e = int(module_tensor(module, "gate_up_proj", ex.module).shape[0])
+        return clamped_swiglu_ff_params(module, ex.module, cast(rec["ln2_out"]).reshape(b * t, -1),
+                                        cast(routing_scale(index.to(device), cast(weights), e)), dtype, device, (b, t))
+    gate, up, down, e = _stacked_expert_weights(module, ex.module)  # (E F, D), (E F, D), (D, E F)
+    f = gate.shape[0] // e
     act = _path(layer, ff.act)
     scale = cast(routing_scale(index.to(device), cast(weights), e)).repeat_interleave(f, dim=1)  # (N, E F)
     if ex.shared is not None:
@@ -241,3 +338,68 @@ def experts_ff_params(
         scale = torch.cat([scale, gate_value.expand(b * t, fs)], 1)
     w_g, w_u, w_d = cast(gate).T, cast(up).T, cast(down).T  # right-multiplied views: (D, F), (D, F), (F, D)
     return FFParams(w_u, None, w_d, None, act, w_g, None, hidden_scale=scale.reshape(b, t, -1))
+
+
+def clamped_swiglu_ff_params(module: nn.Module, where: str, u: Tensor, routing: Tensor, dtype: torch.dtype,
+                             device: torch.device, batch: Tuple[int, int]) -> FFParams:
+    r"""GPT-OSS's experts (``Experts.kind="clamped_swiglu"``) as one gated :class:`FFParams` with a frozen hidden scale.
+
+    Expert e's neuron f computes, for a token u routed to it with weight r_e,
+
+        r_e (clamp(b, -L, L) + 1) g(a) W_down^e[f] (summed over f, plus r_e b_down^e),
+        a = u W_gate^e[:, f] + b_gate^e[f],  b = u W_up^e[:, f] + b_up^e[f],
+        g(a) = c sigmoid(alpha c), c = min(a, L)  (:class:`ClampedSwiGLUGate`).
+
+    With the routing and the up half's clamp taken from the real forward pass this is the gated
+    form g(a) * (b + 1) * s, b + 1 = u W_up + (b_up + 1) linear in u, and the frozen factor
+    s = r_e (clamp(b) + 1) / (b + 1) (r_e where b is not clamped; where it is, s scales every
+    part of b + 1 by the same recorded ratio, like a norm's recorded scale). The output biases
+    r_e b_down^e vary with the token's routing, so each expert gets one constant neuron more
+    (no weights; a = :data:`BIAS_NEURON_GATE`, b + 1 = 1, s = r_e / g(a), W_down row b_down^e):
+    the FF's bias parts carry them, and the parts still sum to the real output.
+
+    Args:
+        module: the experts module (``gate_up_proj`` (E, D, 2F) applied as u @ W^e, columns
+            [g0, u0, g1, u1, ...], as its ``is_transposed`` / ``is_concatenated`` flags say;
+            ``gate_up_proj_bias`` (E, 2F); ``down_proj`` (E, F, D);
+            ``down_proj_bias`` (E, D); ``limit``; ``alpha``).
+        where: its path (for errors).
+        u: (N, D) the tokens' FF inputs, in the compute dtype.
+        routing: (N, E) the tokens' routing weight per expert (0 where not chosen).
+        dtype, device: of the returned tensors.
+        batch: (B, T), with N = B T.
+
+    Returns:
+        :class:`FFParams` of width E F + E, the hidden scale (B, T, E F + E).
+    """
+    cast = lambda x: None if x is None else x.detach().to(device=device, dtype=dtype)
+    gate_up, gate_up_bias = cast(module_tensor(module, "gate_up_proj", where)), cast(module_tensor(module, "gate_up_proj_bias", where))
+    down, down_bias = cast(module_tensor(module, "down_proj", where)), cast(module_tensor(module, "down_proj_bias", where))
+    limit, alpha = getattr(module, "limit", None), getattr(module, "alpha", None)
+    if gate_up is None or down is None or gate_up.dim() != 3 or limit is None or alpha is None:
+        raise ValueError(f"the experts module {where} ({type(module).__name__}) is not GPT-OSS's clamped SwiGLU experts "
+                         "(3-D gate_up_proj (E, D, 2F), down_proj (E, F, D), limit and alpha)")
+    if not getattr(module, "is_transposed", True):  # (E, 2F, D) and (E, D, F): to the x @ W[e] layout
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    e, d, two_f = gate_up.shape
+    f = two_f // 2
+    # columns [g0, u0, g1, u1, ...] (GPT-OSS, is_concatenated=False) or [gate | up]
+    g_cols, u_cols = (slice(0, f), slice(f, two_f)) if getattr(module, "is_concatenated", False) else (
+        slice(0, None, 2), slice(1, None, 2))
+    flat = lambda w: w.permute(1, 0, 2).reshape(d, e * f)  # (E, D, F) -> (D, E F), neuron e F + f
+    w_g, w_u = flat(gate_up[..., g_cols]), flat(gate_up[..., u_cols])
+    zeros = gate_up.new_zeros(e, two_f) if gate_up_bias is None else gate_up_bias
+    b_g, b_u = zeros[:, g_cols].reshape(e * f), zeros[:, u_cols].reshape(e * f)
+    up = torch.addmm(b_u, u, w_u)  # the real up pre-activations b (N, E F)
+    ratio = torch.where(up.abs() > limit, (up.clamp(-limit, limit) + 1) / (up + 1), torch.ones_like(up))
+    scale = routing.repeat_interleave(f, dim=1) * ratio
+    act = ClampedSwiGLUGate(limit, alpha)
+    w_d = down.reshape(e * f, d)
+    if down_bias is not None:  # one constant neuron per expert carries r_e b_down^e
+        g0 = act(torch.tensor(BIAS_NEURON_GATE, dtype=dtype, device=device))
+        w_g, w_u = torch.cat([w_g, w_g.new_zeros(d, e)], 1), torch.cat([w_u, w_u.new_zeros(d, e)], 1)
+        b_g = torch.cat([b_g, b_g.new_full((e,), BIAS_NEURON_GATE)])
+        b_u = torch.cat([b_u, b_u.new_zeros(e)])
+        w_d = torch.cat([w_d, down_bias], 0)
+        scale = torch.cat([scale, routing / g0], 1)
+    return FFParams(w_u, b_u + 1, w_d, None, act, w_g, b_g, hidden_scale=scale.reshape(*batch, -1))

@@ -193,18 +193,26 @@ def test_moe_families_route_tokens_differently_and_keep_dense_layers(key):
     ids, mask = decoder_batch([6, 6], seed=4)
     calls = []
     layers = model.model.layers
-    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, args: calls.append(args[1].clone()))
-             for layer in layers if hasattr(layer.mlp, "experts")]
+    experts = ARCHITECTURES[key].layer.ff.experts
+    block, name = experts.module.split(".")  # mlp.experts, block_sparse_moe.experts, feed_forward.experts
+    sparse = [layer for layer in layers if hasattr(getattr(layer, block), name)]
+    if experts.router is not None:  # input-scaled experts (Llama 4): the router's scores, 0 for the others
+        hooks = [getattr(layer, block).router.register_forward_hook(
+            lambda m, args, out: calls.append((out[0] > 0).nonzero()[:, 1].reshape(out[0].shape[0], -1))) for layer in sparse]
+    else:
+        hooks = [getattr(getattr(layer, block), name).register_forward_pre_hook(
+            lambda m, args: calls.append(args[1].clone())) for layer in sparse]
     try:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
     finally:
         for h in hooks:
             h.remove()
-    dense_first = key in ("ernie4_5_moe", "glm4_moe")  # layer 0 dense (moe_layer_start_index, first_k_dense_replace)
+    # layer 0 dense (moe_layer_start_index, first_k_dense_replace, moe_layers)
+    dense_first = key in ("ernie4_5_moe", "glm4_moe", "deepseek_v3", "llama4_text")
     assert len(calls) == len(hooks) == (1 if dense_first else 2)
     if dense_first:
-        assert not hasattr(layers[0].mlp, "experts") and hasattr(layers[0].mlp, "gate_proj")
+        assert not hasattr(getattr(layers[0], block), name) and hasattr(getattr(layers[0], block), "gate_proj")
     for index in calls:
         assert len({tuple(sorted(row.tolist())) for row in index}) > 1  # tokens do not all choose the same experts
 
@@ -257,9 +265,13 @@ def test_refused_frontier_families_name_the_missing_mechanism(model_type):
             cls(_Stub(config))
 
 
-def test_granite_moe_multiplier_on_experts_is_not_describable():
-    r"""Granite-MoE is refused because the experts description takes no residual multiplier: the description
-    with one is rejected when it is made."""
-    moe = ARCHITECTURES["olmoe"]
-    with pytest.raises(ValueError, match="mixture of experts"):
-        replace(moe, layer=replace(moe.layer, ff=replace(moe.layer.ff, multiplier="residual_multiplier")))
+def test_granite_moe_described_without_its_multiplier_is_caught():
+    r"""Granite-MoE's residual multiplier on the experts branch is folded into the experts' W_down: described
+    without it (every path right), the guards refuse the call instead of decomposing another model."""
+    model = build("granitemoe", "lm")
+    ids, mask = decoder_batch([6, 4], seed=7)
+    spec = ARCHITECTURES["granitemoe"]
+    wrong = replace(spec, layer=replace(spec.layer, ff=replace(spec.layer.ff, multiplier=None)))
+    with described_as("granitemoe", wrong):
+        with pytest.raises(ConsistencyError):
+            ALTILogitAttribution(model, strict=True).decompose(ids, target=3, additional_forward_args=(mask,))

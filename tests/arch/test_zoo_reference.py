@@ -53,6 +53,15 @@ def _value_and_out(layer, spec, config):
     return attn.c_attn.weight[:, 2 * d:], attn.c_attn.bias[2 * d:], attn.c_proj.weight, attn.c_proj.bias
 
 
+def _latent_values(attn, n1x):
+    r"""Multi-head latent attention (DeepSeek-V3): the values from the model's own modules, v = kv_b_proj(N(c))'s value
+    columns with c the first kv_lora_rank outputs of kv_a_proj_with_mqa; (v (B, T, H*Dv), W_O, b_O)."""
+    b, t, _ = n1x.shape
+    c = attn.kv_a_proj_with_mqa(n1x)[..., :attn.kv_lora_rank]
+    kv = attn.kv_b_proj(attn.kv_a_layernorm(c)).view(b, t, attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim)
+    return kv[..., attn.qk_nope_head_dim:].reshape(b, t, -1), attn.o_proj.weight.T, attn.o_proj.bias
+
+
 def naive_maps(model, ids, mask, spec):
     eager = model.config._attn_implementation
     model.config._attn_implementation = "eager"
@@ -62,15 +71,19 @@ def naive_maps(model, ids, mask, spec):
                         output_attentions=True, output_hidden_states=True)
     finally:
         model.config._attn_implementation = eager
-    layers = list(_path(model.base_model, spec.layers))
+    body = model.base_model if model.base_model is not model else model.model  # Llama 4's LM: prefix language_model
+    layers = list(_path(body, spec.layers))
     valid = mask.bool()
     n_res, alti = [], []
     with torch.no_grad():
         for l, layer in enumerate(layers):
             x, probs = out.hidden_states[l], out.attentions[l]  # (B, T, D), (B, H, T, T)
             b, h, t, _ = probs.shape
-            wv, bv, wo, bo = _value_and_out(layer, spec, model.config)
-            v = _path(layer, spec.ln1)(x) @ wv + (0 if bv is None else bv)  # (B, T, Hkv*Dh)
+            if hasattr(_path(layer, spec.attention), "kv_b_proj"):  # values from a normalised latent
+                v, wo, bo = _latent_values(_path(layer, spec.attention), _path(layer, spec.ln1)(x))
+            else:
+                wv, bv, wo, bo = _value_and_out(layer, spec, model.config)
+                v = _path(layer, spec.ln1)(x) @ wv + (0 if bv is None else bv)  # (B, T, Hkv*Dh)
             dh = wo.shape[0] // h
             groups = h // (v.shape[-1] // dh)
             parts = torch.zeros(b, t, t, x.shape[-1], dtype=x.dtype)

@@ -22,7 +22,13 @@ and every family's status are in ``docs/frontier.md``):
   plain xIELU FF, norms named ``attention_layernorm`` / ``feedforward_layernorm``), nanochat
   (parameter-free RMSNorms, a plain ReLU² FF, a final-logit soft-cap), GLM-4 (four norms per
   layer: a sandwich layer with a fused [gate | up] FF), VaultGemma (Gemma's ``1 + w`` norms in a
-  pre-LN layer with Gemma 2's soft-caps).
+  pre-LN layer with Gemma 2's soft-caps);
+- new parts of softmax-attention layers (``docs/frontier.md``, "New mechanisms"): GPT-OSS (learned
+  attention sinks, ``Attention.sinks``; clamped SwiGLU experts with biases,
+  ``Experts(kind="clamped_swiglu")``), Granite-MoE (Mixtral's experts block behind Granite's residual
+  multiplier, folded into the experts' W_down), Llama 4 text (experts on the routing-scaled input,
+  ``Experts(kind="input_scaled")``), DeepSeek-V3 (multi-head latent attention,
+  ``ValueProjection(layout="latent")``, with GLM-4.5's experts block).
 
 ``REFUSED`` names, per model type, the mechanism that no layer kind expresses yet, for the
 families of the same generation that no description decomposes (the registry's
@@ -34,13 +40,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, Tuple
 
-from captum_normattr.arch.families.base import GEMMA2, LLAMA
+from captum_normattr.arch.families.base import GEMMA2, GRANITE, LLAMA
 from captum_normattr.arch.families.decoders import OLMO2
 from captum_normattr.arch.families.moe import QWEN3_MOE
 from captum_normattr.arch.families.parallel import COHERE
 from captum_normattr.arch.spec import (
     ArchitectureSpec,
     Attention,
+    Experts,
     FeedForward,
     Head,
     Inputs,
@@ -54,11 +61,15 @@ __all__ = [
     "ARCEE",
     "BUILTIN",
     "COHERE2",
+    "DEEPSEEK_V3",
     "ERNIE4_5",
     "ERNIE4_5_MOE",
     "EXAONE4",
     "GLM4",
     "GLM4_MOE",
+    "GPT_OSS",
+    "GRANITE_MOE",
+    "LLAMA4_TEXT",
     "HUNYUAN_DENSE",
     "MINISTRAL",
     "MINIMAX_M2",
@@ -171,11 +182,76 @@ VAULTGEMMA = ArchitectureSpec(
     notes="Gemma 2's soft-caps and 1 + w norms in a pre-LN layer (input_layernorm, pre_feedforward_layernorm)",
 )
 
+# --- softmax attention with new parts (docs/frontier.md, "New mechanisms") ---------------------------
+GPT_OSS = ArchitectureSpec(
+    family="GPT-OSS", model_types=("gpt_oss",), layers="layers", causal=True,
+    layer=Layer(
+        attention=replace(_LLAMA_ATTENTION, sinks="self_attn.sinks"),
+        ff=FeedForward(up="mlp", act="mlp.experts", down="mlp", pre_norm=Norm("post_attention_layernorm", **_RMS),
+                       experts=Experts("mlp.experts", kind="clamped_swiglu")),
+    ),
+    head=LLAMA.head,
+    notes="learned attention sinks (probabilities summing to less than 1); clamped SwiGLU experts with biases, "
+          "routing held fixed; sliding-window layers through the mask",
+)
+
+GRANITE_MOE = ArchitectureSpec(
+    family="Granite-MoE", model_types=("granitemoe",), layers="layers", causal=True,
+    layer=Layer(
+        attention=GRANITE.layer.attention,
+        ff=FeedForward(up="block_sparse_moe", act="block_sparse_moe.experts.act_fn", down="block_sparse_moe",
+                       pre_norm=Norm("post_attention_layernorm", **_RMS), multiplier="residual_multiplier",
+                       experts=Experts("block_sparse_moe.experts")),
+    ),
+    head=GRANITE.head, inputs=GRANITE.inputs,
+    notes="Mixtral's experts block; Granite's residual multiplier on both branches (folded into W_O and the "
+          "experts' W_down), attention_multiplier as the attention scaling (recorded), logits_scaling; routing held "
+          "fixed",
+)
+
+DEEPSEEK_V3 = ArchitectureSpec(
+    family="DeepSeek-V3", model_types=("deepseek_v3",), layers="layers", causal=True,
+    layer=Layer(
+        attention=Attention("self_attn", out="self_attn.o_proj", pre_norm=Norm("input_layernorm", **_RMS),
+                            value=ValueProjection("self_attn.kv_a_proj_with_mqa", layout="latent",
+                                                  latent_norm=Norm("self_attn.kv_a_layernorm", **_RMS),
+                                                  latent_up="self_attn.kv_b_proj")),
+        ff=GLM4_MOE.layer.ff,
+    ),
+    head=LLAMA.head,
+    notes="multi-head latent attention (values from an RMS-normalised latent, its scale recorded; low-rank queries "
+          "and the decoupled rotary key part inside the attention); GLM-4.5's experts block (ungated shared "
+          "experts, dense layers before first_k_dense_replace), sigmoid group-limited routing held fixed",
+)
+
+_LLAMA4_FF = dict(act="feed_forward.activation_fn", down="feed_forward.down_proj")
+LLAMA4_TEXT = ArchitectureSpec(
+    family="Llama 4", model_types=("llama4_text",), layers="layers", causal=True,
+    layer=Layer(
+        attention=_LLAMA_ATTENTION,
+        ff=FeedForward(up="feed_forward", act="feed_forward.experts.act_fn", down="feed_forward",
+                       pre_norm=Norm("post_attention_layernorm", **_RMS),
+                       experts=Experts("feed_forward.experts", kind="input_scaled", router="feed_forward.router",
+                                       shared=FeedForward(up="feed_forward.shared_expert.up_proj",
+                                                          gate="feed_forward.shared_expert.gate_proj",
+                                                          act="feed_forward.shared_expert.activation_fn",
+                                                          down="feed_forward.shared_expert.down_proj"),
+                                       dense=FeedForward(up="feed_forward.up_proj", gate="feed_forward.gate_proj",
+                                                         **_LLAMA4_FF))),
+    ),
+    head=LLAMA.head,
+    notes="experts on the routing-scaled input (scores held fixed, in the gate and the up pre-activations) beside "
+          "an ungated shared expert, dense layers outside moe_layers; chunked local attention (mask), NoPE layers "
+          "with temperature-tuned queries and L2 q/k norms inside the attention (recorded)",
+)
+
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
     ("seed_oss", SEED_OSS), ("ernie4_5", ERNIE4_5), ("ministral", MINISTRAL), ("ministral3", MINISTRAL3),
     ("hunyuan_v1_dense", HUNYUAN_DENSE), ("exaone4", EXAONE4), ("olmo3", OLMO3), ("cohere2", COHERE2),
     ("olmoe", OLMOE), ("ernie4_5_moe", ERNIE4_5_MOE), ("glm4_moe", GLM4_MOE), ("minimax_m2", MINIMAX_M2), ("phimoe", PHIMOE), ("arcee", ARCEE), ("apertus", APERTUS),
-    ("nanochat", NANOCHAT), ("glm4", GLM4), ("vaultgemma", VAULTGEMMA),
+    ("nanochat", NANOCHAT), ("glm4", GLM4), ("vaultgemma", VAULTGEMMA), ("gpt_oss", GPT_OSS),
+    ("granitemoe", GRANITE_MOE), ("deepseek_v3", DEEPSEEK_V3),
+    ("llama4_text", LLAMA4_TEXT),
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
@@ -187,27 +263,18 @@ _MAMBA_HYBRID = ("Mamba-2 (state-space) mixer layers beside the attention layers
 _GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer token embedding, "
            "projected and normed), a learned scalar multiplying the whole residual stream after every layer "
            "(layer_scalar) and key/value states shared across layers, which no layer kind expresses")
-_LLAMA4 = ("its mixture of experts scales each expert's INPUT by the routing score (FF_e(r x)) instead of its output "
-           "(r FF_e(x), the form of the experts description: with a gated expert the score enters non-linearly)")
+_LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector before the text model); its text model "
+           "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
-    "gpt_oss": ("GPT-OSS", "learned attention sinks: every head's softmax has one more learned logit in its "
-                           "denominator, so the probabilities over the tokens sum to less than 1, which no attention "
-                           "description expresses (its experts also have biases and a clamped SwiGLU)"),
-    "deepseek_v3": ("DeepSeek-V3", "multi-head latent attention: the values are projected up from an RMS-normalised "
-                                   "low-rank latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj), so the value is "
-                                   "not a linear map of the attention input, which the value projection cannot express"),
     "kimi_linear": ("Kimi Linear", "Kimi delta attention (linear-attention layers mixing tokens through a recurrent "
-                                   "state, without attention probabilities) beside multi-head latent attention layers "
-                                   "(values projected up from an RMS-normalised latent)"),
-    "llama4_text": ("Llama 4", _LLAMA4), "llama4": ("Llama 4", _LLAMA4),
+                                   "state, without attention probabilities) beside its multi-head latent attention "
+                                   "layers (which DeepSeek-V3's latent value projection describes)"),
+    "llama4": ("Llama 4", _LLAMA4),
     "qwen3_next": ("Qwen3-Next", _LINEAR_ATTENTION),
     "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),
     "qwen3_5_moe_text": ("Qwen3.5-MoE", _LINEAR_ATTENTION), "qwen3_5_moe": ("Qwen3.5-MoE", _LINEAR_ATTENTION),
     "gemma4_text": ("Gemma 4", _GEMMA4), "gemma4": ("Gemma 4", _GEMMA4),
-    "granitemoe": ("Granite-MoE", "a residual multiplier on a mixture-of-experts branch (y = h + m * MoE(N2(h))): the "
-                                  "experts description folds no multiplier (Granite's dense multiplier is folded into "
-                                  "W_down)"),
     "granitemoehybrid": ("Granite 4 (hybrid)", _MAMBA_HYBRID),
     "nemotron_h": ("Nemotron-H", _MAMBA_HYBRID + "; each of its layers is one mixer (Mamba-2, attention or a ReLU² "
                                                  "FF) behind its own norm"),

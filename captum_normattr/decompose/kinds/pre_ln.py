@@ -392,6 +392,10 @@ def pre_ln_ff_parts(
             scale = f.hidden_scale[:, rows]
             b.mul_(scale.unsqueeze(-2))
             b_b = b_b * scale
+        if f.gate_scale is not None:  # input-scaled experts (Llama 4): the gate reads r (u W_gate)
+            gs = f.gate_scale[:, rows]
+            a.mul_(gs.unsqueeze(-2))
+            a_b = a_b * gs
         return gated_ff_parts_from_preactivations(a, a_b, b, b_b, f.act, f.w_out, f.b_out, nodes or DEFAULT_NODES)
     pre, pre_b = ff_preactivation_parts(layer, cache["in"], rows, cols)
     allp = torch.cat([pre, pre_b.unsqueeze(-2)], -2)

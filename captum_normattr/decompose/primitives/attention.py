@@ -28,6 +28,7 @@ __all__ = [
     "norm_maps_and_ratios",
     "part_norms_gram",
     "project_values",
+    "softmax_with_sinks",
 ]
 
 #: Probabilities (B H T^2) of a float32 layer from which the compiled quadratic-form kernel may be
@@ -70,6 +71,35 @@ def project_values(values: Tensor, head_weight: Tensor, lin_map: Optional[Tensor
     for k in range(h):  # rows of out[:, k] are H D apart: a strided output BLAS writes in place
         torch.mm(flat[:, k], w[k], out=out[:, k])
     return out.view(b, t, h, -1).transpose(1, 2)
+
+
+def softmax_with_sinks(scores: Tensor, sinks: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    r"""Attention probabilities with learned sinks: p_ij = exp(z_ij) / (sum_k exp(z_ik) + exp(s_h)).
+
+    Each head h's softmax row has one more logit, the sink s_h, whose probability is dropped
+    (GPT-OSS): the probabilities over the tokens sum to 1 - p_sink < 1. Everything downstream is
+    linear in the probabilities (the context sum_j p_ij v_j, the parts p_ij f(x_j)), so no
+    method needs the rows to sum to 1 (``docs/frontier.md``, "Attention sinks").
+
+    Args:
+        scores: (B, H, T, S) scaled scores, the mask already added.
+        sinks: (H,) the sink logits.
+        dtype: of the softmax (None: the scores').
+
+    Returns:
+        (B, H, T, S) the probabilities over the tokens.
+
+    Examples::
+
+        >>> p = softmax_with_sinks(torch.zeros(1, 2, 1, 3), torch.tensor([0.0, -50.0]))
+        >>> [round(float(x), 4) for x in p.sum(-1).flatten()]
+        [0.75, 1.0]
+    """
+    b, h, t, _ = scores.shape
+    sink = sinks.to(scores.dtype).reshape(1, h, 1, 1).expand(b, h, t, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=dtype or scores.dtype)[..., :-1]
 
 
 def diagonal_attention_parts(probs: Tensor, values: Tensor, head_weight: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ClampedSwiGLUGate",
     "DEFAULT_NODES",
     "SILU_CHUNK",
     "gate_integrals",
@@ -40,6 +41,7 @@ __all__ = [
     "quadrature_error",
     "quadrature_gate_integrals",
     "silu_gate_integrals",
+    "clamped_swiglu_gate_integrals",
 ]
 
 #: Default number of Gauss-Legendre nodes: |a I1 + I2 - g(a)| < 1e-12 for SiLU gate values |a| <= 60 in float64.
@@ -94,7 +96,68 @@ def gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tupl
     """
     if int(nodes) >= DEFAULT_NODES and is_silu(act):
         return silu_gate_integrals(a)
+    if int(nodes) >= DEFAULT_NODES and isinstance(act, ClampedSwiGLUGate):
+        return clamped_swiglu_gate_integrals(a, act.limit, act.alpha)
     return quadrature_gate_integrals(a, act, nodes)
+
+
+class ClampedSwiGLUGate(torch.nn.Module):
+    r"""GPT-OSS's expert gate g(a) = c sigmoid(alpha c), c = min(a, L) (the clamped, scaled SiLU).
+
+    With the up half's own clamp and offset handled outside the gate (``models.experts``), an
+    expert neuron is g(a) * b in the form every gated-FF decomposition takes. Its integrals along
+    the straight path have a closed form (:func:`clamped_swiglu_gate_integrals`): the kink at L
+    costs no quadrature error.
+
+    Args:
+        limit: L (``swiglu_limit``).
+        alpha: the sigmoid's slope (``swiglu_alpha``).
+
+    Examples::
+
+        >>> g = ClampedSwiGLUGate(7.0, 1.702)
+        >>> float(g(torch.tensor(9.0, dtype=torch.float64))) == float(g(torch.tensor(7.0, dtype=torch.float64)))
+        True
+    """
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.limit, self.alpha = float(limit), float(alpha)
+
+    def forward(self, a: Tensor) -> Tensor:
+        c = a.clamp(max=self.limit)
+        return c * torch.sigmoid(c * self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}, alpha={self.alpha}"
+
+
+def clamped_swiglu_gate_integrals(a: Tensor, limit: float, alpha: float) -> Tuple[Tensor, Tensor]:
+    r"""The exact gate integrals I1, I2 (:func:`gate_integrals`) of :class:`ClampedSwiGLUGate`.
+
+    Below the limit g(x) = silu(alpha x) / alpha, so I1(a) = I1_silu(alpha a) and
+    I2(a) = I2_silu(alpha a) / alpha. Above it (a > L) the path t a crosses the kink at
+    t0 = L / a, after which g is the constant g(L) and g' = 0:
+    I1 = t0^2 I1_silu(alpha L), I2 = t0 I2_silu(alpha L) / alpha + (1 - t0) g(L).
+    Either way a I1 + I2 = g(a) (completeness), the SiLU's closed form to rounding.
+
+    Args:
+        a: (...) gate pre-activations.
+        limit, alpha: the gate's L and alpha.
+
+    Returns:
+        (I1, I2), each shaped like ``a``.
+    """
+    above = a > limit
+    c = a.clamp(max=limit)
+    i1, i2 = silu_gate_integrals(c * alpha)
+    i2 = i2 / alpha
+    if bool(above.any()):
+        t0 = torch.where(above, limit / a.clamp(min=limit), torch.ones_like(a))
+        g_limit = limit * torch.sigmoid(torch.tensor(limit * alpha, dtype=a.dtype, device=a.device))
+        i1 = torch.where(above, t0 * t0 * i1, i1)
+        i2 = torch.where(above, t0 * i2 + (1 - t0) * g_limit, i2)
+    return i1, i2
 
 
 def quadrature_gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tuple[Tensor, Tensor]:

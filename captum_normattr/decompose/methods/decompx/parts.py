@@ -199,11 +199,14 @@ def ff_coefficients(
             a += f.b_gate
     if f.hidden_scale is not None:  # experts: b = r (u W_up), r the frozen routing weight of the neuron's expert
         pre = pre * f.hidden_scale
+    if f.gate_scale is not None:  # input-scaled experts (Llama 4): a = q (u W_gate), part k of a is q a_k
+        a = a * f.gate_scale
     i1, i2 = gate_integrals(a, f.act, nodes)
     # |b (a I1 + I2) - b g(a)| = |b| |a I1 + I2 - g(a)|, in place
     err = torch.mul(a, i1).add_(i2).sub_(f.act(a)).mul_(pre).abs_().amax(-1)
     up = i2 if f.hidden_scale is None else i2.mul_(f.hidden_scale)  # part k of b is r b_k
-    return {"gate": i1.mul_(pre), "up": up, "quadrature_error": err}
+    gate = i1.mul_(pre) if f.gate_scale is None else i1.mul_(pre).mul_(f.gate_scale)
+    return {"gate": gate, "up": up, "quadrature_error": err}
 
 
 def activation_slopes(real_pre: Tensor, act: Callable) -> Tensor:
