@@ -46,6 +46,7 @@ __all__ = [
     "make_task",
     "items_from_records",
     "load_jsonl_task",
+    "load_sst2",
     "fact_answer_tokens",
     "candidate_mask",
     "evidence_ranks",
@@ -447,6 +448,46 @@ def load_jsonl_task(path: str, tokenizer, task: str = "jsonl", add_special_token
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}, line {n}: not JSON ({err.msg})") from err
     return items_from_records(records, tokenizer, task, add_special_tokens)
+
+
+def load_sst2(path: str, n: Optional[int] = None, seed: int = 0) -> Tuple[List[str], List[int]]:
+    r"""SST-2 sentences and labels from a TSV (``sentence`` and ``label`` columns, a header line) or a parquet file.
+
+    For the classifier harness (:class:`~captum_normattr.evaluation.FaithfulnessHarness`); the
+    path is always the caller's (the GLUE ``dev.tsv``, or a parquet export of the dataset).
+
+    Args:
+        path: the file (``.parquet`` needs pandas with a parquet engine).
+        n: how many sentences (a seeded random sample, in file order); None: all.
+        seed: the sample's seed.
+
+    Returns:
+        ``(sentences, labels)``.
+
+    Raises:
+        ValueError: when the columns are missing or a label is not an integer.
+    """
+    if str(path).endswith(".parquet"):
+        import pandas as pd
+
+        df = pd.read_parquet(path)
+        rows = list(zip(df["sentence"].astype(str), df["label"]))
+    else:
+        with open(path, encoding="utf-8") as fh:
+            lines = [ln.rstrip("\n") for ln in fh if ln.strip()]
+        header = lines[0].split("\t") if lines else []
+        if "sentence" not in header or "label" not in header:
+            raise ValueError(f"{path}: expected a header line with 'sentence' and 'label' columns, got {header}")
+        i_s, i_l = header.index("sentence"), header.index("label")
+        rows = [(c[i_s], c[i_l]) for c in (ln.split("\t") for ln in lines[1:])]
+    try:
+        rows = [(str(s).strip(), int(l)) for s, l in rows]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: a label is not an integer ({err})") from None
+    if n is not None and n < len(rows):
+        keep = sorted(random.Random(seed).sample(range(len(rows)), n))
+        rows = [rows[i] for i in keep]
+    return [s for s, _ in rows], [l for _, l in rows]
 
 
 # ----------------------------------------------------------------------------- metrics
