@@ -13,7 +13,8 @@ r"""Faithfulness evaluation: metric presets and a harness comparing attribution 
 - :mod:`~captum_normattr.evaluation.decoder_harness`: the decoder harness: any attributor
   (``f(input_ids, target, foil) -> (T,)``; :func:`as_attributor` wraps a Captum attribution),
   per-item evidence ranks, deletion / insertion AOPC and ABPC with and without the sink
-  (docs/evaluation.md);
+  (docs/evaluation.md); :mod:`~captum_normattr.evaluation.decoder_harness_report`: its results as JSON,
+  Markdown (paired differences against a reference) and deletion-curve plots;
 - :mod:`~captum_normattr.evaluation.statistics`: per-item values of several methods summarised
   (mean ± standard error, paired differences, medians, wins).
 
@@ -24,7 +25,7 @@ Examples:
     >>> print(res.table())  # doctest: +SKIP
 """
 
-from . import alignment, baselines, decoder_harness, metrics
+from . import alignment, baselines, decoder_harness, decoder_harness_report, metrics
 from .baselines import Method
 from .classifier import SequenceClassifier
 from .decoder_harness import Attributor, as_attributor, evaluate_item, make_attributor, make_attributors
@@ -47,6 +48,7 @@ __all__ = [
     "alignment",
     "baselines",
     "decoder_harness",
+    "decoder_harness_report",
     "Attributor",
     "as_attributor",
     "make_attributor",
