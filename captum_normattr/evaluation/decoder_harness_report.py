@@ -183,7 +183,8 @@ class DecoderResult:
             if rows and shown:
                 out.append(f"\nPaired differences against {reference} (method − {reference} on the same items: "
                            "mean ± s.e., median; items where the method is ahead):\n")
-                out.append("| method | " + " | ".join(shown) + " |")
+                headers = dict(TABLE_COLUMNS)
+                out.append("| method | " + " | ".join(headers.get(k, k) for k in shown) + " |")
                 out.append("|---|" + "---:|" * len(shown))
                 for m, rec in rows.items():
                     cells = [f"{format_mean_se(rec[k])}, median {rec[k]['median']:.3f}; {rec[k]['wins']}/{rec[k]['n']}"

@@ -6,6 +6,7 @@ import pytest
 from decoder_models import make_decoder
 from llm_tiny import tiny_tokenizer
 
+from cli_models import TEXTS, tiny_model  # noqa: F401  (the session fixture)
 from captum_normattr.cli.evaluate import build_parser, evaluate_main
 
 ITEMS = [
@@ -97,3 +98,18 @@ def test_bad_jsonl_line_is_named(tiny_lm, tmp_path, capsys):
     assert evaluate_main(["--model", tiny_lm, "--task", "jsonl", "--data", str(path)]) == 2
     err = capsys.readouterr().err
     assert "item 1" in err and "zebra" in err
+
+
+def test_sst2_runs_the_classifier_harness(tiny_model, tmp_path, capsys):
+    data = tmp_path / "dev.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s} \t{i % 2}\n" for i, s in enumerate(TEXTS)), encoding="utf-8")
+    out = tmp_path / "sst2.json"
+    code = evaluate_main(["--model", tiny_model, "--task", "sst2", "--data", str(data), "--items", "3",
+                          "--methods", "globenc,saliency", "-o", str(out), "--markdown", "-"])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    assert "eraser" in printed.lower() and "GlobEnc" in printed
+    assert res  # the HarnessResult's JSON
+    assert evaluate_main(["--model", tiny_model, "--task", "sst2", "--data", str(data), "--methods", "nope"]) == 2
+    assert "unknown method" in capsys.readouterr().err
