@@ -127,6 +127,14 @@ class CallableAttributor(Attributor):
         return self.fn(input_ids, target, foil)
 
 
+def _device(model: Any) -> torch.device:
+    r"""The device of a module's first parameter (CPU for anything else)."""
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
 def _logit_fn(model: torch.nn.Module, target: int, foil: Optional[int]) -> Callable[[Tensor], Tensor]:
     def f(embeds: Tensor) -> Tensor:
         lg = model(inputs_embeds=embeds).logits[:, -1]
@@ -181,7 +189,7 @@ class CaptumEmbeddingAttributor(Attributor):
 
     def __call__(self, input_ids: Tensor, target: int, foil: Optional[int] = None) -> Tensor:
         with torch.no_grad():
-            x = self.model.get_input_embeddings()(input_ids.reshape(1, -1).to(self.model.device))
+            x = self.model.get_input_embeddings()(input_ids.reshape(1, -1).to(_device(self.model)))
         kw = dict(self.attribute_kwargs)
         if self.kind in ("IntegratedGradients", "FeatureAblation"):
             kw.setdefault("baselines", torch.zeros_like(x) if self.kind == "IntegratedGradients" else 0.0)
@@ -225,7 +233,7 @@ class DecompositionAttributor(Attributor):
         self.name = name or self.DISPLAY.get(type(attribution).__name__) or str(attribution.get_name())
 
     def __call__(self, input_ids: Tensor, target: int, foil: Optional[int] = None) -> Tensor:
-        ids = input_ids.reshape(1, -1)
+        ids = input_ids.reshape(1, -1).to(_device(getattr(self.attribution, "model", None)))
         if self.uses_target:
             return self.attribution.attribute(ids, target=target, foil=foil)[0]
         return self.attribution.attribute(ids)[0]
@@ -246,7 +254,7 @@ class AttentionAttributor(Attributor):
         self.name = "Attention rollout" if rollout else "Attention (last layer)"
 
     def __call__(self, input_ids: Tensor, target: int, foil: Optional[int] = None) -> Tensor:
-        ids = input_ids.reshape(1, -1)
+        ids = input_ids.reshape(1, -1).to(_device(self.model))
         att = self.model(input_ids=ids, output_attentions=True).attentions
         if att is None or att[0] is None:
             raise ValueError(f"{self.name}: the model returned no attentions; load it with attn_implementation='eager'")
