@@ -133,8 +133,11 @@ def run_decoder(args: argparse.Namespace, tasks: Sequence[str], log: Any = None)
         log(f"{task}: {len(kept)} of {len(cand)} items {'kept' if args.no_filter else 'right'}; evaluating {len(st.items)}")
     if not any(st.items for st in states):
         raise EvaluateError("no item left to evaluate (the model gets none right; --no-filter keeps them for jsonl)")
+    def progress(n_round: int) -> None:
+        log(f"round {n_round}: " + ", ".join(f"{st.name} {st.done}/{len(st.items)}" for st in states))
+
     run_round_robin(model, states, methods, args.ks, cost_every=args.cost_every, total_seconds=args.max_seconds,
-                    log=log, curves=True)
+                    save_every=10, on_save=progress, log=log, curves=True)
     return DecoderResult.from_states(states, tokenizer=tok, model=name, seed=args.seed, ks=list(args.ks),
                                      methods=list(methods), cost_every=args.cost_every)
 

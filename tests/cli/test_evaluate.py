@@ -47,7 +47,7 @@ def test_module_level_imports_are_light(capsys):
 
 
 def test_jsonl_task_writes_json_markdown_and_plot(tiny_lm, items_file, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib: the [viz] extra (pip install captum-normattr[viz])")
     out, md, png = tmp_path / "out.json", tmp_path / "table.md", tmp_path / "curves.png"
     code = evaluate_main(["--model", tiny_lm, "--task", "jsonl", "--data", items_file, "--no-filter",
                           "--methods", "alti-logit,decompx,ig:4,saliency,attention,random", "--reference", "Random",

@@ -112,7 +112,7 @@ def test_markdown_tables(result):
 
 
 def test_plot(result, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib: the [viz] extra (pip install captum-normattr[viz])")
     res, _ = result
     fig = res.plot(str(tmp_path / "c.png"))
     assert len(fig.axes) == 2 and (tmp_path / "c.png").stat().st_size > 1000
