@@ -228,6 +228,7 @@ class DecoderResult:
                 color = f"C{i % 10}"
                 ax.plot([0] + ks, [start] + [c[f"morf_{k}_{tag}"] for k in ks], "-o", color=color, ms=3, label=m)
                 ax.plot([0] + ks, [start] + [c[f"lerf_{k}_{tag}"] for k in ks], "--", color=color, lw=1)
+                ax.set_xticks([0] + ks)
             ax.set_title(f"{name} ({t['evaluated']} items)")
             ax.set_xlabel("tokens deleted" + (" (sink kept)" if exclude_sink else ""))
             ax.set_ylabel("d / |d|")
