@@ -327,17 +327,23 @@ class DecompXAttribution(DecompositionAttribution):
         return FrozenLayer(layer, *self._value_param(layer), coefs, None if vf is None else vf > 0)
 
     def _rerun(
-        self, rec: Recorder, quad: Optional[Dict[int, Tensor]] = None, vf: Optional[Tensor] = None
+        self, rec: Recorder, quad: Optional[Dict[int, Tensor]] = None, vf: Optional[Tensor] = None,
+        adj: Optional[AdjointPass] = None, guard: Optional[ConsistencyGuard] = None,
     ) -> Callable[[int, Tensor], FrozenLayer]:
         r"""``(l, checkpoint) -> FrozenLayer``: layer l recomputed from its input, for the adjoint's walk.
 
         A gated FF's pre-activations computed by the rerun are kept (:meth:`_tap_preactivations`)
-        and reused for its coefficients instead of being computed a second time.
+        and reused for its coefficients instead of being computed a second time. With ``adj`` and
+        ``guard``, every rerun is checked against the layer's output in the recorded pass
+        (:meth:`~captum_normattr.models.guard.ConsistencyGuard.check_rerun`).
         """
 
         def frozen_at(l: int, x: Tensor) -> FrozenLayer:
             with self._tap_preactivations(l) as got:
                 layer = tensors_to(rec.rerun_layer(l, x), x.device)  # x: on the inputs' device
+            real = adj.real_output(l) if adj is not None else None
+            if guard is not None and real is not None:
+                guard.check_rerun(layer, real)
             return self._frozen(layer, quad, vf, _checked_preactivations(layer, got))
 
         return frozen_at
@@ -458,19 +464,20 @@ class DecompXAttribution(DecompositionAttribution):
                 step = self._frozen(layer, quad, vf)
                 prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
-                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
+                # the checkpoint (the layer is rerun later); the last layer's output, for checking its rerun
+                adj.forward(layer.hidden_in, layer_output=layer.layer_out if layer.index == n - 1 else None)
             readout.keep(layer, layer.index == n - 1)
 
         run = readout.forward_inputs()
         # the adjoint keeps only each layer's input (its checkpoint) from this pass and reruns the layers on the way
         # down: no probabilities here, the model's own (sdpa) attention runs (docs/performance.md, "Long prompts")
+        guard = ConsistencyGuard(self.get_name(), self.strict)
         with streamed_forward(self.model, self.adapter, run, on_layer, top_model=readout.top_model,
-                              keep_calls=adj is not None, guard=ConsistencyGuard(self.get_name(), self.strict),
-                              probabilities=adj is None) as (rec, model_out):
+                              keep_calls=adj is not None, guard=guard, probabilities=adj is None) as (rec, model_out):
             prepared.finite = run.finite
             readout.read(rec, model_out)
-            if adj is not None:
-                readout.adjoint(adj, self._rerun(rec, quad, vf))
+            if adj is not None:  # every rerun checked against the recorded pass (docs/reliability.md, "Checked reruns")
+                readout.adjoint(adj, self._rerun(rec, quad, vf, adj, guard))
         with torch.no_grad():
             res = None
             if prop is not None:

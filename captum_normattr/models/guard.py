@@ -20,13 +20,17 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.kinds.registry import layer_kind
-from captum_normattr.decompose.primitives.guards import guard_tolerance
+from captum_normattr.decompose.primitives.guards import guard_tolerance, relative_difference
 from captum_normattr.decompose.records import LayerTensors
 
-__all__ = ["ConsistencyError", "ConsistencyGuard", "ConsistencyWarning", "GROSS_RELATIVE"]
+__all__ = ["ConsistencyError", "ConsistencyGuard", "ConsistencyWarning", "GROSS_RELATIVE", "RERUN_CHECK"]
 
 #: Relative differences above this raise :class:`ConsistencyError` even when not ``strict``.
 GROSS_RELATIVE = 1e-2
+
+
+#: The name of the check of a rerun layer (:meth:`ConsistencyGuard.check_rerun`) in the guard's messages.
+RERUN_CHECK = "rerun layer output vs the recorded forward pass's output"
 
 
 class ConsistencyWarning(RuntimeWarning):
@@ -89,6 +93,26 @@ class ConsistencyGuard:
                 f" Differences above {GROSS_RELATIVE:g} are refused even without strict=True: no rounding explains "
                 "them, so the scores would not decompose this model (docs/reliability.md, 'Consistency guards')."))
         self.failures.append(msg)
+
+    def check_rerun(self, layer: LayerTensors, real_output: Tensor) -> None:
+        r"""Judge a layer recomputed from its checkpointed input (the DecompX adjoint's and the routes' walk down).
+
+        The rerun's own checks are judged as in the forward pass, and its output is compared
+        with the output the layer gave in the recorded forward pass (:data:`RERUN_CHECK`,
+        relative to the real output's largest magnitude), under the same tolerances: a rerun
+        that computes something else (another attention function or mask than the recorded
+        pass, a hook that acts on one pass only, a nondeterministic layer) warns below
+        :data:`GROSS_RELATIVE` and raises above it, and ``strict=True`` raises on any
+        difference above the dtype's tolerance. ``docs/reliability.md``, "Checked reruns".
+
+        Args:
+            layer: the rerun layer's tensors (its ``layer_out`` is compared).
+            real_output: (B, T, D) the layer's output in the recorded pass (the next layer's
+                checkpointed input, or the last layer's kept output).
+        """
+        rel = relative_difference(real_output.detach().to(layer.layer_out.dtype), layer.layer_out)
+        layer.checks = {**layer.checks, RERUN_CHECK: rel}
+        self.check(layer)
 
     def _message(self, failures: List[str], tol: float) -> str:
         return (
