@@ -398,7 +398,10 @@ class DecompXAttribution(DecompositionAttribution):
                 Captum's output index: ``(c,)`` for a classifier; the old ``(target, foil)``
                 form raises a ValueError pointing to ``foil``, an attention mask passed here one
                 pointing to ``additional_forward_args=``.
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+            additional_forward_args: attention_mask (B, T), or the model inputs by name,
+                ``{"attention_mask": ..., "token_type_ids": ..., "position_ids": ...}``
+                (``(attention_mask, token_type_ids)`` positionally for BERT-like encoders only;
+                docs/reliability.md, "Position ids and every other model input by name").
             layer_parts: run the ``"forward"`` algorithm whatever ``algorithm`` says, so that
                 the per-layer part norms and completeness errors are filled in.
             foil: decoders: token id(s) (one, or one per example) whose logit is subtracted:

@@ -253,6 +253,7 @@ class InformationFlowRoutes:
         threshold: float = DEFAULT_THRESHOLD,
         tokens: Optional[Sequence[str]] = None,
         granularity: str = "head",
+        position_ids: Optional[Tensor] = None,
     ) -> RouteGraph:
         r"""The pruned route graph of the prediction at ``position``.
 
@@ -266,6 +267,8 @@ class InformationFlowRoutes:
             granularity: ``"head"`` (default): one attention edge per head and source token;
                 ``"token"``: one per source token, its importance summed over heads (thresholded
                 as such; kind ``"attention"``, per-head importances in ``head_importances``).
+            position_ids: optional (1, T) position ids the model is called with (default: counted
+                from the first real token).
 
         Returns:
             :class:`RouteGraph`, positions counted over the real tokens (0 = first real token).
@@ -283,7 +286,7 @@ class InformationFlowRoutes:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if input_ids.shape[0] != 1:
             raise ValueError(f"routes explain one example at a time; got a batch of {input_ids.shape[0]} (call once per example)")
-        extra = None if attention_mask is None else (attention_mask,)
+        extra = {"attention_mask": attention_mask, "position_ids": position_ids}
         prepared = prepare_inputs(self.model, self.adapter, input_ids, extra)
         valid = prepared.valid
         pos = int(explained_positions(position, valid)[0])

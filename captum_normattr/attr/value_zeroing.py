@@ -462,7 +462,10 @@ class ValueZeroingAttribution(DecompositionAttribution):
             inputs: token ids (B, T) (or word embeddings (B, T, D), or pixel values for a
                 Vision Transformer), or a 1-tuple.
             target: None: the maps are class-agnostic (anything else raises a ValueError).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+            additional_forward_args: attention_mask (B, T), or the model inputs by name,
+                ``{"attention_mask": ..., "token_type_ids": ..., "position_ids": ...}``
+                (``(attention_mask, token_type_ids)`` positionally for BERT-like encoders only;
+                docs/reliability.md, "Position ids and every other model input by name").
             return_layer_maps: keep the (B, L, T, T) row-normalised maps (``layer_maps``) and
                 the raw cosine distances (``extras["cosine_distances"]``).
             return_rollout: also form the full (B, T, T) rollout.
