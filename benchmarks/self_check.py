@@ -159,11 +159,11 @@ def check_ab_compare_imports_another_version() -> None:
         try:
             base = ab_compare.import_renamed(BENCHMARKS.parent, Path(tmp))
             import captum_normattr
-            from captum_normattr.models.capture import recorder as capture
+            from captum_normattr.models.capture import attention as capture
 
             assert base.__name__ == "captum_normattr_base" and base is not captum_normattr
             assert base.GlobEncAttribution is not captum_normattr.GlobEncAttribution
-            assert sys.modules["captum_normattr_base.models.capture.recorder"].ATTENTION_NAME == "captum_normattr_base_capture"
+            assert sys.modules["captum_normattr_base.models.capture.attention"].ATTENTION_NAME == "captum_normattr_base_capture"
             assert capture.ATTENTION_NAME == "captum_normattr_capture"
             loaded = [m for m in sys.modules if m.startswith("captum_normattr_base")]
             assert all(str(sys.modules[m].__file__).startswith(str(Path(tmp).resolve())) or

@@ -48,6 +48,7 @@ def instrument() -> None:
     from captum_normattr.models import engine
     from captum_normattr.decompose.kinds import registry as layer_kinds
     from captum_normattr.decompose.primitives import rollout
+    from captum_normattr.models.capture import attention
     from captum_normattr.models.capture import recorder as capture
 
     for kind in layer_kinds.LAYER_KINDS.values():
@@ -56,7 +57,7 @@ def instrument() -> None:
         _wrap(kind, "completeness_error", "completeness")
     _wrap(engine, "layer_finite", "finite check")
     _wrap(capture.Recorder, "layer_tensors", "cast records")
-    _wrap(capture, "_eager_attention", "eager attention")
+    _wrap(attention, "_eager_attention", "eager attention")
     _wrap(rollout.LayerMapStore, "rollout_rows", "rollout")
     _wrap(rollout.LayerMapStore, "put", "rollout")
     try:

@@ -32,7 +32,7 @@ from captum_normattr.decompose.primitives.multi_position import (
 from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import base_model, get_path, layer_modules, unwrap_model
-from captum_normattr.models.capture.recorder import norm_params
+from captum_normattr.models.capture.record import norm_params
 from captum_normattr.models.engine import compute_dtype, mark_non_finite, streamed_forward
 from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to

@@ -43,7 +43,7 @@ from captum_normattr.models.adapters import (
     linear_params,
     value_projection,
 )
-from captum_normattr.models.capture.recorder import eval_mode
+from captum_normattr.models.capture.session import eval_mode
 from captum_normattr.models.engine import mark_non_finite
 from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.options import check_explained_position, check_memory_budget

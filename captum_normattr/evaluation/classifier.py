@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.models.capture.recorder import eval_mode as model_eval_mode
+from captum_normattr.models.capture.session import eval_mode as model_eval_mode
 
 __all__ = ["SequenceClassifier", "logits_of"]
 
@@ -35,7 +35,7 @@ class SequenceClassifier:
     The model is never modified: every forward pass of this wrapper runs in eval mode
     (dropout off), and afterwards every submodule gets back its own training flag
     (reference-counted with the attribution classes, see
-    :func:`captum_normattr.models.capture.recorder.recording`).
+    :func:`captum_normattr.models.capture.session.recording`).
 
     Args:
         model: an ``nn.Module`` whose ``forward(input_ids=..., attention_mask=...)`` and

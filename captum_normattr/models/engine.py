@@ -1,7 +1,7 @@
 r"""The streaming engine: one recorded forward pass, every layer handed over as it is produced.
 
 :func:`streamed_forward` runs the model once under
-:func:`~captum_normattr.models.capture.recorder.recording` and gives every layer's
+:func:`~captum_normattr.models.capture.session.recording` and gives every layer's
 :class:`~captum_normattr.decompose.records.LayerTensors` to a callback the moment the forward
 pass has produced it, so that the memory of a call does not grow with depth: the methods turn
 each layer into its contribution (:class:`LayerContribution`, kept by a :class:`MapCollector`)
@@ -24,7 +24,8 @@ from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import base_model
-from captum_normattr.models.capture.recorder import Recorder, RecordedTensorModifiedError, recording
+from captum_normattr.models.capture.recorder import RecordedTensorModifiedError, Recorder
+from captum_normattr.models.capture.session import recording
 from captum_normattr.models.guard import ConsistencyGuard
 
 __all__ = [
@@ -138,7 +139,7 @@ def streamed_forward(
             (once) when the block ends; None: a non-strict :class:`ConsistencyGuard`.
         probabilities: False: the layers' attention runs the model's own implementation
             (sdpa, ...) and the handed-over layers carry no probabilities (``probs=None``);
-            reruns (``keep_calls``) still record them (:func:`~captum_normattr.models.capture.recorder.recording`).
+            reruns (``keep_calls``) still record them (:func:`~captum_normattr.models.capture.session.recording`).
 
     A forward pass that changes a recorded tensor in place before any layer was handed over
     (:class:`~captum_normattr.models.capture.recorder.RecordedTensorModifiedError`) is run once more,

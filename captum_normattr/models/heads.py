@@ -30,7 +30,7 @@ from captum_normattr.arch.registry import ARCHITECTURES, lookup
 from captum_normattr.arch.spec import ClassifierHead, ImageClassifierHead, Norm
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, base_model, get_path, linear_params, unwrap_model
-from captum_normattr.models.capture.recorder import norm_params
+from captum_normattr.models.capture.record import norm_params
 
 __all__ = [
     "HeadParams",

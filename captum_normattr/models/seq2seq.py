@@ -12,7 +12,7 @@ block ALTI+ needs (``docs/seq2seq.md``):
   norm's input u_i and parameters; pre-LN: the raw residual stream after the block).
 
 The probabilities and values come from the package's recording attention function
-(:mod:`captum_normattr.models.capture.recorder`; registered in transformers' ``AttentionInterface``),
+(:mod:`captum_normattr.models.capture.attention`; registered in transformers' ``AttentionInterface``),
 the rest from forward hooks. The recording is streamed, as the decoder-only and encoder
 recorder's: as soon as a block's last tensor is recorded (on a forward hook, while the model
 runs on), its :class:`BlockTensors` are handed to the caller's ``on_block`` callback and
@@ -35,7 +35,9 @@ from captum_normattr.arch.spec import ArchitectureSpec, Layer
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.records import NormParams
 from captum_normattr.models.adapters import UnsupportedModelError, get_path, linear_params
-from captum_normattr.models.capture.recorder import AttentionRecords, norm_params, recorder_session
+from captum_normattr.models.capture.record import norm_params
+from captum_normattr.models.capture.recorder import AttentionRecords
+from captum_normattr.models.capture.session import recorder_session
 
 __all__ = [
     "BLOCKS",
@@ -252,7 +254,7 @@ def _first(x):
 class Seq2SeqRecorder(AttentionRecords):
     r"""Records the attention blocks of one encoder-decoder forward pass, block by block.
 
-    It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture.recorder`,
+    It is pushed on the calling thread's recorder stack of :mod:`captum_normattr.models.capture.attention`,
     whose recording attention function calls :meth:`watches` and :meth:`record_attention`.
     As soon as a block has recorded everything it needs (its last tensor comes from a forward
     hook, or the recording attention), the record becomes a :class:`BlockTensors`, is handed

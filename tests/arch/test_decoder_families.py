@@ -23,7 +23,7 @@ from captum_normattr import (
 from captum_normattr.arch import ARCHITECTURES, Norm
 from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.models.adapters import get_adapter, max_positions
-from captum_normattr.models.capture.recorder import recording
+from captum_normattr.models.capture.session import recording
 from decoder_models import decoder_batch
 from zoo import real_next_token_logits
 from registry_state import described_as

@@ -26,7 +26,7 @@ from captum_normattr import (
     UnsupportedModelError,
 )
 from captum_normattr.models.adapters import get_adapter
-from captum_normattr.models.capture.recorder import recording
+from captum_normattr.models.capture.session import recording
 from decoder_models import decoder_batch
 from zoo import build
 

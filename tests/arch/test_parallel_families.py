@@ -35,7 +35,9 @@ from captum_normattr import (
 )
 from captum_normattr.arch import ARCHITECTURES, ValueProjection, register_architecture
 from captum_normattr.attr.explained_output import ExplainedOutputMismatchError
+from captum_normattr.models.capture import attention as capture_attention
 from captum_normattr.models.capture import recorder as capture
+from captum_normattr.models.capture.session import recording
 from captum_normattr.models.adapters import get_adapter
 from decoder_models import decoder_batch
 from registry_state import restored_registry
@@ -232,10 +234,10 @@ def test_falcon_in_place_add_is_recorded_as_a_copy(fresh_clone_keys):
         layer.self_attention.dense.register_forward_hook(keep(attn_real, l))
     with torch.no_grad():
         with pytest.raises(capture.RecordedTensorModifiedError, match="ff_out"):  # the FF output changed after recording
-            with capture.recording(model, get_adapter(model), recorded.append, torch.float64):
+            with recording(model, get_adapter(model), recorded.append, torch.float64):
                 base(input_ids=ids, attention_mask=mask)
         assert capture._CLONE_KEYS[type(base.h[0])] == frozenset({"ff_out"})
-        with capture.recording(model, get_adapter(model), recorded.append, torch.float64):
+        with recording(model, get_adapter(model), recorded.append, torch.float64):
             base(input_ids=ids, attention_mask=mask)
     for layer in recorded:  # the FF's own output, not FF + attention
         torch.testing.assert_close(layer.ff_out, ff_real[layer.index], rtol=0, atol=0)
@@ -319,7 +321,7 @@ def test_falcon_alibi_mask_with_one_row_per_head_in_head_chunks(monkeypatch):
     ids, mask = decoder_batch([6, 4], seed=10)
     expect = _real_logits(model, ids, mask)[:, 6]
     whole = ALTILogitAttribution(model, strict=True).decompose(ids, target=6, additional_forward_args=(mask,))
-    monkeypatch.setattr(capture, "SCORE_CHUNK_BYTES", 1)  # one head per chunk
+    monkeypatch.setattr(capture_attention, "SCORE_CHUNK_BYTES", 1)  # one head per chunk
     chunked = ALTILogitAttribution(model, strict=True).decompose(ids, target=6, additional_forward_args=(mask,))
     assert _rel(chunked.scores.sum(-1) + chunked.no_token_total, expect) < 1e-10
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=0, atol=1e-12 * float(whole.scores.abs().max()))

@@ -229,7 +229,7 @@ def test_recording_keeps_the_outputs_and_the_model_is_unchanged_also_after_error
         with recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64):  # eager recording attention
             inside = model(**kw).logits
     assert torch.allclose(inside, before, atol=1e-12, rtol=0)  # T5's relative position bias included
-    import captum_normattr.models.capture.recorder as capture
+    import captum_normattr.models.capture.attention as capture
 
     monkeypatch.setattr(capture, "SCORE_CHUNK_BYTES", 1)  # one head per chunk: the bias is sliced per head
     with torch.no_grad(), recording_seq2seq(model, get_seq2seq_adapter(model), torch.float64):

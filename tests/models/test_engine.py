@@ -17,6 +17,7 @@ from captum_normattr import (
 from captum_normattr.decompose.kinds.post_ln import post_ln_layer_maps
 from captum_normattr.decompose.primitives.mixing import row_normalize
 from captum_normattr.decompose.primitives.rollout import rollout_rows
+from captum_normattr.models.capture import attention
 from captum_normattr.models.capture import recorder as capture
 from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
@@ -186,7 +187,7 @@ def test_flags_and_implementation_restored_after_error_inside_a_layer():
         attr.attribute(ids, additional_forward_args=(mask,))
     assert _flags(model) == before
     assert model.config._attn_implementation == "sdpa"
-    assert not capture._SWITCHED and not capture._FLAGS
+    assert not attention._SWITCHED and not attention._FLAGS
 
 
 def test_threads_attributing_and_plain_forward_passes():
@@ -227,7 +228,7 @@ def test_threads_attributing_and_plain_forward_passes():
         t.join()
     assert not errors, errors[:5]
     assert model.config._attn_implementation == "sdpa"
-    assert not capture._SWITCHED and not capture._FLAGS
+    assert not attention._SWITCHED and not attention._FLAGS
 
 
 def test_flags_saved_per_module_for_models_sharing_a_submodule():
@@ -271,7 +272,7 @@ def test_flags_saved_per_module_for_models_sharing_a_submodule():
     assert not errors, errors
     assert seen_by_b == [[]], f"modules in training mode during B's call: {seen_by_b}"
     assert (_flags(a), _flags(b)) == before
-    assert not capture._FLAGS and not capture._SESSIONS
+    assert not attention._FLAGS and not attention._SESSIONS
 
 
 def test_hooks_never_seen_half_registered_by_other_threads():
@@ -355,7 +356,7 @@ def test_hooks_never_seen_half_registered_by_other_threads():
     finally:
         sys.setswitchinterval(interval)
     assert not errors, errors[:3]
-    assert not capture._SWITCHED and not capture._FLAGS
+    assert not attention._SWITCHED and not attention._FLAGS
 
 
 def test_reentrant_attribution_gives_a_clear_error():
@@ -367,7 +368,7 @@ def test_reentrant_attribution_gives_a_clear_error():
     with pytest.raises(RuntimeError, match="while one of its own recorded forward passes is running"):
         GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
     handle.remove()
-    assert not capture._SWITCHED and not capture._FLAGS
+    assert not attention._SWITCHED and not attention._FLAGS
     GlobEncAttribution(model).attribute(ids, additional_forward_args=(mask,))
 
 

@@ -18,7 +18,7 @@ from captum_normattr import ALTILogitAttribution, DecompXAttribution, FFIntegrat
 from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.decompose.kinds.pre_ln import output_bias, pre_ln_ff_parts, residual_parts
 from captum_normattr.models.adapters import get_adapter
-from captum_normattr.models.capture.recorder import recording
+from captum_normattr.models.capture.session import recording
 from decoder_models import decoder_batch
 from zoo_moe import build_moe
 

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from captum_normattr import ALTIAttribution, DecompXAttribution, FFIntegratedDecomposition, GlobEncAttribution
 from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.models.capture import recorder as capture
+from captum_normattr.models.capture.session import recording
 from captum_normattr.models.adapters import get_adapter
 from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
@@ -175,11 +176,11 @@ def test_recorded_tensor_changed_in_place_is_recorded_as_a_copy(monkeypatch):
     with torch.no_grad():
         # the raw recording meets the in-place change at hand-over and refuses the changed tensor
         with pytest.raises(capture.RecordedTensorModifiedError, match="ff_out"):
-            with capture.recording(model, get_adapter(model), recorded.append, torch.float64):
+            with recording(model, get_adapter(model), recorded.append, torch.float64):
                 model.bert(input_ids=ids, attention_mask=mask)
         assert capture._CLONE_KEYS[type(layer)] == frozenset({"ff_out"})
         seen.clear()
-        with capture.recording(model, get_adapter(model), recorded.append, torch.float64):
+        with recording(model, get_adapter(model), recorded.append, torch.float64):
             model.bert(input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(recorded[0].ff_out, seen[0], rtol=0, atol=0)
     # attributions retry by themselves; the doubled FF output then shows at the residual join

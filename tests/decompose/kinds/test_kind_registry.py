@@ -52,7 +52,8 @@ def test_capture_recipes():
 
 
 def test_nothing_outside_the_kinds_branches_on_the_topology():
-    for rel in ("models/capture/recorder.py", "models/seq2seq.py", "decompose/methods/decompx/propagation.py",
+    for rel in ("models/capture/recorder.py", "models/capture/record.py", "models/capture/attention.py",
+                "models/capture/session.py", "models/seq2seq.py", "decompose/methods/decompx/propagation.py",
                 "decompose/methods/decompx/adjoint.py"):
         text = (PACKAGE / rel).read_text(encoding="utf-8")
         assert not re.search(r"\.pre_ln\b(?![._])", text) and "topology ==" not in text and '"sandwich"' not in text, rel

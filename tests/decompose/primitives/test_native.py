@@ -128,7 +128,7 @@ def test_native_switch_off(monkeypatch):
 
 # --- the recording attention's reused buffers ------------------------------------------------
 def test_probability_buffers_reuse_only_free_memory():
-    from captum_normattr.models.capture.recorder import ProbabilityBuffers
+    from captum_normattr.models.capture.attention import ProbabilityBuffers
 
     pool = ProbabilityBuffers()
     with torch.no_grad():
@@ -159,7 +159,7 @@ def test_probability_buffers_reuse_only_free_memory():
 def test_kept_layer_probabilities_are_never_overwritten(monkeypatch):
     r"""A caller that keeps every layer's probabilities (tests/layer_capture.py) gets each layer's own,
     equal to the model's eager attention weights, while a streaming consumer gets one reused buffer."""
-    from captum_normattr.models.capture import recorder as capture
+    from captum_normattr.models.capture import attention as capture
     from decoder_models import decoder_batch, make_decoder
     from layer_capture import capture_layers
 
@@ -208,7 +208,7 @@ def test_kept_layer_probabilities_are_never_overwritten(monkeypatch):
 
 # --- DecompX's checkpoint pass: the model's own attention, no probabilities ------------------
 def test_plain_causal_mask_detection():
-    from captum_normattr.models.capture.recorder import _plain_causal
+    from captum_normattr.models.capture.attention import _plain_causal
 
     t = 6
     neg = torch.finfo(torch.float64).min
@@ -239,7 +239,7 @@ def test_decompx_checkpoint_pass_runs_the_models_attention(family, left, monkeyp
     the scores equal those of a first pass that records them, to 1e-12 (float64, padded batches)."""
     import captum_normattr as cn
     from captum_normattr.models import engine
-    from captum_normattr.models.capture import recorder as capture
+    from captum_normattr.models.capture import attention as capture
     from decoder_models import decoder_batch, make_decoder
 
     model = make_decoder(family)

@@ -183,7 +183,7 @@ def test_attention_in_blocks_of_one_example_equals_each_example_alone(monkeypatc
     r"""The recording attention's example blocks (masks and T5's position bias sliced per block):
     padded batches decomposed one example per block equal each example decomposed alone."""
     from captum_normattr import ALTIAttribution, ALTIPlusAttribution
-    from captum_normattr.models.capture import recorder as capture
+    from captum_normattr.models.capture import attention as capture
     from seq2seq_models import PAD, pair
     from seq2seq_models import make_model as model_for
 

@@ -102,7 +102,7 @@ def _causal_mask(lengths, t, left):
 
 @pytest.mark.parametrize("case", ["right_pad", "bool", "left_pad", "not_causal", "position_bias"])
 def test_causal_row_blocks_equal_the_full_square(case, monkeypatch):
-    from captum_normattr.models.capture import recorder as capture
+    from captum_normattr.models.capture import attention as capture
 
     monkeypatch.setattr(capture, "_MIN_BLOCK_ROWS", 2)
     gen = torch.Generator().manual_seed(3)
@@ -130,7 +130,8 @@ def test_causal_row_blocks_equal_the_full_square(case, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_causal_row_blocks_in_the_decomposition(family, monkeypatch):
     import captum_normattr as cn
-    from captum_normattr.models.capture import recorder as capture
+    from captum_normattr.models.capture import attention as capture
+    from captum_normattr.models.capture.session import recording
     from captum_normattr.models.adapters import get_adapter
     from decoder_models import decoder_batch, make_decoder
 
@@ -146,7 +147,7 @@ def test_causal_row_blocks_in_the_decomposition(family, monkeypatch):
     blocked = {n: m.decompose(ids, additional_forward_args=(mask,)) for n, m in methods.items()}
     assert calls and all(c is not None for c in calls)  # the blocks ran in every layer
     seen = {}
-    with capture.recording(model, get_adapter(model), lambda layer: seen.setdefault("n", 0)):
+    with recording(model, get_adapter(model), lambda layer: seen.setdefault("n", 0)):
         with torch.no_grad():
             recorded = model(input_ids=ids, attention_mask=mask).last_hidden_state
     valid = mask.bool()
