@@ -121,7 +121,10 @@ class ConsistencyGuard:
             "attention inputs or outputs, or a norm or layer that the architecture description does not match, makes "
             "the scores a decomposition of another computation. Remove the hook (or describe the architecture "
             "correctly); see docs/reliability.md, 'Consistency guards'."
-        )
+        ) + (" A layer rerun from its saved input gave another output than in the recorded pass: a hook that acts on "
+             "one pass only, a nondeterministic layer, or an attention implementation that computes differently from "
+             "the recording's eager attention (load the model with attn_implementation='sdpa' or 'eager'); "
+             "docs/reliability.md, 'Checked reruns'." if any(RERUN_CHECK in f for f in failures) else "")
 
     def finish(self, stacklevel: int = 4) -> None:
         r"""Warn once for the call if any layer failed (strict guards raised already)."""

@@ -111,3 +111,28 @@ def test_routes_reruns_are_checked(monkeypatch):
     _perturbed_reruns(monkeypatch, 1 + 1e-4)
     with pytest.warns(ConsistencyWarning, match=RERUN_CHECK.split(" vs")[0]):
         InformationFlowRoutes(model).attribute(ids, attention_mask=mask, threshold=0.0)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_eager_nan_of_the_model_is_told(pooling):
+    from captum_normattr.models.capture.attention import ModelAttentionWarning
+    from zoo_encoders import build_modernbert
+
+    ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 3:], ids[1, 3:] = 0, 0  # example 1: 9 pads, most outside every real token's sliding window
+    eager = build_modernbert(attn_implementation="eager", classifier_pooling=pooling)
+    sdpa = build_modernbert(attn_implementation="sdpa", classifier_pooling=pooling)
+    with torch.no_grad():
+        own = eager(input_ids=ids, attention_mask=mask).logits
+        finite = sdpa(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(own[0]).all() and not torch.isfinite(own[1]).all()  # the model's own eager forward: NaN
+    with pytest.warns(ModelAttentionWarning, match=r"'eager', ModernBertAttention\) gives NaN for example\(s\) \[1\]"):
+        res = DecompXAttribution(eager).decompose(ids, additional_forward_args=(mask,))
+    # the package's numbers are the finite (sdpa) computation
+    assert torch.allclose(res.logits, finite, rtol=0, atol=1e-9 * float(finite.abs().max()))
+    # float32 eager and sdpa models are not NaN: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelAttentionWarning)
+        DecompXAttribution(sdpa).decompose(ids, additional_forward_args=(mask,))
+        DecompXAttribution(eager.float()).decompose(ids, additional_forward_args=(mask,))
