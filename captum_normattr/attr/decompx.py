@@ -49,9 +49,81 @@ from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
 
-__all__ = ["ALGORITHMS", "DecompXAttribution", "DecompXResult"]
+__all__ = ["ALGORITHMS", "DECOMPX_COST_MODEL", "DecompXAttribution", "DecompXResult", "choose_decompx_algorithm",
+           "decompx_cost"]
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
+
+#: DecompX's measured cost for n explained next-token logits of one T-token sequence, in forward passes of
+#: the model on the same tokens: per measured T, (T, a_adjoint, b_adjoint, a_forward, b_forward) with
+#: cost = a + b n (``benchmarks/speed/decompx_cost_model.py``, results in
+#: ``benchmarks/results/decompx_cost_model.json``; docs/llm.md, "Cost"). Between the measured T the
+#: coefficients are interpolated linearly; beyond the largest T the forward propagation's a grows
+#: with T (it carries T parts per token: its cost per forward pass grows like T) and the others stay.
+DECOMPX_COST_MODEL: Tuple[Tuple[int, float, float, float, float], ...] = (
+    (32, 5.07, 0.069, 11.6, 0.0),
+    (128, 4.94, 0.44, 71.3, 0.053),
+    (512, 4.4, 1.0, 330.0, 0.0),
+)
+
+
+def decompx_cost(algorithm: str, n_targets: int, seq_len: int) -> float:
+    r"""DecompX's cost model: forward passes for ``n_targets`` explained logits at prompt length ``seq_len``.
+
+    Args:
+        algorithm: ``"adjoint"`` or ``"forward"``.
+        n_targets: n, the explained logits (positions) of one sequence.
+        seq_len: T, its tokens.
+
+    Returns:
+        a + b n in forward passes of the model on the T tokens (:data:`DECOMPX_COST_MODEL`).
+
+    Examples:
+        >>> round(decompx_cost("adjoint", 1, 128), 1), round(decompx_cost("forward", 1, 128), 1)
+        (5.4, 71.4)
+    """
+    if algorithm not in ("adjoint", "forward"):
+        raise ValueError(f"algorithm must be 'adjoint' or 'forward', got {algorithm!r}")
+    n, t = int(n_targets), int(seq_len)
+    table = DECOMPX_COST_MODEL
+    if t <= table[0][0]:
+        row = table[0][1:]
+    elif t >= table[-1][0]:
+        last = table[-1]
+        row = (last[1], last[2], last[3] * t / last[0], last[4])
+    else:
+        i = next(k for k in range(1, len(table)) if t <= table[k][0])
+        lo, hi = table[i - 1], table[i]
+        w = (t - lo[0]) / (hi[0] - lo[0])
+        row = tuple((1 - w) * x + w * y for x, y in zip(lo[1:], hi[1:]))
+    a, b = row[:2] if algorithm == "adjoint" else row[2:]
+    return a + b * n
+
+
+def choose_decompx_algorithm(n_targets: int, seq_len: int) -> str:
+    r"""The cheaper DecompX algorithm for ``n_targets`` explained logits of one ``seq_len``-token sequence.
+
+    The adjoint costs a few forward passes plus about one vector-Jacobian product per explained
+    logit; the forward propagation carries T parts per token, so its cost grows with T but
+    hardly with n (:func:`decompx_cost`). Both give the same scores (to rounding). The LLM API
+    (:class:`~captum_normattr.attr.llm.DecompositionLLMAttribution`, ``captum-normattr generate``)
+    calls this when the method was built with ``algorithm="auto"`` (the default).
+
+    Args:
+        n_targets: n >= 1.
+        seq_len: T >= 1.
+
+    Returns:
+        ``"adjoint"`` or ``"forward"``.
+
+    Examples:
+        >>> choose_decompx_algorithm(32, 512), choose_decompx_algorithm(480, 512)
+        ('adjoint', 'forward')
+    """
+    if int(n_targets) < 1 or int(seq_len) < 1:
+        raise ValueError(f"n_targets and seq_len must be >= 1, got {n_targets} and {seq_len}")
+    adjoint, forward = decompx_cost("adjoint", n_targets, seq_len), decompx_cost("forward", n_targets, seq_len)
+    return "forward" if forward < adjoint else "adjoint"
 
 
 def _ordinary_tensors(obj: Any) -> Any:
@@ -163,7 +235,9 @@ class DecompXAttribution(DecompositionAttribution):
     linear in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
     vector-Jacobian product per class (cost a few forward passes). ``"auto"`` (default)
     takes ``"adjoint"`` for ``"separate"`` and ``"forward"`` for the spread modes (whose
-    weights depend on the forward parts).
+    weights depend on the forward parts); for n next-token logits of one sequence
+    (:meth:`explain_positions`, the LLM API) it takes the cheaper of the two for n and T
+    (:func:`choose_decompx_algorithm`; docs/llm.md, "Cost").
 
     Both stream: the layers are decomposed as the forward pass reaches them, so that no
     more than one layer's attention probabilities exist at a time. ``"forward"`` carries
@@ -543,7 +617,10 @@ class DecompXAttribution(DecompositionAttribution):
             dtype = compute_dtype(self.model)
             u, ub = explained_directions(self.output, target, quantity, foil, dtype, prepared.valid.device)
             readout = PositionsReadout(self, prepared, dtype, positions, u.unsqueeze(0), ub.unsqueeze(0))
-            got = self._run(prepared, readout, self._algorithm(False))
+            algorithm = self._algorithm(False)
+            if self.algorithm == "auto" and algorithm == "adjoint":  # the cheaper one for n logits at T (docs/llm.md)
+                algorithm = choose_decompx_algorithm(int(positions.numel()), int(prepared.shape[1]))
+            got = self._run(prepared, readout, algorithm)
             log_probs = position_log_probs(self.output, got.pop("final_out"), target)
         scores = got.pop("scores")
         if warn_non_finite(prepared):

@@ -45,7 +45,7 @@ from captum_normattr.models.adapters import (
 )
 from captum_normattr.models.capture.session import eval_mode
 from captum_normattr.models.engine import mark_non_finite
-from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
+from captum_normattr.models.guard import GROSS_RELATIVE, ConsistencyError, ConsistencyWarning
 from captum_normattr.options import check_explained_position, check_memory_budget
 from captum_normattr.result import DecompositionResult
 
@@ -532,6 +532,9 @@ class ValueZeroingAttribution(DecompositionAttribution):
                "another computation")
         if self.strict:
             raise ConsistencyError(msg)
+        if float(worst.max()) > GROSS_RELATIVE:  # as the consistency guard: no rounding explains it
+            raise ConsistencyError(msg + f"; differences above {GROSS_RELATIVE:g} are refused even without strict=True "
+                                   "(docs/reliability.md, 'Checked reruns')")
         warnings.warn(msg, ConsistencyWarning, stacklevel=4)
 
     def attribution_and_delta(self, inputs, target, additional_forward_args, **options):

@@ -136,3 +136,22 @@ def test_modernbert_eager_nan_of_the_model_is_told(pooling):
         warnings.simplefilter("error", ModelAttentionWarning)
         DecompXAttribution(sdpa).decompose(ids, additional_forward_args=(mask,))
         DecompXAttribution(eager.float()).decompose(ids, additional_forward_args=(mask,))
+
+
+def test_value_zeroing_refuses_a_grossly_different_rerun_without_strict():
+    from captum_normattr import ValueZeroingAttribution
+
+    model = make_decoder("llama")
+    ids, mask = decoder_batch([6], seed=2)
+    calls = [0]
+
+    def drift(module, args, output):  # every call of the layer adds another offset: the reruns compute something else
+        calls[0] += 1
+        return (output[0] + calls[0],) + tuple(output[1:]) if isinstance(output, tuple) else output + calls[0]
+
+    h = model.model.layers[0].register_forward_hook(drift)
+    try:
+        with pytest.raises(ConsistencyError, match="refused even without strict"):
+            ValueZeroingAttribution(model).decompose(ids, additional_forward_args=(mask,))
+    finally:
+        h.remove()
