@@ -61,9 +61,10 @@ ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 #: coefficients are interpolated linearly; beyond the largest T the forward propagation's a grows
 #: with T (it carries T parts per token: its cost per forward pass grows like T) and the others stay.
 DECOMPX_COST_MODEL: Tuple[Tuple[int, float, float, float, float], ...] = (
-    (32, 5.07, 0.069, 11.6, 0.0),
-    (128, 4.94, 0.44, 71.3, 0.053),
-    (512, 4.4, 1.0, 330.0, 0.0),
+    (16, 8.05, 0.077, 8.68, 0.0),
+    (32, 7.99, 0.397, 17.39, 0.135),
+    (128, 3.54, 0.329, 50.02, 0.158),
+    (512, 6.28, 0.685, 425.94, 0.0),
 )
 
 
@@ -80,7 +81,7 @@ def decompx_cost(algorithm: str, n_targets: int, seq_len: int) -> float:
 
     Examples:
         >>> round(decompx_cost("adjoint", 1, 128), 1), round(decompx_cost("forward", 1, 128), 1)
-        (5.4, 71.4)
+        (3.9, 50.2)
     """
     if algorithm not in ("adjoint", "forward"):
         raise ValueError(f"algorithm must be 'adjoint' or 'forward', got {algorithm!r}")
@@ -117,7 +118,7 @@ def choose_decompx_algorithm(n_targets: int, seq_len: int) -> str:
         ``"adjoint"`` or ``"forward"``.
 
     Examples:
-        >>> choose_decompx_algorithm(32, 512), choose_decompx_algorithm(480, 512)
+        >>> choose_decompx_algorithm(32, 512), choose_decompx_algorithm(64, 32)
         ('adjoint', 'forward')
     """
     if int(n_targets) < 1 or int(seq_len) < 1:

@@ -37,6 +37,8 @@ def test_chooser_picks_the_cheaper_and_switches_once_in_n():
         if "forward" in picks:
             first = picks.index("forward")
             assert set(picks[first:]) == {"forward"}
+    # the forward propagation is chosen where the table says it is cheaper (many targets on a short sequence)
+    assert dx.choose_decompx_algorithm(64, 32) == "forward"
     with pytest.raises(ValueError):
         dx.choose_decompx_algorithm(0, 10)
 
