@@ -370,7 +370,10 @@ class LayerDecompositionAttribution(DecompositionAttribution):
             inputs: token ids (B, T) (or word embeddings (B, T, D)), or a 1-tuple.
             target: None: the maps are class-agnostic (any other value raises a ValueError,
                 an attention mask passed here too: give it as ``additional_forward_args=``).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+            additional_forward_args: attention_mask (B, T), or the model inputs by name,
+                ``{"attention_mask": ..., "token_type_ids": ..., "position_ids": ...}``
+                (``(attention_mask, token_type_ids)`` positionally for BERT-like encoders only;
+                docs/reliability.md, "Position ids and every other model input by name").
             return_layer_maps: keep the (B, L, T, T) layer maps (and, for the FF
                 decomposition, every scope's maps) in the result.
             return_rollout: also form the full (B, T, T) rollout, O(L T^3); without it only

@@ -49,9 +49,82 @@ from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
 
-__all__ = ["ALGORITHMS", "DecompXAttribution", "DecompXResult"]
+__all__ = ["ALGORITHMS", "DECOMPX_COST_MODEL", "DecompXAttribution", "DecompXResult", "choose_decompx_algorithm",
+           "decompx_cost"]
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
+
+#: DecompX's measured cost for n explained next-token logits of one T-token sequence, in forward passes of
+#: the model on the same tokens: per measured T, (T, a_adjoint, b_adjoint, a_forward, b_forward) with
+#: cost = a + b n (``benchmarks/speed/decompx_cost_model.py``, results in
+#: ``benchmarks/results/decompx_cost_model.json``; docs/llm.md, "Cost"). Between the measured T the
+#: coefficients are interpolated linearly; beyond the largest T the forward propagation's a grows
+#: with T (it carries T parts per token: its cost per forward pass grows like T) and the others stay.
+DECOMPX_COST_MODEL: Tuple[Tuple[int, float, float, float, float], ...] = (
+    (16, 8.05, 0.077, 8.68, 0.0),
+    (32, 7.99, 0.397, 17.39, 0.135),
+    (128, 3.54, 0.329, 50.02, 0.158),
+    (512, 6.28, 0.685, 425.94, 0.0),
+)
+
+
+def decompx_cost(algorithm: str, n_targets: int, seq_len: int) -> float:
+    r"""DecompX's cost model: forward passes for ``n_targets`` explained logits at prompt length ``seq_len``.
+
+    Args:
+        algorithm: ``"adjoint"`` or ``"forward"``.
+        n_targets: n, the explained logits (positions) of one sequence.
+        seq_len: T, its tokens.
+
+    Returns:
+        a + b n in forward passes of the model on the T tokens (:data:`DECOMPX_COST_MODEL`).
+
+    Examples:
+        >>> round(decompx_cost("adjoint", 1, 128), 1), round(decompx_cost("forward", 1, 128), 1)
+        (3.9, 50.2)
+    """
+    if algorithm not in ("adjoint", "forward"):
+        raise ValueError(f"algorithm must be 'adjoint' or 'forward', got {algorithm!r}")
+    n, t = int(n_targets), int(seq_len)
+    table = DECOMPX_COST_MODEL
+    if t <= table[0][0]:
+        row = table[0][1:]
+    elif t >= table[-1][0]:
+        last = table[-1]
+        row = (last[1], last[2], last[3] * t / last[0], last[4])
+    else:
+        i = next(k for k in range(1, len(table)) if t <= table[k][0])
+        lo, hi = table[i - 1], table[i]
+        w = (t - lo[0]) / (hi[0] - lo[0])
+        row = tuple((1 - w) * x + w * y for x, y in zip(lo[1:], hi[1:]))
+    a, b = row[:2] if algorithm == "adjoint" else row[2:]
+    return a + b * n
+
+
+def choose_decompx_algorithm(n_targets: int, seq_len: int) -> str:
+    r"""The cheaper DecompX algorithm for ``n_targets`` explained logits of one ``seq_len``-token sequence.
+
+    The adjoint costs a few forward passes plus about one vector-Jacobian product per explained
+    logit; the forward propagation carries T parts per token, so its cost grows with T but
+    hardly with n (:func:`decompx_cost`). Both give the same scores (to rounding). The LLM API
+    (:class:`~captum_normattr.attr.llm.DecompositionLLMAttribution`, ``captum-normattr generate``)
+    calls this when the method was built with ``algorithm="auto"`` (the default).
+
+    Args:
+        n_targets: n >= 1.
+        seq_len: T >= 1.
+
+    Returns:
+        ``"adjoint"`` or ``"forward"``.
+
+    Examples:
+        >>> choose_decompx_algorithm(32, 512), choose_decompx_algorithm(64, 32)
+        ('adjoint', 'forward')
+    """
+    if int(n_targets) < 1 or int(seq_len) < 1:
+        raise ValueError(f"n_targets and seq_len must be >= 1, got {n_targets} and {seq_len}")
+    adjoint, forward = decompx_cost("adjoint", n_targets, seq_len), decompx_cost("forward", n_targets, seq_len)
+    return "forward" if forward < adjoint else "adjoint"
 
 
 def _ordinary_tensors(obj: Any) -> Any:
@@ -163,7 +236,9 @@ class DecompXAttribution(DecompositionAttribution):
     linear in the embedding output: token k's score is <dF_c/dx_k, e_k>, one
     vector-Jacobian product per class (cost a few forward passes). ``"auto"`` (default)
     takes ``"adjoint"`` for ``"separate"`` and ``"forward"`` for the spread modes (whose
-    weights depend on the forward parts).
+    weights depend on the forward parts); for n next-token logits of one sequence
+    (:meth:`explain_positions`, the LLM API) it takes the cheaper of the two for n and T
+    (:func:`choose_decompx_algorithm`; docs/llm.md, "Cost").
 
     Both stream: the layers are decomposed as the forward pass reaches them, so that no
     more than one layer's attention probabilities exist at a time. ``"forward"`` carries
@@ -327,17 +402,23 @@ class DecompXAttribution(DecompositionAttribution):
         return FrozenLayer(layer, *self._value_param(layer), coefs, None if vf is None else vf > 0)
 
     def _rerun(
-        self, rec: Recorder, quad: Optional[Dict[int, Tensor]] = None, vf: Optional[Tensor] = None
+        self, rec: Recorder, quad: Optional[Dict[int, Tensor]] = None, vf: Optional[Tensor] = None,
+        adj: Optional[AdjointPass] = None, guard: Optional[ConsistencyGuard] = None,
     ) -> Callable[[int, Tensor], FrozenLayer]:
         r"""``(l, checkpoint) -> FrozenLayer``: layer l recomputed from its input, for the adjoint's walk.
 
         A gated FF's pre-activations computed by the rerun are kept (:meth:`_tap_preactivations`)
-        and reused for its coefficients instead of being computed a second time.
+        and reused for its coefficients instead of being computed a second time. With ``adj`` and
+        ``guard``, every rerun is checked against the layer's output in the recorded pass
+        (:meth:`~captum_normattr.models.guard.ConsistencyGuard.check_rerun`).
         """
 
         def frozen_at(l: int, x: Tensor) -> FrozenLayer:
             with self._tap_preactivations(l) as got:
                 layer = tensors_to(rec.rerun_layer(l, x), x.device)  # x: on the inputs' device
+            real = adj.real_output(l) if adj is not None else None
+            if guard is not None and real is not None:
+                guard.check_rerun(layer, real)
             return self._frozen(layer, quad, vf, _checked_preactivations(layer, got))
 
         return frozen_at
@@ -392,7 +473,10 @@ class DecompXAttribution(DecompositionAttribution):
                 Captum's output index: ``(c,)`` for a classifier; the old ``(target, foil)``
                 form raises a ValueError pointing to ``foil``, an attention mask passed here one
                 pointing to ``additional_forward_args=``.
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+            additional_forward_args: attention_mask (B, T), or the model inputs by name,
+                ``{"attention_mask": ..., "token_type_ids": ..., "position_ids": ...}``
+                (``(attention_mask, token_type_ids)`` positionally for BERT-like encoders only;
+                docs/reliability.md, "Position ids and every other model input by name").
             layer_parts: run the ``"forward"`` algorithm whatever ``algorithm`` says, so that
                 the per-layer part norms and completeness errors are filled in.
             foil: decoders: token id(s) (one, or one per example) whose logit is subtracted:
@@ -458,19 +542,20 @@ class DecompXAttribution(DecompositionAttribution):
                 step = self._frozen(layer, quad, vf)
                 prop.step(layer, step.value_weight, step.value_bias, step.coefs)
             else:
-                adj.forward(layer.hidden_in)  # the checkpoint; the layer is rerun later
+                # the checkpoint (the layer is rerun later); the last layer's output, for checking its rerun
+                adj.forward(layer.hidden_in, layer_output=layer.layer_out if layer.index == n - 1 else None)
             readout.keep(layer, layer.index == n - 1)
 
         run = readout.forward_inputs()
         # the adjoint keeps only each layer's input (its checkpoint) from this pass and reruns the layers on the way
         # down: no probabilities here, the model's own (sdpa) attention runs (docs/performance.md, "Long prompts")
+        guard = ConsistencyGuard(self.get_name(), self.strict)
         with streamed_forward(self.model, self.adapter, run, on_layer, top_model=readout.top_model,
-                              keep_calls=adj is not None, guard=ConsistencyGuard(self.get_name(), self.strict),
-                              probabilities=adj is None) as (rec, model_out):
+                              keep_calls=adj is not None, guard=guard, probabilities=adj is None) as (rec, model_out):
             prepared.finite = run.finite
             readout.read(rec, model_out)
-            if adj is not None:
-                readout.adjoint(adj, self._rerun(rec, quad, vf))
+            if adj is not None:  # every rerun checked against the recorded pass (docs/reliability.md, "Checked reruns")
+                readout.adjoint(adj, self._rerun(rec, quad, vf, adj, guard))
         with torch.no_grad():
             res = None
             if prop is not None:
@@ -533,7 +618,10 @@ class DecompXAttribution(DecompositionAttribution):
             dtype = compute_dtype(self.model)
             u, ub = explained_directions(self.output, target, quantity, foil, dtype, prepared.valid.device)
             readout = PositionsReadout(self, prepared, dtype, positions, u.unsqueeze(0), ub.unsqueeze(0))
-            got = self._run(prepared, readout, self._algorithm(False))
+            algorithm = self._algorithm(False)
+            if self.algorithm == "auto" and algorithm == "adjoint":  # the cheaper one for n logits at T (docs/llm.md)
+                algorithm = choose_decompx_algorithm(int(positions.numel()), int(prepared.shape[1]))
+            got = self._run(prepared, readout, algorithm)
             log_probs = position_log_probs(self.output, got.pop("final_out"), target)
         scores = got.pop("scores")
         if warn_non_finite(prepared):

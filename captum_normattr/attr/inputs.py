@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -15,36 +16,140 @@ from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
 __all__ = [
+    "FORWARD_KEYWORDS",
     "check_target_is_not_forward_args",
     "explained_positions",
     "has_gaps",
     "is_integer",
+    "positional_token_types",
     "prepare_inputs",
+    "split_forward_args",
     "warn_if_padded",
 ]
 
 
-def _split_extras(additional_forward_args: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    if additional_forward_args is None:
-        return None, None
-    if isinstance(additional_forward_args, Tensor):
-        return additional_forward_args, None
-    if isinstance(additional_forward_args, (tuple, list)):
-        extras = list(additional_forward_args)
-        if len(extras) > 2:
-            raise ValueError(
-                "additional_forward_args must be attention_mask or (attention_mask,) or "
-                f"(attention_mask, token_type_ids); got a sequence of {len(extras)} items"
-            )
-        extras += [None] * (2 - len(extras))
-        for e in extras:
+#: The keyword form of ``additional_forward_args``: the model inputs it may name.
+FORWARD_KEYWORDS: Tuple[str, ...] = ("attention_mask", "token_type_ids", "position_ids")
+
+_KEYWORD_FORM = (
+    "pass the model's inputs by name instead: additional_forward_args={'attention_mask': mask, "
+    "'token_type_ids': types, 'position_ids': positions} (any of them; a tokenizer's output works too)"
+)
+
+
+def positional_token_types(model: nn.Module, adapter: ArchitectureSpec) -> bool:
+    r"""Whether the positional form ``(attention_mask, token_type_ids)`` cannot be misread for this model.
+
+    True for a bidirectional text encoder with a token-type embedding (``config.type_vocab_size``,
+    BERT-like: its forward's third argument is ``token_type_ids``). A causal LM is refused: the
+    natural guess ``(mask, position_ids)`` would be read as token types (GPT-2 embeds token
+    types with its word embeddings), so its extras must be given by name.
+    """
+    config = model.config
+    return (not adapter.causal and adapter.inputs.token_types == "embedding"
+            and int(getattr(config, "type_vocab_size", 0) or 0) > 0)
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    r"""Whether the base model's forward takes the keyword ``name`` (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(base_model(model).forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def split_forward_args(
+    additional_forward_args: Any, model: nn.Module, adapter: ArchitectureSpec, inputs: Optional[Tensor] = None
+) -> Dict[str, Optional[Tensor]]:
+    r"""The model inputs of ``additional_forward_args``, by name: ``attention_mask``, ``token_type_ids``, ``position_ids``.
+
+    Two forms are read. By name (the documented form for everything beyond the mask): a
+    mapping ``{"attention_mask": mask, "token_type_ids": types, "position_ids": positions}``
+    (any subset; a tokenizer's ``BatchEncoding`` works, its ``input_ids`` must then be the
+    ``inputs``). Positionally (Captum's form): the mask ``(B, T)`` or ``(mask,)``, and
+    ``(mask, token_type_ids)`` only for a model where it cannot be misread
+    (:func:`positional_token_types`); every other positional extra is refused with a message
+    naming the keyword form (``(mask, position_ids)`` to GPT-2 used to explain
+    ``model(token_type_ids=positions)``).
+
+    Args:
+        additional_forward_args: what the caller passed.
+        model: the model (its forward's keywords, its config).
+        adapter: its description.
+        inputs: the token ids, to check a mapping's ``input_ids`` against.
+
+    Returns:
+        ``{name: tensor or None}`` for the three names.
+
+    Raises:
+        ValueError / TypeError: naming the keyword form.
+
+    Examples:
+        >>> split_forward_args({"attention_mask": mask, "position_ids": pos}, model, adapter)["position_ids"] is pos
+        True
+    """
+    got: Dict[str, Optional[Tensor]] = {k: None for k in FORWARD_KEYWORDS}
+    extras = additional_forward_args
+    if isinstance(extras, (tuple, list)) and len(extras) == 1 and isinstance(extras[0], Mapping):
+        extras = extras[0]  # a mapping wrapped by Captum (a 1-tuple)
+    if extras is None:
+        return got
+    if isinstance(extras, Tensor):
+        got["attention_mask"] = extras
+        return got
+    if isinstance(extras, Mapping):
+        unknown = sorted(str(k) for k in extras if k not in FORWARD_KEYWORDS and k != "input_ids")
+        if unknown:
+            raise ValueError(f"additional_forward_args names {unknown}; the model inputs it may name are "
+                             f"{list(FORWARD_KEYWORDS)} (the token ids are the inputs)")
+        ids = extras.get("input_ids")
+        if ids is not None and not (inputs is not None and isinstance(ids, Tensor) and tuple(ids.shape) == tuple(
+                inputs.shape) and bool((ids.to(inputs.device) == inputs).all())):
+            raise ValueError("additional_forward_args['input_ids'] is not the inputs: pass the token ids as inputs and "
+                             "the other model inputs by name")
+        for k in FORWARD_KEYWORDS:
+            v = extras.get(k)
+            if v is not None and not isinstance(v, Tensor):
+                raise TypeError(f"additional_forward_args['{k}'] must be a tensor or None, got {type(v).__name__}")
+            got[k] = v
+        for k in ("token_type_ids", "position_ids"):
+            if got[k] is not None and not _takes(model, k):
+                raise ValueError(f"the {adapter.family} model's forward takes no {k}")
+        return got
+    if isinstance(extras, (tuple, list)):
+        items = list(extras)
+        for e in items:
             if e is not None and not isinstance(e, Tensor):
                 raise TypeError(f"additional_forward_args must hold tensors or None, got {type(e).__name__}")
-        return extras[0], extras[1]
+        if len(items) > 2 or (len(items) == 2 and items[1] is not None and not positional_token_types(model, adapter)):
+            why = ("a second positional item would be read as token_type_ids" if len(items) == 2 else
+                   f"got a sequence of {len(items)} items")
+            raise ValueError(
+                f"additional_forward_args of the {adapter.family} model takes the attention mask as its only positional "
+                f"item ({why}, not position_ids); {_KEYWORD_FORM}"
+            )
+        items += [None] * (2 - len(items))
+        got["attention_mask"], got["token_type_ids"] = items[0], items[1]
+        return got
     raise TypeError(
-        "additional_forward_args must be attention_mask (B, T), or a tuple (attention_mask, token_type_ids); "
-        f"got {type(additional_forward_args).__name__}"
+        "additional_forward_args must be the attention_mask (B, T), a tuple (attention_mask,), or a mapping of model "
+        f"inputs by name; got {type(additional_forward_args).__name__}. {_KEYWORD_FORM[0].upper()}{_KEYWORD_FORM[1:]}"
     )
+
+
+def _check_position_ids(position_ids: Tensor, model: nn.Module, adapter: ArchitectureSpec, shape) -> Tensor:
+    r"""Position ids as long, after checking shape, dtype and range (0 to the model's position limit)."""
+    if tuple(position_ids.shape) != tuple(shape):
+        raise ValueError(f"position_ids must have shape {tuple(shape)} (one per token); got {tuple(position_ids.shape)}")
+    if not is_integer(position_ids):
+        raise TypeError(f"position_ids must be an integer tensor; got dtype {position_ids.dtype}")
+    lo, hi = int(position_ids.min()), int(position_ids.max())
+    limit = max_positions(model, adapter)
+    if lo < 0 or (limit is not None and hi >= limit):
+        top = f"{limit - 1} (the model's position limit)" if limit is not None else "any"
+        raise ValueError(f"position_ids must lie in [0, {top}]; got values in [{lo}, {hi}]")
+    return position_ids.to(dtype=torch.long)
 
 
 def prepare_inputs(
@@ -60,8 +165,10 @@ def prepare_inputs(
         adapter: its adapter.
         inputs: token ids (B, T) of an integer dtype, or input word embeddings (B, T, D)
             of a float dtype; or a 1-tuple holding one of them.
-        additional_forward_args: attention_mask (B, T), or (attention_mask,) or
-            (attention_mask, token_type_ids); None means no padding.
+        additional_forward_args: attention_mask (B, T), or (attention_mask,), or the model
+            inputs by name ``{"attention_mask": ..., "token_type_ids": ..., "position_ids": ...}``
+            (:func:`split_forward_args`; ``(attention_mask, token_type_ids)`` positionally only
+            where it cannot be misread); None means no padding.
 
     Returns:
         :class:`PreparedInputs` on the model's device.
@@ -107,7 +214,8 @@ def prepare_inputs(
     if limit is not None and t > limit:
         raise ValueError(f"input has {t} tokens but the model accepts at most {limit}; truncate it (tokenizer truncation=True)")
 
-    mask, token_types = _split_extras(additional_forward_args)
+    given = split_forward_args(additional_forward_args, model, adapter, ids)
+    mask, token_types, position_ids = given["attention_mask"], given["token_type_ids"], given["position_ids"]
     if mask is None:
         if ids is not None:
             warn_if_padded(ids, config)
@@ -127,12 +235,15 @@ def prepare_inputs(
             raise ValueError(f"example(s) {empty} have no tokens (attention_mask all 0)")
     if token_types is not None:
         token_types = _check_token_types(token_types, model, adapter, (b, t), mask).to(device=device)
+    if position_ids is not None:
+        position_ids = _check_position_ids(position_ids, model, adapter, (b, t)).to(device=device)
     if adapter.causal and has_gaps(mask):
         raise ValueError("attention_mask of a decoder must be one contiguous block of 1s (left or right padding)")
     finite = torch.ones(b, dtype=torch.bool, device=device)
     if embeds is not None:
         finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
-    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite)
+    return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite,
+                          position_ids)
 
 
 def is_integer(t: Tensor) -> bool:

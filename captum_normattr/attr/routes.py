@@ -33,6 +33,7 @@ from captum_normattr.decompose.methods.routes import (
 )
 from captum_normattr.models.adapters import get_adapter, layer_modules
 from captum_normattr.models.engine import streamed_forward
+from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_memory_budget
 
@@ -252,6 +253,7 @@ class InformationFlowRoutes:
         threshold: float = DEFAULT_THRESHOLD,
         tokens: Optional[Sequence[str]] = None,
         granularity: str = "head",
+        position_ids: Optional[Tensor] = None,
     ) -> RouteGraph:
         r"""The pruned route graph of the prediction at ``position``.
 
@@ -265,6 +267,8 @@ class InformationFlowRoutes:
             granularity: ``"head"`` (default): one attention edge per head and source token;
                 ``"token"``: one per source token, its importance summed over heads (thresholded
                 as such; kind ``"attention"``, per-head importances in ``head_importances``).
+            position_ids: optional (1, T) position ids the model is called with (default: counted
+                from the first real token).
 
         Returns:
             :class:`RouteGraph`, positions counted over the real tokens (0 = first real token).
@@ -282,7 +286,7 @@ class InformationFlowRoutes:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if input_ids.shape[0] != 1:
             raise ValueError(f"routes explain one example at a time; got a batch of {input_ids.shape[0]} (call once per example)")
-        extra = None if attention_mask is None else (attention_mask,)
+        extra = {"attention_mask": attention_mask, "position_ids": position_ids}
         prepared = prepare_inputs(self.model, self.adapter, input_ids, extra)
         valid = prepared.valid
         pos = int(explained_positions(position, valid)[0])
@@ -309,7 +313,8 @@ class InformationFlowRoutes:
             if layer.index == n_layers - 1:  # the top layer is needed first: keep it, no rerun
                 top["layer"] = layer
 
-        with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=True) as (rec, _):
+        guard = ConsistencyGuard("Routes")
+        with streamed_forward(self.model, self.adapter, prepared, on_layer, keep_calls=True, guard=guard) as (rec, _):
             if prepared.finite is not None and not bool(prepared.finite.all()):
                 raise ValueError("the forward pass holds NaN or infinite values at real tokens; no route graph is defined")
 
@@ -317,7 +322,10 @@ class InformationFlowRoutes:
                 layer = top.pop("layer", None) if l == n_layers - 1 else None
                 if layer is None:
                     layer = tensors_to(rec.rerun_layer(l, checkpoints[l]), valid.device)
-                checkpoints[l] = None  # walked top-down: no longer needed
+                    # checked against its output in the recorded pass, the next layer's input (docs/reliability.md)
+                    guard.check_rerun(layer, checkpoints[l + 1])
+                if l + 1 < n_layers:
+                    checkpoints[l + 1] = None  # walked top-down: no longer needed
                 projected = project_values(layer.values[:1], layer.head_out_weight())
                 return attention_edge_importances(layer, rows.to(valid.device), valid, 0, budget, projected)
 

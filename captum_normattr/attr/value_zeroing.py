@@ -45,7 +45,7 @@ from captum_normattr.models.adapters import (
 )
 from captum_normattr.models.capture.session import eval_mode
 from captum_normattr.models.engine import mark_non_finite
-from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
+from captum_normattr.models.guard import GROSS_RELATIVE, ConsistencyError, ConsistencyWarning
 from captum_normattr.options import check_explained_position, check_memory_budget
 from captum_normattr.result import DecompositionResult
 
@@ -462,7 +462,10 @@ class ValueZeroingAttribution(DecompositionAttribution):
             inputs: token ids (B, T) (or word embeddings (B, T, D), or pixel values for a
                 Vision Transformer), or a 1-tuple.
             target: None: the maps are class-agnostic (anything else raises a ValueError).
-            additional_forward_args: attention_mask (B, T) or (attention_mask, token_type_ids).
+            additional_forward_args: attention_mask (B, T), or the model inputs by name,
+                ``{"attention_mask": ..., "token_type_ids": ..., "position_ids": ...}``
+                (``(attention_mask, token_type_ids)`` positionally for BERT-like encoders only;
+                docs/reliability.md, "Position ids and every other model input by name").
             return_layer_maps: keep the (B, L, T, T) row-normalised maps (``layer_maps``) and
                 the raw cosine distances (``extras["cosine_distances"]``).
             return_rollout: also form the full (B, T, T) rollout.
@@ -529,6 +532,9 @@ class ValueZeroingAttribution(DecompositionAttribution):
                "another computation")
         if self.strict:
             raise ConsistencyError(msg)
+        if float(worst.max()) > GROSS_RELATIVE:  # as the consistency guard: no rounding explains it
+            raise ConsistencyError(msg + f"; differences above {GROSS_RELATIVE:g} are refused even without strict=True "
+                                   "(docs/reliability.md, 'Checked reruns')")
         warnings.warn(msg, ConsistencyWarning, stacklevel=4)
 
     def attribution_and_delta(self, inputs, target, additional_forward_args, **options):

@@ -20,13 +20,17 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.kinds.registry import layer_kind
-from captum_normattr.decompose.primitives.guards import guard_tolerance
+from captum_normattr.decompose.primitives.guards import guard_tolerance, relative_difference
 from captum_normattr.decompose.records import LayerTensors
 
-__all__ = ["ConsistencyError", "ConsistencyGuard", "ConsistencyWarning", "GROSS_RELATIVE"]
+__all__ = ["ConsistencyError", "ConsistencyGuard", "ConsistencyWarning", "GROSS_RELATIVE", "RERUN_CHECK"]
 
 #: Relative differences above this raise :class:`ConsistencyError` even when not ``strict``.
 GROSS_RELATIVE = 1e-2
+
+
+#: The name of the check of a rerun layer (:meth:`ConsistencyGuard.check_rerun`) in the guard's messages.
+RERUN_CHECK = "rerun layer output vs the recorded forward pass's output"
 
 
 class ConsistencyWarning(RuntimeWarning):
@@ -90,6 +94,26 @@ class ConsistencyGuard:
                 "them, so the scores would not decompose this model (docs/reliability.md, 'Consistency guards')."))
         self.failures.append(msg)
 
+    def check_rerun(self, layer: LayerTensors, real_output: Tensor) -> None:
+        r"""Judge a layer recomputed from its checkpointed input (the DecompX adjoint's and the routes' walk down).
+
+        The rerun's own checks are judged as in the forward pass, and its output is compared
+        with the output the layer gave in the recorded forward pass (:data:`RERUN_CHECK`,
+        relative to the real output's largest magnitude), under the same tolerances: a rerun
+        that computes something else (another attention function or mask than the recorded
+        pass, a hook that acts on one pass only, a nondeterministic layer) warns below
+        :data:`GROSS_RELATIVE` and raises above it, and ``strict=True`` raises on any
+        difference above the dtype's tolerance. ``docs/reliability.md``, "Checked reruns".
+
+        Args:
+            layer: the rerun layer's tensors (its ``layer_out`` is compared).
+            real_output: (B, T, D) the layer's output in the recorded pass (the next layer's
+                checkpointed input, or the last layer's kept output).
+        """
+        rel = relative_difference(real_output.detach().to(layer.layer_out.dtype), layer.layer_out)
+        layer.checks = {**layer.checks, RERUN_CHECK: rel}
+        self.check(layer)
+
     def _message(self, failures: List[str], tol: float) -> str:
         return (
             f"{self.method}: the model's real tensors disagree with what the decomposition assumes, relative "
@@ -97,7 +121,10 @@ class ConsistencyGuard:
             "attention inputs or outputs, or a norm or layer that the architecture description does not match, makes "
             "the scores a decomposition of another computation. Remove the hook (or describe the architecture "
             "correctly); see docs/reliability.md, 'Consistency guards'."
-        )
+        ) + (" A layer rerun from its saved input gave another output than in the recorded pass: a hook that acts on "
+             "one pass only, a nondeterministic layer, or an attention implementation that computes differently from "
+             "the recording's eager attention (load the model with attn_implementation='sdpa' or 'eager'); "
+             "docs/reliability.md, 'Checked reruns'." if any(RERUN_CHECK in f for f in failures) else "")
 
     def finish(self, stacklevel: int = 4) -> None:
         r"""Warn once for the call if any layer failed (strict guards raised already)."""

@@ -29,6 +29,9 @@ class PreparedInputs:
     #: (B,) bool: False for an example whose input or recorded forward tensors hold a
     #: non-finite value at a real token (updated layer by layer by ``streamed_forward``)
     finite: Optional[Tensor] = None
+    #: (B, T) long position ids the caller gave by keyword (``additional_forward_args={"position_ids": ...}``),
+    #: passed to the model as they are; None: the default (:attr:`position_ids`)
+    given_position_ids: Optional[Tensor] = None
 
     @property
     def valid(self) -> Tensor:
@@ -47,7 +50,7 @@ class PreparedInputs:
             kw["inputs_embeds"] = self.inputs_embeds
         if self.token_type_ids is not None:
             kw["token_type_ids"] = self.token_type_ids
-        if self.causal:
+        if self.causal or self.given_position_ids is not None:
             kw["position_ids"] = self.position_ids
         if self.causal or self.no_cache:
             kw["use_cache"] = False
@@ -58,8 +61,11 @@ class PreparedInputs:
         r"""Decoder positions counted over real tokens only (cumsum of the mask - 1; pads get 0).
 
         A left-padded example thereby gets the positions it has alone (GPT-2's absolute
-        positions and the rotary positions of the Llama family alike).
+        positions and the rotary positions of the Llama family alike). Position ids given by
+        keyword (:attr:`given_position_ids`) replace them.
         """
+        if self.given_position_ids is not None:
+            return self.given_position_ids
         return (self.attention_mask.cumsum(-1) - 1).clamp_min(0)
 
 

@@ -20,7 +20,9 @@ its own flag when the last of them ends), under :data:`LOCK` (:func:`switch_on`,
 """
 from __future__ import annotations
 
+import inspect
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -34,6 +36,8 @@ __all__ = [
     "CAUSAL_ROW_BLOCKS",
     "EXAMPLE_BLOCK_BYTES",
     "LOCK",
+    "ModelAttentionWarning",
+    "OWN_ATTENTION_IMPLEMENTATIONS",
     "ProbabilityBuffers",
     "SCORE_CHUNK_BYTES",
     "active_recorders",
@@ -305,6 +309,8 @@ def _recording_attention(
     """
     watching = [r for r in active_recorders() if r.watches(module)]
     needs_probs = any(r.record_probabilities for r in watching)
+    if watching and not all(getattr(r, "warned_model_attention", False) for r in watching):
+        _warn_if_own_eager_fails(module, query, key, value, attention_mask, scaling, watching, kwargs)
     # nobody watches, or the watchers need no probabilities: the model's own attention, where it computes what the
     # recording attention would (a soft-cap or a position bias that the model's sdpa ignores keeps the eager code,
     # so that a pass without probabilities agrees with the reruns that record them)
@@ -344,6 +350,75 @@ def _recording_attention(
     return out, probs
 
 
+class ModelAttentionWarning(RuntimeWarning):
+    r"""The model's own attention implementation gives another (non-finite) value than the package computes."""
+
+
+#: (weak reference to the last mask judged, its fully masked rows (B, 1 or H, T) or None): see _PLAIN_CAUSAL
+_MASKED_ROWS: List[Tuple[Any, Optional[Tensor]]] = [(lambda: None, None)]
+
+
+def _fully_masked_rows(mask: Optional[Tensor]) -> Optional[Tensor]:
+    r"""(B, 1 or H, T) bool: the query rows of an attention mask (B, 1 or H, T, S) that mask every key, or None."""
+    if mask is None or mask.dim() != 4:
+        return None
+    last, answer = _MASKED_ROWS[0]
+    if last() is mask:
+        return answer
+    kept = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    rows = ~kept.any(-1)
+    answer = rows if bool(rows.any()) else None
+    _MASKED_ROWS[0] = (weakref.ref(mask), answer)
+    return answer
+
+
+def _warn_if_own_eager_fails(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                             attention_mask: Optional[Tensor], scaling: Optional[float], watching: List[Any],
+                             kwargs: Dict[str, Any]) -> None:
+    r"""Warn (once per recorder) where the model, configured with its eager attention, would give NaN itself.
+
+    A fully masked query row (a left pad of a causal LM, a pad outside every real token's
+    sliding window, as in ModernBERT) is finite in the recording attention (as in sdpa), but a
+    model whose own eager code takes the softmax in float32 turns the float64 mask minimum
+    into -inf there and gives NaN, which spreads to the real tokens of that example (their
+    zero weight on the pads' values times NaN). The model's own eager function is run on
+    those rows only; the examples where it is not finite are named.
+    """
+    entry = _SWITCHED.get(id(getattr(module, "config", None)))
+    if entry is None or entry[1] not in (None, "eager"):
+        return
+    rows = _fully_masked_rows(attention_mask)
+    if rows is None:
+        return
+    own = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+    if own is None:
+        return
+    bad = []
+    for b in rows.any(1).any(-1).nonzero().flatten().tolist():
+        q_rows = rows[b].any(0).nonzero().flatten()
+        mask_b = attention_mask[b:b + 1, :, q_rows]
+        try:
+            out, _ = own(module, query[b:b + 1, :, q_rows], key[b:b + 1], value[b:b + 1], mask_b, scaling=scaling,
+                         dropout=0.0, **{k: v for k, v in kwargs.items() if k in ("softcap", "sliding_window")})
+        except Exception:  # the model's own code did not take the slice: nothing to say
+            return
+        if not bool(torch.isfinite(out).all()):
+            bad.append(b)
+    if not bad:
+        return
+    for recorder in watching:
+        recorder.warned_model_attention = True
+    warnings.warn(
+        f"the model's own attention implementation ('eager', {type(module).__name__}) gives NaN for example(s) {bad} "
+        f"of this {query.dtype} batch: a query row whose every key is masked (a pad), where its softmax, taken in "
+        "float32, turns the mask's minimum into -inf; the NaN reaches the real tokens of the example. The package "
+        "computes that row finite, as sdpa does, so its logits and scores are those of the finite computation, not the "
+        "NaN that model(...) returns. Load the model with attn_implementation='sdpa' (or run it in float32) to have "
+        "the model agree (docs/reliability.md, 'Checked reruns').",
+        ModelAttentionWarning, stacklevel=2,
+    )
+
+
 #: (weak reference to the last mask judged, the answer): one tuple, replaced whole (threads), and no
 #: strong reference, so a (B, 1, T, T) mask is never kept alive after its pass
 _PLAIN_CAUSAL: List[Tuple[Any, bool]] = [(lambda: None, False)]
@@ -372,12 +447,21 @@ def _plain_causal(mask: Optional[Tensor]) -> bool:
     return answer
 
 
+#: The model attention implementations that the recording hands its own masks to (where nobody needs the
+#: probabilities): they read the full eager mask the recording builds, and no mask as causal (sdpa's
+#: ``is_causal``). Any other (flex_attention, flash, paged, hub kernels) expects the mask of its own mask
+#: function: flex read no mask as no masking (future tokens attended) and crashed on CPU with a padded one;
+#: such models run the eager recording attention (docs/reliability.md, "Checked reruns").
+OWN_ATTENTION_IMPLEMENTATIONS = ("sdpa",)
+
+
 def _original_attention(module: nn.Module) -> Optional[Callable]:
-    r"""The attention function the model was configured with (sdpa, flash, ...) before the recording, or None
-    (eager, or not known to transformers): the one a module runs where nobody needs its probabilities."""
+    r"""The attention function the model was configured with before the recording, if the recording may run it
+    (:data:`OWN_ATTENTION_IMPLEMENTATIONS`, sdpa), or None (eager, flex, flash, ..., or not known to
+    transformers: the eager recording attention runs): the one a module runs where nobody needs its probabilities."""
     entry = _SWITCHED.get(id(getattr(module, "config", None)))
     original = entry[1] if entry is not None else None
-    if original in (None, "eager", ATTENTION_NAME):
+    if original not in OWN_ATTENTION_IMPLEMENTATIONS:
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

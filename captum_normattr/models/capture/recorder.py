@@ -95,6 +95,9 @@ class AttentionRecords:
     #: False: the watched modules run the model's own attention (sdpa, ...) and record no probabilities
     #: (values and context only); a rerun of a layer (:meth:`Recorder.rerun_layer`) records them
     record_probabilities: bool = True
+    #: set once the model's own attention was found to give NaN where the recording does not (one warning per call;
+    #: :class:`~captum_normattr.models.capture.attention.ModelAttentionWarning`)
+    warned_model_attention: bool = False
 
     def watches(self, module: nn.Module) -> bool:
         return id(module) in self._attn_keys

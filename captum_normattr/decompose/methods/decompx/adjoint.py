@@ -151,7 +151,10 @@ class AdjointPass:
     <u, c> = sum_l <g_(l+1), c_l> + (the output's own constant) is accumulated on the way
     (c_l the constant of layer l, g_(l+1) the cotangent of its output), so that F(e) is
     never formed: the bias score is that constant, and F(e) = scores + bias score.
-    Memory: L checkpoints (B, T, D) plus one layer's tensors.
+    Each rerun can be checked against the layer's output in the recorded pass
+    (:meth:`real_output`: the next checkpoint, or the kept last output), which is released
+    only after the layer below has been walked.
+    Memory: L + 1 checkpoints (B, T, D) plus one layer's tensors.
 
     Args:
         num_layers: L.
@@ -163,6 +166,8 @@ class AdjointPass:
         self.last_rows = last_rows
         self.checkpoints: List[Optional[Tensor]] = []
         self.last_step: Optional[FrozenLayer] = None
+        #: (B, T, D) the last layer's output in the recorded pass (what its rerun is checked against), or None
+        self.last_output: Optional[Tensor] = None
         #: After :meth:`backward`: per explained output, its constant (B,) (the bias score).
         self.constants: List[Tensor] = []
 
@@ -171,13 +176,17 @@ class AdjointPass:
         r"""(B, T, D) e, the input of the first layer."""
         return self.checkpoints[0]
 
-    def forward(self, layer_input: Tensor, last_step: Optional[FrozenLayer] = None) -> None:
+    def forward(self, layer_input: Tensor, last_step: Optional[FrozenLayer] = None,
+                layer_output: Optional[Tensor] = None) -> None:
         r"""Checkpoint the next layer's input.
 
         Args:
             layer_input: (B, T, D) its real input.
             last_step: the last layer only: its :class:`FrozenLayer`, kept for the backward
                 phase instead of being recomputed (ignored for the other layers).
+            layer_output: the last layer only: its real output (B, T, D), kept so that its
+                rerun can be checked (:meth:`real_output`; ignored for the other layers, whose
+                output is the next checkpoint).
         """
         l = len(self.checkpoints)
         if l >= self.num_layers:
@@ -185,6 +194,14 @@ class AdjointPass:
         self.checkpoints.append(layer_input.detach())
         if l == self.num_layers - 1:
             self.last_step = last_step
+            self.last_output = None if layer_output is None else layer_output.detach()
+
+    def real_output(self, l: int) -> Optional[Tensor]:
+        r"""Layer l's output in the recorded pass, (B, T, D): the next layer's checkpoint (the last
+        layer's kept output), while the backward phase is at layer l or above; None if not kept."""
+        if l == self.num_layers - 1:
+            return self.last_output
+        return self.checkpoints[l + 1] if 0 <= l + 1 < len(self.checkpoints) else None
 
     def backward(
         self, frozen_at: Callable[[int, Tensor], FrozenLayer], outputs: Callable[[Tensor], Sequence[Tensor]]
@@ -226,8 +243,10 @@ class AdjointPass:
             del c
             stacks = [step.vjp(st, rows) for st in _stack_chunks(stacks, step)]
             del step  # the layer's tensors go here
-            if l > 0:
-                self.checkpoints[l] = None
+            if l + 1 < n:  # layer l + 1's input: the output layer l's rerun was checked against (real_output)
+                self.checkpoints[l + 1] = None
+            else:
+                self.last_output = None
         cots = [g for st in stacks for g in st.unbind(0)]
         self.constants = consts
         return cots
