@@ -54,6 +54,8 @@ __all__ = [
     "ValueZeroingAttribution",
     "attention_shape",
     "value_columns",
+    "latent_value_columns",
+    "value_module_path",
     "repeat_examples",
     "cosine_distances",
     "normalize_rows",
@@ -116,6 +118,8 @@ def value_columns(layer: nn.Module, adapter: ArchitectureSpec, model: nn.Module)
         ValueError: the layout and the head counts do not give W_V.
     """
     spec: ValueProjection = adapter.layer.attention.value
+    if spec.layout == "latent":
+        return latent_value_columns(layer, adapter, model)
     weight, _ = linear_params(get_path(layer, spec.path), adapter.transposed_weights)  # (D, W)
     width = weight.shape[1]
     cols = torch.arange(width)
@@ -141,6 +145,46 @@ def value_columns(layer: nn.Module, adapter: ArchitectureSpec, model: nn.Module)
             f"the {adapter.family} value projection {spec.path!r} ({spec.layout}): the value columns found from the head "
             "counts are not the value weight the description reads")
     return cols
+
+
+def latent_value_columns(layer: nn.Module, adapter: ArchitectureSpec, model: nn.Module) -> Tensor:
+    r"""The value columns of a multi-head latent attention's up-projection (``latent`` layout).
+
+    The up-projection (``ValueProjection.latent_up``, DeepSeek-V3's ``kv_b_proj``) gives each head
+    [its non-rotary key part (``qk_nope_head_dim``) | its value (``v_head_dim``)]; zeroing a token's
+    value is zeroing these columns of the up-projection's output at that token
+    (:func:`value_module_path`), the value v_j itself, whatever the latent's norm did before.
+
+    Args:
+        layer: one layer module.
+        adapter: its description (a ``latent`` value projection).
+        model: the model (its config gives the head sizes where the attention module does not).
+
+    Returns:
+        (n,) int64: the value columns of the up-projection's output, in head order.
+
+    Raises:
+        ValueError: the head sizes do not give the up-projection's width.
+    """
+    spec: ValueProjection = adapter.layer.attention.value
+    attn = get_path(layer, adapter.attention)
+    up, _ = linear_params(get_path(layer, spec.latent_up), adapter.transposed_weights)  # (r, W)
+    heads = attention_shape(attn, model)[0]
+    config = getattr(model, "config", None)
+    nope = getattr(attn, "qk_nope_head_dim", getattr(config, "qk_nope_head_dim", None))
+    v_dim = getattr(attn, "v_head_dim", getattr(config, "v_head_dim", None))
+    width = up.shape[1]
+    if nope is None or v_dim is None or width != heads * (nope + v_dim):
+        raise ValueError(
+            f"the {adapter.family} latent up-projection {spec.latent_up!r}: its {width} outputs are not {heads} heads of "
+            f"[key part ({nope}) | value ({v_dim})]")
+    return torch.arange(width).reshape(heads, nope + v_dim)[:, nope:].flatten()
+
+
+def value_module_path(spec: ValueProjection) -> str:
+    r"""The module whose output holds the value states: the up-projection of a ``latent`` layout,
+    else the value projection itself (``spec.path``)."""
+    return spec.latent_up if spec.layout == "latent" else spec.path
 
 
 def repeat_examples(value: Any, rows: Tensor, batch: int, heads: int = 1) -> Any:
@@ -271,7 +315,7 @@ class _ZeroingRun:
             self.heads[idx] = attention_shape(get_path(layer, self.adapter.attention), self.model)[0]
             self.handles.append(layer.register_forward_pre_hook(self._pre_hook(idx), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(self._post_hook(idx), with_kwargs=True))
-            self.handles.append(get_path(layer, spec.path).register_forward_hook(self._zero_hook(idx)))
+            self.handles.append(get_path(layer, value_module_path(spec)).register_forward_hook(self._zero_hook(idx)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -306,6 +350,8 @@ class _ZeroingRun:
             n = self.zero_rows.shape[0]
             if out.dim() == 2 and out.shape[0] % n == 0:  # a projection run on flattened tokens (n * T, W)
                 out = out.reshape(n, out.shape[0] // n, out.shape[1])
+            elif out.dim() == 4 and out.shape[1] == 1:  # (n, 1, T, W): DeepSeek-V3's latent up-projection
+                out = out.reshape(n, out.shape[2], out.shape[3])
             cols = self.zero_cols[idx].to(out.device)
             k = (self.zero_rows >= 0).nonzero().flatten().to(out.device)
             j = self.zero_rows.to(out.device)[k]

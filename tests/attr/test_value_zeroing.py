@@ -6,6 +6,7 @@ from conftest import make_model, random_batch
 from decoder_models import decoder_batch, make_decoder
 from vision_models import images, make_vision
 from zoo import build
+from zoo_frontier import build_frontier
 
 from captum_normattr.models.guard import ConsistencyError, ConsistencyWarning
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution, repeat_examples, value_columns
@@ -25,6 +26,12 @@ def _layers_and_value(model, family: str):
     if family == "gpt2":
         d = model.config.n_embd
         return [(layer, layer.attn.c_attn, slice(2 * d, 3 * d)) for layer in model.transformer.h]  # fused q | k | v
+    if family == "deepseek_v3":  # latent values: kv_b_proj gives each head [key part | value]
+        a = model.model.layers[0].self_attn
+        heads = model.config.num_attention_heads
+        width = a.qk_nope_head_dim + a.v_head_dim
+        cols = torch.cat([torch.arange(h * width + a.qk_nope_head_dim, (h + 1) * width) for h in range(heads)])
+        return [(layer, layer.self_attn.kv_b_proj, cols) for layer in model.model.layers]
     return [(layer, layer.self_attn.v_proj, slice(None)) for layer in model.model.layers]
 
 
@@ -61,7 +68,8 @@ def naive_value_zeroing(model, family: str, ids: torch.Tensor, position: int):
         for j in range(t):
             def zero(module, inp, out, j=j):
                 out = out.clone()
-                out[:, j, cols] = 0
+                view = out[:, 0] if out.dim() == 4 else out  # DeepSeek-V3's kv_b_proj output is (B, 1, T, W)
+                view[:, j, cols] = 0
                 return out
 
             h = value.register_forward_hook(zero)
@@ -314,3 +322,25 @@ def test_vision_transformer_pixels():
     res = vz.decompose(x)
     assert res.scores.shape == (2, res.layer_maps.shape[-1]) and "patch_grid" in res.extras
     assert torch.allclose(res.scores.sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-12)
+
+
+def test_latent_values_match_the_naive_reference():
+    r"""DeepSeek-V3's multi-head latent attention: a token's value zeroed in the up-projection's output
+    (its value columns) equals the naive per-source reruns; padded batch equals single examples."""
+    model = build_frontier("deepseek_v3")
+    ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    vz = ValueZeroingAttribution(model)
+    res = vz.decompose(ids, additional_forward_args=(mask,))
+    assert float(res.delta.max()) < 1e-10
+    for b in range(2):
+        real = mask[b].bool()
+        single = ids[b:b + 1, real]
+        t = single.shape[1]
+        dist, maps, joint, scores = naive_value_zeroing(model, "deepseek_v3", single, t - 1)
+        scale = float(dist.abs().max())
+        sel = real.nonzero().flatten()
+        got = res.extras["cosine_distances"][b][(slice(None), sel[:, None], sel[None, :])]
+        assert torch.allclose(got, dist, atol=1e-9 * scale, rtol=1e-7)
+        assert torch.allclose(res.scores[b, real], scores, atol=1e-8, rtol=0)
