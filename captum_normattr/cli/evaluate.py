@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 __all__ = ["DECODER_TASKS", "EvaluateError", "build_parser", "classifier_methods", "evaluate_main", "run_decoder", "run_sst2"]
 
