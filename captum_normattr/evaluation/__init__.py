@@ -10,6 +10,10 @@ r"""Faithfulness evaluation: metric presets and a harness comparing attribution 
   attribution matrices and the alignment error rate (AER), for encoder-decoders.
 - :mod:`~captum_normattr.evaluation.alignment_task`: a synthetic translation task with known
   word alignments (sure and possible links), to score those alignments against;
+- :mod:`~captum_normattr.evaluation.decoder_harness`: the decoder harness: any attributor
+  (``f(input_ids, target, foil) -> (T,)``; :func:`as_attributor` wraps a Captum attribution),
+  per-item evidence ranks, deletion / insertion AOPC and ABPC with and without the sink
+  (docs/evaluation.md);
 - :mod:`~captum_normattr.evaluation.statistics`: per-item values of several methods summarised
   (mean ± standard error, paired differences, medians, wins).
 
@@ -20,9 +24,10 @@ Examples:
     >>> print(res.table())  # doctest: +SKIP
 """
 
-from . import alignment, baselines, metrics
+from . import alignment, baselines, decoder_harness, metrics
 from .baselines import Method
 from .classifier import SequenceClassifier
+from .decoder_harness import Attributor, as_attributor, evaluate_item, make_attributor, make_attributors
 from .harness import (
     PRESETS,
     CaptumInfidelity,
@@ -41,6 +46,12 @@ from .harness import (
 __all__ = [
     "alignment",
     "baselines",
+    "decoder_harness",
+    "Attributor",
+    "as_attributor",
+    "make_attributor",
+    "make_attributors",
+    "evaluate_item",
     "metrics",
     "Method",
     "SequenceClassifier",

@@ -15,6 +15,8 @@ evidence):
   = the subject entity.
 - ``induction``: long-range copying ("... river chair lamp ... river chair" -> " lamp" vs another
   listed word); evidence = the first occurrence of the token to copy.
+- a user's items: :func:`load_jsonl_task` / :func:`items_from_records` (``{"prompt", "target",
+  "foil", "evidence"}`` per line, docs/evaluation.md); the foil may be None (d = logit(target)).
 
 Metric conventions:
 
@@ -29,9 +31,10 @@ Metric conventions:
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -41,6 +44,8 @@ __all__ = [
     "TASKS",
     "build_item",
     "make_task",
+    "items_from_records",
+    "load_jsonl_task",
     "fact_answer_tokens",
     "candidate_mask",
     "evidence_ranks",
@@ -57,7 +62,7 @@ class TaskItem:
     text: str
     input_ids: List[int]
     target: int
-    foil: int
+    foil: Optional[int]
     evidence: List[int]
     alt_evidence: List[int] = field(default_factory=list)
     meta: Dict[str, str] = field(default_factory=dict)
@@ -344,6 +349,106 @@ def make_task(name: str, tokenizer, n: int, seed: int = 0) -> List[TaskItem]:
     return out
 
 
+# ----------------------------------------------------------------------------- a user's items
+def _token_id(tokenizer, value: Union[int, str], what: str, line: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"item {line}: {what} must be a string or a token id, got {value!r}")
+    if isinstance(value, int):
+        return value
+    ids = tokenizer(value, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"item {line}: {what} {value!r} has no tokens")
+    return ids[0]
+
+
+def items_from_records(records: Iterable[Mapping[str, Any]], tokenizer, task: str = "jsonl",
+                       add_special_tokens: bool = False) -> List[TaskItem]:
+    r"""Task items from dicts ``{"prompt", "target", "foil", "evidence"}`` (the JSONL format of docs/evaluation.md).
+
+    Args:
+        records: one dict per item: ``prompt`` (str), ``target`` (the continuation: a string,
+            whose first token is explained, e.g. ``" are"`` with its leading space, or a token
+            id), ``foil`` (optional, the same forms; absent or null: d = logit(target)),
+            ``evidence`` (optional list: token positions (ints; negative ones count from the
+            end) and / or substrings of the prompt, each meaning every token overlapping its
+            first occurrence), ``alt_evidence`` (optional, the same forms) and ``meta``
+            (optional dict of strings).
+        tokenizer: a fast tokenizer (offsets needed for substring evidence).
+        task: the items' task name.
+        add_special_tokens: tokenize the prompt with the tokenizer's special tokens (BOS);
+            False (default) as the generated tasks.
+
+    Returns:
+        The items, in order.
+
+    Raises:
+        ValueError: naming the item (1-based) for a missing prompt or target, a target equal to
+            the foil, an evidence substring not in the prompt, an evidence position out of range
+            or on the explained last token.
+    """
+    items = []
+    for n, rec in enumerate(records, 1):
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("prompt"), str) or rec.get("target") is None:
+            raise ValueError(f"item {n}: expected an object with a string 'prompt' and a 'target', got {rec!r}")
+        text = rec["prompt"]
+        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        target = _token_id(tokenizer, rec["target"], "target", n)
+        foil = None if rec.get("foil") is None else _token_id(tokenizer, rec["foil"], "foil", n)
+        if foil == target:
+            raise ValueError(f"item {n}: the target and the foil are the same token ({target}); give another foil")
+
+        def positions(key: str) -> List[int]:
+            out: List[int] = []
+            for e in rec.get(key) or []:
+                if isinstance(e, bool) or not isinstance(e, (int, str)):
+                    raise ValueError(f"item {n}: {key} entries are token positions or substrings, got {e!r}")
+                if isinstance(e, int):
+                    p = e + len(ids) if e < 0 else e
+                    if not 0 <= p < len(ids) - 1:
+                        raise ValueError(f"item {n}: {key} position {e} is outside the prompt's first {len(ids) - 1} "
+                                         "tokens (the last one is the explained position)")
+                    out.append(p)
+                    continue
+                start = text.find(e)
+                if start < 0 or not e:
+                    raise ValueError(f"item {n}: {key} substring {e!r} is not in the prompt {text!r}")
+                end = start + len(e)
+                hit = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+                if not hit or hit[0] >= len(ids) - 1:
+                    raise ValueError(f"item {n}: {key} substring {e!r} covers no token before the last one")
+                out.extend(i for i in hit if i < len(ids) - 1)
+            return sorted(set(out))
+
+        items.append(TaskItem(task, text, ids, target, foil, positions("evidence"), positions("alt_evidence"),
+                              {str(k): str(v) for k, v in (rec.get("meta") or {}).items()}))
+    return items
+
+
+def load_jsonl_task(path: str, tokenizer, task: str = "jsonl", add_special_tokens: bool = False) -> List[TaskItem]:
+    r"""Task items from a JSONL file, one object per line (:func:`items_from_records`; blank lines skipped).
+
+    Args:
+        path: the file, e.g. lines like
+            ``{"prompt": "The keys to the cabinet", "target": " are", "foil": " is", "evidence": ["keys"]}``.
+        tokenizer: a fast tokenizer.
+        task: the items' task name.
+        add_special_tokens: tokenize with the tokenizer's special tokens.
+
+    Returns:
+        The items.
+    """
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}, line {n}: not JSON ({err.msg})") from err
+    return items_from_records(records, tokenizer, task, add_special_tokens)
+
+
 # ----------------------------------------------------------------------------- metrics
 def candidate_mask(length: int, exclude_sink: bool = False) -> Tensor:
     r"""(T,) bool: the positions that may be ranked or removed (never the explained last one;
@@ -355,11 +460,11 @@ def candidate_mask(length: int, exclude_sink: bool = False) -> Tensor:
     return mask
 
 
-def _order(scores: Tensor, exclude_sink: bool) -> Tensor:
-    """Candidate positions by decreasing score (ties: earlier first)."""
+def _order(scores: Tensor, exclude_sink: bool, least_first: bool = False) -> Tensor:
+    """Candidate positions by decreasing score (increasing with ``least_first``; ties: earlier first)."""
     cand = candidate_mask(scores.shape[-1], exclude_sink)
-    key = scores.detach().double().masked_fill(~cand, float("-inf"))
-    order = torch.argsort(key, descending=True, stable=True)
+    key = scores.detach().double().masked_fill(~cand, float("inf") if least_first else float("-inf"))
+    order = torch.argsort(key, descending=not least_first, stable=True)
     return order[: int(cand.sum())]
 
 
@@ -386,8 +491,8 @@ def sink_share(scores: Tensor) -> float:
     return float(a[0]) / total if total > 0 else float("nan")
 
 
-def removal_sequences(input_ids: Sequence[int], scores: Tensor, ks: Sequence[int], exclude_sink: bool = False
-                      ) -> Tuple[List[List[int]], List[List[int]]]:
+def removal_sequences(input_ids: Sequence[int], scores: Tensor, ks: Sequence[int], exclude_sink: bool = False,
+                      least_relevant_first: bool = False) -> Tuple[List[List[int]], List[List[int]]]:
     r"""The prompts of the deletion and insertion curves.
 
     Args:
@@ -395,13 +500,15 @@ def removal_sequences(input_ids: Sequence[int], scores: Tensor, ks: Sequence[int
         scores: (T,) token scores.
         ks: numbers of removed / kept tokens (each clipped to the number of candidates).
         exclude_sink: position 0 is never removed (deletion) and always kept (insertion).
+        least_relevant_first: rank by increasing score (the least relevant tokens first: the
+            LeRF curve of ABPC; the most negative scores of a signed method come first).
 
     Returns:
         ``(deleted, inserted)``: for each k, the prompt without its top-k candidates, and the
         prompt reduced to its top-k candidates (plus position 0 with ``exclude_sink``, and the
         explained last token), order preserved.
     """
-    order = _order(scores, exclude_sink).tolist()
+    order = _order(scores, exclude_sink, least_relevant_first).tolist()
     T = len(input_ids)
     deleted, inserted = [], []
     for k in ks:
