@@ -217,3 +217,21 @@ def test_attnlrp_patch_undone_after_an_error(llama):
 def test_attnlrp_refuses_a_family_lxt_does_not_patch():
     with pytest.raises(ValueError, match="no patch"):
         attnlrp(make_decoder("mistral", exact_norms=False))
+
+
+def test_the_harness_specs_build_the_competitors():
+    r"""``make_attributor("llm-ablation" | "llm-lig:N", tokenizer=...)`` are these factories (same scores);
+    without the tokenizer the spec is refused with the keyword to give."""
+    from captum_normattr.evaluation.decoder_harness import make_attributor
+
+    model = make_decoder("llama", attn="eager")
+    tok = word_tokenizer()
+    ids = torch.tensor([5, 9, 13, 17, 21, 25])
+    direct = captum_feature_ablation(model, tok)(ids, TARGET, FOIL)
+    assert torch.equal(make_attributor("llm-ablation", model, tokenizer=tok)(ids, TARGET, FOIL), direct)
+    lig = make_attributor("llm-lig:4", model, tokenizer=tok)
+    assert torch.allclose(lig(ids, TARGET, FOIL), captum_layer_integrated_gradients(model, tok, n_steps=4)(ids, TARGET, FOIL))
+    with pytest.raises(ValueError, match="tokenizer=tok"):
+        make_attributor("llm-ablation", model)
+    with pytest.raises(ValueError, match="N >= 1"):
+        make_attributor("llm-lig:0", model, tokenizer=tok)
