@@ -78,7 +78,7 @@ def _head_of_channel(mixing: Tensor, channels: int) -> Tensor:
 
 
 def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tensor,
-                      scale: Optional[float] = None) -> Tensor:
+                      scale: Optional[float] = None, block: int = 64) -> Tensor:
     r"""Implicit value mixing :math:`M_h[t, s]` of the gated delta rule (Gated DeltaNet).
 
     The recurrence of transformers' ``torch_recurrent_gated_delta_rule`` (and of the chunked kernel,
@@ -98,9 +98,13 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
         M[t, s] = \beta_s\, k_s^\top A_{s+1} A_{s+2} \cdots A_t\, \tilde q_t, \qquad
         A_r = \alpha_r (I - \beta_r k_r k_r^\top)
 
-    (:math:`A_r` is symmetric). It is computed by one backward sweep over the sources: a
-    (B, H, T, d_k) buffer holds :math:`A_{s+1} \cdots A_t \tilde q_t` for every target
-    :math:`t \ge s`, so the cost is :math:`O(T^2 d_k)` per head and the memory that of the output.
+    (:math:`A_r` is symmetric). It is computed backwards over blocks of sources
+    :math:`[s_0, s_1)`: a (B, H, T, d_k) buffer holds :math:`A_{s_1} \cdots A_t \tilde q_t` for
+    every later target; the block's columns are :math:`\beta_s y_s \cdot` that buffer with
+    :math:`y_s = A_{s_1-1} \cdots A_{s+1} k_s`, the targets inside the block come from a
+    per-source sweep, and the buffer moves on by the block's product
+    :math:`A_{s_0} \cdots A_{s_1-1}` (a d_k x d_k matrix). Cost :math:`O(T^2 d_k (1 + d_k /
+    \text{block}))` per head in matrix products; memory that of the output.
 
     Args:
         query: (B, T, H_k, d_k) queries as the kernel reads them (after the convolution, SiLU and
@@ -111,6 +115,7 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
             value heads, as ``repeat_interleave`` in the kernel).
         log_decay: (B, T, H) :math:`g_t \le 0` (:math:`\alpha_t = e^{g_t}`).
         scale: the query scaling; default :math:`d_k^{-1/2}` as in the kernel.
+        block: sources per block (any value gives the same numbers up to rounding).
 
     Returns:
         (B, H, T, S) with ``S == T``, zero above the diagonal (causal).
@@ -136,18 +141,50 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
     if heads != key_heads:
         query = query.repeat_interleave(heads // key_heads, dim=2)
         key = key.repeat_interleave(heads // key_heads, dim=2)
+    if block < 1:
+        raise ValueError(f"block must be a positive number of tokens; got {block}")
     scale = key_dim ** -0.5 if scale is None else scale
-    q = (query * scale).transpose(1, 2)  # (B, H, T, d_k)
-    k = key.transpose(1, 2)
-    b = beta.transpose(1, 2)  # (B, H, T)
-    alpha = log_decay.transpose(1, 2).exp()
+    q = (query * scale).transpose(1, 2).contiguous()  # (B, H, T, d_k); contiguous: strided views make the
+    k = key.transpose(1, 2).contiguous()  # small products below orders of magnitude slower
+    b = beta.transpose(1, 2).contiguous()  # (B, H, T)
+    alpha = log_decay.transpose(1, 2).exp().contiguous()
     mixing = q.new_zeros(batch, heads, length, length)
-    # carried[..., t, :] = A_{s+1} ... A_t q_t for every target t >= s (untouched for t < s).
+    # carried[..., t, :] = A_{s1} ... A_t q_t for every target t >= s1 of the blocks done so far.
     carried = q.clone()
+    eye = torch.eye(key_dim, dtype=q.dtype, device=q.device)
+    for s0 in range(((length - 1) // block) * block, -1, -block):
+        s1 = min(s0 + block, length)
+        kb, bb, ab = k[:, :, s0:s1], b[:, :, s0:s1], alpha[:, :, s0:s1]
+        # targets inside the block: the per-source sweep on the block alone
+        local = carried[:, :, s0:s1].clone()
+        mixing[:, :, s0:s1, s0:s1] = _delta_rule_sweep(local, kb, bb, ab)  # local_t <- A_{s0} ... A_t q_t
+        if s1 < length:
+            # y_s = A_{s1-1} ... A_{s+1} k_s and P = A_{s0} ... A_{s1-1}, by rank-one steps
+            y = kb.clone()
+            product = eye.expand(batch, heads, key_dim, key_dim).clone()
+            for r in range(s1 - s0):
+                k_r, b_r, a_r = kb[:, :, r], bb[:, :, r, None], ab[:, :, r, None, None]
+                head = y[:, :, :r]
+                head.sub_(b_r.unsqueeze(-1) * (head @ k_r.unsqueeze(-1)) * k_r.unsqueeze(2))
+                head.mul_(a_r)
+                pk = product @ k_r.unsqueeze(-1)  # (B, H, d_k, 1)
+                product = a_r * (product - b_r.unsqueeze(-1) * pk * k_r.unsqueeze(-2))
+            # targets after the block: M[t, s] = beta_s y_s . (A_{s1} ... A_t q_t)
+            mixing[:, :, s1:, s0:s1] = (carried[:, :, s1:] @ y.transpose(-1, -2)) * bb.unsqueeze(2)
+            carried[:, :, s1:] = carried[:, :, s1:] @ product.transpose(-1, -2)
+        carried[:, :, s0:s1] = local
+    return mixing
+
+
+def _delta_rule_sweep(carried: Tensor, k: Tensor, b: Tensor, alpha: Tensor) -> Tensor:
+    r"""M[t, s] for targets and sources of one block; ``carried`` (queries in) becomes A_first..A_t q_t."""
+    length = k.shape[2]
+    mixing = k.new_zeros(*k.shape[:2], length, length)
+    # carried[..., t, :] = A_{s+1} ... A_t q_t for every target t >= s (untouched for t < s).
     for s in range(length - 1, -1, -1):
         k_s = k[:, :, s]  # (B, H, d_k)
         tail = carried[:, :, s:]  # (B, H, T - s, d_k), a view
-        along = torch.einsum("bhtd,bhd->bht", tail, k_s)  # k_s^T A_{s+1..t} q_t
+        along = (tail @ k_s.unsqueeze(-1)).squeeze(-1)  # k_s^T A_{s+1..t} q_t
         mixing[:, :, s:, s] = b[:, :, s, None] * along
         # carried_t <- A_s carried_t = alpha_s (carried_t - beta_s k_s (k_s^T carried_t))
         tail.sub_((b[:, :, s, None] * along).unsqueeze(-1) * k_s.unsqueeze(2)).mul_(alpha[:, :, s, None, None])
@@ -256,7 +293,8 @@ def gated_rmsnorm_scale(core: Tensor, gate: Tensor, weight: Tensor, eps: float, 
 
 
 def conv_composed_mixing(mixing: Tensor, slope: Tensor, conv_weight: Tensor, target_scale: Optional[Tensor] = None,
-                         conv_bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+                         conv_bias: Optional[Tensor] = None,
+                         rows: Optional[slice] = None) -> Tuple[Tensor, Optional[Tensor]]:
     r"""Compose a per-head mixing with the value path's causal depthwise convolution and output scale.
 
     The values the recurrence mixes are :math:`v_{s,c} = \sigma_{s,c}\,(\sum_j w_{c,j}\,
@@ -277,9 +315,11 @@ def conv_composed_mixing(mixing: Tensor, slope: Tensor, conv_weight: Tensor, tar
         target_scale: (B, T, C) the per-target output scale (:func:`gated_rmsnorm_scale`), or
             ``None`` for the bare recurrence.
         conv_bias: (C,) the convolution's bias of the value channels, or ``None``.
+        rows: a slice of the targets to compute (a tile of ``t``; G of a whole sequence is
+            T x S x C per example, docs/linear_mixers.md "Cost"); default all.
 
     Returns:
-        ``(G, no_token)``: (B, T, S, C) and (B, T, C) (``None`` without a bias).
+        ``(G, no_token)``: (B, T_rows, S, C) and (B, T_rows, C) (``None`` without a bias).
 
     Examples::
 
@@ -295,7 +335,10 @@ def conv_composed_mixing(mixing: Tensor, slope: Tensor, conv_weight: Tensor, tar
     if conv_weight.dim() != 2 or conv_weight.shape[0] != channels:
         raise ValueError(f"conv_weight must be (C, K) with C = {channels}; got {tuple(conv_weight.shape)}")
     kernel = conv_weight.shape[1]
-    mixed = _head_of_channel(mixing, channels) * slope.unsqueeze(1)  # P: (B, T, S, C)
+    if rows is not None:
+        mixing = mixing[:, :, rows]
+        target_scale = target_scale[:, rows] if target_scale is not None else None
+    mixed = _head_of_channel(mixing, channels) * slope.unsqueeze(1)  # P: (B, T_rows, S, C)
     composed = torch.zeros_like(mixed)
     for j in range(kernel):
         lag = kernel - 1 - j  # u_{s'} reaches the convolution output at s = s' + lag
@@ -331,7 +374,8 @@ def apply_channel_mixing(mixing: Tensor, values: Tensor, no_token: Optional[Tens
 
 def gated_delta_net_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tensor, value_pre_activation: Tensor,
                            conv_weight: Tensor, target_scale: Optional[Tensor] = None,
-                           conv_bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+                           conv_bias: Optional[Tensor] = None,
+                           rows: Optional[slice] = None) -> Tuple[Tensor, Optional[Tensor]]:
     r"""Per-channel mixing :math:`G` of a Gated DeltaNet layer over its pre-convolution values.
 
     :func:`delta_rule_mixing`, then :func:`conv_composed_mixing` with the SiLU slope of the value
@@ -348,6 +392,7 @@ def gated_delta_net_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: 
         conv_weight: (C, K) the value channels' depthwise kernel.
         target_scale: (B, T, C) :func:`gated_rmsnorm_scale` with ``norm_before_gate=True``, or ``None``.
         conv_bias: (C,) or ``None`` (Qwen3-Next's convolution has none).
+        rows: a tile of targets, as :func:`conv_composed_mixing`.
 
     Returns:
         ``(G, no_token)`` as :func:`conv_composed_mixing`.
@@ -364,12 +409,13 @@ def gated_delta_net_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: 
         (1, 4, 4, 4)
     """
     mixing = delta_rule_mixing(query, key, beta, log_decay)
-    return conv_composed_mixing(mixing, silu_slope(value_pre_activation), conv_weight, target_scale, conv_bias)
+    return conv_composed_mixing(mixing, silu_slope(value_pre_activation), conv_weight, target_scale, conv_bias, rows)
 
 
 def mamba2_mixing(dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], x_pre_activation: Tensor,
                   conv_weight: Tensor, target_scale: Optional[Tensor] = None,
-                  conv_bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+                  conv_bias: Optional[Tensor] = None,
+                  rows: Optional[slice] = None) -> Tuple[Tensor, Optional[Tensor]]:
     r"""Per-channel mixing :math:`G` of a Mamba-2 mixer over its pre-convolution ``x`` channels.
 
     :func:`ssd_mixing` (with ``D`` as the :math:`s = t` term), then :func:`conv_composed_mixing`
@@ -387,6 +433,7 @@ def mamba2_mixing(dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tenso
         conv_weight: (C, K) the ``x`` channels' depthwise kernel.
         target_scale: (B, T, C) :func:`gated_rmsnorm_scale` with ``norm_before_gate=False``, or ``None``.
         conv_bias: (C,) the ``x`` channels' convolution bias, or ``None``.
+        rows: a tile of targets, as :func:`conv_composed_mixing`.
 
     Returns:
         ``(G, no_token)`` as :func:`conv_composed_mixing`.
@@ -401,4 +448,4 @@ def mamba2_mixing(dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tenso
         ((1, 4, 4, 6), (1, 4, 6))
     """
     mixing = ssd_mixing(dt, A, B, C, D)
-    return conv_composed_mixing(mixing, silu_slope(x_pre_activation), conv_weight, target_scale, conv_bias)
+    return conv_composed_mixing(mixing, silu_slope(x_pre_activation), conv_weight, target_scale, conv_bias, rows)

@@ -173,16 +173,17 @@ def test_gated_delta_net_reproduces_the_transformers_module(length):
     assert _rel(apply_channel_mixing(bare, u), core64.reshape(x.shape[0], length, -1)) < 1e-12
 
 
-def test_delta_rule_mixing_is_the_recurrence():
-    r"""M applied to arbitrary values equals the state recurrence written out step by step."""
+@pytest.mark.parametrize("block", [1, 5, 64])
+def test_delta_rule_mixing_is_the_recurrence(block):
+    r"""M applied to arbitrary values equals the state recurrence written out step by step (any block size)."""
     g = torch.Generator().manual_seed(5)
-    bsz, length, heads, d, dv = 2, 12, 3, 5, 4
+    bsz, length, heads, d, dv = 2, 13, 3, 5, 4
     q = F.normalize(torch.randn(bsz, length, heads, d, dtype=DT, generator=g), dim=-1)
     k = F.normalize(torch.randn(bsz, length, heads, d, dtype=DT, generator=g), dim=-1)
     beta = torch.rand(bsz, length, heads, dtype=DT, generator=g)
     log_decay = -torch.rand(bsz, length, heads, dtype=DT, generator=g)
     v = torch.randn(bsz, length, heads, dv, dtype=DT, generator=g)
-    M = delta_rule_mixing(q, k, beta, log_decay, scale=0.7)
+    M = delta_rule_mixing(q, k, beta, log_decay, scale=0.7, block=block)
     state = torch.zeros(bsz, heads, d, dv, dtype=DT)
     for t in range(length):
         state = state * log_decay[:, t].exp()[..., None, None]
@@ -331,3 +332,16 @@ def test_shape_errors_are_actionable():
         delta_rule_mixing(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 3), torch.zeros(1, 3, 3))
     with pytest.raises(ValueError, match="conv_weight"):
         conv_composed_mixing(torch.zeros(1, 2, 3, 3), torch.zeros(1, 3, 4), torch.zeros(3, 2))
+
+
+def test_target_tiles_concatenate_to_the_whole():
+    r"""G computed per tile of targets (the way to bound its T x S x C memory) equals the whole G."""
+    mod = _mamba_module(seed=12)
+    x = torch.randn(1, 10, 16, dtype=DT, generator=torch.Generator().manual_seed(13))
+    _, core, gate = _record_norm_input(mod, x)
+    rec, u = _mamba_record(mod, x, core, gate)
+    whole, whole_n = mamba2_mixing(**rec)
+    tiles = [mamba2_mixing(**rec, rows=slice(lo, lo + 4)) for lo in range(0, 10, 4)]
+    assert torch.equal(torch.cat([g for g, _ in tiles], 1), whole)
+    assert torch.equal(torch.cat([n for _, n in tiles], 1), whole_n)
+    assert _rel(apply_channel_mixing(tiles[1][0], u, tiles[1][1]), apply_channel_mixing(whole, u, whole_n)[:, 4:8]) < 1e-15
