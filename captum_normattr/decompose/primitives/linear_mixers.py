@@ -98,7 +98,11 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
         M[t, s] = \beta_s\, k_s^\top A_{s+1} A_{s+2} \cdots A_t\, \tilde q_t, \qquad
         A_r = \alpha_r (I - \beta_r k_r k_r^\top)
 
-    (:math:`A_r` is symmetric). It is computed backwards over blocks of sources
+    (:math:`A_r` is symmetric). Kimi Delta Attention (KDA, Kimi Linear) decays each key channel
+    by its own gate, :math:`S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{diag}(\alpha_t) S_{t-1} +
+    \beta_t k_t v_t^\top`: then :math:`A_r = (I - \beta_r k_r k_r^\top)\mathrm{diag}(\alpha_r)` and
+    :math:`M[t, s] = \beta_s\, \tilde q_t^\top A_t \cdots A_{s+1} k_s` (pass a (B, T, H, d_k)
+    ``log_decay``). It is computed backwards over blocks of sources
     :math:`[s_0, s_1)`: a (B, H, T, d_k) buffer holds :math:`A_{s_1} \cdots A_t \tilde q_t` for
     every later target; the block's columns are :math:`\beta_s y_s \cdot` that buffer with
     :math:`y_s = A_{s_1-1} \cdots A_{s+1} k_s`, the targets inside the block come from a
@@ -113,7 +117,8 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
         beta: (B, T, H) the writing strength :math:`\beta = \sigma(b)`, one per value head
             (``H`` a multiple of ``H_k``: each query/key head serves ``H // H_k`` consecutive
             value heads, as ``repeat_interleave`` in the kernel).
-        log_decay: (B, T, H) :math:`g_t \le 0` (:math:`\alpha_t = e^{g_t}`).
+        log_decay: (B, T, H) :math:`g_t \le 0` (:math:`\alpha_t = e^{g_t}`), or (B, T, H, d_k) for
+            a per-key-channel decay (KDA).
         scale: the query scaling; default :math:`d_k^{-1/2}` as in the kernel.
         block: sources per block (any value gives the same numbers up to rounding).
 
@@ -133,9 +138,9 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
         raise ValueError(f"query and key must both be (B, T, H_k, d_k); got {tuple(query.shape)} and {tuple(key.shape)}")
     batch, length, key_heads, key_dim = key.shape
     heads = beta.shape[-1]
-    if beta.shape != (batch, length, heads) or log_decay.shape != beta.shape:
-        raise ValueError(f"beta and log_decay must both be (B, T, H) = {(batch, length, heads)}; "
-                         f"got {tuple(beta.shape)} and {tuple(log_decay.shape)}")
+    if beta.shape != (batch, length, heads) or log_decay.shape not in (beta.shape, (*beta.shape, key_dim)):
+        raise ValueError(f"beta must be (B, T, H) = {(batch, length, heads)} and log_decay (B, T, H) or "
+                         f"(B, T, H, d_k); got {tuple(beta.shape)} and {tuple(log_decay.shape)}")
     if heads % key_heads:
         raise ValueError(f"{heads} value heads are not a multiple of {key_heads} key heads")
     if heads != key_heads:
@@ -147,9 +152,10 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
     q = (query * scale).transpose(1, 2).contiguous()  # (B, H, T, d_k); contiguous: strided views make the
     k = key.transpose(1, 2).contiguous()  # small products below orders of magnitude slower
     b = beta.transpose(1, 2).contiguous()  # (B, H, T)
-    alpha = log_decay.transpose(1, 2).exp().contiguous()
+    # (B, H, T, 1) for a scalar decay per head, (B, H, T, d_k) for a per-channel one (KDA)
+    alpha = (log_decay if log_decay.dim() == 4 else log_decay.unsqueeze(-1)).transpose(1, 2).exp().contiguous()
     mixing = q.new_zeros(batch, heads, length, length)
-    # carried[..., t, :] = A_{s1} ... A_t q_t for every target t >= s1 of the blocks done so far.
+    # carried[..., t, :] = A_{s1}^T ... A_t^T q_t for every target t >= s1 of the blocks done so far.
     carried = q.clone()
     eye = torch.eye(key_dim, dtype=q.dtype, device=q.device)
     for s0 in range(((length - 1) // block) * block, -1, -block):
@@ -159,17 +165,17 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
         local = carried[:, :, s0:s1].clone()
         mixing[:, :, s0:s1, s0:s1] = _delta_rule_sweep(local, kb, bb, ab)  # local_t <- A_{s0} ... A_t q_t
         if s1 < length:
-            # y_s = A_{s1-1} ... A_{s+1} k_s and P = A_{s0} ... A_{s1-1}, by rank-one steps
+            # y_s = A_{s1-1} ... A_{s+1} k_s and P = A_{s0}^T ... A_{s1-1}^T, by rank-one steps
             y = kb.clone()
             product = eye.expand(batch, heads, key_dim, key_dim).clone()
             for r in range(s1 - s0):
-                k_r, b_r, a_r = kb[:, :, r], bb[:, :, r, None], ab[:, :, r, None, None]
+                k_r, b_r, a_r = kb[:, :, r], bb[:, :, r, None], ab[:, :, r].unsqueeze(2)  # a_r: (B, H, 1, d_k | 1)
                 head = y[:, :, :r]
+                head.mul_(a_r)  # A_r y = (I - beta_r k_r k_r^T)(alpha_r * y)
                 head.sub_(b_r.unsqueeze(-1) * (head @ k_r.unsqueeze(-1)) * k_r.unsqueeze(2))
-                head.mul_(a_r)
-                pk = product @ k_r.unsqueeze(-1)  # (B, H, d_k, 1)
-                product = a_r * (product - b_r.unsqueeze(-1) * pk * k_r.unsqueeze(-2))
-            # targets after the block: M[t, s] = beta_s y_s . (A_{s1} ... A_t q_t)
+                product = product * a_r  # P A_r^T = (P diag(alpha_r)) (I - beta_r k_r k_r^T)
+                product = product - b_r.unsqueeze(-1) * (product @ k_r.unsqueeze(-1)) * k_r.unsqueeze(-2)
+            # targets after the block: M[t, s] = beta_s y_s . (A_{s1}^T ... A_t^T q_t)
             mixing[:, :, s1:, s0:s1] = (carried[:, :, s1:] @ y.transpose(-1, -2)) * bb.unsqueeze(2)
             carried[:, :, s1:] = carried[:, :, s1:] @ product.transpose(-1, -2)
         carried[:, :, s0:s1] = local
@@ -177,17 +183,17 @@ def delta_rule_mixing(query: Tensor, key: Tensor, beta: Tensor, log_decay: Tenso
 
 
 def _delta_rule_sweep(carried: Tensor, k: Tensor, b: Tensor, alpha: Tensor) -> Tensor:
-    r"""M[t, s] for targets and sources of one block; ``carried`` (queries in) becomes A_first..A_t q_t."""
+    r"""M[t, s] for targets and sources of one block; ``carried`` (queries in) becomes A_first^T..A_t^T q_t."""
     length = k.shape[2]
     mixing = k.new_zeros(*k.shape[:2], length, length)
-    # carried[..., t, :] = A_{s+1} ... A_t q_t for every target t >= s (untouched for t < s).
+    # carried[..., t, :] = A_{s+1}^T ... A_t^T q_t for every target t >= s (untouched for t < s).
     for s in range(length - 1, -1, -1):
         k_s = k[:, :, s]  # (B, H, d_k)
         tail = carried[:, :, s:]  # (B, H, T - s, d_k), a view
         along = (tail @ k_s.unsqueeze(-1)).squeeze(-1)  # k_s^T A_{s+1..t} q_t
         mixing[:, :, s:, s] = b[:, :, s, None] * along
-        # carried_t <- A_s carried_t = alpha_s (carried_t - beta_s k_s (k_s^T carried_t))
-        tail.sub_((b[:, :, s, None] * along).unsqueeze(-1) * k_s.unsqueeze(2)).mul_(alpha[:, :, s, None, None])
+        # carried_t <- A_s^T carried_t = alpha_s * (carried_t - beta_s k_s (k_s^T carried_t))
+        tail.sub_((b[:, :, s, None] * along).unsqueeze(-1) * k_s.unsqueeze(2)).mul_(alpha[:, :, s].unsqueeze(2))
     return mixing
 
 

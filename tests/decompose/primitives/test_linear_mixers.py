@@ -30,6 +30,7 @@ from captum_normattr.decompose.primitives.linear_mixers import (
 )
 
 transformers = pytest.importorskip("transformers")
+from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
@@ -193,6 +194,27 @@ def test_delta_rule_mixing_is_the_recurrence(block):
         got = torch.einsum("bhs,bshv->bhv", M[:, :, t], v)
         assert _rel(got, want) < 1e-12
     assert torch.all(M.triu(1) == 0)
+
+
+@pytest.mark.parametrize("block", [1, 4, 64])
+def test_kda_per_channel_decay_equals_the_kimi_kernels(block):
+    r"""Kimi Delta Attention (a decay per key channel): M against transformers' recurrent and chunked KDA."""
+    g = torch.Generator().manual_seed(14)
+    bsz, length, heads, d, dv = 2, 21, 2, 6, 3
+    q = F.normalize(torch.randn(bsz, length, heads, d, dtype=DT, generator=g), dim=-1)
+    k = F.normalize(torch.randn(bsz, length, heads, d, dtype=DT, generator=g), dim=-1)
+    beta = torch.rand(bsz, length, heads, dtype=DT, generator=g)
+    log_decay = -torch.rand(bsz, length, heads, d, dtype=DT, generator=g)
+    v = torch.randn(bsz, length, heads, dv, dtype=DT, generator=g)
+    M = delta_rule_mixing(q, k, beta, log_decay, block=block)
+    got = torch.einsum("bhts,bshv->bthv", M, v)
+    with _float32_lifted(modeling_kimi_linear):
+        recurrent, _ = modeling_kimi_linear.recurrent_kimi_delta_attention(q, k, v, log_decay, beta, None, False)
+    assert recurrent.dtype == DT and _rel(got, recurrent) < 1e-12
+    # scalar decay given per channel is the scalar decay
+    scalar = -torch.rand(bsz, length, heads, dtype=DT, generator=g)
+    assert _rel(delta_rule_mixing(q, k, beta, scalar.unsqueeze(-1).expand(-1, -1, -1, d), block=block),
+                delta_rule_mixing(q, k, beta, scalar, block=block)) < 1e-13
 
 
 # ---------------------------------------------------------------------------------------------------- Mamba-2
