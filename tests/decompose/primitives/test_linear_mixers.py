@@ -9,7 +9,10 @@ Three checks per mixer, all float64:
   coefficients recomputed from the module's weights and its gated norm's input recorded by a hook:
   (a) as the module runs, whose kernels cast to float32, at a tolerance from float32's epsilon;
   (b) with those float32 casts promoted to float64 for the call, to 1e-12 relative;
-* the primitive's G is causal and the chunked kernel is covered (sequences longer than a chunk).
+* M applied to values equals the recurrence written step by step, and for Kimi Delta Attention
+  (a decay per key channel) transformers' own ``recurrent_kimi_delta_attention``;
+* G is causal, target tiles of G concatenate to the whole, and the chunked kernels are covered
+  (sequences longer than a chunk); Qwen3.5's ``Qwen3_5GatedDeltaNet`` as well as Qwen3-Next's.
 """
 import contextlib
 import types
@@ -32,6 +35,7 @@ from captum_normattr.decompose.primitives.linear_mixers import (
 transformers = pytest.importorskip("transformers")
 from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
+from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 DT = torch.float64
@@ -93,8 +97,12 @@ def _gdn_module(seed: int = 0, key_heads: int = 2, value_heads: int = 4):
 def _gdn_record(mod, x, core, gate):
     r"""Every coefficient of the real forward, recomputed from the module's weights as its forward does."""
     bsz, length, _ = x.shape
-    q, k, v, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x), mod.in_proj_ba(x))
-    q, k, u = (t.reshape(bsz, length, -1) for t in (q, k, v))
+    if hasattr(mod, "in_proj_qkvz"):  # Qwen3-Next: head-interleaved fused projections
+        q, k, v, _, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x), mod.in_proj_ba(x))
+        q, k, u = (t.reshape(bsz, length, -1) for t in (q, k, v))
+    else:  # Qwen3.5: one projection per part
+        q, k, u = mod.in_proj_qkv(x).split([mod.key_dim, mod.key_dim, mod.value_dim], -1)
+        b, a = mod.in_proj_b(x), mod.in_proj_a(x)
     weight = mod.conv1d.weight[:, 0]
     pre = _causal_conv(torch.cat([q, k, u], -1), weight, mod.conv1d.bias)
     pq, pk, pv = pre.split([mod.key_dim, mod.key_dim, mod.value_dim], -1)
@@ -172,6 +180,30 @@ def test_gated_delta_net_reproduces_the_transformers_module(length):
     # the core itself (before the norm) from the unscaled mixing
     bare, _ = gated_delta_net_mixing(**{**rec64, "target_scale": None})
     assert _rel(apply_channel_mixing(bare, u), core64.reshape(x.shape[0], length, -1)) < 1e-12
+
+
+def test_qwen3_5_gated_delta_net_reproduces_the_transformers_module():
+    r"""Qwen3.5's layer (separate q/k/v, z, b, a projections) is the same mixer: exact with the casts lifted."""
+    cfg = transformers.Qwen3_5TextConfig(
+        hidden_size=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1, layer_types=["linear_attention"],
+        rms_norm_eps=1e-6, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=16)
+    torch.manual_seed(15)
+    mod = modeling_qwen3_5.Qwen3_5GatedDeltaNet(cfg, layer_idx=0).to(DT).eval()
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn_like(p) * 0.4)
+        mod.A_log.copy_(torch.rand_like(mod.A_log) * 2 - 1.5)
+    x = torch.randn(2, 66, 24, dtype=DT, generator=torch.Generator().manual_seed(16))
+    out, core, gate = _record_norm_input(mod, x)
+    rec, u = _gdn_record(mod, x, core, gate)
+    G, no_token = gated_delta_net_mixing(**rec)
+    assert _rel(mod.out_proj(apply_channel_mixing(G, u, no_token)), out) < 200 * torch.finfo(torch.float32).eps
+    with _float32_lifted(modeling_qwen3_5):
+        out64, core64, gate64 = _record_norm_input(mod, x)
+        rec64, u = _gdn_record(mod, x, core64, gate64)
+    G64, no_token = gated_delta_net_mixing(**rec64)
+    assert _rel(mod.out_proj(apply_channel_mixing(G64, u, no_token)), out64) < 1e-12
 
 
 @pytest.mark.parametrize("block", [1, 5, 64])
