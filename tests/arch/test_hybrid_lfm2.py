@@ -217,3 +217,17 @@ def test_mixer_descriptions_are_validated():
         replace(LFM2_SHORT_CONV, value=ValueProjection("conv.in_proj"))
     with pytest.raises(ValueError, match="mixer_types"):
         replace(LFM2, layer=replace(LFM2.layer, mixer_types=None))
+
+
+@pytest.mark.parametrize("last", ["conv", "full_attention"])
+def test_routes_head_tables_span_layers_with_different_head_counts(last):
+    r"""A conv layer has one head per channel (24), an attention layer 4: the (L, H) tables take the largest and an
+    attention layer's columns past its 4 heads stay 0, whichever layer runs last."""
+    model = build_hybrid("lfm2", "lm", layer_types=["conv", "full_attention", "conv", last])
+    ids = torch.randint(3, 50, (1, 6), generator=torch.Generator().manual_seed(0))
+    for granularity in ("token", "head"):
+        g = InformationFlowRoutes(model).attribute(ids, threshold=0.0, granularity=granularity)
+        assert g.num_heads == 24
+        for table in (g.head_importance(), g.head_flow()):
+            assert table.shape == (4, 24) and float(table[1, 4:].abs().max()) == 0 and float(table[0].sum()) > 0
+        assert len(g.top_heads(3)) == 3
