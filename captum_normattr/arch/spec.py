@@ -37,7 +37,7 @@ Examples::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Tuple
 
 __all__ = [
@@ -53,7 +53,9 @@ __all__ = [
     "IMAGE_READOUTS",
     "ImageClassifierHead",
     "Inputs",
+    "FUNCTIONAL_ACT",
     "Layer",
+    "MIXER_KINDS",
     "Norm",
     "TOPOLOGIES",
     "ValueProjection",
@@ -100,6 +102,18 @@ VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", 
 #: ``output_attentions=True``: the capture asks for them and records the value projection's
 #: output as the values).
 PROBABILITY_SOURCES: Tuple[str, ...] = ("interface", "returned", "module_output")
+#: The prefix of a :attr:`FeedForward.act` that names a function of ``torch.nn.functional``.
+FUNCTIONAL_ACT = "torch.nn.functional."
+#: The token mixers a layer's mixing branch (:class:`Attention`) can be: ``softmax`` (attention
+#: probabilities recorded as :data:`PROBABILITY_SOURCES` says) and ``short_conv`` (LFM2's gated
+#: short convolution, y_t = C_t * sum_k w_k * B_{t-k} * x_{t-k}: with the gates B and C recorded
+#: from the real forward pass, a per-channel mixing tensor G[c, t, s] = C_{t,c} w_{t-s,c} B_{s,c}
+#: applied to the value channels x_s, recorded as attention with one head per channel and head
+#: size 1; ``docs/frontier.md``, "Short-convolution mixers"). The extension point for the
+#: linear-attention and state-space mixers: a mixer kind whose capture builds its per-channel mixing
+#: tensor (B, C, T, S) from the recorded coefficients and its value channels (B, C, S, 1) is
+#: decomposed by every layer kind unchanged (a no-token term per target is not expressed yet).
+MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -109,6 +123,15 @@ PROBABILITY_SOURCES: Tuple[str, ...] = ("interface", "returned", "module_output"
 #: - ``parallel``: y = x + Attn(N1(x)) + FF(N2(x)), both branches on the layer input
 #:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere).
 TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel")
+
+
+def _has_path(module: Any, path: str) -> bool:
+    r"""True when the dotted attribute ``path`` exists on ``module``."""
+    for part in path.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True
 
 
 class UnsupportedModelError(ValueError):
@@ -218,6 +241,11 @@ class Attention:
             p_ij = exp(z_ij) / (sum_k exp(z_ik) + exp(s_h)), so the probabilities over the tokens
             sum to less than 1 (the sink's mass goes nowhere); the recording attention computes
             them so, and every method is exact with them (``docs/frontier.md``, "Attention sinks").
+        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default) or ``short_conv`` (``module``
+            is the short-convolution block, ``value`` its input projection's value slice
+            ``ValueProjection(in_proj, "fused", index=2, count=3)`` for [B | C | x], ``conv`` the
+            causal depthwise ``Conv1d``, ``out`` the output projection).
+        conv: the causal depthwise convolution of a ``short_conv`` mixer (its kernel w[c, k]), from the layer.
     """
 
     module: str
@@ -230,8 +258,18 @@ class Attention:
     multiplier: Optional[str] = None
     probabilities: str = "interface"
     sinks: Optional[str] = None
+    mixer: str = "softmax"
+    conv: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.mixer not in MIXER_KINDS:
+            raise ValueError(f"Attention {self.module!r}: mixer must be one of {MIXER_KINDS}, got {self.mixer!r}")
+        if (self.mixer == "short_conv") != (self.conv is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv mixer (and only it) names its conv")
+        if self.mixer == "short_conv" and (self.value is None or self.value.layout != "fused" or self.value.count != 3
+                                           or self.sinks is not None or self.softcap is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv mixer reads its values as slice index of a fused "
+                             "[B | C | x] input projection (layout 'fused', count 3), without sinks or soft-caps")
         if self.sinks is not None and self.probabilities != "interface":
             raise ValueError(f"Attention {self.module!r}: sinks are applied by the recording attention function "
                              "(probabilities='interface')")
@@ -311,7 +349,8 @@ class FeedForward:
     Attributes:
         up: the first projection W_up (W1); for ``fused_gate_up``, the one projection
             whose output is both halves (Phi-3's ``gate_up_proj``).
-        act: the activation (a module or callable attribute).
+        act: the activation (a module or callable attribute), or ``"torch.nn.functional.<name>"`` for a
+            feed-forward that calls torch's function itself (LFM2: ``F.silu``, :data:`FUNCTIONAL_ACT`).
         down: the output projection W_down (W2); its output is FF(u).
         gate: the gate projection of a gated FF, or None.
         kind: one of :data:`FF_KINDS` (None: ``gated`` with a gate, else ``plain``).
@@ -368,6 +407,10 @@ class Layer:
         cross_attention: the cross-attention branch of an encoder-decoder's decoder layer
             (one more :class:`Attention`, run between the self-attention and the
             feed-forward, its keys and values from the encoder output), or None.
+        mixers: a hybrid model's other token mixers, ``(layer type, Attention)``: a layer whose
+            type (``config.<mixer_types>[i]``) is listed runs that mixer instead of ``attention``
+            (LFM2: ``(("conv", short_conv),)``); the norms and the feed-forward are the same.
+        mixer_types: the config attribute listing each layer's type (LFM2: ``"layer_types"``), or None.
     """
 
     attention: Attention
@@ -375,6 +418,8 @@ class Layer:
     parallel: bool = False
     stream_norms: Tuple[Norm, ...] = ()
     cross_attention: Optional[Attention] = None
+    mixers: Tuple[Tuple[str, Attention], ...] = ()
+    mixer_types: Optional[str] = None
 
     def branches(self) -> Tuple[Tuple[str, Any], ...]:
         r"""(name, branch) in the order the layer runs them: self-attention, cross-attention, feed-forward."""
@@ -599,6 +644,9 @@ class ArchitectureSpec:
             raise ValueError(f"{self.family}: modality must be 'text' or 'image', got {self.modality!r}")
 
     def _check_layer(self, lay: Layer) -> None:
+        if bool(lay.mixers) != (lay.mixer_types is not None):
+            raise ValueError(f"{self.family}: a hybrid layer names its mixers and the config attribute of the layer "
+                             "types (mixer_types) together")
         if lay.stream_norms and (any(b.pre_norm for _, b in lay.branches()) or lay.parallel):
             raise ValueError(f"{self.family}: a post-LN layer (stream_norms) has no branch pre-norms and no parallel branches")
         if lay.stream_norms and len(lay.stream_norms) != len(lay.branches()):
@@ -621,6 +669,38 @@ class ArchitectureSpec:
             if branch.multiplier is not None and (branch.post_norm is not None or branch.scale is not None):
                 raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
                                  "or a layer scale (it is folded into the output projection)")
+
+    # --- hybrid layers: one mixer per layer -------------------------------------------
+    def for_layer(self, layer: Any = None, layer_type: Optional[str] = None) -> "ArchitectureSpec":
+        r"""This description with the mixer of one layer of a hybrid model as its attention branch.
+
+        Args:
+            layer: the layer module (the mixer whose module it has is chosen when ``layer_type``
+                is None), or None.
+            layer_type: the layer's entry of ``config.<mixer_types>``, or None.
+
+        Returns:
+            ``self`` for a model with one mixer (or a layer of the default mixer's type); else a copy
+            whose :attr:`Layer.attention` is the layer's mixer and without other mixers.
+
+        Raises:
+            ValueError: the layer's type names no mixer and the layer lacks the default mixer's module.
+        """
+        lay = self.layer
+        if not lay.mixers:
+            return self
+        chosen = dict(lay.mixers).get(layer_type) if layer_type is not None else None
+        if chosen is None and layer is not None and layer_type is None:
+            for _, mixer in lay.mixers:
+                if _has_path(layer, mixer.module) and not _has_path(layer, lay.attention.module):
+                    chosen = mixer
+                    break
+        if chosen is None:
+            if layer is not None and not _has_path(layer, lay.attention.module):
+                raise ValueError(f"{self.family}: layer of type {layer_type!r} has neither the attention module "
+                                 f"{lay.attention.module!r} nor one of the mixers {[m.module for _, m in lay.mixers]}")
+            chosen = lay.attention
+        return replace(self, layer=replace(lay, attention=chosen, mixers=(), mixer_types=None))
 
     # --- the stacks and the topology --------------------------------------------------
     @property
@@ -786,6 +866,8 @@ class ArchitectureSpec:
             out.append("attention soft-cap")
         if lay.attention.sinks:
             out.append("attention sinks")
+        for _, mixer in lay.mixers:
+            out.append({"short_conv": "gated short-convolution mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
         if lay.attention.probabilities == "returned":
             out.append("attention inside its module")
         if self.head.final_softcap:

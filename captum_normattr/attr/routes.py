@@ -91,8 +91,9 @@ class RouteGraph:
             f = flow.get(e["target"], 0.0)
             if e["kind"] == "head":
                 tot[e["layer"], e["head"]] += f * e["importance"]
-            elif e["kind"] == "attention":
-                tot[e["layer"]] += f * torch.tensor(e["head_importances"], dtype=torch.float64)
+            elif e["kind"] == "attention":  # a hybrid's layers may have fewer heads than num_heads
+                per_head = torch.tensor(e["head_importances"], dtype=torch.float64)
+                tot[e["layer"], :per_head.numel()] += f * per_head
         return tot
 
     def top_heads(self, k: int = 5, by: str = "flow") -> List[Tuple[int, int, float]]:
@@ -308,7 +309,7 @@ class InformationFlowRoutes:
             checkpoints.append(layer.hidden_in)
             ff = ff_edge_importances(layer.ln2_in[0], layer.ff_out[0], layer.layer_out[0])
             ff_imp.append(ff * valid[0, :, None].to(ff.dtype))
-            top["heads"] = layer.num_heads
+            top["heads"] = max(top.get("heads", 0), layer.num_heads)  # hybrid models: the largest head count
             top["dtype"] = str(layer.hidden_in.dtype).replace("torch.", "")
             if layer.index == n_layers - 1:  # the top layer is needed first: keep it, no rerun
                 top["layer"] = layer

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.arch.spec import ArchitectureSpec, ValueProjection
+from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError, ValueProjection
 from captum_normattr.attr.base import DecompositionAttribution, format_output
 from captum_normattr.attr.images import image_extras, pixel_attributions
 from captum_normattr.attr.inputs import explained_positions, prepare_inputs
@@ -462,6 +462,11 @@ class ValueZeroingAttribution(DecompositionAttribution):
         strict: bool = False,
     ) -> None:
         self.adapter = get_adapter(model)
+        if self.adapter.layer.mixers:  # a hybrid model (LFM2): its other mixers have no value vectors to zero
+            raise UnsupportedModelError(
+                f"Value Zeroing is not supported for {self.adapter.family}: its layers mix tokens with other mixers "
+                f"({', '.join(m.mixer for _, m in self.adapter.layer.mixers)}) beside attention, whose value rerun "
+                "is not implemented; use ALTI, GlobEnc, DecompX or ALTI-Logit, which decompose every mixer")
         if self.adapter.layer.attention.value is None:
             raise ValueError(
                 f"Value Zeroing needs the value projection of the {self.adapter.family} layers, which its architecture "

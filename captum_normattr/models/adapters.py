@@ -35,6 +35,7 @@ __all__ = [
     "get_adapter",
     "require_loaded_model",
     "get_path",
+    "layer_adapters",
     "layer_modules",
     "layer_scale",
     "linear_params",
@@ -457,6 +458,28 @@ def layer_modules(model: nn.Module, adapter: ArchitectureSpec):
     return list(get_path(base_model(model), adapter.layers))
 
 
+def layer_adapters(model: nn.Module, adapter: ArchitectureSpec, layers: Optional[list] = None) -> list:
+    r"""Each layer's description: for a hybrid model (:attr:`~captum_normattr.arch.spec.Layer.mixers`) the layer's
+    own mixer as its attention branch, chosen by ``config.<mixer_types>[i]``; else ``adapter`` for every layer.
+
+    Args:
+        model: the model.
+        adapter: its description.
+        layers: its layer modules (default: :func:`layer_modules`).
+
+    Returns:
+        One :class:`~captum_normattr.arch.spec.ArchitectureSpec` per layer.
+    """
+    layers = layer_modules(model, adapter) if layers is None else layers
+    types_name = adapter.layer.mixer_types
+    if not adapter.layer.mixers or types_name is None:
+        return [adapter] * len(layers)
+    types = getattr(getattr(unwrap_model(model), "config", None), types_name, None)
+    if types is None or len(types) < len(layers):
+        return [adapter.for_layer(layer) for layer in layers]
+    return [adapter.for_layer(layer, types[i]) for i, layer in enumerate(layers)]
+
+
 def linear_params(module: nn.Module, transposed: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     r"""Weight as a right-multiplied (in, out) matrix, and bias.
 
@@ -498,6 +521,7 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
         ValueError: the description names no value projection, or the projection's width
             does not match the head counts of its attention module.
     """
+    adapter = adapter.for_layer(layer)  # a hybrid model: this layer's mixer
     spec = adapter.layer.attention.value
     if spec is None:
         raise ValueError(f"the {adapter.family} description does not name the value projection (attention value)")

@@ -284,6 +284,4 @@ REFUSED: Dict[str, Tuple[str, str]] = {
     "granitemoehybrid": ("Granite 4 (hybrid)", _MAMBA_HYBRID),
     "nemotron_h": ("Nemotron-H", _MAMBA_HYBRID + "; each of its layers is one mixer (Mamba-2, attention or a ReLU² "
                                                  "FF) behind its own norm"),
-    "lfm2": ("LFM2", "gated short-convolution mixer layers (a causal depthwise convolution mixes neighbouring tokens "
-                     "without attention probabilities) beside attention layers"),
 }

@@ -350,11 +350,13 @@ def prune_routes(
 
 def head_importance_totals(edges: Sequence[Dict], num_layers: int, num_heads: int) -> Tensor:
     r"""(L, H) sum of the importances of every kept head edge of each head (token-level edges: their
-    per-head importances)."""
+    per-head importances). A hybrid model's layers have different head counts (LFM2's short-convolution
+    layers: one head per channel): H is the largest, a layer's columns past its own heads stay 0."""
     tot = torch.zeros(num_layers, num_heads, dtype=torch.float64)
     for e in edges:
         if e["kind"] == "head":
             tot[e["layer"], e["head"]] += e["importance"]
         elif e["kind"] == "attention":  # token-level edge: its per-head breakdown
-            tot[e["layer"]] += torch.tensor(e["head_importances"], dtype=torch.float64)
+            per_head = torch.tensor(e["head_importances"], dtype=torch.float64)
+            tot[e["layer"], :per_head.numel()] += per_head
     return tot

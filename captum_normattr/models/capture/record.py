@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.arch.spec import ArchitectureSpec, Norm
+from captum_normattr.arch.spec import FUNCTIONAL_ACT, ArchitectureSpec, Norm
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import get_path, layer_scale, linear_params
@@ -227,7 +227,9 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         if m_ff is not None:  # Granite-MoE: y = h + m * MoE(u), folded into the stacked experts' W_down
             ff = replace(ff, w_out=ff.w_out * m_ff, b_out=_times(ff.b_out, m_ff))
     else:
-        ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), get_path(layer, a.ff_act), cast(w_g), cast(b_g))
+        act = (getattr(torch.nn.functional, a.ff_act[len(FUNCTIONAL_ACT):]) if a.ff_act.startswith(FUNCTIONAL_ACT)
+               else get_path(layer, a.ff_act))  # a feed-forward calling torch's function (LFM2: F.silu)
+        ff = FFParams(cast(w_in), cast(b_in), cast(w_out), cast(b_out), act, cast(w_g), cast(b_g))
     tensors = LayerTensors(
         hidden_in=cast(rec["hidden_in"]),
         probs=cast(rec.get("probs")),

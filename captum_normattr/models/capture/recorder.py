@@ -32,7 +32,8 @@ from captum_normattr.arch.spec import ArchitectureSpec, Norm
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.records import LayerTensors, NormParams
-from captum_normattr.models.adapters import base_model, get_path, layer_modules, value_states
+from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
+from captum_normattr.models.adapters import base_model, get_path, layer_adapters, layer_modules, value_states
 from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, active_recorders
 from captum_normattr.models.capture.record import layer_record, norm_params, record_checks
 from captum_normattr.models.experts import register_expert_hooks
@@ -164,7 +165,10 @@ class Recorder(AttentionRecords):
                 "ALBERT): a layer that runs several times per forward pass is not supported"
             )
         self.base = base_model(model)
-        self._attn_keys = {id(get_path(layer, adapter.attention)): i for i, layer in enumerate(self.layers)}
+        #: each layer's description: a hybrid model's layer with its own mixer as the attention branch
+        self.layer_adapters = layer_adapters(model, adapter, self.layers)
+        self._attn_keys = {id(get_path(layer, la.attention)): i
+                           for i, (layer, la) in enumerate(zip(self.layers, self.layer_adapters))}
         self.records: Dict[int, Dict[str, Tensor]] = {}
         self.versions: Dict[int, Dict[str, Optional[int]]] = {}
         self.checks: Dict[int, Dict[str, Tensor]] = {}
@@ -346,6 +350,7 @@ class Recorder(AttentionRecords):
 
         with LOCK:
             for i, layer in enumerate(self.layers):
+                la = self.layer_adapters[i]  # the layer's own mixer (hybrid models) as its attention branch
 
                 def pre_hook(module, args, kwargs=None, idx=i):  # kwargs=None: see compare_inputs
                     if not self._mine() or kwargs is None:
@@ -379,7 +384,7 @@ class Recorder(AttentionRecords):
                     if norm is not None:  # the norms on the branch outputs that the description has
                         handles.append(get_path(layer, norm.path).register_forward_hook(store(i, key, "both")))
                 if recipe.branch_output is not None:  # the attention branch output as it joins the stream (parallel)
-                    attn_branch = get_path(layer, a.attn_scale if a.attn_scale is not None else a.attn_out)
+                    attn_branch = get_path(layer, la.attn_scale if la.attn_scale is not None else la.attn_out)
                     handles.append(attn_branch.register_forward_hook(keep_output(i, recipe.branch_output)))
                 if a.layer.ff.kind == "experts":  # the routing the experts module is called with, and the shared gate
                     handles.extend(register_expert_hooks(
@@ -388,14 +393,16 @@ class Recorder(AttentionRecords):
                         lambda idx=i: self.records.get(idx, {}).get(recipe.ff_input)))
                 ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
-                handles.append(get_path(layer, a.attention).register_forward_pre_hook(
+                if la.layer.attention.mixer == "short_conv":  # the gates and values from the real forward pass
+                    handles.extend(self._short_conv_hooks(i, layer, la))
+                handles.append(get_path(layer, la.attention).register_forward_pre_hook(
                     compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input, True,
                                    returned), with_kwargs=True))
                 for path in (a.ff_in, a.ff_gate):
                     if path is not None:
                         handles.append(get_path(layer, path).register_forward_pre_hook(compare_inputs(
                             i, "feed-forward input vs " + recipe.ff_input_name, recipe.ff_input, False)))
-                handles.append(get_path(layer, a.attn_out).register_forward_pre_hook(context_check(i)))
+                handles.append(get_path(layer, la.attn_out).register_forward_pre_hook(context_check(i)))
                 if a.layer.attention.probabilities == "module_output":  # DeBERTa: the module computes its attention
                     handles.extend(self._module_output_hooks(layer))
                 handles.append(layer.register_forward_hook(post_hook))
@@ -411,6 +418,53 @@ class Recorder(AttentionRecords):
 
                 handles.append(get_path(self.base, a.final_norm).register_forward_hook(final_hook))
         return handles
+
+    def _short_conv_hooks(self, idx: int, layer: nn.Module, la: ArchitectureSpec) -> list:
+        r"""Hooks that record a gated short-convolution mixer (LFM2) as attention with one head per channel.
+
+        The input projection's real output [B | C | x] gives the gates and the values, the mixer's
+        mask argument the tokens it keeps (padding is zeroed at its input); the per-channel mixing
+        tensor (:func:`~captum_normattr.decompose.primitives.short_conv.short_conv_mixing`) is recorded
+        as the probabilities (B, C, T, T), x as the values (B, C, T, 1) and the output projection's
+        input as the context (B, T, C, 1).
+        """
+        mixer = la.layer.attention
+        module = get_path(layer, mixer.module)
+        got: Dict[str, Any] = {}
+
+        def keep_mask(mod, args, kwargs):
+            if self._mine():
+                got["mask"] = (kwargs or {}).get("attention_mask")
+
+        def keep_projection(mod, args, output):
+            if self._mine():
+                got["bcx"] = _first_tensor(output).detach()
+
+        def keep_context(mod, args):
+            if self._mine() and args and isinstance(args[0], Tensor):
+                got["context"] = args[0].detach()
+
+        def record(mod, args, output):
+            if not self._mine():
+                return
+            bcx, ctx, mask = got.pop("bcx", None), got.pop("context", None), got.pop("mask", None)
+            if bcx is None:
+                raise RuntimeError(f"layer {idx}: the {la.family} short-convolution mixer did not run its input "
+                                   f"projection {mixer.value.path}; the description does not match the model")
+            b_gate, c_gate, x = bcx.chunk(3, dim=-1)
+            b, t, c = x.shape
+            valid = mask.to(torch.bool) if isinstance(mask, Tensor) and mask.dim() == 2 else None
+            probs = None
+            if self.record_probabilities:
+                kernel = get_path(layer, mixer.conv).weight.detach()
+                probs = short_conv_mixing(b_gate, c_gate, kernel.reshape(c, -1), valid)
+            context = None if ctx is None else ctx.reshape(b, t, c, 1)
+            self.record_attention(mod, probs, x.transpose(1, 2).unsqueeze(-1), context)
+
+        return [module.register_forward_pre_hook(keep_mask, with_kwargs=True),
+                get_path(layer, mixer.value.path).register_forward_hook(keep_projection),
+                get_path(layer, mixer.out).register_forward_pre_hook(keep_context),
+                module.register_forward_hook(record)]
 
     def _module_output_hooks(self, layer: nn.Module) -> list:
         r"""Hooks that record the probabilities an attention module computes itself (``probabilities="module_output"``).
@@ -515,7 +569,7 @@ class Recorder(AttentionRecords):
         weights included, on the device the layer's attention ran on); its ``checks`` are the
         hooks' checks and :func:`~captum_normattr.models.capture.record.record_checks`.
         """
-        tensors = layer_record(self.adapter, self.kind, self.layers[idx], self.base, idx, rec, self.dtype)
+        tensors = layer_record(self.layer_adapters[idx], self.kind, self.layers[idx], self.base, idx, rec, self.dtype)
         tensors.checks = self._layer_checks(idx, rec, tensors)
         return tensors
 
