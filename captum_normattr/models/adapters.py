@@ -354,7 +354,8 @@ def _vision_language_adapter(model: nn.Module, description: VisionLanguage) -> A
     inner_type = getattr(inner, "model_type", None)
     text_spec = lookup(inner_type, inner)
     if text_spec is None or not text_spec.causal:
-        why = arch_registry.refusal(inner_type, inner) or "no registered decoder family serves it"
+        why = (f"{text_spec.family} is not a decoder" if text_spec is not None else
+               arch_registry.refusal(inner_type, inner) or "no registered decoder family serves it")
         raise UnsupportedModelError(
             f"captum_normattr cannot attribute {type(model).__name__}: its language model is {inner_type!r} ({why}). "
             f"Supported decoders: {arch_registry.supported_causal_families()}. See docs/vlm.md."

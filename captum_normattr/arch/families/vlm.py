@@ -61,6 +61,12 @@ class VisionLanguage:
         geometry: how the image tokens lie over the image (:data:`GEOMETRIES`).
         text_families: the decoder ``model_type`` values a tiny model of this family was tested
             with (the docs say so); another decoder that the registry describes is used as well.
+        vision_config: the config attribute holding the vision tower's config (its
+            ``image_size`` and ``patch_size`` give the patch grid).
+        strategy: the config attribute naming which tower features become image tokens
+            (``"default"``: the first feature dropped, ``"full"``: all kept).
+        class_token_towers: the vision tower ``model_type`` values whose sequence starts with a
+            [CLS] feature before the patches (CLIP); the others (SigLIP) have patches only.
         notes: for the docs.
     """
 
@@ -72,6 +78,9 @@ class VisionLanguage:
     image_token: Tuple[str, ...] = ("image_token_id", "image_token_index")
     geometry: str = "patch_grid"
     text_families: Tuple[str, ...] = ()
+    vision_config: str = "vision_config"
+    strategy: str = "vision_feature_select_strategy"
+    class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
     notes: str = ""
 
     def __post_init__(self) -> None:
