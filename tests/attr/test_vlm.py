@@ -255,3 +255,31 @@ def test_heat_map_of_a_decomposition(llava):
     for b in range(2):  # every image token's score is on its 16 pixels: the map sums to 16 x the image share
         share = res.scores[b, ids[b] == IMAGE_TOKEN].sum()
         assert torch.allclose(maps[b].sum(), 16 * share, rtol=1e-12, atol=0)
+
+
+def test_two_images_per_prompt(llava):
+    r"""Two images in each prompt (``[1, image, text, image, text]``): complete, padded batch = singles, two maps each."""
+    g = torch.Generator().manual_seed(10)
+    n = image_tokens()
+    rows = [torch.cat([torch.tensor([1]), torch.full((n,), IMAGE_TOKEN), torch.randint(3, 60, (k,), generator=g),
+                       torch.full((n,), IMAGE_TOKEN), torch.randint(3, 60, (2,), generator=g)]) for k in (1, 4)]
+    t_len = max(len(r) for r in rows)
+    ids = torch.zeros(2, t_len, dtype=torch.long)
+    mask = torch.zeros(2, t_len, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, t_len - len(r):], mask[i, t_len - len(r):] = r, 1
+    pixels = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64)  # images of example 0, then of example 1
+    t = torch.tensor([5, 6])
+    attr = ALTILogitAttribution(llava)
+    res = attr.decompose(ids, t, {"attention_mask": mask, "pixel_values": pixels})
+    real = _real(llava, ids, mask, pixels)[[0, 1], t]
+    assert ((res.scores.sum(-1) + res.no_token_total - real).abs() / real.abs().max()).max() < 1e-10
+    for b in range(2):
+        keep = mask[b].bool()
+        alone = attr.decompose(ids[b:b + 1, keep], t[b:b + 1], {"attention_mask": mask[b:b + 1, keep],
+                                                               "pixel_values": pixels[2 * b:2 * b + 2]})
+        assert (res.scores[b, keep] - alone.scores[0]).abs().max() / alone.scores.abs().max() < 1e-10
+    found = image_scores(res, ids, llava)
+    assert found.example.tolist() == [0, 0, 1, 1]
+    first = res.scores[1, ids[1] == IMAGE_TOKEN][:n]  # example 1's first image: its first n image tokens
+    assert torch.equal(found.grids[2].flatten(), first)
