@@ -263,8 +263,9 @@ def prepare_inputs(
     if embeds is not None:
         finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
     further = {k: v.to(device=device) for k, v in given.items() if k not in FORWARD_KEYWORDS and v is not None}
+    description = vision_language(model)
     return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite,
-                          position_ids, further)
+                          position_ids, further, description is not None and description.positions == "model")
 
 
 def is_integer(t: Tensor) -> bool:

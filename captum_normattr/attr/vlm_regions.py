@@ -15,6 +15,9 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
   sequence's first feature (CLIP's [CLS]; with SigLIP, the first patch, whose pixels then get NaN),
   ``"full"`` keeps it (CLIP's [CLS] score is returned apart, :attr:`ImageScores.leading`). With
   ``image_sizes`` (a Pixtral-like tower of any size) each image's grid is its own (h / p) x (w / p).
+- ``"merged_grid"`` (Qwen2-VL): each image's ``image_grid_thw`` (1, h, w) patches, every m x m block
+  (``spatial_merge_size``) merged into one token, the tokens row by row over (h / m) x (w / m); a
+  token covers (p m) x (p m) pixels.
 
 The pure functions (:func:`grid_scores`, :func:`patches_to_pixels`) take the geometry as numbers
 and are what the synthetic-grid tests check; :func:`image_scores` and :func:`image_heatmaps` read
@@ -92,7 +95,8 @@ def _as_int(value: Any, what: str) -> int:
     return int(value)
 
 
-def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None) -> ImageGeometry:
+def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
+                   image_grid_thw: Optional[Tensor] = None) -> ImageGeometry:
     r"""The image-token geometry of a vision-language model, from its config and its family's description.
 
     Args:
@@ -100,6 +104,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None) -> Im
         image_sizes: (n_images, 2) heights and widths in pixels, for a tower whose grid follows the
             image (the ``image_sizes`` the processor gives); None: the tower's square
             ``vision_config.image_size``.
+        image_grid_thw: (n_images, 3) Qwen2-VL's patches per image (frames, rows, columns), as the
+            processor gives them (the ``"merged_grid"`` geometry needs them).
 
     Returns:
         :class:`ImageGeometry`.
@@ -120,6 +126,15 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None) -> Im
     token = next((getattr(config, n) for n in description.image_token if getattr(config, n, None) is not None), None)
     vision = getattr(config, description.vision_config, None)
     p = _as_int(getattr(vision, "patch_size", None), f"{description.vision_config}.patch_size")
+    token = _as_int(token, "image token id")
+    if description.geometry == "merged_grid":  # Qwen2-VL: m x m patches merged into one token, no [CLS]
+        if image_grid_thw is None:
+            raise ValueError(f"{description.family}'s image grids are per image: pass image_grid_thw (the processor's)")
+        m = _as_int(getattr(vision, "spatial_merge_size", None), f"{description.vision_config}.spatial_merge_size")
+        thw = torch.as_tensor(image_grid_thw).reshape(-1, 3).tolist()
+        if any(int(t) != 1 for t, _, _ in thw):
+            raise ValueError("image_grid_thw with several frames (a video) has no single image grid")
+        return ImageGeometry(token, (p * m, p * m), tuple((int(h) // m, int(w) // m) for _, h, w in thw))
     strategy = getattr(config, description.strategy, "default")
     class_token = getattr(vision, "model_type", None) in description.class_token_towers
     if image_sizes is not None:
@@ -128,7 +143,7 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None) -> Im
     else:
         size = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size")
         grids = ((size // p, size // p),)
-    return ImageGeometry(_as_int(token, "image token id"), (p, p), grids, class_token, int(strategy == "default"))
+    return ImageGeometry(token, (p, p), grids, class_token, int(strategy == "default"))
 
 
 def image_token_mask(input_ids: Tensor, geometry: Union[ImageGeometry, int]) -> Tensor:
@@ -235,33 +250,34 @@ def _scores_of(result: Any) -> Tensor:
     return scores
 
 
-def image_scores(result: Any, input_ids: Tensor, model: nn.Module,
-                 image_sizes: Optional[Tensor] = None) -> ImageScores:
+def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
+                 image_grid_thw: Optional[Tensor] = None) -> ImageScores:
     r"""The image tokens' scores of a result, one patch grid per image.
 
     Args:
         result: a result of the package (its ``scores`` (B, T) or (B, ..., T)) or the scores themselves.
         input_ids: (B, T) the token ids the result explains.
         model: the vision-language model.
-        image_sizes: as in :func:`image_geometry`.
+        image_sizes, image_grid_thw: as in :func:`image_geometry`.
 
     Returns:
         :class:`ImageScores`.
     """
-    geometry = image_geometry(model, image_sizes)
+    geometry = image_geometry(model, image_sizes, image_grid_thw)
     scores = _scores_of(result)
     return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
 
 
 def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
-                   sizes: Optional[Sequence[Tuple[int, int]]] = None) -> List[Tensor]:
+                   sizes: Optional[Sequence[Tuple[int, int]]] = None,
+                   image_grid_thw: Optional[Tensor] = None) -> List[Tensor]:
     r"""Heat maps over the images' pixels: every image token's score spread over its patch.
 
     Args:
         result: a result (its ``scores``) or per-token scores, (B, T) or (B, ..., T).
         input_ids: (B, T) token ids.
         model: the vision-language model (:mod:`captum_normattr.arch.families.vlm`).
-        image_sizes: as in :func:`image_geometry`.
+        image_sizes, image_grid_thw: as in :func:`image_geometry`.
         sizes: (H, W) per image, when the images are larger than their whole patches; default
             each grid's extent (the tower's input size).
 
@@ -275,7 +291,7 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
         ...     additional_forward_args={"attention_mask": mask, "pixel_values": pixels})
         >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
     """
-    geometry = image_geometry(model, image_sizes)
+    geometry = image_geometry(model, image_sizes, image_grid_thw)
     scores = _scores_of(result)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]

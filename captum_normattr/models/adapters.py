@@ -352,7 +352,7 @@ def _vision_language_adapter(model: nn.Module, description: VisionLanguage) -> A
     r"""The description of a vision-language model: its decoder's family, re-rooted (:func:`vision_language_spec`)."""
     inner = text_config(model.config, description)
     inner_type = getattr(inner, "model_type", None)
-    text_spec = lookup(inner_type, inner)
+    text_spec = lookup(dict(description.text_types).get(inner_type, inner_type), inner)
     if text_spec is None or not text_spec.causal:
         why = (f"{text_spec.family} is not a decoder" if text_spec is not None else
                arch_registry.refusal(inner_type, inner) or "no registered decoder family serves it")

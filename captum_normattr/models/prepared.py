@@ -35,6 +35,8 @@ class PreparedInputs:
     #: further model inputs given by keyword and passed to the forward unchanged (a vision-language
     #: model's ``pixel_values``: docs/vlm.md)
     extra_inputs: Dict[str, Tensor] = field(default_factory=dict)
+    #: the model computes its own positions (a vision-language model's M-RoPE): none are passed unless given
+    model_positions: bool = False
 
     @property
     def valid(self) -> Tensor:
@@ -53,7 +55,7 @@ class PreparedInputs:
             kw["inputs_embeds"] = self.inputs_embeds
         if self.token_type_ids is not None:
             kw["token_type_ids"] = self.token_type_ids
-        if self.causal or self.given_position_ids is not None:
+        if (self.causal and not self.model_positions) or self.given_position_ids is not None:
             kw["position_ids"] = self.position_ids
         if self.causal or self.no_cache:
             kw["use_cache"] = False

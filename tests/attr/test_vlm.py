@@ -30,7 +30,17 @@ from captum_normattr.attr.vlm_regions import (
 from captum_normattr.arch.families.vlm import LLAVA, vision_language_spec
 from captum_normattr.arch.registry import ARCHITECTURES
 from captum_normattr.models.adapters import get_adapter, language_config
-from vlm_models import IMAGE_TOKEN, image_tokens, llava_batch, make_llava, merged_embeddings, text_twin
+from vlm_models import (
+    IMAGE_TOKEN,
+    QWEN_IMAGE,
+    image_tokens,
+    llava_batch,
+    make_llava,
+    make_qwen2_vl,
+    merged_embeddings,
+    qwen2_vl_batch,
+    text_twin,
+)
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
 
@@ -283,3 +293,57 @@ def test_two_images_per_prompt(llava):
     assert found.example.tolist() == [0, 0, 1, 1]
     first = res.scores[1, ids[1] == IMAGE_TOKEN][:n]  # example 1's first image: its first n image tokens
     assert torch.equal(found.grids[2].flatten(), first)
+
+
+# ---- Qwen2-VL: M-RoPE positions computed by the model ----------------------------------------
+
+
+def _qwen_real(model, ids, mask, extra):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, **extra).logits[:, -1]
+
+
+def _rows(extra, b, keep, n_patch=16):
+    return {"pixel_values": extra["pixel_values"][b * n_patch:(b + 1) * n_patch],
+            "image_grid_thw": extra["image_grid_thw"][b:b + 1],
+            "mm_token_type_ids": extra["mm_token_type_ids"][b:b + 1, keep]}
+
+
+@pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
+def test_qwen2_vl_complete_and_padded_batch_equals_singles(cls):
+    model = make_qwen2_vl(seed=1)
+    assert get_adapter(model).family == "Qwen2-VL (Qwen2)"
+    ids, mask, extra = qwen2_vl_batch([5, 2], seed=2)
+    t = torch.tensor([6, 9])
+    attr = cls(model)
+    batch = attr.attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra},
+                           **({"return_convergence_delta": True} if cls.uses_target else {}))
+    if cls.uses_target:  # signed: complete against the model's own logit (M-RoPE computed by the model)
+        batch, delta = batch
+        real = _qwen_real(model, ids, mask, extra)[[0, 1], t]
+        assert (delta.abs() / real.abs().max()).max() < 1e-10
+    for b in range(2):
+        keep = mask[b].bool()
+        alone = attr.attribute(ids[b:b + 1, keep], target=_target(cls, t[b:b + 1]),
+                               additional_forward_args={"attention_mask": mask[b:b + 1, keep], **_rows(extra, b, keep)})
+        assert ((batch[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
+        assert (batch[b, ~keep] == 0).all()
+    assert batch[ids == QWEN_IMAGE].abs().sum() > 0
+
+
+def test_qwen2_vl_alti_logit_sums_to_logit_and_maps_to_merged_patches():
+    model = make_qwen2_vl(seed=3)
+    ids, mask, extra = qwen2_vl_batch([3, 4], side=8, seed=4)
+    t = torch.tensor([4, 7])
+    res = ALTILogitAttribution(model).decompose(ids, t, {"attention_mask": mask, **extra})
+    real = _qwen_real(model, ids, mask, extra)[[0, 1], t]
+    assert ((res.scores.sum(-1) + res.no_token_total - real).abs() / real.abs().max()).max() < 1e-10
+    g = image_geometry(model, image_grid_thw=extra["image_grid_thw"])
+    assert g.patch == (4, 4) and g.grids == ((2, 2), (2, 2)) and not g.class_token and g.dropped == 0
+    maps = image_heatmaps(res, ids, model, image_grid_thw=extra["image_grid_thw"])
+    assert [tuple(m.shape) for m in maps] == [(8, 8), (8, 8)]
+    for b in range(2):
+        tokens = res.scores[b, ids[b] == QWEN_IMAGE]
+        assert torch.equal(maps[b][4:, :4], tokens[2].expand(4, 4))  # token 2: merged block row 1, column 0
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        image_geometry(model)

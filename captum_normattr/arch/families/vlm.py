@@ -33,6 +33,7 @@ from captum_normattr.arch.spec import ArchitectureSpec
 __all__ = [
     "GEOMETRIES",
     "LLAVA",
+    "QWEN2_VL",
     "VISION_LANGUAGE",
     "VisionLanguage",
     "text_config",
@@ -42,7 +43,10 @@ __all__ = [
 #: How image tokens lie over the image: ``"patch_grid"``: one token per vision-tower patch, in
 #: row-major order over a (H / patch) x (W / patch) grid, after the tower's leading [CLS] feature
 #: when ``vision_feature_select_strategy`` is ``"full"`` (LLaVA 1.5).
-GEOMETRIES: Tuple[str, ...] = ("patch_grid",)
+#: ``"merged_grid"``: Qwen2-VL's ``image_grid_thw`` (t, h, w) patches per image, each
+#: ``spatial_merge_size`` x ``spatial_merge_size`` block merged into one token, row-major over
+#: the (h / m) x (w / m) grid (frames in order).
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,12 @@ class VisionLanguage:
         geometry: how the image tokens lie over the image (:data:`GEOMETRIES`).
         text_families: the decoder ``model_type`` values a tiny model of this family was tested
             with (the docs say so); another decoder that the registry describes is used as well.
+        text_types: (decoder ``model_type``, registry key) pairs for a decoder whose model type is
+            the vision-language family's own but whose layer is a described text family's
+            (Qwen2-VL's ``qwen2_vl_text`` is Qwen2's layer; its M-RoPE is inside the attention).
+        positions: ``"package"``: the package passes its position ids (counted over real tokens);
+            ``"model"``: the model computes its own from the mask and its multimodal inputs
+            (M-RoPE), and the package passes none unless the caller gives them.
         vision_config: the config attribute holding the vision tower's config (its
             ``image_size`` and ``patch_size`` give the patch grid).
         strategy: the config attribute naming which tower features become image tokens
@@ -78,12 +88,16 @@ class VisionLanguage:
     image_token: Tuple[str, ...] = ("image_token_id", "image_token_index")
     geometry: str = "patch_grid"
     text_families: Tuple[str, ...] = ()
+    text_types: Tuple[Tuple[str, str], ...] = ()
+    positions: str = "package"
     vision_config: str = "vision_config"
     strategy: str = "vision_feature_select_strategy"
     class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
     notes: str = ""
 
     def __post_init__(self) -> None:
+        if self.positions not in ("package", "model"):
+            raise ValueError(f"VisionLanguage {self.family}: positions must be 'package' or 'model'")
         if self.geometry not in GEOMETRIES:
             raise ValueError(f"VisionLanguage {self.family}: geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
 
@@ -95,8 +109,16 @@ LLAVA = VisionLanguage(
           "'default' feature strategy",
 )
 
+QWEN2_VL = VisionLanguage(
+    family="Qwen2-VL", model_types=("qwen2_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    text_types=(("qwen2_vl_text", "qwen2"),), positions="model", geometry="merged_grid",
+    text_families=("qwen2_vl_text",),
+    notes="Qwen2's decoder layer with M-RoPE inside the attention (positions computed by the model); image "
+          "tokens on the (h / p / m) x (w / p / m) grid of m x m merged patches",
+)
+
 #: ``config.model_type`` -> the vision-language description.
-VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA,) for t in d.model_types}
+VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA, QWEN2_VL) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
