@@ -347,3 +347,31 @@ def test_qwen2_vl_alti_logit_sums_to_logit_and_maps_to_merged_patches():
         assert torch.equal(maps[b][4:, :4], tokens[2].expand(4, 4))  # token 2: merged block row 1, column 0
     with pytest.raises(ValueError, match="image_grid_thw"):
         image_geometry(model)
+
+
+def test_qwen2_vl_heat_map_finds_the_changed_block():
+    r"""Pixels through Qwen2-VL's own image processor into a tower without blocks (each token sees its 2 x 2 merged
+    patches only): changing one 4 x 4 pixel block changes one image token, and the heat map lights that block."""
+    np = pytest.importorskip("numpy")
+    from transformers import Qwen2VLImageProcessor
+
+    proc = Qwen2VLImageProcessor(patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=16, max_pixels=4096,
+                                 do_resize=False, do_rescale=False, do_normalize=False)
+    model = make_qwen2_vl(seed=5, layers=1, vision_depth=0)
+    ids, mask, _ = qwen2_vl_batch([2], side=8, seed=6)
+    image = np.random.RandomState(0).rand(3, 8, 8)
+
+    def embeddings(img):
+        got = proc(images=[img.astype(np.float32)], return_tensors="pt", input_data_format="channels_first")
+        return merged_embeddings(model, ids, mask, got["pixel_values"].double(), image_grid_thw=got["image_grid_thw"],
+                                 mm_token_type_ids=(ids == QWEN_IMAGE).long()), got["image_grid_thw"]
+
+    x0, thw = embeddings(image)
+    for r, c in ((0, 1), (1, 0), (1, 1)):
+        changed = image.copy()
+        changed[:, 4 * r:4 * r + 4, 4 * c:4 * c + 4] += 1.0
+        change = (embeddings(changed)[0] - x0).norm(dim=-1)
+        lit = image_heatmaps(change, ids, model, image_grid_thw=thw)[0] > 1e-9
+        expect = torch.zeros(8, 8, dtype=torch.bool)
+        expect[4 * r:4 * r + 4, 4 * c:4 * c + 4] = True
+        assert torch.equal(lit, expect), (r, c)
