@@ -16,7 +16,12 @@ a text model is only where things are:
 - the forward takes further inputs by keyword (:attr:`VisionLanguage.inputs`: ``pixel_values``,
   ...), which the package passes through to the model unchanged;
 - the image tokens map back to the image through the family's geometry
-  (:attr:`VisionLanguage.geometry`; :mod:`captum_normattr.attr.vlm_regions`).
+  (:attr:`VisionLanguage.geometry`; :mod:`captum_normattr.attr.vlm_regions`);
+- where the decoder's positions are not one stream (Qwen2-VL's M-RoPE), the model computes them
+  itself (:attr:`VisionLanguage.positions`), and a decoder whose model type is the family's own but
+  whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
+
+Described: LLaVA (:data:`LLAVA`) and Qwen2-VL (:data:`QWEN2_VL`).
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
