@@ -2,12 +2,15 @@ r"""Whole calls of this checkout against another version of the package, interle
 
 Usage:
     git archive <commit> | tar -x -C <dir>       # an export (or any checkout) of the other version
-    python benchmarks/ab_compare.py --base <dir> [--model minilm|llama|vit] [--method globenc|alti|alti_logit|decompx]
-                                    [--batch 32] [--tokens 128] [--repeats 5] [--threads 2] [--compiled] [--cpu-time]
+    python benchmarks/ab_compare.py --base <dir> [--model minilm|llama|smollm2|vit]
+                                    [--method globenc|alti|alti_logit|decompx] [--batch 32] [--tokens 128]
+                                    [--repeats 5] [--threads 2] [--compiled] [--cpu-time]
 
 ``--model minilm`` (default) is ``speed_core.py``'s setting, ``llama`` the ~100M-parameter
-random Llama of ``speed_decoder.py`` (batch 1; ``--tokens``), ``vit`` the ViT-Base of
-``vit_speed.py`` (``--batch`` images of 224 x 224).
+random Llama of ``speed_decoder.py`` (batch 1; ``--tokens``), ``smollm2`` the real
+SmolLM2-135M-Instruct of ``memory/long_prompts.py`` (float32, sdpa, batch 1, ``--tokens`` random
+ids; ALTI-Logit and DecompX explain token 42 through the model's own LM head, as there),
+``vit`` the ViT-Base of ``vit_speed.py`` (``--batch`` images of 224 x 224).
 
 On a shared machine, wall times of separate processes drift by 10-20% between runs; two
 versions timed in the same process, one call after the other, drift together. The other
@@ -34,7 +37,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from _bench import LLAMA_100M, llama_model, random_ids  # noqa: E402
+from _bench import DECODER_TARGET, LLAMA_100M, llama_model, random_ids  # noqa: E402
 
 _NAME = re.compile(r"\bcaptum_normattr\b")
 
@@ -59,7 +62,7 @@ def import_renamed(base_dir: Path, into: Path):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, type=Path, help="a checkout or export of the other version")
-    p.add_argument("--model", choices=("minilm", "llama", "vit"), default="minilm")
+    p.add_argument("--model", choices=("minilm", "llama", "smollm2", "vit"), default="minilm")
     p.add_argument("--method", choices=("globenc", "alti", "alti_logit", "decompx"), default="globenc")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128)
@@ -97,6 +100,20 @@ def main() -> None:
                 if args.method == "decompx":
                     return lambda: a.decompose(ids, target=42)
                 return lambda: a.attribute(ids, target=42) if kw else a.attribute(ids)
+        elif args.model == "smollm2":  # memory/long_prompts.py's model and calls
+            model, _ = new.load_default_model("decoder")
+            model.config._attn_implementation = "sdpa"
+            model = model.float().eval()
+            ids = random_ids(1, args.tokens, low=100, high=49152, cls=None)
+            forward = lambda: model(input_ids=ids, use_cache=False)  # noqa: E731
+
+            def method(pkg):
+                cls = {"globenc": "GlobEncAttribution", "alti": "ALTIAttribution", "alti_logit": "ALTILogitAttribution",
+                       "decompx": "DecompXAttribution"}[args.method]
+                a = getattr(pkg, cls)(model)
+                if args.method == "decompx":
+                    return lambda: a.decompose(ids, target=DECODER_TARGET)
+                return lambda: a.attribute(ids, target=DECODER_TARGET) if args.method == "alti_logit" else a.attribute(ids)
         else:
             from transformers import ViTConfig, ViTForImageClassification
 
@@ -132,7 +149,8 @@ def main() -> None:
                     t0 = clock()
                     f()
                     best[k] = min(best[k], clock() - t0)
-    shape = {"minilm": f"{args.batch} x {args.tokens}", "llama": f"1 x {args.tokens}", "vit": f"{args.batch} x 197"}[args.model]
+    shape = {"minilm": f"{args.batch} x {args.tokens}", "llama": f"1 x {args.tokens}", "smollm2": f"1 x {args.tokens}",
+             "vit": f"{args.batch} x 197"}[args.model]
     print(f"{args.method}, {args.model} {shape}, {torch.get_num_threads()} threads, min of {args.repeats}, "
           f"interleaved in one process, {'CPU' if args.cpu_time else 'wall'} time")
     for k, v in best.items():

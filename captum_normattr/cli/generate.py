@@ -19,7 +19,6 @@ import html
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from captum_normattr.cli.registry_view import llm_method_names

@@ -332,19 +332,26 @@ METHOD_SPECS = {
     "attention": "raw attention of the last layer, mean over heads (needs an eager model)",
     "rollout": "attention rollout, 0.5 A + 0.5 I, mean over heads (needs an eager model)",
     "random": "uniform random scores (the reference)",
+    "attnlrp": "AttnLRP (lxt efficient mode; optional, non-commercial licence: evaluation.competitors)",
+    "llm-ablation": "Captum's LLMAttribution(FeatureAblation) on a TextTokenInput (needs the tokenizer)",
+    "llm-lig:N": "Captum's LLMGradientAttribution(LayerIntegratedGradients), N steps (needs the tokenizer)",
 }
 
 
-def make_attributor(spec: str, model: torch.nn.Module, eager_model: Optional[torch.nn.Module] = None) -> Attributor:
+def make_attributor(spec: str, model: torch.nn.Module, eager_model: Optional[torch.nn.Module] = None,
+                    tokenizer: Any = None) -> Attributor:
     r"""An attributor from a short spec (:data:`METHOD_SPECS`; case-insensitive).
 
     Args:
         spec: ``"alti-logit"``, ``"decompx"``, ``"alti"``, ``"globenc"``, ``"value-zeroing"``,
             ``"saliency"``, ``"ixg"``, ``"ig:16"`` (any number of steps; ``"ig"``: 16),
-            ``"ablation"``, ``"attention"``, ``"rollout"`` or ``"random"``.
+            ``"ablation"``, ``"attention"``, ``"rollout"``, ``"random"``, and the competitors of
+            :mod:`~captum_normattr.evaluation.competitors`: ``"attnlrp"`` (needs lxt),
+            ``"llm-ablation"`` and ``"llm-lig:16"`` (Captum's LLM wrappers; need ``tokenizer``).
         model: the causal LM.
         eager_model: the same model loaded with ``attn_implementation="eager"``, for
             ``attention`` and ``rollout`` (default: ``model``).
+        tokenizer: the model's tokenizer, for Captum's LLM wrappers.
 
     Returns:
         The :class:`Attributor`.
@@ -378,17 +385,32 @@ def make_attributor(spec: str, model: torch.nn.Module, eager_model: Optional[tor
         return AttentionAttributor(eager_model if eager_model is not None else model, rollout=key == "rollout")
     if key == "random":
         return RandomAttributor()
+    if key == "attnlrp":
+        from captum_normattr.evaluation.competitors import attnlrp
+
+        return attnlrp(model)
+    if key in ("llm-ablation", "llm-lig") or key.startswith("llm-lig:"):
+        from captum_normattr.evaluation.competitors import captum_feature_ablation, captum_layer_integrated_gradients
+
+        if tokenizer is None:
+            raise ValueError(f"{spec!r} (Captum's LLM wrappers) needs the model's tokenizer: make_attributor(..., tokenizer=tok)")
+        if key == "llm-ablation":
+            return captum_feature_ablation(model, tokenizer)
+        steps = int(key[len("llm-lig:"):]) if key.startswith("llm-lig:") else 16
+        if steps < 1:
+            raise ValueError(f"llm-lig:N needs N >= 1 steps, got {spec!r}")
+        return captum_layer_integrated_gradients(model, tokenizer, n_steps=steps)
     raise ValueError(f"unknown method {spec!r}; known: {', '.join(METHOD_SPECS)}")
 
 
 def make_attributors(specs: Union[str, Sequence[str]], model: torch.nn.Module,
-                     eager_model: Optional[torch.nn.Module] = None) -> Dict[str, Attributor]:
+                     eager_model: Optional[torch.nn.Module] = None, tokenizer: Any = None) -> Dict[str, Attributor]:
     r"""``{name: attributor}`` from a comma-separated string or a list of specs (:func:`make_attributor`)."""
     if isinstance(specs, str):
         specs = [s for s in specs.split(",") if s.strip()]
     out: Dict[str, Attributor] = {}
     for s in specs:
-        a = make_attributor(s, model, eager_model)
+        a = make_attributor(s, model, eager_model, tokenizer=tokenizer)
         out[a.name] = a
     return out
 

@@ -20,7 +20,7 @@ from captum_normattr import (
     GlobEncAttribution,
     UnsupportedModelError,
 )
-from captum_normattr.arch import ARCHITECTURES, Norm
+from captum_normattr.arch import ARCHITECTURES
 from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.models.adapters import get_adapter, max_positions
 from captum_normattr.models.capture.session import recording

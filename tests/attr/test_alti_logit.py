@@ -4,7 +4,7 @@ import pytest
 from layer_capture import capture_layers
 import torch
 
-from captum_normattr import ALTILogitAttribution, UnsupportedModelError
+from captum_normattr import ALTILogitAttribution
 
 from conftest import make_model
 from decoder_models import DECODER_FAMILIES, decoder_batch, make_decoder

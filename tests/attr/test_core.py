@@ -6,7 +6,6 @@ from captum.attr import NoiseTunnel
 from captum_normattr import ALTIAttribution, GlobEncAttribution, UnsupportedModelError, rollout
 from captum_normattr.decompose.kinds.post_ln import post_ln_alti_map, post_ln_layer_maps, post_ln_ln1_parts_sum
 from captum_normattr.decompose.primitives.mixing import row_normalize
-from captum_normattr.models.adapters import get_adapter
 
 from conftest import FAMILIES, make_model, random_batch
 from reference import naive_alti, naive_fixed_residual, naive_parts, naive_ratio

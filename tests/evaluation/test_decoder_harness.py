@@ -1,7 +1,7 @@
 r"""The decoder faithfulness harness: attributors, per-item metrics (AOPC, ABPC) against naive references."""
 import pytest
 import torch
-from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, Saliency
+from captum.attr import InputXGradient, IntegratedGradients, Saliency
 
 from decoder_models import make_decoder
 

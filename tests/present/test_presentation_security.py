@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 import re
 
-import pytest
 import torch
 
 import matplotlib  # noqa: E402  (the `test` extra installs it)

@@ -260,9 +260,13 @@ _LINEAR_ATTENTION = ("gated DeltaNet linear-attention layers (tokens mixed throu
                      "sigmoid(x W_gate) (gated attention), neither of which an attention description expresses")
 _MAMBA_HYBRID = ("Mamba-2 (state-space) mixer layers beside the attention layers: they mix tokens through a recurrent "
                  "state, without attention probabilities, which none of the methods can decompose")
-_GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer token embedding, "
-           "projected and normed), a learned scalar multiplying the whole residual stream after every layer "
-           "(layer_scalar) and key/value states shared across layers, which no layer kind expresses")
+_GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer embedding of the "
+           "token, projected and normed), a learned scalar multiplying the whole residual stream after every layer "
+           "(layer_scalar), key/value states shared across layers (num_kv_shared_layers), values normalised per "
+           "head (v_norm: values not linear in the layer input), keys used as values on full-attention layers "
+           "(attention_k_eq_v) and a dense MLP beside experts with their own norms (enable_moe_block), which no "
+           "layer kind expresses; Gemma 3's description does not verify either (Gemma 4's RMSNorm gain is w, not "
+           "1 + w; infer_architecture(model) lists what differs)")
 _LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector before the text model); its text model "
            "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
@@ -274,7 +278,9 @@ REFUSED: Dict[str, Tuple[str, str]] = {
     "qwen3_next": ("Qwen3-Next", _LINEAR_ATTENTION),
     "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),
     "qwen3_5_moe_text": ("Qwen3.5-MoE", _LINEAR_ATTENTION), "qwen3_5_moe": ("Qwen3.5-MoE", _LINEAR_ATTENTION),
-    "gemma4_text": ("Gemma 4", _GEMMA4), "gemma4": ("Gemma 4", _GEMMA4),
+    "gemma4_text": ("Gemma 4", _GEMMA4),
+    "gemma4": ("Gemma 4 (multimodal)", "a vision (and audio) tower before the text model, whose text model "
+                                       "(gemma4_text) is itself refused: " + _GEMMA4),
     "granitemoehybrid": ("Granite 4 (hybrid)", _MAMBA_HYBRID),
     "nemotron_h": ("Nemotron-H", _MAMBA_HYBRID + "; each of its layers is one mixer (Mamba-2, attention or a ReLU² "
                                                  "FF) behind its own norm"),

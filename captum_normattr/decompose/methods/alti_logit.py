@@ -7,20 +7,50 @@ at its real scale), and the attention updates are carried to the input tokens by
 rollout of the layers below (:func:`alti_logit_terms`). A layer kind gives the per-layer
 pieces in its pre-LN form (``LayerKind.logit_form``); the many-position version is
 :func:`~captum_normattr.decompose.primitives.multi_position.alti_logit_rows`.
+
+The rows of an ALTI map sum to 1 whatever the kernel that computed them (the native or
+compiled one of :mod:`~captum_normattr.decompose.methods.alti`), so a wrong map moves logit
+between tokens without changing the completeness delta. :func:`alti_map_check` recomputes
+the first rows of a causal layer's map with the torch path (the map of the layer's first
+tokens, :func:`token_prefix`) and returns the largest difference, which ALTI-Logit's
+consistency guard judges (docs/reliability.md, "Consistency guards").
 """
 from __future__ import annotations
 
-from typing import Dict
+import copy
+import math
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.methods.alti import COMPILE_MIN_EXAMPLE_ELEMENTS
 from captum_normattr.decompose.primitives.attention import project_values
 from captum_normattr.decompose.primitives.layer_norm import norm_scale
 from captum_normattr.decompose.primitives.rollout import LayerMapStore
 from captum_normattr.decompose.records import LayerTensors
 
-__all__ = ["alti_logit_terms", "attention_update_at", "logit_direction", "logit_terms"]
+__all__ = [
+    "ALTI_CHECK_ROWS",
+    "ALTI_MAP_CHECK",
+    "alti_logit_terms",
+    "alti_map_check",
+    "attention_update_at",
+    "logit_direction",
+    "logit_terms",
+    "token_prefix",
+]
+
+#: Query rows of a causal layer's ALTI map that :func:`alti_map_check` recomputes (at most; fewer
+#: where the layer is wide, so that the recomputation stays below the compiled kernels' size).
+ALTI_CHECK_ROWS = 16
+#: The name of the check in the consistency guard's message.
+ALTI_MAP_CHECK = "ALTI map's first rows recomputed with the torch path"
+#: The fields of a :class:`~captum_normattr.decompose.records.LayerTensors` whose second axis is the token axis.
+_TOKEN_FIELDS = (
+    "hidden_in", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out", "context", "attn_post_in",
+    "attn_post_out", "ff_post_in", "ff_post_out", "attn_branch_out",
+)
 
 
 def logit_direction(params, real_input: Tensor, unembed: Tensor) -> Tensor:
@@ -183,3 +213,81 @@ def logit_terms(
         "reconstruction": recon,
         "delta": logit - recon,
     }
+
+
+def token_prefix(layer: LayerTensors, rows: int) -> LayerTensors:
+    r"""The record of a causal layer restricted to its first ``rows`` tokens.
+
+    With causal attention, token i depends on the tokens j <= i only, so the restricted record
+    is exactly the layer run on the prefix: every map of it equals the first ``rows`` rows
+    (and columns) of the full layer's map. Tensors are views (no copy); ``checks`` are empty.
+
+    Args:
+        layer: a causal layer's tensors.
+        rows: the number of leading tokens kept (1 <= rows <= T).
+
+    Returns:
+        A new :class:`~captum_normattr.decompose.records.LayerTensors` sharing the weights.
+
+    Examples::
+
+        >>> first = token_prefix(layer, 8)   # first.probs: (B, H, 8, 8)
+    """
+    if not layer.causal:
+        raise ValueError("token_prefix needs causal attention: the first tokens of a bidirectional layer see the rest")
+    b, t = layer.hidden_in.shape[:2]
+    if not 1 <= rows <= t:
+        raise ValueError(f"rows must be between 1 and the {t} tokens of the layer, got {rows}")
+    view = copy.copy(layer)
+    for name in _TOKEN_FIELDS:
+        value = getattr(layer, name, None)
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (b, t):
+            setattr(view, name, value[:, :rows])
+    view.probs = layer.probs[:, :, :rows, :rows]
+    view.values = layer.values[:, :, :rows]
+    scale = None if layer.ff is None else layer.ff.hidden_scale
+    if isinstance(scale, Tensor) and scale.dim() >= 2 and scale.shape[:2] == (b, t):
+        view.ff = copy.copy(layer.ff)
+        view.ff.hidden_scale = scale[:, :rows]
+    view.checks = {}
+    return view
+
+
+def alti_map_check(kind: Any, layer: LayerTensors, valid: Tensor, alti_map: Tensor, memory_budget_mb: float,
+                   rows: Optional[int] = None) -> Optional[Tensor]:
+    r"""Largest |difference| between the first rows of a causal layer's ALTI map and the same rows recomputed.
+
+    The rows are recomputed by the layer kind's own ``alti_map`` on the layer's first tokens
+    (:func:`token_prefix`), a problem small enough (``rows`` x ``rows`` x D below
+    :data:`~captum_normattr.decompose.methods.alti.COMPILE_MIN_EXAMPLE_ELEMENTS`) that the
+    default kernel choice runs the plain torch (eager) path on it: a native or compiled
+    kernel that returned wrong rows for the full map is caught, although the rows of both
+    sum to 1 (so the completeness delta cannot see it). Cost: ``rows``^2 / T^2 of the map.
+    With the compiled kernels forced on at every size (``use_compiled_kernel(True)``) both
+    runs use the same kernel and the check compares it with itself.
+
+    Args:
+        kind: the layer's kind (:func:`~captum_normattr.decompose.kinds.registry.layer_kind`).
+        layer: the layer's tensors (causal).
+        valid: (B, T) bool.
+        alti_map: (B, T, T) the layer's ALTI map (``kind.alti_map(layer, valid, ...)``).
+        memory_budget_mb: as for ``kind.alti_map``.
+        rows: the rows recomputed (None: :data:`ALTI_CHECK_ROWS`, fewer for a wide layer).
+
+    Returns:
+        A 0-dim tensor (map entries lie in [0, 1], so the difference is relative), or None
+        where nothing independent can be checked: a bidirectional layer, or a sequence no
+        longer than the rows (its whole map was computed on the same path).
+
+    Examples::
+
+        >>> err = alti_map_check(kind, layer, valid, kind.alti_map(layer, valid, 128.0), 128.0)
+    """
+    t, d = layer.hidden_in.shape[1], layer.hidden_in.shape[-1]
+    if rows is None:
+        rows = min(ALTI_CHECK_ROWS, math.isqrt(max(0, COMPILE_MIN_EXAMPLE_ELEMENTS - 1) // max(1, d)))
+    rows = min(int(rows), t)
+    if not layer.causal or rows < 1 or rows >= t:
+        return None
+    again = kind.alti_map(token_prefix(layer, rows), valid[:, :rows], memory_budget_mb)
+    return (alti_map[:, :rows, :rows] - again.to(alti_map.dtype)).abs().amax()

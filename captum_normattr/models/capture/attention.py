@@ -493,12 +493,24 @@ def model_configs(model: nn.Module) -> list:
     return list(seen.values())
 
 
-def switch_on(model: nn.Module, configs) -> None:
+def switch_on(model: nn.Module, configs: List[Any]) -> None:
     r"""Switch the attention of ``configs`` to the recording function and ``model`` to eval mode.
 
     Reference-counted under the lock: the implementation per config, the training flag per
     module (a submodule shared by two models keeps its own flag until the last call that
     holds it through either model ends). Undone by :func:`switch_off`.
+
+    Args:
+        model: the model whose modules go to eval mode.
+        configs: the transformers configs to switch (:func:`model_configs`; empty: eval mode only).
+
+    Examples::
+
+        >>> switch_on(model, model_configs(model))
+        >>> try:
+        ...     model(**batch)
+        ... finally:
+        ...     switch_off(model, model_configs(model))
     """
     with LOCK:
         for cfg in configs:
@@ -519,8 +531,13 @@ def switch_on(model: nn.Module, configs) -> None:
         model.eval()
 
 
-def switch_off(model: nn.Module, configs) -> None:
-    r"""Undo one :func:`switch_on` of ``model``: the last holder of a config or module restores it."""
+def switch_off(model: nn.Module, configs: List[Any]) -> None:
+    r"""Undo one :func:`switch_on` of ``model``: the last holder of a config or module restores it.
+
+    Args:
+        model: the model given to :func:`switch_on`.
+        configs: the same configs.
+    """
     with LOCK:
         for cfg in configs:
             entry = _SWITCHED.get(id(cfg))
