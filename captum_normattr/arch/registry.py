@@ -23,6 +23,7 @@ from captum_normattr.arch.families import moe as family_moe
 from captum_normattr.arch.families import parallel as family_parallel
 
 from captum_normattr.arch.families import seq2seq as family_seq2seq
+from captum_normattr.arch.families.vlm import VISION_LANGUAGE
 from captum_normattr.arch.families import base as family_base
 from captum_normattr.arch.families.base import BUILTIN
 from captum_normattr.arch.spec import ArchitectureSpec
@@ -38,6 +39,7 @@ __all__ = [
     "register_architecture",
     "supported_causal_families",
     "supported_families",
+    "VISION_LANGUAGE",
 ]
 
 #: The registered descriptions by key (built-ins first, then :func:`register_architecture`'s).

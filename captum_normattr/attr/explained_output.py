@@ -35,7 +35,7 @@ from captum_normattr.arch.registry import supported_causal_families
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.primitives.guards import rebuild_norm
 from captum_normattr.arch.spec import ArchitectureSpec
-from captum_normattr.models.adapters import base_model, get_path, unwrap_model
+from captum_normattr.models.adapters import base_model, get_path, language_config, unwrap_model
 from captum_normattr.models.heads import HeadParams, ResolvedHead, find_classifier_head, head_params
 from captum_normattr.models.weights import weight_and_bias
 
@@ -207,7 +207,7 @@ class NextTokenLogit:
 
     def __init__(self, model: nn.Module, adapter: ArchitectureSpec, unembedding: Optional[Tensor] = None) -> None:
         model = unwrap_model(model)
-        d = model.config.hidden_size
+        d = language_config(model).hidden_size
         if unembedding is not None:
             if not isinstance(unembedding, Tensor) or unembedding.dim() != 2 or unembedding.shape[1] != d:
                 raise ValueError(f"unembedding must be a (vocab, {d}) tensor")
@@ -236,9 +236,9 @@ class NextTokenLogit:
                 self._projection = get_path(base_model(model), path)
             except AttributeError:
                 self._projection = None
-        self.softcap = _config_softcap(model.config, adapter)  # (:func:`final_softcap`)
+        self.softcap = _config_softcap(language_config(model), adapter)  # (:func:`final_softcap`)
         #: the model's logit scaling (:func:`logit_scale`), folded into every direction and logit
-        self.scale = _config_logit_scale(model.config, adapter)
+        self.scale = _config_logit_scale(language_config(model), adapter)
 
     @property
     def weight(self) -> Tensor:
@@ -457,7 +457,7 @@ def final_softcap(model: nn.Module, adapter: ArchitectureSpec) -> Optional[float
     Gemma 2's ``final_logit_softcapping``); None when the description names none or the
     config sets it to None / 0.
     """
-    return _config_softcap(unwrap_model(model).config, adapter)
+    return _config_softcap(language_config(model), adapter)
 
 
 def _config_softcap(config: Any, adapter: ArchitectureSpec) -> Optional[float]:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from captum_normattr.models.prepared import PreparedInputs, single_input
 from captum_normattr.arch.spec import ArchitectureSpec
-from captum_normattr.models.adapters import base_model, max_positions
+from captum_normattr.models.adapters import base_model, language_config, max_positions, vision_language
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
 
@@ -21,6 +21,7 @@ __all__ = [
     "explained_positions",
     "has_gaps",
     "is_integer",
+    "model_inputs",
     "positional_token_types",
     "prepare_inputs",
     "split_forward_args",
@@ -45,7 +46,7 @@ def positional_token_types(model: nn.Module, adapter: ArchitectureSpec) -> bool:
     natural guess ``(mask, position_ids)`` would be read as token types (GPT-2 embeds token
     types with its word embeddings), so its extras must be given by name.
     """
-    config = model.config
+    config = language_config(model)
     return (not adapter.causal and adapter.inputs.token_types == "embedding"
             and int(getattr(config, "type_vocab_size", 0) or 0) > 0)
 
@@ -80,7 +81,8 @@ def split_forward_args(
         inputs: the token ids, to check a mapping's ``input_ids`` against.
 
     Returns:
-        ``{name: tensor or None}`` for the three names.
+        ``{name: tensor or None}`` for the three names, and the further inputs a vision-language
+        model's description names (:func:`model_inputs`: ``pixel_values``, ...) where given.
 
     Raises:
         ValueError / TypeError: naming the keyword form.
@@ -99,10 +101,17 @@ def split_forward_args(
         got["attention_mask"] = extras
         return got
     if isinstance(extras, Mapping):
-        unknown = sorted(str(k) for k in extras if k not in FORWARD_KEYWORDS and k != "input_ids")
+        further = model_inputs(model)
+        unknown = sorted(str(k) for k in extras if k not in FORWARD_KEYWORDS + further and k != "input_ids")
         if unknown:
             raise ValueError(f"additional_forward_args names {unknown}; the model inputs it may name are "
-                             f"{list(FORWARD_KEYWORDS)} (the token ids are the inputs)")
+                             f"{list(FORWARD_KEYWORDS + further)} (the token ids are the inputs)")
+        for k in further:
+            v = extras.get(k)
+            if v is not None and not isinstance(v, Tensor):
+                raise TypeError(f"additional_forward_args['{k}'] must be a tensor or None, got {type(v).__name__}")
+            if v is not None:
+                got[k] = v
         ids = extras.get("input_ids")
         if ids is not None and not (inputs is not None and isinstance(ids, Tensor) and tuple(ids.shape) == tuple(
                 inputs.shape) and bool((ids.to(inputs.device) == inputs).all())):
@@ -136,6 +145,17 @@ def split_forward_args(
         "additional_forward_args must be the attention_mask (B, T), a tuple (attention_mask,), or a mapping of model "
         f"inputs by name; got {type(additional_forward_args).__name__}. {_KEYWORD_FORM[0].upper()}{_KEYWORD_FORM[1:]}"
     )
+
+
+def model_inputs(model: nn.Module) -> Tuple[str, ...]:
+    r"""The model inputs ``additional_forward_args`` may name besides :data:`FORWARD_KEYWORDS`.
+
+    A vision-language model's own inputs (``pixel_values``, ...: its description's
+    :attr:`~captum_normattr.arch.families.vlm.VisionLanguage.inputs`), passed to its forward
+    unchanged; none for a text model.
+    """
+    description = vision_language(model)
+    return () if description is None else tuple(description.inputs)
 
 
 def _check_position_ids(position_ids: Tensor, model: nn.Module, adapter: ArchitectureSpec, shape) -> Tensor:
@@ -182,7 +202,7 @@ def prepare_inputs(
         return prepare_pixel_values(model, adapter, inputs, additional_forward_args)
     inputs, is_tuple = single_input(inputs, "token ids", "(B, T)")
     device = input_device(model, inputs)  # a model dispatched by accelerate: the inputs' device
-    config = model.config
+    config = language_config(model)  # a vision-language model's decoder config
     if inputs.is_floating_point():
         if inputs.dim() != 3:
             raise TypeError(
@@ -242,8 +262,10 @@ def prepare_inputs(
     finite = torch.ones(b, dtype=torch.bool, device=device)
     if embeds is not None:
         finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
+    further = {k: v.to(device=device) for k, v in given.items() if k not in FORWARD_KEYWORDS and v is not None}
+    description = vision_language(model)
     return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite,
-                          position_ids)
+                          position_ids, further, description is not None and description.positions == "model")
 
 
 def is_integer(t: Tensor) -> bool:

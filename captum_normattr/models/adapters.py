@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch import registry as arch_registry
-from captum_normattr.arch.registry import ARCHITECTURES, ENCODER_DECODERS, lookup
+from captum_normattr.arch.registry import ARCHITECTURES, ENCODER_DECODERS, VISION_LANGUAGE, lookup
+from captum_normattr.arch.families.vlm import VisionLanguage, text_config, vision_language_spec
 from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS
 from captum_normattr.models.quantization import check_quantization
@@ -36,6 +37,7 @@ __all__ = [
     "require_loaded_model",
     "get_path",
     "layer_adapters",
+    "language_config",
     "layer_modules",
     "layer_scale",
     "linear_params",
@@ -44,6 +46,7 @@ __all__ = [
     "unwrap_model",
     "value_projection",
     "value_states",
+    "vision_language",
 ]
 
 
@@ -294,6 +297,8 @@ def get_adapter(model: nn.Module) -> ArchitectureSpec:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     spec = lookup(model_type, config)
+    if spec is None and model_type in VISION_LANGUAGE:
+        spec = _vision_language_adapter(model, VISION_LANGUAGE[model_type])
     if spec is not None:
         reason = spec.refusal(config)
         if reason is not None:
@@ -318,6 +323,52 @@ def get_adapter(model: nn.Module) -> ArchitectureSpec:
         "A family with other parts can be described and added with captum_normattr.arch.register_architecture "
         "(docs/architectures.md)."
     )
+
+
+def vision_language(model: nn.Module) -> Optional[VisionLanguage]:
+    r"""The vision-language description of a model (:mod:`captum_normattr.arch.families.vlm`), or None for a text model.
+
+    Read from ``config.model_type``; a model type the one-stack registry serves itself is not one.
+    """
+    config = getattr(unwrap_model(model), "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in VISION_LANGUAGE or lookup(model_type, config) is not None:
+        return None
+    return VISION_LANGUAGE[model_type]
+
+
+def language_config(model: nn.Module) -> Any:
+    r"""The config of the Transformer the package decomposes: a vision-language model's decoder config
+    (``config.text_config``, :func:`vision_language`), else ``model.config``.
+
+    Args:
+        model: the model (wrappers allowed, :func:`unwrap_model`).
+
+    Returns:
+        The config whose ``hidden_size``, ``vocab_size``, ``max_position_embeddings``, soft-caps
+        and logit scales describe the decomposed layers and head.
+    """
+    model = unwrap_model(model)
+    description = vision_language(model)
+    return model.config if description is None else text_config(model.config, description)
+
+
+def _vision_language_adapter(model: nn.Module, description: VisionLanguage) -> ArchitectureSpec:
+    r"""The description of a vision-language model: its decoder's family, re-rooted (:func:`vision_language_spec`)."""
+    inner = text_config(model.config, description)
+    inner_type = getattr(inner, "model_type", None)
+    text_spec = lookup(dict(description.text_types).get(inner_type, inner_type), inner)
+    if text_spec is None or not text_spec.causal:
+        why = (f"{text_spec.family} is not a decoder" if text_spec is not None else
+               arch_registry.refusal(inner_type, inner) or "no registered decoder family serves it")
+        raise UnsupportedModelError(
+            f"captum_normattr cannot attribute {type(model).__name__}: its language model is {inner_type!r} ({why}). "
+            f"Supported decoders: {arch_registry.supported_causal_families()}. See docs/vlm.md."
+        )
+    reason = text_spec.refusal(inner)
+    if reason is not None:
+        raise UnsupportedModelError(f"captum_normattr cannot attribute {type(model).__name__}: {reason}.")
+    return vision_language_spec(description, text_spec)
 
 
 #: ``config.model_type`` -> (registry key, :func:`register_line`) of the description that
@@ -660,7 +711,7 @@ def _head_dim(attention: nn.Module, total: int) -> int:
 
 def max_positions(model: nn.Module, adapter: ArchitectureSpec) -> Optional[int]:
     r"""The longest input the model's position embeddings allow, or None if unbounded."""
-    config = model.config
+    config = language_config(model)
     n = getattr(config, "max_position_embeddings", None)
     if n is None:
         n = getattr(config, "n_positions", None)

@@ -5,8 +5,8 @@ Shared by the token inputs (:mod:`captum_normattr.attr.inputs`) and the pixel in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor
 
@@ -32,6 +32,11 @@ class PreparedInputs:
     #: (B, T) long position ids the caller gave by keyword (``additional_forward_args={"position_ids": ...}``),
     #: passed to the model as they are; None: the default (:attr:`position_ids`)
     given_position_ids: Optional[Tensor] = None
+    #: further model inputs given by keyword and passed to the forward unchanged (a vision-language
+    #: model's ``pixel_values``: docs/vlm.md)
+    extra_inputs: Dict[str, Tensor] = field(default_factory=dict)
+    #: the model computes its own positions (a vision-language model's M-RoPE): none are passed unless given
+    model_positions: bool = False
 
     @property
     def valid(self) -> Tensor:
@@ -50,10 +55,11 @@ class PreparedInputs:
             kw["inputs_embeds"] = self.inputs_embeds
         if self.token_type_ids is not None:
             kw["token_type_ids"] = self.token_type_ids
-        if self.causal or self.given_position_ids is not None:
+        if (self.causal and not self.model_positions) or self.given_position_ids is not None:
             kw["position_ids"] = self.position_ids
         if self.causal or self.no_cache:
             kw["use_cache"] = False
+        kw.update(self.extra_inputs)
         return kw
 
     @property

@@ -1,0 +1,184 @@
+r"""Vision-language models: where the language model sits inside one, described as data.
+
+A vision-language model (LLaVA: ``LlavaForConditionalGeneration``) runs a vision tower and a
+projector on ``pixel_values``, writes the projector's outputs into the embeddings of the image
+tokens (the ids equal to ``config.image_token_id``), and runs an ordinary decoder over the merged
+sequence. The decompositions of that decoder start at its input embeddings: an image token's
+embedding (a projector output) is a per-token input like any word embedding. What differs from
+a text model is only where things are:
+
+- the decoder's layers and final norm are under the language model's path
+  (``model.model.language_model`` in transformers 5: :attr:`VisionLanguage.language_model`,
+  from the base model), the LM head stays at the top (``model.lm_head``);
+- the decoder's config is ``config.text_config`` (:attr:`VisionLanguage.text_config`); its
+  ``model_type`` chooses the text family's description (Llama, Mistral, Qwen2, ...), which
+  :func:`vision_language_spec` re-roots under the language model's path;
+- the forward takes further inputs by keyword (:attr:`VisionLanguage.inputs`: ``pixel_values``,
+  ...), which the package passes through to the model unchanged;
+- the image tokens map back to the image through the family's geometry
+  (:attr:`VisionLanguage.geometry`; :mod:`captum_normattr.attr.vlm_regions`);
+- where the decoder's positions are not one stream (Qwen2-VL's M-RoPE), the model computes them
+  itself (:attr:`VisionLanguage.positions`), and a decoder whose model type is the family's own but
+  whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
+
+Described: LLaVA (:data:`LLAVA`) and Qwen2-VL (:data:`QWEN2_VL`).
+
+:data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
+from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
+because a vision-language model is a text family's description placed elsewhere, not a family
+of its own (``docs/vlm.md``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Optional, Tuple
+
+from captum_normattr.arch.spec import ArchitectureSpec
+
+__all__ = [
+    "GEOMETRIES",
+    "LLAVA",
+    "QWEN2_VL",
+    "VISION_LANGUAGE",
+    "VisionLanguage",
+    "text_config",
+    "vision_language_spec",
+]
+
+#: How image tokens lie over the image: ``"patch_grid"``: one token per vision-tower patch, in
+#: row-major order over a (H / patch) x (W / patch) grid, after the tower's leading [CLS] feature
+#: when ``vision_feature_select_strategy`` is ``"full"`` (LLaVA 1.5).
+#: ``"merged_grid"``: Qwen2-VL's ``image_grid_thw`` (t, h, w) patches per image, each
+#: ``spatial_merge_size`` x ``spatial_merge_size`` block merged into one token, row-major over
+#: the (h / m) x (w / m) grid (frames in order).
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid")
+
+
+@dataclass(frozen=True)
+class VisionLanguage:
+    r"""Where a vision-language model keeps its language model, and what it takes besides the ids.
+
+    Attributes:
+        family: readable family name (``"LLaVA"``).
+        model_types: the ``config.model_type`` values it serves.
+        language_model: path of the decoder, from the base model (``model.model``): its layers and
+            final norm are under it.
+        text_config: the config attribute holding the decoder's config.
+        inputs: the further model inputs the forward takes by keyword and the package passes
+            through (``additional_forward_args={"pixel_values": ...}``).
+        image_token: config attributes that may hold the image token's id, in order.
+        geometry: how the image tokens lie over the image (:data:`GEOMETRIES`).
+        text_families: the decoder ``model_type`` values a tiny model of this family was tested
+            with (the docs say so); another decoder that the registry describes is used as well.
+        text_types: (decoder ``model_type``, registry key) pairs for a decoder whose model type is
+            the vision-language family's own but whose layer is a described text family's
+            (Qwen2-VL's ``qwen2_vl_text`` is Qwen2's layer; its M-RoPE is inside the attention).
+        positions: ``"package"``: the package passes its position ids (counted over real tokens);
+            ``"model"``: the model computes its own from the mask and its multimodal inputs
+            (M-RoPE), and the package passes none unless the caller gives them.
+        vision_config: the config attribute holding the vision tower's config (its
+            ``image_size`` and ``patch_size`` give the patch grid).
+        strategy: the config attribute naming which tower features become image tokens
+            (``"default"``: the first feature dropped, ``"full"``: all kept).
+        class_token_towers: the vision tower ``model_type`` values whose sequence starts with a
+            [CLS] feature before the patches (CLIP); the others (SigLIP) have patches only.
+        notes: for the docs.
+    """
+
+    family: str
+    model_types: Tuple[str, ...]
+    language_model: str = "language_model"
+    text_config: str = "text_config"
+    inputs: Tuple[str, ...] = ("pixel_values",)
+    image_token: Tuple[str, ...] = ("image_token_id", "image_token_index")
+    geometry: str = "patch_grid"
+    text_families: Tuple[str, ...] = ()
+    text_types: Tuple[Tuple[str, str], ...] = ()
+    positions: str = "package"
+    vision_config: str = "vision_config"
+    strategy: str = "vision_feature_select_strategy"
+    class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.positions not in ("package", "model"):
+            raise ValueError(f"VisionLanguage {self.family}: positions must be 'package' or 'model'")
+        if self.geometry not in GEOMETRIES:
+            raise ValueError(f"VisionLanguage {self.family}: geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
+
+
+LLAVA = VisionLanguage(
+    family="LLaVA", model_types=("llava",), inputs=("pixel_values", "image_sizes"),
+    text_families=("llama", "mistral", "qwen2"),
+    notes="CLIP or SigLIP tower, MLP projector; image tokens on the tower's patch grid, [CLS] dropped by the "
+          "'default' feature strategy",
+)
+
+QWEN2_VL = VisionLanguage(
+    family="Qwen2-VL", model_types=("qwen2_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    text_types=(("qwen2_vl_text", "qwen2"),), positions="model", geometry="merged_grid",
+    text_families=("qwen2_vl_text",),
+    notes="Qwen2's decoder layer with M-RoPE inside the attention (positions computed by the model); image "
+          "tokens on the (h / p / m) x (w / p / m) grid of m x m merged patches",
+)
+
+#: ``config.model_type`` -> the vision-language description.
+VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA, QWEN2_VL) for t in d.model_types}
+
+
+def text_config(config: Any, description: VisionLanguage) -> Any:
+    r"""The decoder's config inside a vision-language model's config.
+
+    Args:
+        config: the model's config.
+        description: its :class:`VisionLanguage` description.
+
+    Returns:
+        ``getattr(config, description.text_config)``.
+
+    Raises:
+        ValueError: the config has no such attribute.
+    """
+    inner = getattr(config, description.text_config, None)
+    if inner is None:
+        raise ValueError(f"the {description.family} config has no {description.text_config} (its decoder's config)")
+    return inner
+
+
+def _under(prefix: str, path: Optional[str]) -> Optional[str]:
+    return None if path is None else f"{prefix}.{path}"
+
+
+def vision_language_spec(description: VisionLanguage, text_spec: ArchitectureSpec) -> ArchitectureSpec:
+    r"""The text family's description re-rooted at the language model inside a vision-language model.
+
+    The layers, the final norm and a projection before the head (paths from the base model) move
+    under :attr:`VisionLanguage.language_model`; the LM head (from the model with the head) and
+    the layer description are the text family's.
+
+    Args:
+        description: the vision-language description.
+        text_spec: the decoder's description (its config variant already chosen).
+
+    Returns:
+        An :class:`~captum_normattr.arch.spec.ArchitectureSpec` named ``"LLaVA (Llama)"`` and so on.
+
+    Raises:
+        ValueError: the text family is not a causal decoder.
+
+    Examples::
+
+        >>> spec = vision_language_spec(LLAVA, ARCHITECTURES["llama"])
+        >>> spec.layers, spec.final_norm
+        ('language_model.layers', 'language_model.norm')
+    """
+    if not text_spec.causal or text_spec.is_encoder_decoder:
+        raise ValueError(f"{description.family}'s language model must be a decoder; {text_spec.family} is not one")
+    lm = description.language_model
+    head = text_spec.head
+    norm = None if head.final_norm is None else replace(head.final_norm, path=_under(lm, head.final_norm.path))
+    head = replace(head, final_norm=norm, projection=_under(lm, head.projection))
+    return replace(text_spec, family=f"{description.family} ({text_spec.family})", model_types=description.model_types,
+                   layers=f"{lm}.{text_spec.layers}", head=head, variants=(),
+                   notes=f"{text_spec.family}'s decoder under {lm}; {description.notes}")
+

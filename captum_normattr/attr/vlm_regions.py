@@ -1,0 +1,297 @@
+r"""Image-token scores mapped back to the image: a vision-language model's patch grid, and heat maps over pixels.
+
+A decomposition of a vision-language model's language model (``docs/vlm.md``) gives every token of
+the merged sequence a score, the image tokens included. Each image token is one feature of the
+vision tower (after the projector), and the tower's features lie on its patch grid. This module
+finds the image tokens (``config.image_token_id``), splits them into images, lays each image's
+scores on its grid and spreads every patch's score over that patch's pixels (nearest: each pixel
+gets its patch's score), giving a heat map over the image the tower saw (the processor's resized
+image: ``vision_config.image_size`` square for LLaVA 1.5).
+
+The geometry is the family's description's (:class:`~captum_normattr.arch.families.vlm.VisionLanguage`):
+
+- ``"patch_grid"`` (LLaVA): the tower's sequence is [CLS] (CLIP; none for SigLIP) then the
+  (H / p) x (W / p) patches row by row; ``vision_feature_select_strategy="default"`` drops the
+  sequence's first feature (CLIP's [CLS]; with SigLIP, the first patch, whose pixels then get NaN),
+  ``"full"`` keeps it (CLIP's [CLS] score is returned apart, :attr:`ImageScores.leading`). With
+  ``image_sizes`` (a Pixtral-like tower of any size) each image's grid is its own (h / p) x (w / p).
+- ``"merged_grid"`` (Qwen2-VL): each image's ``image_grid_thw`` (1, h, w) patches, every m x m block
+  (``spatial_merge_size``) merged into one token, the tokens row by row over (h / m) x (w / m); a
+  token covers (p m) x (p m) pixels.
+
+The pure functions (:func:`grid_scores`, :func:`patches_to_pixels`) take the geometry as numbers
+and are what the synthetic-grid tests check; :func:`image_scores` and :func:`image_heatmaps` read
+it from the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from captum_normattr.models.adapters import unwrap_model, vision_language
+
+__all__ = [
+    "ImageGeometry",
+    "ImageScores",
+    "grid_scores",
+    "image_geometry",
+    "image_heatmaps",
+    "image_scores",
+    "image_token_mask",
+    "patches_to_pixels",
+]
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    r"""How one model's image tokens lie over its images.
+
+    Attributes:
+        image_token_id: the id of the image placeholder token.
+        patch: (pixels per patch row, per patch column).
+        grids: (rows, cols) per image; one entry serves every image (a fixed-size tower).
+        class_token: the tower's sequence starts with a [CLS] feature.
+        dropped: features dropped from the front of the tower's sequence (1 for ``"default"``).
+    """
+
+    image_token_id: int
+    patch: Tuple[int, int]
+    grids: Tuple[Tuple[int, int], ...]
+    class_token: bool = False
+    dropped: int = 0
+
+    def grid(self, image: int) -> Tuple[int, int]:
+        r"""(rows, cols) of image ``image``."""
+        return self.grids[0] if len(self.grids) == 1 else self.grids[image]
+
+    def tokens(self, image: int) -> int:
+        r"""Image tokens of image ``image``: the tower's features ([CLS] and patches) less the dropped ones."""
+        rows, cols = self.grid(image)
+        return int(self.class_token) + rows * cols - self.dropped
+
+
+@dataclass
+class ImageScores:
+    r"""Per-image scores of the image tokens.
+
+    Attributes:
+        grids: one (..., rows, cols) tensor per image, in the order the model reads the images
+            (example by example, left to right); a patch without a token (dropped) holds NaN.
+        leading: (n_images, ...) the [CLS] feature's score where the tokens keep it, else None.
+        example: (n_images,) the example each image belongs to.
+    """
+
+    grids: List[Tensor]
+    leading: Optional[Tensor]
+    example: Tensor
+
+
+def _as_int(value: Any, what: str) -> int:
+    if value is None:
+        raise ValueError(f"the model's config has no {what}")
+    return int(value)
+
+
+def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
+                   image_grid_thw: Optional[Tensor] = None) -> ImageGeometry:
+    r"""The image-token geometry of a vision-language model, from its config and its family's description.
+
+    Args:
+        model: a vision-language model the package describes (:mod:`captum_normattr.arch.families.vlm`).
+        image_sizes: (n_images, 2) heights and widths in pixels, for a tower whose grid follows the
+            image (the ``image_sizes`` the processor gives); None: the tower's square
+            ``vision_config.image_size``.
+        image_grid_thw: (n_images, 3) Qwen2-VL's patches per image (frames, rows, columns), as the
+            processor gives them (the ``"merged_grid"`` geometry needs them).
+
+    Returns:
+        :class:`ImageGeometry`.
+
+    Raises:
+        ValueError: not a described vision-language model, or a config without the grid's numbers.
+
+    Examples::
+
+        >>> image_geometry(llava).grids  # a 336 x 336 CLIP tower with 14-pixel patches
+        ((24, 24),)
+    """
+    model = unwrap_model(model)
+    description = vision_language(model)
+    if description is None:
+        raise ValueError(f"{type(model).__name__} is not a vision-language model the package describes (docs/vlm.md)")
+    config = model.config
+    token = next((getattr(config, n) for n in description.image_token if getattr(config, n, None) is not None), None)
+    vision = getattr(config, description.vision_config, None)
+    p = _as_int(getattr(vision, "patch_size", None), f"{description.vision_config}.patch_size")
+    token = _as_int(token, "image token id")
+    if description.geometry == "merged_grid":  # Qwen2-VL: m x m patches merged into one token, no [CLS]
+        if image_grid_thw is None:
+            raise ValueError(f"{description.family}'s image grids are per image: pass image_grid_thw (the processor's)")
+        m = _as_int(getattr(vision, "spatial_merge_size", None), f"{description.vision_config}.spatial_merge_size")
+        thw = torch.as_tensor(image_grid_thw).reshape(-1, 3).tolist()
+        if any(int(t) != 1 for t, _, _ in thw):
+            raise ValueError("image_grid_thw with several frames (a video) has no single image grid")
+        return ImageGeometry(token, (p * m, p * m), tuple((int(h) // m, int(w) // m) for _, h, w in thw))
+    strategy = getattr(config, description.strategy, "default")
+    class_token = getattr(vision, "model_type", None) in description.class_token_towers
+    if image_sizes is not None:
+        sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
+        grids = tuple((int(h) // p, int(w) // p) for h, w in sizes)
+    else:
+        size = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size")
+        grids = ((size // p, size // p),)
+    return ImageGeometry(token, (p, p), grids, class_token, int(strategy == "default"))
+
+
+def image_token_mask(input_ids: Tensor, geometry: Union[ImageGeometry, int]) -> Tensor:
+    r"""(B, T) bool: where the image tokens are.
+
+    Args:
+        input_ids: (B, T) token ids.
+        geometry: an :class:`ImageGeometry`, or the image token's id.
+    """
+    token = geometry.image_token_id if isinstance(geometry, ImageGeometry) else int(geometry)
+    return input_ids == token
+
+
+def grid_scores(scores: Tensor, image_mask: Tensor, geometry: ImageGeometry) -> ImageScores:
+    r"""Split every example's image-token scores into images and lay each on its patch grid.
+
+    Args:
+        scores: (B, T) or (B, ..., T) per-token scores (a result's ``scores``; the middle axes,
+            e.g. several explained tokens, are kept).
+        image_mask: (B, T) bool, the image tokens (:func:`image_token_mask`).
+        geometry: the :class:`ImageGeometry`.
+
+    Returns:
+        :class:`ImageScores`: one (..., rows, cols) grid per image.
+
+    Raises:
+        ValueError: an example's image tokens do not split into whole images.
+
+    Examples:
+        >>> g = ImageGeometry(9, (2, 2), ((2, 3),))
+        >>> ids = torch.tensor([[1, 9, 9, 9, 9, 9, 9, 5]])
+        >>> grid_scores(torch.arange(8.0)[None], ids == 9, g).grids[0]
+        tensor([[1., 2., 3.],
+                [4., 5., 6.]])
+    """
+    if image_mask.shape != (scores.shape[0], scores.shape[-1]):
+        raise ValueError(f"the image-token mask {tuple(image_mask.shape)} must be (B, T) of the scores "
+                         f"{tuple(scores.shape)}")
+    grids: List[Tensor] = []
+    leading: List[Tensor] = []
+    example: List[int] = []
+    image = 0
+    for b in range(scores.shape[0]):
+        found = scores[b][..., image_mask[b].to(scores.device)]
+        start = 0
+        while start < found.shape[-1]:
+            n = geometry.tokens(image)
+            if start + n > found.shape[-1]:
+                raise ValueError(
+                    f"example {b} has {found.shape[-1] - start} image tokens left for image {image}, which needs {n} "
+                    f"(grid {geometry.grid(image)}, [CLS] {geometry.class_token}, {geometry.dropped} dropped): "
+                    "the ids do not hold whole images of this model")
+            part = found[..., start:start + n]
+            rows, cols = geometry.grid(image)
+            full = torch.full((*part.shape[:-1], int(geometry.class_token) + rows * cols), float("nan"),
+                              dtype=part.dtype, device=part.device)
+            full[..., geometry.dropped:] = part  # the tower's sequence, dropped features as NaN
+            if geometry.class_token:
+                leading.append(full[..., 0])
+                full = full[..., 1:]
+            grids.append(full.reshape(*full.shape[:-1], rows, cols))
+            example.append(b)
+            start += n
+            image += 1
+    kept_class = geometry.class_token and geometry.dropped == 0
+    return ImageScores(grids, torch.stack(leading) if kept_class and leading else None,
+                       torch.tensor(example, dtype=torch.long))
+
+
+def patches_to_pixels(grid: Tensor, patch: Tuple[int, int], size: Optional[Tuple[int, int]] = None) -> Tensor:
+    r"""A (..., rows, cols) patch grid as a (..., H, W) heat map: each patch's pixels get its score.
+
+    Args:
+        grid: (..., rows, cols) scores.
+        patch: (pixels per patch row, per patch column).
+        size: (H, W) of the image, when it is not rows x patch by cols x patch (pixels past the
+            last whole patch, which the tower does not see, get NaN); default the grid's extent.
+
+    Returns:
+        (..., H, W).
+
+    Examples:
+        >>> patches_to_pixels(torch.tensor([[1.0, 2.0]]), (2, 2))
+        tensor([[1., 1., 2., 2.],
+                [1., 1., 2., 2.]])
+    """
+    ph, pw = int(patch[0]), int(patch[1])
+    pixels = grid.repeat_interleave(ph, dim=-2).repeat_interleave(pw, dim=-1)
+    if size is None:
+        return pixels
+    h, w = int(size[0]), int(size[1])
+    out = torch.full((*grid.shape[:-2], h, w), float("nan"), dtype=grid.dtype, device=grid.device)
+    hh, ww = min(h, pixels.shape[-2]), min(w, pixels.shape[-1])
+    out[..., :hh, :ww] = pixels[..., :hh, :ww]
+    return out
+
+
+def _scores_of(result: Any) -> Tensor:
+    scores = getattr(result, "scores", result)
+    if isinstance(scores, tuple) and len(scores) == 1:
+        scores = scores[0]
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"expected per-token scores (a tensor, or a result with .scores); got {type(result).__name__}")
+    return scores
+
+
+def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
+                 image_grid_thw: Optional[Tensor] = None) -> ImageScores:
+    r"""The image tokens' scores of a result, one patch grid per image.
+
+    Args:
+        result: a result of the package (its ``scores`` (B, T) or (B, ..., T)) or the scores themselves.
+        input_ids: (B, T) the token ids the result explains.
+        model: the vision-language model.
+        image_sizes, image_grid_thw: as in :func:`image_geometry`.
+
+    Returns:
+        :class:`ImageScores`.
+    """
+    geometry = image_geometry(model, image_sizes, image_grid_thw)
+    scores = _scores_of(result)
+    return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
+
+
+def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
+                   sizes: Optional[Sequence[Tuple[int, int]]] = None,
+                   image_grid_thw: Optional[Tensor] = None) -> List[Tensor]:
+    r"""Heat maps over the images' pixels: every image token's score spread over its patch.
+
+    Args:
+        result: a result (its ``scores``) or per-token scores, (B, T) or (B, ..., T).
+        input_ids: (B, T) token ids.
+        model: the vision-language model (:mod:`captum_normattr.arch.families.vlm`).
+        image_sizes, image_grid_thw: as in :func:`image_geometry`.
+        sizes: (H, W) per image, when the images are larger than their whole patches; default
+            each grid's extent (the tower's input size).
+
+    Returns:
+        One (..., H, W) tensor per image, in the model's order of images; NaN where no token
+        covers a pixel.
+
+    Examples::
+
+        >>> res = ALTILogitAttribution(llava).decompose(ids, target=t,
+        ...     additional_forward_args={"attention_mask": mask, "pixel_values": pixels})
+        >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
+    """
+    geometry = image_geometry(model, image_sizes, image_grid_thw)
+    scores = _scores_of(result)
+    found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
+    return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]
