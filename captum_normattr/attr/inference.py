@@ -34,7 +34,8 @@ from torch import nn
 from captum_normattr.arch import ARCHITECTURES, ENCODER_DECODERS, ArchitectureSpec, register_architecture
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose.primitives.guards import guard_tolerance
-from captum_normattr.models.adapters import VERIFIED_PROPOSALS, register_line, structural_candidates
+from captum_normattr.models.adapters import unwrap_model
+from captum_normattr.models.unregistered import VERIFIED_PROPOSALS, register_line, structural_candidates
 
 __all__ = ["ArchitectureInference", "ArchitectureProposal", "infer_architecture", "structural_candidates"]
 
@@ -201,7 +202,7 @@ def infer_architecture(model: nn.Module, candidates: Optional[Sequence[str]] = N
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     registered = next((k for k, s in ARCHITECTURES.items() if model_type in s.model_types), None)
-    keys = list(candidates) if candidates is not None else structural_candidates(model)
+    keys = list(candidates) if candidates is not None else structural_candidates(unwrap_model(model))
     unknown = [k for k in keys if k not in ARCHITECTURES]
     if unknown:
         raise UnsupportedModelError(f"unknown registry keys {unknown}; registered: {', '.join(ARCHITECTURES)}")

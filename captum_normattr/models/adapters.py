@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -21,14 +21,12 @@ from captum_normattr.arch.families.vlm import VisionLanguage, text_config, visio
 from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS
 from captum_normattr.models.quantization import check_quantization
+from captum_normattr.models.unregistered import unregistered_hint
 from captum_normattr.models.weights import module_tensor, weight_and_bias
 
 __all__ = [
     "TABLE_METHODS",
     "UnsupportedModelError",
-    "VERIFIED_PROPOSALS",
-    "register_line",
-    "structural_candidates",
     "architecture_table_markdown",
     "base_model",
     "encoder_decoder_table_markdown",
@@ -319,7 +317,7 @@ def get_adapter(model: nn.Module) -> ArchitectureSpec:
         )
     raise UnsupportedModelError(
         f"captum_normattr does not support model type {model_type!r} ({type(model).__name__}): it is not "
-        f"registered. {_unregistered_hint(model, model_type)} Supported families: {supported_families()}.{vision} "
+        f"registered. {unregistered_hint(unwrap_model(model), model_type)} Supported families: {supported_families()}.{vision} "
         "A family with other parts can be described and added with captum_normattr.arch.register_architecture "
         "(docs/architectures.md)."
     )
@@ -369,121 +367,6 @@ def _vision_language_adapter(model: nn.Module, description: VisionLanguage) -> A
     if reason is not None:
         raise UnsupportedModelError(f"captum_normattr cannot attribute {type(model).__name__}: {reason}.")
     return vision_language_spec(description, text_spec)
-
-
-#: ``config.model_type`` -> (registry key, :func:`register_line`) of the description that
-#: :func:`~captum_normattr.attr.inference.infer_architecture` verified for it in this session. Read by
-#: :func:`get_adapter`'s error only (it names the line); nothing is ever registered from it.
-VERIFIED_PROPOSALS: Dict[str, Tuple[str, str]] = {}
-
-
-def register_line(key: str, model_type: str) -> str:
-    r"""The one Python line that registers the description ``key`` for ``model_type``.
-
-    Args:
-        key: a registry key (:data:`~captum_normattr.arch.registry.ARCHITECTURES`).
-        model_type: the model's ``config.model_type``.
-
-    Returns:
-        ``register_architecture(dataclasses.replace(ARCHITECTURES[key], model_types=(model_type,)), key=model_type)``
-        (with ``import dataclasses`` and ``from captum_normattr.arch import ARCHITECTURES, register_architecture``).
-
-    Examples::
-
-        >>> register_line("llama", "my_llama")
-        "register_architecture(dataclasses.replace(ARCHITECTURES['llama'], model_types=('my_llama',)), key='my_llama')"
-    """
-    return (f"register_architecture(dataclasses.replace(ARCHITECTURES[{key!r}], model_types=({model_type!r},)), "
-            f"key={model_type!r})")
-
-
-def _find(root: Any, path: str) -> Optional[Any]:
-    for part in path.split("."):
-        if not hasattr(root, part):
-            return None
-        root = getattr(root, part)
-    return root
-
-
-def _spec_paths(spec: ArchitectureSpec) -> List[str]:
-    r"""The module paths of one layer of ``spec`` (relative to the layer)."""
-    paths: List[str] = []
-    for _, branch in spec.layer.branches():
-        if hasattr(branch, "module"):  # attention
-            paths += [branch.module, branch.out] + ([branch.value.path] if branch.value is not None else [])
-        else:
-            paths += [p for p in (branch.up, branch.act, branch.down, branch.gate) if p]
-    paths += [n.path for n in spec.norms()]
-    return paths
-
-
-def structural_candidates(model: nn.Module, specs: Optional[Sequence[str]] = None) -> List[str]:
-    r"""Keys of the registered one-stack text descriptions whose parts ``model`` has (nothing is run).
-
-    A description matches when its layer list exists with at least one layer, every module
-    path of its layer (attention, output and value projections, feed-forward modules, norms)
-    exists in the first layer, and its final norm (if any) exists. A match is a proposal only:
-    :func:`~captum_normattr.attr.inference.infer_architecture` verifies it on a probe input.
-
-    Args:
-        model: a ``transformers`` model.
-        specs: restrict to these registry keys (default: all).
-
-    Returns:
-        matching registry keys, in registry order, one per distinct description.
-
-    Examples::
-
-        >>> structural_candidates(my_llama_clone)[:2]
-        ['llama', 'mistral']
-    """
-    model = unwrap_model(model)
-    base = getattr(model, "base_model", model)
-    out, seen = [], set()
-    for key, spec in ARCHITECTURES.items():
-        if (specs is not None and key not in specs) or id(spec) in seen or spec.modality != "text":
-            continue
-        seen.add(id(spec))
-        layers = _find(base, spec.layers)
-        if not isinstance(layers, (nn.ModuleList, list, tuple)) or len(layers) == 0:
-            continue
-        if not all(_find(layers[0], p) is not None for p in _spec_paths(spec)):
-            continue
-        if spec.head.final_norm is not None and _find(base, spec.head.final_norm.path) is None:
-            continue
-        out.append(key)
-    return out
-
-
-def _unregistered_hint(model: nn.Module, model_type: Optional[str]) -> str:
-    r"""What the error for an unregistered model type says about the registered descriptions.
-
-    A description :func:`~captum_normattr.attr.inference.infer_architecture` verified for this
-    model type is named with the line that registers it. Otherwise the descriptions whose parts
-    the model has are named as unverified proposals (a module-path match, about a millisecond):
-    verifying them runs the model once per proposal (about 0.15 s each on a tiny build, a
-    forward pass and a decomposition each on a real model), so the error does not run it and
-    names ``infer_architecture(model)`` instead. Nothing is registered either way.
-    """
-    if model_type in VERIFIED_PROPOSALS:
-        key, line = VERIFIED_PROPOSALS[model_type]
-        return (f"infer_architecture(model) verified the registered description {key!r} for it (the model's own "
-                "tensors and logit reproduced exactly); it is not applied silently: register it with\n"
-                "    import dataclasses; from captum_normattr.arch import ARCHITECTURES, register_architecture\n"
-                f"    {line}\n")
-    try:
-        keys = structural_candidates(model) if model_type is not None else []
-    except Exception:  # noqa: BLE001 - the hint must never hide the error it belongs to
-        keys = []
-    if not keys:
-        return "No registered description has its parts (layer list, attention and feed-forward modules, norms)."
-    named = ", ".join(repr(k) for k in keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
-    return (f"Registered descriptions with its parts (not verified): {named}. Verify them with "
-            "captum_normattr.infer_architecture(model): it runs each on a short probe input with the consistency "
-            "guard and the logit check (a forward pass and a decomposition per description, so it is not run "
-            "here) and names the one that reproduces the model exactly, with the line that registers it, e.g.\n"
-            f"    {register_line(keys[0], model_type)}\n"
-            "Nothing is registered silently.")
 
 
 def get_path(root: nn.Module, path: str):

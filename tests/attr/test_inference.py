@@ -58,7 +58,7 @@ def _clone_model():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from captum_normattr.models.adapters import VERIFIED_PROPOSALS
+    from captum_normattr.models.unregistered import VERIFIED_PROPOSALS
 
     class MyCloneConfig(LlamaConfig):
         model_type = "my_clone_for_the_error"
