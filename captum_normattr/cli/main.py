@@ -176,11 +176,11 @@ class _MethodsAction(argparse.Action):
     """
 
     def __call__(self, parser, namespace, values, option_string=None):
-        methods = list(getattr(namespace, self.dest, None) or [])
+        chosen = list(getattr(namespace, self.dest, None) or [])
         texts = list(getattr(namespace, "trailing_texts", None) or [])
         for i, value in enumerate(values):
             if i == 0 or (not texts and _is_method_list(value)):
-                methods.append(value)
+                chosen.append(value)
                 continue
             near = _near_method(value) if not texts else None
             if near is not None:
@@ -189,7 +189,7 @@ class _MethodsAction(argparse.Action):
                     f"available: {', '.join(methods())}"
                 )
             texts.append(value)
-        setattr(namespace, self.dest, methods)
+        setattr(namespace, self.dest, chosen)
         namespace.trailing_texts = texts
 
 
