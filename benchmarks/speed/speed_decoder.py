@@ -20,6 +20,13 @@ multiple of 256) whose peak extra memory stays under ``--limit-gb``: the child a
 soon as it crosses the limit (so the machine never sees much more), the first probe is
 predicted from a fit a + c T^2 (or a full quadratic with 3+ points) of the measured peaks, and the search stops after
 ``--search-budget`` seconds (the answer is then a bracket).
+
+``--families`` (ratio table only) puts families side by side in one process, each against its own forward pass:
+``_bench.DECODER_FAMILIES`` (one per layer kind) and the frontier mechanisms of ``_frontier.py`` (``gpt_oss``:
+sinks and clamped experts; ``deepseek_v3``: latent attention; ``llama4_text``: chunked attention and input-scaled
+experts; ``granitemoe``), e.g. ``--families llama gpt_oss deepseek_v3 llama4_text granitemoe --config small
+--layers 2``. ``--exactness`` adds, per family and length, ALTI-Logit's and DecompX's token scores plus no-token
+terms against the model's own logit (recomputed from its forward pass), float32.
 """
 from __future__ import annotations
 
