@@ -21,7 +21,9 @@ import json
 LABELS = {"forward": "forward", "globenc": "GlobEnc", "alti": "ALTI", "alti_logit": "ALTI-Logit",
           "decompx": "DecompX", "ff": "GlobEnc+FF"}
 NAMES = {"llama": "Llama", "gpt_neox": "GPT-NeoX (parallel)", "gemma2": "Gemma 2 (sandwich)",
-         "mixtral": "Mixtral (experts)", "qwen2_moe": "Qwen2-MoE (experts)"}
+         "mixtral": "Mixtral (experts)", "qwen2_moe": "Qwen2-MoE (experts)",
+         "gpt_oss": "GPT-OSS (sinks, clamped experts)", "deepseek_v3": "DeepSeek-V3 (latent attention)",
+         "llama4_text": "Llama 4 text (chunked, input-scaled experts)", "granitemoe": "Granite-MoE"}
 
 
 def _table(header, rows) -> str:
@@ -34,31 +36,36 @@ def _ok(r) -> bool:
 
 
 def memory_tables(paths) -> str:
+    r"""One table per length (and per depth, where the files hold several: ``--kinds-layers 2 4``)."""
     recs = {}
     for p in paths:
         with open(p) as f:
             for r in json.load(f).get("kinds", []):
-                recs[(r.get("family"), r["method"], r["tokens"])] = r
+                recs[(r.get("family"), r["method"], r["tokens"], r.get("layers"))] = r
     families = list(dict.fromkeys(k[0] for k in recs))
+    depths = sorted({k[3] for k in recs}, key=lambda n: (n is None, n))
     out = []
     for t in sorted({k[2] for k in recs}):
-        rows = []
-        for m in LABELS:
-            cells = []
-            for f in families:
-                r = recs.get((f, m, t))
-                if r is None:
-                    cells.append("not run")
-                elif r.get("timed_out"):
-                    cells.append(f"timeout (> {r['timeout_s']:g} s)")
-                elif not _ok(r):
-                    cells.append("failed" if r.get("failed") else "over the limit")
-                else:
-                    cells.append(f"{r['extra_peak_mb']:.0f} MB ({r['seconds']:.1f} s)")
-            if any(c != "not run" for c in cells):
-                rows.append([LABELS[m], *cells])
-        out.append(f"Peak extra memory (cold-call seconds), {t} tokens:\n\n"
-                   + _table(["method", *[NAMES.get(f, f) for f in families]], rows))
+        for n in depths:
+            rows = []
+            for m in LABELS:
+                cells = []
+                for f in families:
+                    r = recs.get((f, m, t, n))
+                    if r is None:
+                        cells.append("not run")
+                    elif r.get("timed_out"):
+                        cells.append(f"timeout (> {r['timeout_s']:g} s)")
+                    elif not _ok(r):
+                        cells.append("failed" if r.get("failed") else "over the limit")
+                    else:
+                        cells.append(f"{r['extra_peak_mb']:.0f} MB ({r['seconds']:.1f} s)")
+                if any(c != "not run" for c in cells):
+                    rows.append([LABELS[m], *cells])
+            if rows:
+                depth = f", {n} layers" if len(depths) > 1 else ""
+                out.append(f"Peak extra memory (cold-call seconds), {t} tokens{depth}:\n\n"
+                           + _table(["method", *[NAMES.get(f, f) for f in families]], rows))
     return "\n\n".join(out)
 
 

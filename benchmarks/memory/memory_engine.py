@@ -50,7 +50,8 @@ fit the time budget of a shared 2-core machine):
 Options: ``--family llama|mixtral|qwen2_moe`` (the decoder sections' model, shaped like the Llama one:
 ``_bench.family_model``; a mixture of experts has 4 experts, top-2, of half the Llama FF width),
 ``--sections depth length encoder kinds`` (``kinds``: ``--families llama gpt_neox gemma2 mixtral`` side by side
-on the depth section's small shape, ``--kinds-layers`` 2 layers, at ``--kinds-lengths 1024 4096``, ``--max-tokens
+on the depth section's small shape, or the frontier mechanisms ``gpt_oss deepseek_v3 llama4_text granitemoe``
+(``_frontier.frontier_model``), ``--kinds-layers`` 2 layers (several, e.g. ``2 4``, to see the memory against depth), at ``--kinds-lengths 1024 4096``, ``--max-tokens
 alti=1024`` to run a slow method at the shorter lengths only), ``--lengths 1024 2048 4096 8192``, ``--layers 4 8``,
 ``--limit-gb 8``, ``--skip METHOD ...`` (any of forward globenc alti alti_logit decompx ff ff_alti),
 ``--timeout``/``--ff-timeout`` (seconds per child), ``--json out.json`` (with ``--merge-json``: keep the
@@ -73,7 +74,8 @@ sys.path.insert(0, BENCHMARKS)
 import torch  # noqa: E402
 
 from _bench import (  # noqa: E402
-    DECODER_FAMILIES, LLAMA_100M, decoder_runner, family_model, measure_peak, print_json, random_ids, rss_mb, run_child)
+    LLAMA_100M, decoder_runner, measure_peak, print_json, random_ids, rss_mb, run_child)
+from _frontier import ALL_FAMILIES, any_family_model  # noqa: E402
 
 SMALL_LLAMA = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704,
                    vocab_size=1000, max_position_embeddings=16384, hidden_act="silu")
@@ -150,7 +152,7 @@ def child(args, package_file: str) -> None:
         fn = _encoder_runner(name, model)
     else:
         small = section in ("depth", "kinds")
-        model = family_model(args.family, SMALL_LLAMA if small else LLAMA_100M, layers=args._layers)
+        model = any_family_model(args.family, SMALL_LLAMA if small else LLAMA_100M, layers=args._layers)
         inputs = (random_ids(args._batch, args._tokens, low=1 if small else 100,
                              high=1000 if small else 30000, cls=None),)
         fn = decoder_runner(name, model)
@@ -291,34 +293,41 @@ def section_length(R: Runner, methods: list) -> None:
 
 
 def section_kinds(R: Runner, methods: list) -> None:
-    r"""Families side by side (``--families``) on the small Llama shape, at ``--kinds-lengths``, ``--kinds-layers`` layers."""
+    r"""Families side by side (``--families``) on the small Llama shape, at ``--kinds-lengths``, ``--kinds-layers`` layers.
+
+    With several ``--kinds-layers`` (e.g. ``2 4``: is the memory flat in depth?), every length runs at each depth,
+    the shallowest first, and a table is printed per (length, depth).
+    """
     a = R.args
     cap = dict(kv.split("=") for kv in a.max_tokens)
     print(f"\n## kinds: bare {a.families} models shaped like {SMALL_LLAMA}, {a.kinds_layers} layers, batch 1, "
           f"tokens {a.kinds_lengths}", flush=True)
     res = {}
     for t in a.kinds_lengths:  # the shortest length of every family first
-        for f in a.families:
-            for m in methods:
-                if m in cap and t > int(cap[m]):
-                    continue
-                res[(f, m, t)] = R.run("kinds", m, layers=a.kinds_layers, tokens=t, batch=1, family=f)
-    for t in a.kinds_lengths:
-        rows = []
-        for m in methods:
-            cells = []
+        for n in a.kinds_layers:
             for f in a.families:
-                r, fwd = res.get((f, m, t)), res.get((f, "forward", t))
-                if r is None:
-                    cells.append("not run")
-                elif not _ok(r):
-                    cells.append(cell(r, a.limit_gb))
-                else:
-                    ratio = f", {r['seconds'] / fwd['seconds']:.1f}x fwd" if m != "forward" and _ok(fwd) else ""
-                    cells.append(f"{r['extra_peak_mb']:.0f} MB ({r['seconds']:.1f} s{ratio})")
-            rows.append([LABELS[m], *cells])
-        print(f"\npeak extra memory (seconds) of one call, {t} tokens:\n" + table(["method", *a.families], rows),
-              flush=True)
+                for m in methods:
+                    if m in cap and t > int(cap[m]):
+                        continue
+                    res[(f, m, t, n)] = R.run("kinds", m, layers=n, tokens=t, batch=1, family=f)
+    for t in a.kinds_lengths:
+        for n in a.kinds_layers:
+            rows = []
+            for m in methods:
+                cells = []
+                for f in a.families:
+                    r, fwd = res.get((f, m, t, n)), res.get((f, "forward", t, n))
+                    if r is None:
+                        cells.append("not run")
+                    elif not _ok(r):
+                        cells.append(cell(r, a.limit_gb))
+                    else:
+                        ratio = f", {r['seconds'] / fwd['seconds']:.1f}x fwd" if m != "forward" and _ok(fwd) else ""
+                        cells.append(f"{r['extra_peak_mb']:.0f} MB ({r['seconds']:.1f} s{ratio})")
+                rows.append([LABELS[m], *cells])
+            depth = f", {n} layers" if len(a.kinds_layers) > 1 else ""
+            print(f"\npeak extra memory (seconds) of one call, {t} tokens{depth}:\n"
+                  + table(["method", *a.families], rows), flush=True)
 
 
 def section_encoder(R: Runner, methods: list) -> None:
@@ -339,13 +348,14 @@ def main() -> None:
     p.add_argument("--package-root", default=os.path.dirname(BENCHMARKS),
                    help="checkout whose captum_normattr is measured (default: the repository holding this script)")
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="depth section: layer counts")
-    p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,
+    p.add_argument("--family", default="llama", choices=ALL_FAMILIES,
                    help="decoder sections: the family of the model, shaped like the Llama config (_bench.family_model)")
     p.add_argument("--depth-tokens", type=int, default=2048)
-    p.add_argument("--families", nargs="+", default=["llama", "gpt_neox", "gemma2", "mixtral"], choices=DECODER_FAMILIES,
+    p.add_argument("--families", nargs="+", default=["llama", "gpt_neox", "gemma2", "mixtral"], choices=ALL_FAMILIES,
                    help="kinds section: the families side by side (small Llama shape)")
     p.add_argument("--kinds-lengths", type=int, nargs="+", default=[1024, 4096], help="kinds section: tokens")
-    p.add_argument("--kinds-layers", type=int, default=2, help="kinds section: layers")
+    p.add_argument("--kinds-layers", type=int, nargs="+", default=[2],
+                   help="kinds section: layers (several, e.g. 2 4: memory against depth)")
     p.add_argument("--max-tokens", nargs="*", default=[], metavar="METHOD=T",
                    help="kinds section: run METHOD only up to T tokens (e.g. alti=1024)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="length section: tokens")

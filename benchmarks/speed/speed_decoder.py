@@ -20,6 +20,13 @@ multiple of 256) whose peak extra memory stays under ``--limit-gb``: the child a
 soon as it crosses the limit (so the machine never sees much more), the first probe is
 predicted from a fit a + c T^2 (or a full quadratic with 3+ points) of the measured peaks, and the search stops after
 ``--search-budget`` seconds (the answer is then a bracket).
+
+``--families`` (ratio table only) puts families side by side in one process, each against its own forward pass:
+``_bench.DECODER_FAMILIES`` (one per layer kind) and the frontier mechanisms of ``_frontier.py`` (``gpt_oss``:
+sinks and clamped experts; ``deepseek_v3``: latent attention; ``llama4_text``: chunked attention and input-scaled
+experts; ``granitemoe``), e.g. ``--families llama gpt_oss deepseek_v3 llama4_text granitemoe --config small
+--layers 2``. ``--exactness`` adds, per family and length, ALTI-Logit's and DecompX's token scores plus no-token
+terms against the model's own logit (recomputed from its forward pass), float32.
 """
 from __future__ import annotations
 
@@ -34,8 +41,9 @@ BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benc
 sys.path.insert(0, os.path.dirname(BENCHMARKS))  # this checkout's package
 sys.path.insert(0, BENCHMARKS)
 
-from _bench import DECODER_FAMILIES, LLAMA_100M, decoder_runner, family_model, measure_peak, print_json, random_ids, time_interleaved  # noqa: E402
+from _bench import LLAMA_100M, decoder_runner, measure_peak, print_json, random_ids, time_interleaved  # noqa: E402
 from _bench import run_child as _run_script  # noqa: E402
+from _frontier import ALL_FAMILIES, any_family_model  # noqa: E402
 
 CONFIG = LLAMA_100M
 #: ``--config small``: the small Llama shape of ``memory_engine.py``'s depth section (hidden 256, 8 heads, 4 kv heads,
@@ -44,12 +52,13 @@ SMALL = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, inte
              vocab_size=1000, max_position_embeddings=16384, hidden_act="silu")
 LAYERS = [None]
 METHODS = ("forward", "globenc", "alti", "alti_logit", "ff")
-#: the family of the measured model (``--family``; ``_bench.family_model``: a mixture of experts shaped like the Llama)
+#: the family of the measured model (``--family``; ``_bench.family_model``: a mixture of experts shaped like the Llama;
+#: ``_frontier.frontier_model``: the frontier mechanisms of issue #34)
 FAMILY = ["llama"]
 
 
 def _model():
-    return family_model(FAMILY[0], CONFIG, layers=LAYERS[0])
+    return any_family_model(FAMILY[0], CONFIG, layers=LAYERS[0])
 
 
 def _runner(name: str, model):
@@ -136,6 +145,34 @@ def search(name: str, measured: dict, limit_mb: float, budget_s: float, cap: int
     return {"method": name, "fits": lo, "over": hi if hi <= cap else None, "complete": hi - lo <= 256, "probes": probes}
 
 
+def exactness(tokens: int) -> dict:
+    r"""ALTI-Logit's and DecompX's token scores plus no-token terms against the model's own logit (float32).
+
+    The model's logit is recomputed here, apart from the attribution: its own forward pass (sdpa or its eager
+    attention), the last position's final hidden state dotted with the (tied) embedding row of the target.
+    ``rel_*``: |sum of the scores + no-token terms - model logit| / max(|model logit|, 1e-6); ``delta_*`` the
+    methods' own reported completeness error.
+    """
+    from _bench import DECODER_TARGET
+
+    from captum_normattr import ALTILogitAttribution
+
+    model = _model()
+    ids = random_ids(1, tokens, low=100, high=min(30000, CONFIG["vocab_size"]), cls=None)
+    emb = model.get_input_embeddings().weight
+    with torch.no_grad():
+        ref = float(model(input_ids=ids, use_cache=False).last_hidden_state[0, -1].double()
+                    @ emb[DECODER_TARGET].double())
+    d = decoder_runner("decompx", model)(ids)  # DecompXAttribution.decompose
+    r = ALTILogitAttribution(model, unembedding=emb).decompose(ids, target=DECODER_TARGET)
+    alti_total = float(r.scores.double().sum() + r.no_token_total.double().sum())
+    dx_total = float(d.scores.double().sum() + d.bias_scores.double()[0, 0])
+    scale = max(abs(ref), 1e-6)
+    return {"model_logit": ref, "alti_logit_total": alti_total, "decompx_total": dx_total,
+            "rel_alti_logit": abs(alti_total - ref) / scale, "rel_decompx": abs(dx_total - ref) / scale,
+            "delta_alti_logit": float(r.delta[0]), "delta_decompx": float(d.delta[0])}
+
+
 def side_by_side(args) -> None:
     r"""``--families``: the ratio table of every family at every length, one family after the other in this process."""
     import json
@@ -156,6 +193,11 @@ def side_by_side(args) -> None:
             sec = ratios(t, args.repeats, args.threads, methods, args.no_warm_up)
             rec = {"family": f, "tokens": t, "seconds": sec,
                    "ratio_to_forward": {m: sec[m] / sec["forward"] for m in methods}, "wall_s": time.perf_counter() - t0}
+            if args.exactness:
+                rec["exactness"] = exactness(t)
+                e = rec["exactness"]
+                print(f"{f}: {t} tokens, model logit {e['model_logit']:.4g}; |scores + no-token - logit| / |logit|: "
+                      f"ALTI-Logit {e['rel_alti_logit']:.2e}, DecompX {e['rel_decompx']:.2e}", flush=True)
             out["ratios"].append(rec)
             print(f"{f}: 1 x {t} tokens, {args.threads} threads, min of {args.repeats}: forward {sec['forward']:.2f} s; "
                   + ", ".join(f"{m} {sec[m]:.2f} s = {sec[m] / sec['forward']:.1f}x" for m in methods), flush=True)
@@ -179,9 +221,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ratios-only", action="store_true", help="stop after the ratio table")
-    p.add_argument("--family", default="llama", choices=DECODER_FAMILIES,
-                   help="the model's family, shaped like the Llama config (mixtral, qwen2_moe: 4 experts, top-2)")
-    p.add_argument("--families", nargs="+", default=None, choices=DECODER_FAMILIES,
+    p.add_argument("--family", default="llama", choices=ALL_FAMILIES,
+                   help="the model's family, shaped like the Llama config (mixtral, qwen2_moe: 4 experts, top-2; "
+                        "the frontier mechanisms gpt_oss, deepseek_v3, llama4_text, granitemoe: _frontier.py)")
+    p.add_argument("--families", nargs="+", default=None, choices=ALL_FAMILIES,
                    help="ratio table only: these families one after the other in this process, each against its "
                         "own forward pass (implies --ratios-only)")
     p.add_argument("--config", default="100m", choices=["100m", "small"], help="the Llama shape (small: hidden 256)")
@@ -193,6 +236,8 @@ def main() -> None:
                    help="with --families: time METHOD only up to T tokens")
     p.add_argument("--no-warm-up", nargs="*", default=[], help="methods timed without a warm-up call")
     p.add_argument("--json", default=None, help="with --families: save the ratio table here")
+    p.add_argument("--exactness", action="store_true",
+                   help="with --families: also ALTI-Logit's and DecompX's totals against the model's own logit")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_tokens", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_limit", type=float, default=1e12, help=argparse.SUPPRESS)
