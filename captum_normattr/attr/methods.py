@@ -22,6 +22,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
+from captum_normattr.arguments import add_option, parse_position
 from captum_normattr.attr.alti import ALTIAttribution
 from captum_normattr.attr.alti_logit import ALTILogitAttribution
 from captum_normattr.attr.alti_plus import ALTIPlusAttribution
@@ -50,21 +51,6 @@ __all__ = [
 MODEL_GROUPS: Tuple[str, ...] = ("encoders", "decoders", "encoder-decoders")
 #: the model groups a method applies to unless its entry says otherwise
 DEFAULT_MODEL_GROUPS: Tuple[str, ...] = ("encoders", "decoders")
-
-
-def parse_position(value: str) -> Union[int, str]:
-    r"""A command-line explained position: an integer or ``"last"``.
-
-    Examples:
-        >>> parse_position("-1"), parse_position("last")
-        (-1, 'last')
-    """
-    if value == "last":
-        return "last"
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or 'last', got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -96,17 +82,8 @@ class OptionSpec:
 
     def add_to(self, parser: argparse.ArgumentParser, used_by: Optional[List[str]] = None) -> None:
         r"""Add this option to an argparse parser (``used_by``: method keys named in the help)."""
-        kwargs: Dict[str, Any] = {"dest": self.dest, "default": self.default}
-        if self.type is not None:
-            kwargs["type"] = self.type
-        if self.choices is not None:
-            kwargs["choices"] = self.choices
-        if self.metavar is not None:
-            kwargs["metavar"] = self.metavar
-        text = self.help
-        if used_by:
-            text += f" [methods: {', '.join(used_by)}]"
-        parser.add_argument(*self.flags, help=text, **kwargs)
+        add_option(parser, self.flags, self.dest, self.default, self.choices, self.help, self.type, self.metavar,
+                   used_by)
 
 
 MAP_OPTION = OptionSpec(

@@ -26,29 +26,15 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from captum_normattr.arguments import add_option, parse_position
 
 __all__ = ["REGISTRY_MODULE", "SNAPSHOT", "MethodView", "OptionView", "llm_method_names", "methods", "parse_position",
            "snapshot_from_registry"]
 
 #: the module holding the real registry; used when it is already imported
 REGISTRY_MODULE = "captum_normattr.attr.methods"
-
-
-def parse_position(value: str) -> Union[int, str]:
-    r"""A command-line explained position: an integer or ``"last"`` (the registry's
-    :func:`~captum_normattr.attr.methods.parse_position`, without its imports).
-
-    Examples:
-        >>> parse_position("-1"), parse_position("last")
-        (-1, 'last')
-    """
-    if value == "last":
-        return "last"
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or 'last', got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -67,17 +53,8 @@ class OptionView:
     def add_to(self, parser: argparse.ArgumentParser, used_by: Optional[List[str]] = None) -> None:
         r"""Add this option to an argparse parser (``used_by``: method keys named in the help), as
         :meth:`OptionSpec.add_to <captum_normattr.attr.methods.OptionSpec.add_to>` does."""
-        kwargs: Dict[str, Any] = {"dest": self.dest, "default": self.default}
-        if self.type is not None:
-            kwargs["type"] = self.type
-        if self.choices is not None:
-            kwargs["choices"] = self.choices
-        if self.metavar is not None:
-            kwargs["metavar"] = self.metavar
-        text = self.help
-        if used_by:
-            text += f" [methods: {', '.join(used_by)}]"
-        parser.add_argument(*self.flags, help=text, **kwargs)
+        add_option(parser, self.flags, self.dest, self.default, self.choices, self.help, self.type, self.metavar,
+                   used_by)
 
 
 @dataclass(frozen=True)
