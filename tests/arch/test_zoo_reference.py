@@ -21,7 +21,10 @@ from decoder_models import decoder_batch
 from zoo import build
 
 #: pre-LN decoders whose value projection is its own module (``self_attn.v_proj``) or GPT-2's fused c_attn
-PRE_LN = [k for k, s in ARCHITECTURES.items() if s.modality == "text" and s.causal and s.topology == "pre_ln"]
+#: one-mixer pre-LN decoders (softmax attention in every layer); hybrid layers (``Layer.mixers``, LFM2's
+#: short convolutions) have their own naive per-token reference in tests/arch/test_hybrid_lfm2.py
+PRE_LN = [k for k, s in ARCHITECTURES.items() if s.modality == "text" and s.causal and s.topology == "pre_ln"
+          and not s.layer.mixers]
 
 
 def _path(root, path):
