@@ -38,7 +38,7 @@ Examples::
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 __all__ = [
     "UnsupportedModelError",
@@ -836,6 +836,28 @@ class ArchitectureSpec:
         for _, branch in lay.branches():
             out += [branch.pre_norm, branch.post_norm]
         return tuple(n for n in out if n is not None)
+
+    def mixer_summary(self) -> str:
+        r"""The layers' token mixers, readable, for the docs' table's mixer column.
+
+        Returns:
+            e.g. ``"softmax attention"``, ``"softmax attention (sinks)"``,
+            ``"softmax attention (latent values)"`` or, for a hybrid model whose layers pick their
+            mixer by layer type, ``"softmax attention + short convolution, per layer type"``.
+        """
+        def one(att: "Attention") -> str:
+            if att.mixer == "short_conv":
+                return "short convolution"
+            extras = [name for name, on in (("sinks", bool(att.sinks)),
+                                            ("latent values", att.value is not None and att.value.layout == "latent"),
+                                            ("soft-cap", bool(att.softcap))) if on]
+            return "softmax attention" + (f" ({', '.join(extras)})" if extras else "")
+
+        names: List[str] = []
+        for att in [self.layer.attention] + [m for _, m in self.layer.mixers]:
+            if one(att) not in names:
+                names.append(one(att))
+        return " + ".join(names) + (", per layer type" if self.layer.mixers else "")
 
     def features(self) -> Tuple[str, ...]:
         r"""Readable features for the docs' table (norm type, FF type, layouts, heads)."""

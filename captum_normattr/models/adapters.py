@@ -104,14 +104,16 @@ def architecture_table_markdown(specs: Optional[Dict[str, ArchitectureSpec]] = N
             :data:`~captum_normattr.arch.registry.ARCHITECTURES`, the one-stack families).
 
     Returns:
-        Columns: family, ``config.model_type`` values, topology kind, methods (:func:`family_methods`),
-        features, notes.
+        Columns: family, ``config.model_type`` values, topology kind, token mixers
+        (:meth:`~captum_normattr.arch.spec.ArchitectureSpec.mixer_summary`), methods
+        (:func:`family_methods`), features, notes.
     """
-    rows = ["| family | model types | topology | methods | features | notes |", "|---|---|---|---|---|---|"]
+    rows = ["| family | model types | topology | mixers | methods | features | notes |", "|---|---|---|---|---|---|---|"]
     for spec in (ARCHITECTURES if specs is None else specs).values():
         rows.append(
             f"| {spec.family} | {', '.join(f'`{t}`' for t in spec.model_types)} | `{spec.topology}` | "
-            f"{', '.join(family_methods(spec))} | {', '.join(spec.features())} | {spec.notes or '—'} |"
+            f"{spec.mixer_summary()} | {', '.join(family_methods(spec))} | {', '.join(spec.features())} | "
+            f"{spec.notes or '—'} |"
         )
     return "\n".join(rows)
 
