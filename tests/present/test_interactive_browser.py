@@ -121,7 +121,7 @@ class _Chromium:
         while not (os.path.exists(port_file) and len(open(port_file).read().split()) >= 2):
             if self.proc.poll() is not None or time.time() > deadline:
                 self.close()
-                pytest.skip(f"{BROWSER} did not start (exit code {self.proc.poll()})")
+                raise RuntimeError(f"{BROWSER} did not start (exit code {self.proc.poll()})")
             time.sleep(0.1)
         port, path = open(port_file).read().split()[:2]
         self.ws = _WebSocket(f"ws://127.0.0.1:{port}{path}")
@@ -210,7 +210,13 @@ class _Chromium:
 def browser(tmp_path_factory):
     if BROWSER is None:
         pytest.skip(NO_BROWSER)
-    b = _Chromium(str(tmp_path_factory.mktemp("chromium-profile")))
+    for attempt in range(2):  # a start can fail once on a loaded machine: a fresh profile, once more
+        try:
+            b = _Chromium(str(tmp_path_factory.mktemp("chromium-profile")))
+            break
+        except RuntimeError as err:
+            if attempt:
+                pytest.skip(str(err))
     yield b
     b.close()
 
