@@ -22,7 +22,7 @@ def model_display_name(model: Any = None, name_or_path: Optional[str] = None) ->
         The label ("model" when nothing is known).
 
     Examples:
-        >>> model_display_name(name_or_path="/home/me/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/12ab")
+        >>> model_display_name(name_or_path="/opt/hf/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/12ab")
         'HuggingFaceTB/SmolLM2-135M'
         >>> model_display_name(name_or_path="/data/models/tiny_llama/")
         'tiny_llama'

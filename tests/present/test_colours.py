@@ -87,8 +87,8 @@ def test_class_agnostic_delta_is_not_a_logit_error():
 
 
 @pytest.mark.parametrize("name, shown", [
-    ("/home/u/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/abc123", "HuggingFaceTB/SmolLM2-135M"),
-    ("/root/.cache/captum_normattr/smollm2-135m-instruct", "smollm2-135m-instruct"),
+    ("/opt/hf/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/abc123", "HuggingFaceTB/SmolLM2-135M"),
+    ("/srv/cache/captum_normattr/smollm2-135m-instruct", "smollm2-135m-instruct"),
     ("./checkpoints/minilm-sst2/", "minilm-sst2"),
     ("gpt2", "gpt2"),
     ("openai-community/gpt2", "openai-community/gpt2"),

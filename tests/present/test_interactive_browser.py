@@ -378,7 +378,7 @@ def test_colours_are_on_the_page_before_any_hover(browser, tmp_path):
 
 
 def _generate_record():
-    return {"model": "/root/.cache/huggingface/hub/models--Org--Tiny-LM/snapshots/0123abc", "prompt": "The capital",
+    return {"model": "/opt/hf/hub/models--Org--Tiny-LM/snapshots/0123abc", "prompt": "The capital",
             "prompt_length": 3, "sink_index": 0, "exclude_sink": False, "generated": [" of", " France"],
             "tokens": ["<s>", "The", "\u0120capital", "\u0120of", "\u0120France"],
             "token_text": ["<s>", "The", " capital", " of", " France"],
@@ -420,7 +420,7 @@ def test_one_colour_convention_on_every_page(browser, tmp_path):
     assert all(v == [colours.NEGATIVE_MAX, colours.ZERO, colours.POSITIVE_MAX, colours.SINK_GREY]
                for v in seen.values()), seen
     gen_page = pages["generate"][0]
-    assert "Org/Tiny-LM" in gen_page and "/root/.cache" not in gen_page and "snapshots" not in gen_page
+    assert "Org/Tiny-LM" in gen_page and "/opt/hf" not in gen_page and "snapshots" not in gen_page
 
 
 def test_route_graph_page(browser, tmp_path):
