@@ -51,6 +51,8 @@ Usage::
         --total-seconds 4800 --out benchmarks/results/decoder_faithfulness_seed2.json
     python benchmarks/faithfulness/decoder_faithfulness.py --max-items 260 --exact-prompts 0 --seed 3 --cost-every 1 \
         --save-every 1 --total-seconds 3596 --out benchmarks/results/decoder_faithfulness_seed3.json
+    python benchmarks/faithfulness/decoder_faithfulness.py --pool benchmarks/results/decoder_faithfulness_seed3.json \
+        benchmarks/results/decoder_faithfulness_seed4.json --out benchmarks/results/decoder_faithfulness_seeds34.json
 """
 from __future__ import annotations
 
@@ -137,14 +139,18 @@ def conservation(model, attributor, states: Sequence[TaskState], n: int) -> Dict
             with torch.no_grad():
                 d = float(contrastive_logit(model(input_ids=ids[None]).logits[0, -1], it.target, it.foil))
             ratios.append(float(attributor(ids, it.target, it.foil).sum()) / d)
-        if not ratios:
-            continue
-        srt = sorted(ratios)
-        q = lambda f: srt[min(len(srt) - 1, int(f * len(srt)))]  # noqa: E731
-        out[st.name] = {"n": len(ratios), "median_ratio": q(0.5), "q25_ratio": q(0.25), "q75_ratio": q(0.75),
-                        "median_abs_gap_over_d": sorted(abs(1 - r) for r in ratios)[len(ratios) // 2],
-                        "ratios": [round(r, 5) for r in ratios]}
+        if ratios:
+            out[st.name] = ratio_summary(ratios)
     return out
+
+
+def ratio_summary(ratios: Sequence[float]) -> Dict:
+    r"""``{"n", "median_ratio", "q25_ratio", "q75_ratio", "median_abs_gap_over_d", "ratios"}`` of sum / d ratios."""
+    srt = sorted(ratios)
+    q = lambda f: srt[min(len(srt) - 1, int(f * len(srt)))]  # noqa: E731
+    return {"n": len(ratios), "median_ratio": q(0.5), "q25_ratio": q(0.25), "q75_ratio": q(0.75),
+            "median_abs_gap_over_d": sorted(abs(1 - r) for r in ratios)[len(ratios) // 2],
+            "ratios": [round(r, 5) for r in ratios]}
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -235,9 +241,17 @@ def main(argv=None) -> int:
     p.add_argument("--conservation-items", type=int, default=40,
                    help="AttnLRP's sum of relevances against d on this many evaluated items per task (0: skip)")
     p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                   help="pool runs of different seeds (distinct items) into one result written to --out, and exit")
     p.add_argument("--report", nargs="+", default=None, metavar="JSON",
                    help="print the Markdown tables of earlier runs' JSON files and exit")
     args = p.parse_args(argv)
+    if args.pool:
+        pooled = pool_runs([json.load(open(f)) for f in args.pool])
+        if args.out:
+            _write(args.out, pooled)
+        print(report([pooled]))
+        return 0
     if args.report:
         print(report([json.load(open(f)) for f in args.report]))
         return 0
@@ -318,6 +332,59 @@ def main(argv=None) -> int:
     log("done")
     snapshot(final=True)
     return 0
+
+
+def _pool_summaries(parts: Sequence[Dict[str, float]]) -> Dict[str, float]:
+    r"""The :func:`mean_se` summary of the union of several runs' items, exactly, from each run's (mean, se, n)."""
+    parts = [p for p in parts if p.get("n", 0) > 0]
+    n = sum(p["n"] for p in parts)
+    if not n:
+        return {"mean": float("nan"), "se": float("nan"), "n": 0}
+    m = sum(p["n"] * p["mean"] for p in parts) / n
+    # sum of squared deviations: within each run (se^2 n (n - 1)) plus between the runs' means
+    ss = sum((p["se"] ** 2 * p["n"] * (p["n"] - 1) if p["n"] > 1 else 0.0) + p["n"] * (p["mean"] - m) ** 2
+             for p in parts)
+    return {"mean": m, "se": (ss / (n - 1) / n) ** 0.5 if n > 1 else float("nan"), "n": n}
+
+
+def pool_runs(results: Sequence[Dict]) -> Dict:
+    r"""Several runs (different ``--seed``, so different items) as one result: per task, the items and the
+    per-item values concatenated run after run (paired differences stay paired: every run evaluates every
+    method on each of its items), every summary recomputed over the union (from the per-item values where
+    the run kept them, else exactly from each run's mean, standard error and count), AttnLRP's conservation
+    ratios concatenated. Runs with different models or methods are refused.
+    """
+    if len({r["model"] for r in results}) != 1:
+        raise SystemExit("--pool: the runs explain different models")
+    pooled = {"model": results[0]["model"], "pooled_from": [{"seed": r["args"].get("seed"), "wall_s": r.get("wall_s"),
+                                                             "torch_threads": r.get("torch_threads"),
+                                                             "cost_every": r.get("cost_every")} for r in results],
+              "cost_every": max(r.get("cost_every", 1) for r in results), "tasks": {}, "complete": True}
+    seeds = [r["args"].get("seed") for r in results]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--pool: the runs share a seed ({seeds}), so they share items")
+    for task in dict.fromkeys(t for r in results for t in r["tasks"]):
+        runs = [r["tasks"][task] for r in results if r["tasks"].get(task, {}).get("evaluated")]
+        methods = list(runs[0]["methods"])
+        if any(list(t["methods"]) != methods for t in runs):
+            raise SystemExit(f"--pool: {task}: the runs evaluated different methods")
+        per_item = {m: {k: [x for t in runs for x in t["per_item"].get(m, {}).get(k, [])]
+                        for k in runs[0]["per_item"].get(m, {})} for m in methods}
+        summary = {}
+        for m in methods:
+            keys = dict.fromkeys(k for t in runs for k in t["methods"][m])
+            summary[m] = {k: (mean_se(per_item[m][k]) if k in per_item[m] and k != "cost_forwards"
+                              else _pool_summaries([t["methods"][m].get(k, {}) for t in runs])) for k in keys}
+        pooled["tasks"][task] = {
+            "candidates": sum(t["candidates"] for t in runs), "correct": sum(t["correct"] for t in runs),
+            "evaluated": sum(t["evaluated"] for t in runs), "example": runs[0]["example"], "methods": summary,
+            "items": [it for t in runs for it in t["items"]], "per_item": per_item}
+    cons = [r["attnlrp_conservation"] for r in results if "attnlrp_conservation" in r]
+    if cons:
+        pooled["attnlrp_conservation"] = {
+            task: ratio_summary([x for c in cons for x in c.get(task, {}).get("ratios", [])])
+            for task in dict.fromkeys(t for c in cons for t in c)}
+    return pooled
 
 
 def table(task: str, res: Dict) -> str:
