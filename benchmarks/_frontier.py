@@ -16,7 +16,11 @@ shape of ``memory_engine.py``'s depth section: hidden 256, 8 heads, 4 key/value 
   norms, every 2nd layer NoPE (no rotary, no temperature tuning); 4 input-scaled experts (sigmoid top-1) of
   half the FF width beside a shared expert of half the width on every layer; sdpa;
 - ``granitemoe``: Mixtral's experts block (4 experts, top-2, half the FF width) with the residual, embedding
-  and attention multipliers of Granite; sdpa.
+  and attention multipliers of Granite; sdpa;
+- ``qwen3_5_text``: Qwen3.5's hybrid, three Gated DeltaNet layers per gated full-attention layer (transformers'
+  default ``full_attention_interval`` 4); the DeltaNet with half as many key heads as the Llama's heads and as
+  many value heads, both of the Llama's head size (its value channels span the width), kernel 4; the Llama FF as
+  a SwiGLU; sdpa. Its delta-rule kernel runs transformers' torch fallback (no flash-linear-attention).
 
 The experts run transformers' default kernel (``grouped_mm`` where the family has it), as the Mixtral figures
 of ``_bench.family_model``; routers are drawn at std 1 so that tokens choose different experts.
@@ -32,7 +36,7 @@ from _bench import DECODER_FAMILIES, family_model
 __all__ = ["ALL_FAMILIES", "FRONTIER_FAMILIES", "any_family_model", "frontier_model"]
 
 #: the frontier families :func:`frontier_model` builds (one per new mechanism of issue #34)
-FRONTIER_FAMILIES = ("gpt_oss", "deepseek_v3", "llama4_text", "granitemoe")
+FRONTIER_FAMILIES = ("gpt_oss", "deepseek_v3", "llama4_text", "granitemoe", "qwen3_5_text")
 #: every family the decoder benchmarks build: ``_bench.DECODER_FAMILIES`` and :data:`FRONTIER_FAMILIES`
 ALL_FAMILIES = DECODER_FAMILIES + FRONTIER_FAMILIES
 
@@ -113,6 +117,13 @@ def frontier_model(family: str, config: Mapping[str, Any], layers: Optional[int]
         config_obj = tf.GraniteMoeConfig(**common, num_local_experts=4, num_experts_per_tok=2, intermediate_size=half,
                                          residual_multiplier=0.6, embedding_multiplier=3.0, attention_multiplier=0.1)
         cls = tf.GraniteMoeModel
+    elif family == "qwen3_5_text":
+        dh = hidden // heads
+        config_obj = tf.Qwen3_5TextConfig(
+            **common, head_dim=dh, intermediate_size=ff, linear_num_key_heads=max(1, heads // 2),
+            linear_num_value_heads=heads, linear_key_head_dim=dh, linear_value_head_dim=dh, linear_conv_kernel_dim=4,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)])
+        cls = tf.Qwen3_5TextModel
     else:
         raise ValueError(f"unknown frontier family {family!r}; choose from {FRONTIER_FAMILIES}")
     torch.manual_seed(seed)

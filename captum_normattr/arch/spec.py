@@ -45,6 +45,7 @@ __all__ = [
     "ArchitectureSpec",
     "Attention",
     "ClassifierHead",
+    "DELTA_LAYOUTS",
     "EXPERT_KINDS",
     "Experts",
     "FeedForward",
@@ -93,7 +94,13 @@ HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: architecture).
 #: ``latent`` (multi-head latent attention, DeepSeek-V3: the values are projected up from an
 #: RMS-normalised low-rank latent, v_j = RMSNorm(x_j W_a^c + b_a^c) W_b^v; see :class:`ValueProjection`).
-VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent")
+#: ``delta_grouped`` (a Gated DeltaNet's fused input projection grouped per key head, Qwen3-Next's
+#: ``in_proj_qkvz``: per key head [q (d_k) | k (d_k) | v (r d_v) | z (r d_v)] with r = H_v / H_k value
+#: heads per key head; the value is slice 2 of 4, value heads in order) and ``delta_split`` (its
+#: projection [q (H_k d_k) | k (H_k d_k) | v (H_v d_v)], Qwen3.5's ``in_proj_qkv``; slice 2 of 3); the
+#: sizes are read from the mixer module (``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent",
+                                  "delta_grouped", "delta_split")
 #: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
 #: attention function, which the capture replaces by its recording one), ``returned`` (the module
 #: computes its attention itself and returns its probabilities, as BLOOM's ALiBi attention),
@@ -113,7 +120,14 @@ FUNCTIONAL_ACT = "torch.nn.functional."
 #: linear-attention and state-space mixers: a mixer kind whose capture builds its per-channel mixing
 #: tensor (B, C, T, S) from the recorded coefficients and its value channels (B, C, S, 1) is
 #: decomposed by every layer kind unchanged (a no-token term per target is not expressed yet).
-MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv")
+#: ``gated_delta_net`` (Qwen3-Next's and Qwen3.5's Gated DeltaNet, transformers' ``*GatedDeltaNet``: a
+#: delta-rule recurrence behind a causal depthwise convolution and a gated RMSNorm; with its coefficients
+#: recorded from the real forward pass, a per-channel mixing tensor over the value channels of its input
+#: projection, recorded as attention with one head of size 1 per value channel;
+#: :mod:`captum_normattr.models.capture.gated_delta_net`, ``docs/linear_mixers.md``).
+MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net")
+#: The value layouts of a ``gated_delta_net`` mixer's input projection.
+DELTA_LAYOUTS: Tuple[str, ...] = ("delta_grouped", "delta_split")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -202,6 +216,9 @@ class ValueProjection:
             raise ValueError(f"ValueProjection {self.path!r}: index {self.index} outside the {self.count} slices")
         if self.layout in ("fused_gqa", "grouped") and self.count != 3:
             raise ValueError(f"ValueProjection {self.path!r}: a {self.layout} projection has 3 slices (q, k, v)")
+        if self.layout in DELTA_LAYOUTS and (self.index, self.count) != (2, 4 if self.layout == "delta_grouped" else 3):
+            raise ValueError(f"ValueProjection {self.path!r}: the value of a {self.layout} projection is slice 2 of "
+                             f"{4 if self.layout == 'delta_grouped' else 3} ([q | k | v{' | z' if self.layout == 'delta_grouped' else ''}])")
 
 
 @dataclass(frozen=True)
@@ -245,7 +262,15 @@ class Attention:
             is the short-convolution block, ``value`` its input projection's value slice
             ``ValueProjection(in_proj, "fused", index=2, count=3)`` for [B | C | x], ``conv`` the
             causal depthwise ``Conv1d``, ``out`` the output projection).
-        conv: the causal depthwise convolution of a ``short_conv`` mixer (its kernel w[c, k]), from the layer.
+        conv: the causal depthwise convolution of a ``short_conv`` or ``gated_delta_net`` mixer (its kernel
+            w[c, k]), from the layer.
+        output_gate: a softmax attention whose output is gated per channel, o_t = attn_t * sigmoid(g_t) with
+            the gate g_t from the same target token (Qwen3-Next's and Qwen3.5's full-attention layers): the
+            query projection whose output is per head [query_h | gate_h] (``self_attn.q_proj``), or None. The
+            capture records it as attention with one head of size 1 per channel, p[h Dh + c, t, s] =
+            p_h[t, s] * sigmoid(g_t[h, c]), the values of the key/value head h serves
+            (``docs/linear_mixers.md``, "Gated attention"); the value projection's columns are then read
+            once per query head (grouped-query attention expanded).
     """
 
     module: str
@@ -260,12 +285,27 @@ class Attention:
     sinks: Optional[str] = None
     mixer: str = "softmax"
     conv: Optional[str] = None
+    output_gate: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.mixer not in MIXER_KINDS:
             raise ValueError(f"Attention {self.module!r}: mixer must be one of {MIXER_KINDS}, got {self.mixer!r}")
-        if (self.mixer == "short_conv") != (self.conv is not None):
-            raise ValueError(f"Attention {self.module!r}: a short_conv mixer (and only it) names its conv")
+        if (self.mixer in ("short_conv", "gated_delta_net")) != (self.conv is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv or gated_delta_net mixer (and only it) names its "
+                             "conv")
+        if self.mixer == "gated_delta_net" and (self.value is None or self.value.layout not in DELTA_LAYOUTS
+                                                or self.sinks is not None or self.softcap is not None
+                                                or self.probabilities != "interface"):
+            raise ValueError(f"Attention {self.module!r}: a gated_delta_net mixer reads its values from its input "
+                             f"projection (layout one of {DELTA_LAYOUTS}), without sinks or soft-caps")
+        if self.mixer != "gated_delta_net" and self.value is not None and self.value.layout in DELTA_LAYOUTS:
+            raise ValueError(f"Attention {self.module!r}: a {self.value.layout} value projection belongs to a "
+                             "gated_delta_net mixer")
+        if self.output_gate is not None and (self.mixer != "softmax" or self.probabilities != "interface"
+                                             or self.value is None or self.value.layout != "plain"):
+            raise ValueError(f"Attention {self.module!r}: an output gate is recorded on a softmax attention whose "
+                             "probabilities come from the attention interface, with its own value projection "
+                             "(layout 'plain')")
         if self.mixer == "short_conv" and (self.value is None or self.value.layout != "fused" or self.value.count != 3
                                            or self.sinks is not None or self.softcap is not None):
             raise ValueError(f"Attention {self.module!r}: a short_conv mixer reads its values as slice index of a fused "
@@ -848,7 +888,9 @@ class ArchitectureSpec:
         def one(att: "Attention") -> str:
             if att.mixer == "short_conv":
                 return "short convolution"
-            extras = [name for name, on in (("sinks", bool(att.sinks)),
+            if att.mixer == "gated_delta_net":
+                return "Gated DeltaNet"
+            extras = [name for name, on in (("output gate", bool(att.output_gate)), ("sinks", bool(att.sinks)),
                                             ("latent values", att.value is not None and att.value.layout == "latent"),
                                             ("soft-cap", bool(att.softcap))) if on]
             return "softmax attention" + (f" ({', '.join(extras)})" if extras else "")
@@ -889,7 +931,10 @@ class ArchitectureSpec:
         if lay.attention.sinks:
             out.append("attention sinks")
         for _, mixer in lay.mixers:
-            out.append({"short_conv": "gated short-convolution mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
+            out.append({"short_conv": "gated short-convolution mixer layers",
+                        "gated_delta_net": "Gated DeltaNet mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
+        if lay.attention.output_gate:
+            out.append("attention output gated per channel")
         if lay.attention.probabilities == "returned":
             out.append("attention inside its module")
         if self.head.final_softcap:

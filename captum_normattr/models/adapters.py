@@ -29,6 +29,7 @@ __all__ = [
     "UnsupportedModelError",
     "architecture_table_markdown",
     "base_model",
+    "delta_value_columns",
     "encoder_decoder_table_markdown",
     "family_methods",
     "get_adapter",
@@ -464,6 +465,20 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
     w, b = linear_params(get_path(layer, spec.path), adapter.transposed_weights)
     if spec.layout == "latent":
         return _latent_value_projection(layer, adapter, w, b)
+    if spec.layout in ("delta_grouped", "delta_split"):
+        cols = delta_value_columns(get_path(layer, adapter.attention), spec.layout, w.shape[1]).to(w.device)
+        return w[:, cols], None if b is None else b[cols]
+    if adapter.layer.attention.output_gate is not None:  # gated attention: one column per query-head channel
+        heads, kv_heads, dh = _head_counts(get_path(layer, adapter.attention))
+        if kv_heads * dh != w.shape[1] or heads % kv_heads:
+            raise ValueError(f"the value projection {spec.path} of {adapter.family} has {w.shape[1]} outputs, not the "
+                             f"{kv_heads} x {dh} its attention module's head counts give")
+
+        def per_query_head(t: Tensor) -> Tensor:
+            t = t.reshape(*t.shape[:-1], kv_heads, dh).repeat_interleave(heads // kv_heads, dim=-2)
+            return t.reshape(*t.shape[:-2], heads * dh)
+
+        return per_query_head(w), None if b is None else per_query_head(b)
     if spec.layout == "fused":
         size = w.shape[1] // spec.count
         cols = slice(spec.index * size, (spec.index + 1) * size)
@@ -504,6 +519,42 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
 
         return grouped(w), None if b is None else grouped(b)
     return w, b
+
+
+def delta_value_columns(mixer: nn.Module, layout: str, width: int) -> Tensor:
+    r"""The value columns of a Gated DeltaNet's input projection (``ValueProjection`` layouts ``delta_grouped`` and
+    ``delta_split``), value heads in order, as the mixer's forward reads them.
+
+    Args:
+        mixer: the Gated DeltaNet module (its ``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``).
+        layout: ``"delta_grouped"`` (per key head [q | k | v | z], Qwen3-Next's ``in_proj_qkvz``) or
+            ``"delta_split"`` ([q | k | v], Qwen3.5's ``in_proj_qkv``).
+        width: the projection's number of outputs (checked against the sizes).
+
+    Returns:
+        (H_v * d_v,) long indices of the value columns.
+
+    Raises:
+        ValueError: the module lacks the sizes, or they do not give ``width``.
+    """
+    sizes = [getattr(mixer, n, None) for n in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")]
+    if any(not isinstance(v, int) for v in sizes):
+        raise ValueError(f"{type(mixer).__name__} has no num_k_heads / num_v_heads / head_k_dim / head_v_dim: it is not "
+                         "a Gated DeltaNet mixer")
+    hk, hv, dk, dv = sizes
+    if hv % hk:
+        raise ValueError(f"{type(mixer).__name__}: {hv} value heads are not a multiple of {hk} key heads")
+    if layout == "delta_grouped":
+        block = 2 * dk + 2 * (hv // hk) * dv
+        expected = hk * block
+        cols = (torch.arange(hk)[:, None] * block + 2 * dk + torch.arange((hv // hk) * dv)[None, :]).reshape(-1)
+    else:
+        expected = 2 * hk * dk + hv * dv
+        cols = 2 * hk * dk + torch.arange(hv * dv)
+    if expected != width:
+        raise ValueError(f"{type(mixer).__name__}'s {layout} input projection has {width} outputs, not the {expected} its "
+                         f"{hk} key heads of {dk} and {hv} value heads of {dv} give")
+    return cols
 
 
 def _latent_value_projection(layer: nn.Module, adapter: ArchitectureSpec, w: Tensor, b: Optional[Tensor]):

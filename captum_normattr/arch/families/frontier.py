@@ -255,9 +255,8 @@ BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
-_LINEAR_ATTENTION = ("gated DeltaNet linear-attention layers (tokens mixed through a recurrent state, without "
-                     "attention probabilities) beside attention layers whose output is gated per channel by "
-                     "sigmoid(x W_gate) (gated attention), neither of which an attention description expresses")
+_QWEN3_5 = ("the multimodal model (a vision tower and a projector before the text model); its text model "
+            "(%s, %s) is supported")
 _MAMBA_HYBRID = ("Mamba-2 (state-space) mixer layers beside the attention layers: they mix tokens through a recurrent "
                  "state, without attention probabilities, which none of the methods can decompose")
 _GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer embedding of the "
@@ -275,9 +274,8 @@ REFUSED: Dict[str, Tuple[str, str]] = {
                                    "state, without attention probabilities) beside its multi-head latent attention "
                                    "layers (which DeepSeek-V3's latent value projection describes)"),
     "llama4": ("Llama 4", _LLAMA4),
-    "qwen3_next": ("Qwen3-Next", _LINEAR_ATTENTION),
-    "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),
-    "qwen3_5_moe_text": ("Qwen3.5-MoE", _LINEAR_ATTENTION), "qwen3_5_moe": ("Qwen3.5-MoE", _LINEAR_ATTENTION),
+    "qwen3_5": ("Qwen3.5 (multimodal)", _QWEN3_5 % ("qwen3_5_text", "Qwen3_5ForCausalLM")),
+    "qwen3_5_moe": ("Qwen3.5-MoE (multimodal)", _QWEN3_5 % ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")),
     "gemma4_text": ("Gemma 4", _GEMMA4),
     "gemma4": ("Gemma 4 (multimodal)", "a vision (and audio) tower before the text model, whose text model "
                                        "(gemma4_text) is itself refused: " + _GEMMA4),
