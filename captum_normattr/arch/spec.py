@@ -113,7 +113,12 @@ FUNCTIONAL_ACT = "torch.nn.functional."
 #: linear-attention and state-space mixers: a mixer kind whose capture builds its per-channel mixing
 #: tensor (B, C, T, S) from the recorded coefficients and its value channels (B, C, S, 1) is
 #: decomposed by every layer kind unchanged (a no-token term per target is not expressed yet).
-MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv")
+#: ``kimi_delta``: Kimi Linear's Kimi Delta Attention (a gated delta rule with a decay per key channel,
+#: after causal depthwise convolutions and SiLUs of q, k and v, then a sigmoid-gated RMSNorm): with its
+#: coefficients recorded, the per-channel mixing tensor of the value projection's output (the values before
+#: the convolution), recorded as attention with one head per channel and head size 1
+#: (``docs/linear_mixers.md``, "Kimi Delta Attention").
+MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "kimi_delta")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -241,11 +246,15 @@ class Attention:
             p_ij = exp(z_ij) / (sum_k exp(z_ik) + exp(s_h)), so the probabilities over the tokens
             sum to less than 1 (the sink's mass goes nowhere); the recording attention computes
             them so, and every method is exact with them (``docs/frontier.md``, "Attention sinks").
-        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default) or ``short_conv`` (``module``
+        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default), ``short_conv`` (``module``
             is the short-convolution block, ``value`` its input projection's value slice
             ``ValueProjection(in_proj, "fused", index=2, count=3)`` for [B | C | x], ``conv`` the
-            causal depthwise ``Conv1d``, ``out`` the output projection).
-        conv: the causal depthwise convolution of a ``short_conv`` mixer (its kernel w[c, k]), from the layer.
+            causal depthwise ``Conv1d``, ``out`` the output projection) or ``kimi_delta`` (``module``
+            is Kimi's delta-attention block with its ``q_proj``, ``k_proj``, ``forget_gate``, ``b_proj``
+            and ``o_norm``, ``value`` its ``v_proj`` (layout ``plain``), ``conv`` the depthwise ``Conv1d``
+            over [q | k | v], ``out`` its ``o_proj``).
+        conv: the causal depthwise convolution of a ``short_conv`` or ``kimi_delta`` mixer (its kernel
+            w[c, k]), from the layer.
     """
 
     module: str
@@ -264,8 +273,12 @@ class Attention:
     def __post_init__(self) -> None:
         if self.mixer not in MIXER_KINDS:
             raise ValueError(f"Attention {self.module!r}: mixer must be one of {MIXER_KINDS}, got {self.mixer!r}")
-        if (self.mixer == "short_conv") != (self.conv is not None):
-            raise ValueError(f"Attention {self.module!r}: a short_conv mixer (and only it) names its conv")
+        if (self.mixer in ("short_conv", "kimi_delta")) != (self.conv is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv or kimi_delta mixer (and only it) names its conv")
+        if self.mixer == "kimi_delta" and (self.value is None or self.value.layout != "plain" or self.sinks is not None
+                                           or self.softcap is not None or self.probabilities != "interface"):
+            raise ValueError(f"Attention {self.module!r}: a kimi_delta mixer reads its values from its own value "
+                             "projection (layout 'plain', before the convolution), without sinks or soft-caps")
         if self.mixer == "short_conv" and (self.value is None or self.value.layout != "fused" or self.value.count != 3
                                            or self.sinks is not None or self.softcap is not None):
             raise ValueError(f"Attention {self.module!r}: a short_conv mixer reads its values as slice index of a fused "
@@ -848,6 +861,8 @@ class ArchitectureSpec:
         def one(att: "Attention") -> str:
             if att.mixer == "short_conv":
                 return "short convolution"
+            if att.mixer == "kimi_delta":
+                return "Kimi delta attention"
             extras = [name for name, on in (("sinks", bool(att.sinks)),
                                             ("latent values", att.value is not None and att.value.layout == "latent"),
                                             ("soft-cap", bool(att.softcap))) if on]
@@ -889,7 +904,8 @@ class ArchitectureSpec:
         if lay.attention.sinks:
             out.append("attention sinks")
         for _, mixer in lay.mixers:
-            out.append({"short_conv": "gated short-convolution mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
+            out.append({"short_conv": "gated short-convolution mixer layers",
+                        "kimi_delta": "Kimi delta attention mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
         if lay.attention.probabilities == "returned":
             out.append("attention inside its module")
         if self.head.final_softcap:

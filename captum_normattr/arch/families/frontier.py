@@ -271,9 +271,6 @@ _LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector befor
            "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
-    "kimi_linear": ("Kimi Linear", "Kimi delta attention (linear-attention layers mixing tokens through a recurrent "
-                                   "state, without attention probabilities) beside its multi-head latent attention "
-                                   "layers (which DeepSeek-V3's latent value projection describes)"),
     "llama4": ("Llama 4", _LLAMA4),
     "qwen3_next": ("Qwen3-Next", _LINEAR_ATTENTION),
     "qwen3_5_text": ("Qwen3.5", _LINEAR_ATTENTION), "qwen3_5": ("Qwen3.5", _LINEAR_ATTENTION),
