@@ -139,6 +139,13 @@ def _has_path(module: Any, path: str) -> bool:
     return True
 
 
+def _has_parts(module: Any, att: "Attention") -> bool:
+    r"""True when ``module`` (a layer) has the mixer ``att``'s module, value projection and convolution (Kimi Linear's
+    two mixers share the module path ``self_attn``: their parts tell them apart)."""
+    paths = [att.module] + [p for p in (att.value.path if att.value is not None else None, att.conv) if p is not None]
+    return all(_has_path(module, p) for p in paths)
+
+
 class UnsupportedModelError(ValueError):
     r"""Raised for a model whose architecture has no description, or a method its layer kind cannot decompose."""
 
@@ -688,8 +695,8 @@ class ArchitectureSpec:
         r"""This description with the mixer of one layer of a hybrid model as its attention branch.
 
         Args:
-            layer: the layer module (the mixer whose module it has is chosen when ``layer_type``
-                is None), or None.
+            layer: the layer module (the mixer whose module, value projection and convolution it has
+                is chosen when ``layer_type`` is None), or None.
             layer_type: the layer's entry of ``config.<mixer_types>``, or None.
 
         Returns:
@@ -705,11 +712,11 @@ class ArchitectureSpec:
         chosen = dict(lay.mixers).get(layer_type) if layer_type is not None else None
         if chosen is None and layer is not None and layer_type is None:
             for _, mixer in lay.mixers:
-                if _has_path(layer, mixer.module) and not _has_path(layer, lay.attention.module):
+                if _has_parts(layer, mixer) and not _has_parts(layer, lay.attention):
                     chosen = mixer
                     break
         if chosen is None:
-            if layer is not None and not _has_path(layer, lay.attention.module):
+            if layer is not None and not _has_parts(layer, lay.attention):
                 raise ValueError(f"{self.family}: layer of type {layer_type!r} has neither the attention module "
                                  f"{lay.attention.module!r} nor one of the mixers {[m.module for _, m in lay.mixers]}")
             chosen = lay.attention
