@@ -18,6 +18,8 @@ from captum_normattr.arch.families import frontier as family_frontier
 
 from captum_normattr.arch.families import hybrid as family_hybrid
 
+from captum_normattr.arch.families import kimi as family_kimi
+
 from captum_normattr.arch.families import moe as family_moe
 
 from captum_normattr.arch.families import parallel as family_parallel
@@ -46,7 +48,7 @@ __all__ = [
 #: Order (the docs' table): the text families of ``families``, the family groups, the vision families.
 ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
     [e for e in BUILTIN if e[1].modality == "text"]
-    + [e for group in (family_parallel, family_moe, family_decoders, family_frontier, family_hybrid,
+    + [e for group in (family_parallel, family_moe, family_decoders, family_frontier, family_hybrid, family_kimi,
                     family_encoders)
        for e in group.BUILTIN]
     + [e for e in BUILTIN if e[1].modality != "text"]

@@ -125,9 +125,14 @@ FUNCTIONAL_ACT = "torch.nn.functional."
 #: recorded from the real forward pass, a per-channel mixing tensor over the value channels of its input
 #: projection, recorded as attention with one head of size 1 per value channel;
 #: :mod:`captum_normattr.models.capture.gated_delta_net`, ``docs/linear_mixers.md``).
-MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net")
 #: The value layouts of a ``gated_delta_net`` mixer's input projection.
 DELTA_LAYOUTS: Tuple[str, ...] = ("delta_grouped", "delta_split")
+#: ``kimi_delta``: Kimi Linear's Kimi Delta Attention (a gated delta rule with a decay per key channel,
+#: after causal depthwise convolutions and SiLUs of q, k and v, then a sigmoid-gated RMSNorm): with its
+#: coefficients recorded, the per-channel mixing tensor of the value projection's output (the values before
+#: the convolution), recorded as attention with one head per channel and head size 1
+#: (``docs/linear_mixers.md``, "Kimi Delta Attention").
+MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net", "kimi_delta")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -146,6 +151,13 @@ def _has_path(module: Any, path: str) -> bool:
             return False
         module = getattr(module, part)
     return True
+
+
+def _has_parts(module: Any, att: "Attention") -> bool:
+    r"""True when ``module`` (a layer) has the mixer ``att``'s module, value projection and convolution (Kimi Linear's
+    two mixers share the module path ``self_attn``: their parts tell them apart)."""
+    paths = [att.module] + [p for p in (att.value.path if att.value is not None else None, att.conv) if p is not None]
+    return all(_has_path(module, p) for p in paths)
 
 
 class UnsupportedModelError(ValueError):
@@ -258,12 +270,17 @@ class Attention:
             p_ij = exp(z_ij) / (sum_k exp(z_ik) + exp(s_h)), so the probabilities over the tokens
             sum to less than 1 (the sink's mass goes nowhere); the recording attention computes
             them so, and every method is exact with them (``docs/frontier.md``, "Attention sinks").
-        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default) or ``short_conv`` (``module``
+        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default), ``short_conv`` (``module``
             is the short-convolution block, ``value`` its input projection's value slice
             ``ValueProjection(in_proj, "fused", index=2, count=3)`` for [B | C | x], ``conv`` the
-            causal depthwise ``Conv1d``, ``out`` the output projection).
-        conv: the causal depthwise convolution of a ``short_conv`` or ``gated_delta_net`` mixer (its kernel
-            w[c, k]), from the layer.
+            causal depthwise ``Conv1d``, ``out`` the output projection), ``gated_delta_net`` (Qwen3-Next's
+            and Qwen3.5's Gated DeltaNet block, ``value`` its input projection, layout in :data:`DELTA_LAYOUTS`)
+            or ``kimi_delta`` (``module``
+            is Kimi's delta-attention block with its ``q_proj``, ``k_proj``, ``forget_gate``, ``b_proj``
+            and ``o_norm``, ``value`` its ``v_proj`` (layout ``plain``), ``conv`` the depthwise ``Conv1d``
+            over [q | k | v], ``out`` its ``o_proj``).
+        conv: the causal depthwise convolution of a ``short_conv``, ``gated_delta_net`` or ``kimi_delta``
+            mixer (its kernel w[c, k]), from the layer.
         output_gate: a softmax attention whose output is gated per channel, o_t = attn_t * sigmoid(g_t) with
             the gate g_t from the same target token (Qwen3-Next's and Qwen3.5's full-attention layers): the
             query projection whose output is per head [query_h | gate_h] (``self_attn.q_proj``), or None. The
@@ -290,9 +307,9 @@ class Attention:
     def __post_init__(self) -> None:
         if self.mixer not in MIXER_KINDS:
             raise ValueError(f"Attention {self.module!r}: mixer must be one of {MIXER_KINDS}, got {self.mixer!r}")
-        if (self.mixer in ("short_conv", "gated_delta_net")) != (self.conv is not None):
-            raise ValueError(f"Attention {self.module!r}: a short_conv or gated_delta_net mixer (and only it) names its "
-                             "conv")
+        if (self.mixer in ("short_conv", "gated_delta_net", "kimi_delta")) != (self.conv is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv, gated_delta_net or kimi_delta mixer (and only "
+                             "it) names its conv")
         if self.mixer == "gated_delta_net" and (self.value is None or self.value.layout not in DELTA_LAYOUTS
                                                 or self.sinks is not None or self.softcap is not None
                                                 or self.probabilities != "interface"):
@@ -306,6 +323,10 @@ class Attention:
             raise ValueError(f"Attention {self.module!r}: an output gate is recorded on a softmax attention whose "
                              "probabilities come from the attention interface, with its own value projection "
                              "(layout 'plain')")
+        if self.mixer == "kimi_delta" and (self.value is None or self.value.layout != "plain" or self.sinks is not None
+                                           or self.softcap is not None or self.probabilities != "interface"):
+            raise ValueError(f"Attention {self.module!r}: a kimi_delta mixer reads its values from its own value "
+                             "projection (layout 'plain', before the convolution), without sinks or soft-caps")
         if self.mixer == "short_conv" and (self.value is None or self.value.layout != "fused" or self.value.count != 3
                                            or self.sinks is not None or self.softcap is not None):
             raise ValueError(f"Attention {self.module!r}: a short_conv mixer reads its values as slice index of a fused "
@@ -715,8 +736,8 @@ class ArchitectureSpec:
         r"""This description with the mixer of one layer of a hybrid model as its attention branch.
 
         Args:
-            layer: the layer module (the mixer whose module it has is chosen when ``layer_type``
-                is None), or None.
+            layer: the layer module (the mixer whose module, value projection and convolution it has
+                is chosen when ``layer_type`` is None), or None.
             layer_type: the layer's entry of ``config.<mixer_types>``, or None.
 
         Returns:
@@ -732,11 +753,11 @@ class ArchitectureSpec:
         chosen = dict(lay.mixers).get(layer_type) if layer_type is not None else None
         if chosen is None and layer is not None and layer_type is None:
             for _, mixer in lay.mixers:
-                if _has_path(layer, mixer.module) and not _has_path(layer, lay.attention.module):
+                if _has_parts(layer, mixer) and not _has_parts(layer, lay.attention):
                     chosen = mixer
                     break
         if chosen is None:
-            if layer is not None and not _has_path(layer, lay.attention.module):
+            if layer is not None and not _has_parts(layer, lay.attention):
                 raise ValueError(f"{self.family}: layer of type {layer_type!r} has neither the attention module "
                                  f"{lay.attention.module!r} nor one of the mixers {[m.module for _, m in lay.mixers]}")
             chosen = lay.attention
@@ -890,6 +911,8 @@ class ArchitectureSpec:
                 return "short convolution"
             if att.mixer == "gated_delta_net":
                 return "Gated DeltaNet"
+            if att.mixer == "kimi_delta":
+                return "Kimi delta attention"
             extras = [name for name, on in (("output gate", bool(att.output_gate)), ("sinks", bool(att.sinks)),
                                             ("latent values", att.value is not None and att.value.layout == "latent"),
                                             ("soft-cap", bool(att.softcap))) if on]
@@ -932,7 +955,8 @@ class ArchitectureSpec:
             out.append("attention sinks")
         for _, mixer in lay.mixers:
             out.append({"short_conv": "gated short-convolution mixer layers",
-                        "gated_delta_net": "Gated DeltaNet mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
+                        "gated_delta_net": "Gated DeltaNet mixer layers",
+                        "kimi_delta": "Kimi delta attention mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
         if lay.attention.output_gate:
             out.append("attention output gated per channel")
         if lay.attention.probabilities == "returned":

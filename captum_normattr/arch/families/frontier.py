@@ -270,9 +270,6 @@ _LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector befor
            "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
-    "kimi_linear": ("Kimi Linear", "Kimi delta attention (linear-attention layers mixing tokens through a recurrent "
-                                   "state, without attention probabilities) beside its multi-head latent attention "
-                                   "layers (which DeepSeek-V3's latent value projection describes)"),
     "llama4": ("Llama 4", _LLAMA4),
     "qwen3_5": ("Qwen3.5 (multimodal)", _QWEN3_5 % ("qwen3_5_text", "Qwen3_5ForCausalLM")),
     "qwen3_5_moe": ("Qwen3.5-MoE (multimodal)", _QWEN3_5 % ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")),

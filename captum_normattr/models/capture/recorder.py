@@ -36,6 +36,7 @@ from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
 from captum_normattr.models.adapters import base_model, get_path, layer_adapters, layer_modules, value_states
 from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, active_recorders
 from captum_normattr.models.capture.gated_delta_net import gated_attention_hooks, gated_delta_net_hooks
+from captum_normattr.models.capture.kimi_delta import kimi_delta_hooks
 from captum_normattr.models.capture.record import layer_record, norm_params, record_checks
 from captum_normattr.models.experts import register_expert_hooks
 
@@ -399,6 +400,8 @@ class Recorder(AttentionRecords):
                 elif la.layer.attention.mixer == "gated_delta_net" or la.layer.attention.output_gate is not None:
                     hooks = gated_delta_net_hooks if la.layer.attention.output_gate is None else gated_attention_hooks
                     handles.extend(hooks(self, i, layer, la))  # per-channel heads (Qwen3-Next, Qwen3.5)
+                elif la.layer.attention.mixer == "kimi_delta":  # Kimi Linear's delta attention, its coefficients recorded
+                    handles.extend(kimi_delta_hooks(self, i, layer, la))
                 handles.append(get_path(layer, la.attention).register_forward_pre_hook(
                     compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input, True,
                                    returned), with_kwargs=True))
