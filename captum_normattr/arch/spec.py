@@ -93,7 +93,9 @@ HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: architecture).
 #: ``latent`` (multi-head latent attention, DeepSeek-V3: the values are projected up from an
 #: RMS-normalised low-rank latent, v_j = RMSNorm(x_j W_a^c + b_a^c) W_b^v; see :class:`ValueProjection`).
-VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent")
+#: ``mamba2_x`` (a Mamba-2 mixer's input projection [z | x | B | C | dt]: the value channels are the x
+#: slice, columns [I, 2 I) with I the mixer module's ``intermediate_size``).
+VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent", "mamba2_x")
 #: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
 #: attention function, which the capture replaces by its recording one), ``returned`` (the module
 #: computes its attention itself and returns its probabilities, as BLOOM's ALiBi attention),
@@ -113,7 +115,11 @@ FUNCTIONAL_ACT = "torch.nn.functional."
 #: linear-attention and state-space mixers: a mixer kind whose capture builds its per-channel mixing
 #: tensor (B, C, T, S) from the recorded coefficients and its value channels (B, C, S, 1) is
 #: decomposed by every layer kind unchanged (a no-token term per target is not expressed yet).
-MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv")
+#: ``mamba2``: a Mamba-2 (state-space) mixer (Granite 4): with the time steps, B, C, the
+#: convolution's SiLU slope and the gated norm's per-target scale recorded, a per-channel mixing
+#: tensor G[c, t, s] over the x channels of its input projection before the causal convolution
+#: (``docs/linear_mixers.md``, "Wiring Mamba-2 into the families").
+MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "mamba2")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -128,9 +134,9 @@ TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel")
 def _has_path(module: Any, path: str) -> bool:
     r"""True when the dotted attribute ``path`` exists on ``module``."""
     for part in path.split("."):
-        if not hasattr(module, part):
+        module = getattr(module, part, None)
+        if module is None:  # missing, or set to None (Granite 4's layer keeps self_attn = None beside its mamba)
             return False
-        module = getattr(module, part)
     return True
 
 
@@ -241,11 +247,15 @@ class Attention:
             p_ij = exp(z_ij) / (sum_k exp(z_ik) + exp(s_h)), so the probabilities over the tokens
             sum to less than 1 (the sink's mass goes nowhere); the recording attention computes
             them so, and every method is exact with them (``docs/frontier.md``, "Attention sinks").
-        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default) or ``short_conv`` (``module``
+        mixer: one of :data:`MIXER_KINDS`: ``softmax`` (the default), ``short_conv`` (``module``
             is the short-convolution block, ``value`` its input projection's value slice
             ``ValueProjection(in_proj, "fused", index=2, count=3)`` for [B | C | x], ``conv`` the
-            causal depthwise ``Conv1d``, ``out`` the output projection).
-        conv: the causal depthwise convolution of a ``short_conv`` mixer (its kernel w[c, k]), from the layer.
+            causal depthwise ``Conv1d``, ``out`` the output projection) or ``mamba2`` (``module`` the
+            Mamba-2 mixer, ``value`` ``ValueProjection(in_proj, "mamba2_x")``, ``conv`` its ``conv1d``
+            over [x | B | C], ``out`` its output projection; its ``norm``, ``A_log``, ``D``, ``dt_bias``
+            and ``time_step_limit`` are read from the module).
+        conv: the causal depthwise convolution of a ``short_conv`` or ``mamba2`` mixer (its kernel w[c, k]),
+            from the layer.
     """
 
     module: str
@@ -264,8 +274,15 @@ class Attention:
     def __post_init__(self) -> None:
         if self.mixer not in MIXER_KINDS:
             raise ValueError(f"Attention {self.module!r}: mixer must be one of {MIXER_KINDS}, got {self.mixer!r}")
-        if (self.mixer == "short_conv") != (self.conv is not None):
-            raise ValueError(f"Attention {self.module!r}: a short_conv mixer (and only it) names its conv")
+        if (self.mixer in ("short_conv", "mamba2")) != (self.conv is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv or mamba2 mixer (and only it) names its conv")
+        if self.mixer == "mamba2" and (self.value is None or self.value.layout != "mamba2_x"
+                                       or self.sinks is not None or self.softcap is not None
+                                       or self.probabilities != "interface"):
+            raise ValueError(f"Attention {self.module!r}: a mamba2 mixer reads its values as the x slice of its input "
+                             "projection (ValueProjection(in_proj, 'mamba2_x')), without sinks or soft-caps")
+        if self.value is not None and self.value.layout == "mamba2_x" and self.mixer != "mamba2":
+            raise ValueError(f"Attention {self.module!r}: a 'mamba2_x' value projection belongs to a mamba2 mixer")
         if self.mixer == "short_conv" and (self.value is None or self.value.layout != "fused" or self.value.count != 3
                                            or self.sinks is not None or self.softcap is not None):
             raise ValueError(f"Attention {self.module!r}: a short_conv mixer reads its values as slice index of a fused "
@@ -848,6 +865,8 @@ class ArchitectureSpec:
         def one(att: "Attention") -> str:
             if att.mixer == "short_conv":
                 return "short convolution"
+            if att.mixer == "mamba2":
+                return "Mamba-2 (state space)"
             extras = [name for name, on in (("sinks", bool(att.sinks)),
                                             ("latent values", att.value is not None and att.value.layout == "latent"),
                                             ("soft-cap", bool(att.softcap))) if on]
@@ -889,7 +908,8 @@ class ArchitectureSpec:
         if lay.attention.sinks:
             out.append("attention sinks")
         for _, mixer in lay.mixers:
-            out.append({"short_conv": "gated short-convolution mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
+            out.append({"short_conv": "gated short-convolution mixer layers",
+                        "mamba2": "Mamba-2 mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
         if lay.attention.probabilities == "returned":
             out.append("attention inside its module")
         if self.head.final_softcap:

@@ -35,6 +35,7 @@ from captum_normattr.decompose.records import LayerTensors, NormParams
 from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
 from captum_normattr.models.adapters import base_model, get_path, layer_adapters, layer_modules, value_states
 from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, active_recorders
+from captum_normattr.models.capture.mamba2 import mamba2_hooks
 from captum_normattr.models.capture.record import layer_record, norm_params, record_checks
 from captum_normattr.models.experts import register_expert_hooks
 
@@ -395,6 +396,8 @@ class Recorder(AttentionRecords):
                 handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
                 if la.layer.attention.mixer == "short_conv":  # the gates and values from the real forward pass
                     handles.extend(self._short_conv_hooks(i, layer, la))
+                if la.layer.attention.mixer == "mamba2":  # the scan's coefficients from the real forward pass
+                    handles.extend(mamba2_hooks(self, i, layer, la))
                 handles.append(get_path(layer, la.attention).register_forward_pre_hook(
                     compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input, True,
                                    returned), with_kwargs=True))
