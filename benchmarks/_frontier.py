@@ -21,6 +21,9 @@ shape of ``memory_engine.py``'s depth section: hidden 256, 8 heads, 4 key/value 
   default ``full_attention_interval`` 4); the DeltaNet with half as many key heads as the Llama's heads and as
   many value heads, both of the Llama's head size (its value channels span the width), kernel 4; the Llama FF as
   a SwiGLU; sdpa. Its delta-rule kernel runs transformers' torch fallback (no flash-linear-attention).
+- ``granitemoehybrid`` (Granite 4, dense): Mamba-2 layers (as many heads as the attention, expand 2, one group,
+  state 64, kernel 4, chunk 64, no convolution bias) and attention layers alternating, the shared MLP of the Llama
+  FF width, Granite's multipliers; the Mamba-2 torch path, sdpa.
 
 The experts run transformers' default kernel (``grouped_mm`` where the family has it), as the Mixtral figures
 of ``_bench.family_model``; routers are drawn at std 1 so that tokens choose different experts.
@@ -36,7 +39,7 @@ from _bench import DECODER_FAMILIES, family_model
 __all__ = ["ALL_FAMILIES", "FRONTIER_FAMILIES", "any_family_model", "frontier_model"]
 
 #: the frontier families :func:`frontier_model` builds (one per new mechanism of issue #34)
-FRONTIER_FAMILIES = ("gpt_oss", "deepseek_v3", "llama4_text", "granitemoe", "qwen3_5_text")
+FRONTIER_FAMILIES = ("gpt_oss", "deepseek_v3", "llama4_text", "granitemoe", "qwen3_5_text", "granitemoehybrid")
 #: every family the decoder benchmarks build: ``_bench.DECODER_FAMILIES`` and :data:`FRONTIER_FAMILIES`
 ALL_FAMILIES = DECODER_FAMILIES + FRONTIER_FAMILIES
 
@@ -124,6 +127,16 @@ def frontier_model(family: str, config: Mapping[str, Any], layers: Optional[int]
             linear_num_value_heads=heads, linear_key_head_dim=dh, linear_value_head_dim=dh, linear_conv_kernel_dim=4,
             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)])
         cls = tf.Qwen3_5TextModel
+    elif family == "granitemoehybrid":
+        common.pop("router_aux_loss_coef")
+        config_obj = tf.GraniteMoeHybridConfig(
+            **common, intermediate_size=ff, shared_intermediate_size=ff, num_local_experts=0, num_experts_per_tok=0,
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+            mamba_n_heads=heads, mamba_d_head=2 * hidden // heads, mamba_n_groups=1, mamba_d_state=64,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, mamba_conv_bias=False, mamba_proj_bias=False,
+            residual_multiplier=0.6, embedding_multiplier=3.0, attention_multiplier=0.1,
+            position_embedding_type="rope")
+        cls = tf.GraniteMoeHybridModel
     else:
         raise ValueError(f"unknown frontier family {family!r}; choose from {FRONTIER_FAMILIES}")
     torch.manual_seed(seed)

@@ -25,6 +25,8 @@ from captum_normattr.arch.families import moe as family_moe
 from captum_normattr.arch.families import parallel as family_parallel
 
 from captum_normattr.arch.families import seq2seq as family_seq2seq
+
+from captum_normattr.arch.families import state_space as family_state_space
 from captum_normattr.arch.families.vlm import VISION_LANGUAGE
 from captum_normattr.arch.families import base as family_base
 from captum_normattr.arch.families.base import BUILTIN
@@ -49,7 +51,7 @@ __all__ = [
 ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
     [e for e in BUILTIN if e[1].modality == "text"]
     + [e for group in (family_parallel, family_moe, family_decoders, family_frontier, family_hybrid, family_kimi,
-                    family_encoders)
+                    family_state_space, family_encoders)
        for e in group.BUILTIN]
     + [e for e in BUILTIN if e[1].modality != "text"]
 )

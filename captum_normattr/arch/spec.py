@@ -99,8 +99,10 @@ HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
 #: heads per key head; the value is slice 2 of 4, value heads in order) and ``delta_split`` (its
 #: projection [q (H_k d_k) | k (H_k d_k) | v (H_v d_v)], Qwen3.5's ``in_proj_qkv``; slice 2 of 3); the
 #: sizes are read from the mixer module (``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``).
+#: ``mamba2_x`` (a Mamba-2 mixer's input projection [z | x | B | C | dt]: the value channels are the x
+#: slice, columns [I, 2 I) with I the mixer module's ``intermediate_size``).
 VALUE_LAYOUTS: Tuple[str, ...] = ("plain", "fused", "interleaved", "fused_gqa", "grouped", "latent",
-                                  "delta_grouped", "delta_split")
+                                  "delta_grouped", "delta_split", "mamba2_x")
 #: Where the attention probabilities are recorded: ``interface`` (the module calls transformers'
 #: attention function, which the capture replaces by its recording one), ``returned`` (the module
 #: computes its attention itself and returns its probabilities, as BLOOM's ALiBi attention),
@@ -132,7 +134,11 @@ DELTA_LAYOUTS: Tuple[str, ...] = ("delta_grouped", "delta_split")
 #: coefficients recorded, the per-channel mixing tensor of the value projection's output (the values before
 #: the convolution), recorded as attention with one head per channel and head size 1
 #: (``docs/linear_mixers.md``, "Kimi Delta Attention").
-MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net", "kimi_delta")
+#: ``mamba2``: a Mamba-2 (state-space) mixer (Granite 4): with the time steps, B, C, the
+#: convolution's SiLU slope and the gated norm's per-target scale recorded, a per-channel mixing
+#: tensor G[c, t, s] over the x channels of its input projection before the causal convolution
+#: (``docs/linear_mixers.md``, "Wiring Mamba-2 into the families").
+MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net", "kimi_delta", "mamba2")
 #: The layer topologies (one layer kind each; ``captum_normattr.decompose.kinds.registry``):
 #:
 #: - ``post_ln``: z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT);
@@ -147,9 +153,9 @@ TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel")
 def _has_path(module: Any, path: str) -> bool:
     r"""True when the dotted attribute ``path`` exists on ``module``."""
     for part in path.split("."):
-        if not hasattr(module, part):
+        module = getattr(module, part, None)
+        if module is None:  # missing, or set to None (Granite 4's layer keeps self_attn = None beside its mamba)
             return False
-        module = getattr(module, part)
     return True
 
 
@@ -275,12 +281,15 @@ class Attention:
             ``ValueProjection(in_proj, "fused", index=2, count=3)`` for [B | C | x], ``conv`` the
             causal depthwise ``Conv1d``, ``out`` the output projection), ``gated_delta_net`` (Qwen3-Next's
             and Qwen3.5's Gated DeltaNet block, ``value`` its input projection, layout in :data:`DELTA_LAYOUTS`)
-            or ``kimi_delta`` (``module``
+            , ``kimi_delta`` (``module``
             is Kimi's delta-attention block with its ``q_proj``, ``k_proj``, ``forget_gate``, ``b_proj``
             and ``o_norm``, ``value`` its ``v_proj`` (layout ``plain``), ``conv`` the depthwise ``Conv1d``
-            over [q | k | v], ``out`` its ``o_proj``).
-        conv: the causal depthwise convolution of a ``short_conv``, ``gated_delta_net`` or ``kimi_delta``
-            mixer (its kernel w[c, k]), from the layer.
+            over [q | k | v], ``out`` its ``o_proj``) or ``mamba2`` (``module`` the
+            Mamba-2 mixer, ``value`` ``ValueProjection(in_proj, "mamba2_x")``, ``conv`` its ``conv1d``
+            over [x | B | C], ``out`` its output projection; its ``norm``, ``A_log``, ``D``, ``dt_bias``
+            and ``time_step_limit`` are read from the module).
+        conv: the causal depthwise convolution of a ``short_conv``, ``gated_delta_net``, ``kimi_delta`` or
+            ``mamba2`` mixer (its kernel w[c, k]), from the layer.
         output_gate: a softmax attention whose output is gated per channel, o_t = attn_t * sigmoid(g_t) with
             the gate g_t from the same target token (Qwen3-Next's and Qwen3.5's full-attention layers): the
             query projection whose output is per head [query_h | gate_h] (``self_attn.q_proj``), or None. The
@@ -307,9 +316,9 @@ class Attention:
     def __post_init__(self) -> None:
         if self.mixer not in MIXER_KINDS:
             raise ValueError(f"Attention {self.module!r}: mixer must be one of {MIXER_KINDS}, got {self.mixer!r}")
-        if (self.mixer in ("short_conv", "gated_delta_net", "kimi_delta")) != (self.conv is not None):
-            raise ValueError(f"Attention {self.module!r}: a short_conv, gated_delta_net or kimi_delta mixer (and only "
-                             "it) names its conv")
+        if (self.mixer in ("short_conv", "gated_delta_net", "kimi_delta", "mamba2")) != (self.conv is not None):
+            raise ValueError(f"Attention {self.module!r}: a short_conv, gated_delta_net, kimi_delta or mamba2 mixer "
+                             "(and only it) names its conv")
         if self.mixer == "gated_delta_net" and (self.value is None or self.value.layout not in DELTA_LAYOUTS
                                                 or self.sinks is not None or self.softcap is not None
                                                 or self.probabilities != "interface"):
@@ -327,6 +336,13 @@ class Attention:
                                            or self.softcap is not None or self.probabilities != "interface"):
             raise ValueError(f"Attention {self.module!r}: a kimi_delta mixer reads its values from its own value "
                              "projection (layout 'plain', before the convolution), without sinks or soft-caps")
+        if self.mixer == "mamba2" and (self.value is None or self.value.layout != "mamba2_x"
+                                       or self.sinks is not None or self.softcap is not None
+                                       or self.probabilities != "interface"):
+            raise ValueError(f"Attention {self.module!r}: a mamba2 mixer reads its values as the x slice of its input "
+                             "projection (ValueProjection(in_proj, 'mamba2_x')), without sinks or soft-caps")
+        if self.value is not None and self.value.layout == "mamba2_x" and self.mixer != "mamba2":
+            raise ValueError(f"Attention {self.module!r}: a 'mamba2_x' value projection belongs to a mamba2 mixer")
         if self.mixer == "short_conv" and (self.value is None or self.value.layout != "fused" or self.value.count != 3
                                            or self.sinks is not None or self.softcap is not None):
             raise ValueError(f"Attention {self.module!r}: a short_conv mixer reads its values as slice index of a fused "
@@ -913,6 +929,8 @@ class ArchitectureSpec:
                 return "Gated DeltaNet"
             if att.mixer == "kimi_delta":
                 return "Kimi delta attention"
+            if att.mixer == "mamba2":
+                return "Mamba-2 (state space)"
             extras = [name for name, on in (("output gate", bool(att.output_gate)), ("sinks", bool(att.sinks)),
                                             ("latent values", att.value is not None and att.value.layout == "latent"),
                                             ("soft-cap", bool(att.softcap))) if on]
@@ -956,7 +974,8 @@ class ArchitectureSpec:
         for _, mixer in lay.mixers:
             out.append({"short_conv": "gated short-convolution mixer layers",
                         "gated_delta_net": "Gated DeltaNet mixer layers",
-                        "kimi_delta": "Kimi delta attention mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
+                        "kimi_delta": "Kimi delta attention mixer layers",
+                        "mamba2": "Mamba-2 mixer layers"}.get(mixer.mixer, f"{mixer.mixer} mixer layers"))
         if lay.attention.output_gate:
             out.append("attention output gated per channel")
         if lay.attention.probabilities == "returned":

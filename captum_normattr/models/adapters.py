@@ -483,6 +483,10 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
         size = w.shape[1] // spec.count
         cols = slice(spec.index * size, (spec.index + 1) * size)
         return w[:, cols], None if b is None else b[cols]
+    if spec.layout == "mamba2_x":  # a Mamba-2 in_proj [z | x | B | C | dt]: the x channels
+        inner = int(get_path(layer, adapter.attention).intermediate_size)
+        cols = slice(inner, 2 * inner)
+        return w[:, cols], None if b is None else b[cols]
     if spec.layout == "interleaved":
         dh = _head_dim(get_path(layer, adapter.attention), w.shape[1] // spec.count)
         heads = w.shape[1] // (spec.count * dh)

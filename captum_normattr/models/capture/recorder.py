@@ -37,6 +37,7 @@ from captum_normattr.models.adapters import base_model, get_path, layer_adapters
 from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, active_recorders
 from captum_normattr.models.capture.gated_delta_net import gated_attention_hooks, gated_delta_net_hooks
 from captum_normattr.models.capture.kimi_delta import kimi_delta_hooks
+from captum_normattr.models.capture.mamba2 import mamba2_hooks
 from captum_normattr.models.capture.record import layer_record, norm_params, record_checks
 from captum_normattr.models.experts import register_expert_hooks
 
@@ -402,6 +403,8 @@ class Recorder(AttentionRecords):
                     handles.extend(hooks(self, i, layer, la))  # per-channel heads (Qwen3-Next, Qwen3.5)
                 elif la.layer.attention.mixer == "kimi_delta":  # Kimi Linear's delta attention, its coefficients recorded
                     handles.extend(kimi_delta_hooks(self, i, layer, la))
+                elif la.layer.attention.mixer == "mamba2":  # the scan's coefficients from the real forward pass
+                    handles.extend(mamba2_hooks(self, i, layer, la))
                 handles.append(get_path(layer, la.attention).register_forward_pre_hook(
                     compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input, True,
                                    returned), with_kwargs=True))

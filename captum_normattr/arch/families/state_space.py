@@ -1,0 +1,72 @@
+r"""Family descriptions of the state-space group: hybrids with Mamba-2 mixers (see :mod:`captum_normattr.arch.spec`).
+
+A Mamba-2 mixer is linear in the x channels of its input projection once its scan coefficients
+(time steps, A, B, C, D, the convolution's SiLU slope, the gated norm's per-target scale) are taken
+from the real forward pass: the capture records its per-channel mixing tensor as attention with one
+head of size 1 per channel (``Attention(mixer="mamba2")``, :mod:`captum_normattr.models.capture.mamba2`;
+``docs/linear_mixers.md``), and the pre-LN layer kind decomposes it as any attention:
+
+- Granite 4 (``granitemoehybrid``): ``config.layer_types`` says per layer ``"linear_attention"``
+  (a Mamba-2 mixer, ``mamba``) or ``"full_attention"`` (Granite's attention, ``self_attn``, with
+  ``attention_multiplier`` as its scaling, recorded); pre-LN with RMSNorms ``input_layernorm`` and
+  ``post_attention_layernorm``; Granite's multipliers (embedding, residual on both branches, folded
+  into W_O / W_down, and the logits divisor); the dense feed-forward is the shared MLP
+  (``shared_mlp``: a fused [gate | up] ``input_linear``, ``output_linear``).
+
+Refused (``refused_configs``), each with its reason: a convolution bias (``mamba_conv_bias=True``,
+a no-token term per target), experts beside the shared MLP (``num_local_experts > 0``: the layer
+adds the experts' and the shared MLP's outputs itself, outside any module whose output the capture
+records), an input-projection bias (``mamba_proj_bias=True``: a padding token's projection bias
+reaches the real tokens through the convolution). Nemotron-H (``nemotron_h``) stays refused
+(:data:`captum_normattr.arch.families.frontier.REFUSED`): each of its layers is one branch behind
+its own norm, which no layer kind expresses yet.
+
+``BUILTIN`` lists the descriptions by registry key; :mod:`captum_normattr.arch.registry` registers them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Tuple
+
+from captum_normattr.arch.families.base import GRANITE
+from captum_normattr.arch.spec import ArchitectureSpec, Attention, FeedForward, Layer, Norm, ValueProjection
+
+__all__ = ["BUILTIN", "GRANITE4", "GRANITE4_MAMBA2"]
+
+_RMS = dict(kind="rmsnorm")
+_INPUT_NORM = Norm("input_layernorm", **_RMS)
+
+#: Granite 4's Mamba-2 mixer: in_proj -> [z | x | B | C | dt], conv1d over [x | B | C], the SSD scan, a gated
+#: RMSNorm, out_proj; behind Granite's residual multiplier (folded into W_O).
+GRANITE4_MAMBA2 = Attention("mamba", out="mamba.out_proj", value=ValueProjection("mamba.in_proj", "mamba2_x"),
+                            pre_norm=_INPUT_NORM, multiplier="residual_multiplier", mixer="mamba2",
+                            conv="mamba.conv1d")
+
+_CONV_BIAS = ("the Mamba-2 convolution's bias adds gamma_t * b * sum_s M[t, s] sigma_s to every target (M the scan's "
+              "mixing, sigma the SiLU slope, gamma the gated norm's scale), a no-token term that depends on the target, "
+              "which no layer kind carries yet")
+_EXPERTS = ("the layer adds the experts block's output and the shared MLP's itself, outside any module whose output "
+            "the capture records as the feed-forward output; the dense Granite 4 (num_local_experts=0, the shared MLP "
+            "alone) is decomposed")
+_PROJ_BIAS = ("the Mamba-2 input projection's bias gives padding tokens (whose input the mixer zeroes) a non-zero "
+              "value that the causal convolution carries into the real tokens, so a padded example is not the example "
+              "alone, and the values of padding tokens would be attributed")
+
+GRANITE4 = ArchitectureSpec(
+    family="Granite 4", model_types=("granitemoehybrid",), layers="layers", causal=True,
+    layer=Layer(
+        attention=replace(GRANITE.layer.attention, pre_norm=_INPUT_NORM),
+        ff=FeedForward(up="shared_mlp.input_linear", act="shared_mlp.activation", down="shared_mlp.output_linear",
+                       kind="fused_gate_up", pre_norm=Norm("post_attention_layernorm", **_RMS),
+                       multiplier="residual_multiplier"),
+        mixers=(("linear_attention", GRANITE4_MAMBA2),), mixer_types="layer_types",
+    ),
+    head=GRANITE.head, inputs=GRANITE.inputs,
+    refused_configs=(("mamba_conv_bias", True, _CONV_BIAS), ("num_local_experts", ..., _EXPERTS),
+                     ("mamba_proj_bias", True, _PROJ_BIAS)),
+    notes="hybrid: Mamba-2 layers (scan coefficients, convolution slope and gated-norm scale recorded, one head of "
+          "size 1 per channel) and Granite attention layers, chosen by layer_types; Granite's multipliers; the "
+          "shared MLP as the dense FF",
+)
+
+BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("granitemoehybrid", GRANITE4),)

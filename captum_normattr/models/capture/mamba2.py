@@ -1,0 +1,171 @@
+r"""Recording a Mamba-2 mixer (Granite 4) as attention with one head of size 1 per channel.
+
+transformers' Mamba-2 mixer (``GraniteMoeHybridMambaLayer``; the torch path, no CUDA kernels)
+computes, from its input projection's output [z | x | B | C | dt] (``in_proj``),
+
+    a = conv1d([x | B | C]) (depthwise, causal),  [x' | B' | C'] = silu(a) * mask,
+    y_t = sum_{s <= t} M[t, s] x'_s  (the SSD scan, D skip inside M),
+    out_t = gated_rmsnorm(y_t, z_t) W_out,
+
+with M[t, s] = (C'_t . B'_s) exp(sum_{r = s+1}^{t} dt_r A) dt_s + D [s = t] per head. With the
+time steps dt (after ``dt_bias``, softplus and ``time_step_limit``), A = -exp(A_log), B', C',
+the SiLU slope sigmoid(a_x) of the x channels and the gated norm's per-target scale (from the
+norm's real input and gate) taken from the real forward pass, the output projection's input is
+linear in the x channels u of ``in_proj`` before the convolution:
+sum_s G[c, t, s] u_{s, c} (:func:`~captum_normattr.decompose.primitives.linear_mixers.conv_composed_mixing`).
+The hooks here record G as the probabilities (B, C, T, T), u as the values (B, C, T, 1) and the
+output projection's real input as the context (B, T, C, 1); every layer kind then decomposes
+the mixer as attention with head size 1 (``docs/linear_mixers.md``, "Wiring Mamba-2 into the
+families").
+
+Padding: the mixer zeroes its input and its convolution's output at padding tokens (the 2-D mask
+it is called with), so a padding token's values never reach a real token; G's columns of the
+padding tokens are set to 0, and a left-padded example's G equals the example's alone.
+
+A convolution bias adds a no-token term per target, gamma_t b sum_s M[t, s] sigma_s, which no
+layer kind carries yet: the families refuse it (``refused_configs``) and the hooks raise if one
+is met. Guard: sum_s G[t, s] u_s is compared with the output projection's real input (a hook,
+a patched module or a wrong description shows there).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
+from captum_normattr.decompose.primitives.linear_mixers import conv_composed_mixing, gated_rmsnorm_scale, ssd_mixing
+from captum_normattr.models.adapters import get_path
+
+__all__ = ["MAMBA2_CHECK", "mamba2_hooks", "mamba2_mixing_from_projection"]
+
+#: the check comparing the output projection's real input with the recorded mixing applied to the values
+MAMBA2_CHECK = "Mamba-2 output projection input vs the recorded mixing applied to the values"
+
+
+def _first(x: Any) -> Any:
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def mamba2_mixing_from_projection(mixer: nn.Module, projection: Tensor, core: Tensor, gate: Tensor,
+                                  valid: Any, dtype: torch.dtype) -> Tensor:
+    r"""The per-channel mixing G (B, C, T, T) of one Mamba-2 mixer from its real input projection and norm input.
+
+    Args:
+        mixer: the Mamba-2 module (``intermediate_size``, ``n_groups``, ``ssm_state_size``, ``num_heads``,
+            ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``time_step_limit``, ``norm``).
+        projection: (B, T, 2 I + 2 G N + H) the real output of its ``in_proj``.
+        core: (B, T, I) the real input of its gated norm (the scan output).
+        gate: (B, T, I) the norm's gate z.
+        valid: (B, T) bool, the tokens the mixer does not zero (its 2-D mask), or None.
+        dtype: the compute dtype.
+
+    Returns:
+        (B, C, T, T) G[b, c, t, s], zero at padding sources; ``out_proj`` of
+        ``sum_s G[c, t, s] u_{s, c}`` is the mixer's output (``u`` the x slice of ``projection``).
+
+    Raises:
+        UnsupportedModelError: the convolution has a bias (a no-token term per target).
+    """
+    conv = mixer.conv1d
+    if conv.bias is not None:
+        raise UnsupportedModelError(
+            "a Mamba-2 convolution bias adds gamma_t * b * sum_s M[t, s] sigma_s to every target, a no-token term that "
+            "depends on the target, which no layer kind carries yet (use_conv_bias / mamba_conv_bias=False is decomposed)")
+    inner, groups, state, heads = (int(mixer.intermediate_size), int(mixer.n_groups), int(mixer.ssm_state_size),
+                                   int(mixer.num_heads))
+    proj = projection.detach().to(dtype)
+    device = proj.device
+    batch, length, _ = proj.shape
+    conv_dim = inner + 2 * groups * state
+    _, xbc, dt_raw = proj.split([inner, conv_dim, heads], dim=-1)
+    weight = conv.weight.detach().to(device=device, dtype=dtype).reshape(conv_dim, -1)  # (C, K), tap K-1 current
+    kernel = weight.shape[1]
+    pre = F.conv1d(xbc.transpose(1, 2), weight.unsqueeze(1), None, padding=kernel - 1, groups=conv_dim)
+    pre = pre[..., :length].transpose(1, 2)  # the convolution's output before the SiLU
+    pre_x, pre_b, pre_c = pre.split([inner, groups * state, groups * state], dim=-1)
+    keep = None if valid is None else valid.to(device=device, dtype=dtype)[..., None]
+    b_in, c_out, slope = F.silu(pre_b), F.silu(pre_c), torch.sigmoid(pre_x)  # silu(a) = sigmoid(a) * a
+    if keep is not None:  # the mixer zeroes the convolution's output at padding tokens
+        b_in, c_out, slope = b_in * keep, c_out * keep, slope * keep
+    dt = dt_raw + mixer.dt_bias.detach().to(device=device, dtype=dtype)
+    dt = F.softplus(dt)
+    low, high = tuple(mixer.time_step_limit) if mixer.time_step_limit is not None else (0.0, float("inf"))
+    dt = torch.clamp(dt, min=low, max=high)
+    a = -torch.exp(mixer.A_log.detach().float()).to(device=device, dtype=dtype)  # as the mixer computes it
+    d = mixer.D.detach().to(device=device, dtype=dtype)
+    mixing = ssd_mixing(dt, a, b_in.reshape(batch, length, groups, state), c_out.reshape(batch, length, groups, state), d)
+    norm = mixer.norm
+    scale = gated_rmsnorm_scale(core.detach().to(device=device, dtype=dtype), gate.detach().to(device=device, dtype=dtype),
+                                norm.weight.detach().to(device=device, dtype=dtype), float(norm.variance_epsilon),
+                                int(norm.group_size), norm_before_gate=False)
+    composed, _ = conv_composed_mixing(mixing, slope, weight[:inner], scale)  # (B, T, S, C)
+    if keep is not None:  # a padding token's values never reach the scan: its columns are 0
+        composed = composed * keep[:, None, :, :]
+    return composed.permute(0, 3, 1, 2)
+
+
+def mamba2_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec) -> list:
+    r"""Hooks that record the Mamba-2 mixer of layer ``idx`` as attention with one head per channel.
+
+    Args:
+        recorder: the :class:`~captum_normattr.models.capture.recorder.Recorder` (its ``_mine``,
+            ``record_attention``, ``record_probabilities``, ``dtype`` and ``_check``).
+        idx: the layer's index.
+        layer: the layer module.
+        la: the layer's description (its attention branch the ``mamba2`` mixer).
+
+    Returns:
+        The hook handles.
+    """
+    mixer_spec = la.layer.attention
+    module = get_path(layer, mixer_spec.module)
+    got: Dict[str, Any] = {}
+
+    def keep_mask(mod, args, kwargs):
+        if recorder._mine():
+            mask = (kwargs or {}).get("attention_mask", args[2] if len(args) > 2 else None)
+            got["mask"] = mask
+
+    def keep_projection(mod, args, output):
+        if recorder._mine():
+            got["projection"] = _first(output).detach()
+
+    def keep_norm_input(mod, args, kwargs):
+        if recorder._mine():
+            given = list(args) + [(kwargs or {}).get(k) for k in ("hidden_states", "gate") if k in (kwargs or {})]
+            if len(given) >= 2:
+                got["core"], got["gate"] = given[0].detach(), given[1].detach()
+
+    def keep_context(mod, args):
+        if recorder._mine() and args and isinstance(args[0], Tensor):
+            got["context"] = args[0].detach()
+
+    def record(mod, args, output):
+        if not recorder._mine():
+            return
+        projection, ctx, mask = got.pop("projection", None), got.pop("context", None), got.pop("mask", None)
+        core, gate = got.pop("core", None), got.pop("gate", None)
+        if projection is None or ctx is None or core is None:
+            raise RuntimeError(f"layer {idx}: the {la.family} Mamba-2 mixer did not run its input projection, gated norm "
+                               "and output projection as the description says (the torch path of transformers' mixer "
+                               "is recorded; a fused kernel is not)")
+        inner = int(mod.intermediate_size)
+        b, t = projection.shape[:2]
+        u = projection[..., inner:2 * inner]
+        valid = mask.to(torch.bool) if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        probs = None
+        if recorder.record_probabilities:
+            probs = mamba2_mixing_from_projection(mod, projection, core, gate, valid, recorder.dtype)
+            rebuilt = torch.einsum("bcts,bsc->btc", probs, u.to(probs.dtype))
+            recorder._check(idx, MAMBA2_CHECK, ctx, rebuilt)
+        values = u.transpose(1, 2).unsqueeze(-1)  # (B, C, T, 1)
+        recorder.record_attention(mod, probs, values, ctx.reshape(b, t, inner, 1))
+
+    return [module.register_forward_pre_hook(keep_mask, with_kwargs=True),
+            get_path(layer, mixer_spec.value.path).register_forward_hook(keep_projection),
+            get_path(module, "norm").register_forward_pre_hook(keep_norm_input, with_kwargs=True),
+            get_path(layer, mixer_spec.out).register_forward_pre_hook(keep_context),
+            module.register_forward_hook(record)]
