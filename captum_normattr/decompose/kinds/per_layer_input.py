@@ -291,8 +291,7 @@ def gemma4_logit_scores(model: nn.Module, input_ids: Tensor, target: int, attent
                                     "(the scores then sum to the logit before the cap)")
     parts, real, _ = gemma4_token_parts(model, input_ids, attention_mask)
     norm = model.model.norm
-    last_parts = frozen_rms_norm(parts[:, -1:], real[:, -1:], norm)[:, 0]  # (B, K, D)
-    w = model.lm_head.weight[target]
     with torch.no_grad():
+        last_parts = frozen_rms_norm(parts[:, -1:], real[:, -1:], norm)[:, 0]  # (B, K, D)
         logits = model.lm_head(norm(real[:, -1]))[:, target]
-    return last_parts @ w, logits
+        return last_parts @ model.lm_head.weight[target], logits
