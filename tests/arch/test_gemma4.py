@@ -4,7 +4,7 @@ The decomposition (:mod:`captum_normattr.decompose.kinds.per_layer_input`, docs/
 "Gemma 4") is checked against the model's own tensors in float64: token scores sum to the
 model's own logit, padded == single, the model is left unchanged, the per-layer-input branch
 matches a naive reference and goes to its own token, shared keys/values and keys-as-values stay
-exact, and the expert block is refused. Gemma4RMSNorm computes in float32 whatever the input
+exact, the expert block beside the dense MLP too, and an attention bias and soft-capping are refused. Gemma4RMSNorm computes in float32 whatever the input
 dtype; the exactness tests give the float64 build a float64 norm forward (``float64_norms``).
 
 docs/frontier.md, "Gemma 4": what its layers add (per-layer inputs, the layer scalar, shared
@@ -256,10 +256,40 @@ def test_the_per_layer_input_branch_against_a_naive_reference_and_the_model(floa
     torch.testing.assert_close((parts - without)[:, diagonal], branch * layer.layer_scalar, rtol=1e-12, atol=1e-14)
 
 
-def test_the_expert_block_and_soft_capping_are_refused():
+def _with_experts():
+    model = _exact(num_kv_shared_layers=2, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=6)
+    model.config._experts_implementation = "eager"  # the grouped-matmul default takes no float64
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for p in (layer.experts.gate_up_proj, layer.experts.down_proj):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(4, generator=g, dtype=torch.float64))
+    return model
+
+
+def test_the_expert_block_beside_the_dense_mlp_is_exact(float64_norms):
+    model = _with_experts()
+    ids = _ids()
+    _, _, rebuilt = gemma4_token_parts(model, ids)
+    assert rebuilt < 1e-12
+    for target in (5, 17):
+        scores, _ = gemma4_logit_scores(model, ids, target)
+        with torch.no_grad():
+            own = model(ids).logits[:, -1, target]
+        assert _rel(scores.sum(1), own) < 1e-10
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    scores, _ = gemma4_logit_scores(model, ids, 5, mask)
+    single, _ = gemma4_logit_scores(model, ids[1:, 2:], 5)
+    torch.testing.assert_close(scores[1, 2:], single[0], rtol=1e-10, atol=1e-12)
+
+
+def test_an_attention_bias_and_soft_capping_are_refused():
     model = _exact(num_kv_shared_layers=0)
-    model.config.enable_moe_block = True
-    with pytest.raises(UnsupportedModelError, match="enable_moe_block"):
+    model.config.attention_bias = True
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
         gemma4_token_parts(model, _ids())
     model = _tiny(num_kv_shared_layers=0, final_logit_softcapping=30.0)
     with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):

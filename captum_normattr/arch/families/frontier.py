@@ -265,7 +265,7 @@ _GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) t
            "(layer_scalar), key/value states shared across layers (num_kv_shared_layers), values normalised per "
            "head (v_norm, a per-source scale), keys used as values on full-attention layers (attention_k_eq_v) and "
            "a dense MLP beside experts with their own norms (enable_moe_block), which the capture of the attribution "
-           "classes does not record yet (the exact frozen decomposition of all but the expert block is "
+           "classes does not record yet (the exact frozen decomposition of all of them is "
            "captum_normattr.decompose.kinds.per_layer_input.gemma4_logit_scores; docs/frontier.md, \"Gemma 4\"); "
            "Gemma 3's description does not verify either (Gemma 4's RMSNorm gain is w, not 1 + w; "
            "infer_architecture(model) lists what differs)")

@@ -6,6 +6,7 @@ c the ``layer_scalar`` and every N an RMSNorm ``w * u / rms(u)``:
 
     h = x + N_pa(Attn(N_in(x)))                   Attn with v_norm: v_{j,h} = (N_in(x)_j W_V)_h / s_{j,h}
     z = h + N_pf(FF(N_pre(h)))                    FF(u) = (act(u W_g) * (u W_u)) W_d
+    z = h + N_pf(N_pf1(FF(N_pre(h))) + N_pf2(Experts(N_pre2(h))))   (enable_moe_block)
     y = c (z + N_ple((act(z W_gate) * e_t) W_proj))
 
 Every nonlinear quantity is frozen at its value in the real forward pass, which makes the layer
@@ -16,6 +17,8 @@ linear in the parts of x:
 * the value norm's per-(source, head) scale 1 / s_{j,h}, s_{j,h} = rms((N_in(x)_j W_V)_h) (no
   gain): v_{j<-k,h} = (N_in(x)_{j<-k} W_V)_h / s_{j,h}, like a norm's denominator;
 * the FF gate act(u_t W_g) (the gated feed-forward rule of the package: linear in u W_u);
+* with ``enable_moe_block``, the routing (chosen experts and weights, computed from h) and each
+  chosen expert's gate, the experts' output norms at their real inputs;
 * the per-layer-input gate act(z_t W_gate): held at its real value, the branch is linear in the
   other factor e_t, which is a function of token t's own id and embedding only (never another
   position). The whole branch output N_ple(...)_t is therefore token t's own part (k = t); it
@@ -94,10 +97,6 @@ def per_layer_input_branch(layer: nn.Module, z: Tensor, per_layer_input: Tensor)
 
 
 def _refuse(config) -> None:
-    if getattr(config, "enable_moe_block", False):
-        raise UnsupportedModelError(
-            "Gemma 4 with enable_moe_block=True (a routed expert block beside the dense MLP, with its own norms) is "
-            "not decomposed yet; see docs/frontier.md, \"Gemma 4\"")
     if getattr(config, "attention_bias", False):
         raise UnsupportedModelError(
             "Gemma 4 with attention_bias=True is not decomposed yet (the post-attention norm makes the output bias "
@@ -161,9 +160,16 @@ def _recording(base: nn.Module):
             records[i]["y"] = output[0] if isinstance(output, tuple) else output
         return hook
 
+    def router_hook(i):
+        def hook(module, args, output):
+            records[i]["route_weights"], records[i]["route_index"] = output[1], output[2]
+        return hook
+
     try:
         config._attn_implementation = _ATTENTION_NAME
         for i, layer in enumerate(base.layers):
+            if getattr(layer, "enable_moe_block", False):
+                handles.append(layer.router.register_forward_hook(router_hook(i)))
             handles.append(layer.register_forward_pre_hook(layer_hook(i), with_kwargs=True))
             handles.append(layer.self_attn.register_forward_hook(attention_hook(i)))
             handles.append(layer.register_forward_hook(output_hook(i)))
@@ -213,6 +219,8 @@ def _layer_step(layer, parts: Tensor, rec: Dict[str, Tensor], shared: Dict[str, 
     gate = mlp.act_fn(mlp.gate_proj(n2))  # frozen at its real value
     f = mlp.down_proj(gate * mlp.up_proj(n2))
     f_parts = (gate[:, :, None, :] * (n2_parts @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    if getattr(layer, "enable_moe_block", False):
+        f_parts, f = _with_experts(layer, h_parts, h, f_parts, f, rec)
     z_parts = h_parts + frozen_rms_norm(f_parts, f, layer.post_feedforward_layernorm)
     z = h + layer.post_feedforward_layernorm(f)
     if layer.hidden_size_per_layer_input:
@@ -223,6 +231,29 @@ def _layer_step(layer, parts: Tensor, rec: Dict[str, Tensor], shared: Dict[str, 
         z = z + branch
     c = layer.layer_scalar.to(parts.dtype)
     return z_parts * c, z * c
+
+
+def _with_experts(layer, h_parts: Tensor, h: Tensor, f_parts: Tensor, f: Tensor, rec: Dict[str, Tensor]
+                  ) -> Tuple[Tensor, Tensor]:
+    r"""The expert block beside the dense MLP: parts and real tensor of N_pf1(FF(u)) + N_pf2(Experts(N_pre2(h))).
+
+    Routing (the chosen experts and their weights, computed from h) is frozen at the recorded
+    values; each chosen expert is a gated FF, its gate act(u' W_g^e) frozen, linear in u' W_u^e.
+    """
+    b, t, k, d = h_parts.shape
+    experts = layer.experts
+    u = layer.pre_feedforward_layernorm_2(h).reshape(b * t, d)
+    u_parts = frozen_rms_norm(h_parts, h, layer.pre_feedforward_layernorm_2).reshape(b * t, k, d)
+    index, weights = rec["route_index"], rec["route_weights"].to(h.dtype)  # (B T, top-k)
+    gate_w, up_w = experts.gate_up_proj[index].chunk(2, dim=-2)  # (B T, top-k, I, D) each
+    gate = experts.act_fn(torch.einsum("nsid,nd->nsi", gate_w, u)) * weights[..., None]
+    down = experts.down_proj[index]  # (B T, top-k, D, I)
+    e = torch.einsum("nsdi,nsi->nd", down, gate * torch.einsum("nsid,nd->nsi", up_w, u)).reshape(b, t, d)
+    e_parts = torch.einsum("nsdi,nski->nkd", down, gate[:, :, None, :] * torch.einsum("nsid,nkd->nski", up_w, u_parts))
+    e_parts = e_parts.reshape(b, t, k, d)
+    parts = (frozen_rms_norm(f_parts, f, layer.post_feedforward_layernorm_1)
+             + frozen_rms_norm(e_parts, e, layer.post_feedforward_layernorm_2))
+    return parts, layer.post_feedforward_layernorm_1(f) + layer.post_feedforward_layernorm_2(e)
 
 
 def _positions(mask: Tensor) -> Tensor:
@@ -243,7 +274,7 @@ def gemma4_token_parts(model: nn.Module, input_ids: Tensor, attention_mask: Opti
         between the rebuilt layer outputs and the model's own).
 
     Raises:
-        UnsupportedModelError: for ``enable_moe_block`` or ``attention_bias`` (see :func:`_refuse`).
+        UnsupportedModelError: for ``attention_bias`` (see :func:`_refuse`).
 
     Examples::
 
