@@ -170,6 +170,8 @@ def test_parts_sum_to_every_layers_real_output(float64_norms):
     assert float((parts.sum(2) - real).abs().max() / real.abs().max()) < 1e-13
     causal = torch.triu(torch.ones(7, 7, dtype=torch.bool), 1)
     assert float(parts[:, causal].abs().max()) == 0.0  # no part of a later token
+    bare, bare_real, _ = gemma4_token_parts(model.model, _ids())  # the bare Gemma4TextModel reads the same
+    assert torch.equal(bare, parts) and torch.equal(bare_real, real)
 
 
 def test_padded_equals_single(float64_norms):
