@@ -263,10 +263,12 @@ _NEMOTRON_H = ("each of its layers is one branch behind its own norm (a Mamba-2 
 _GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer embedding of the "
            "token, projected and normed), a learned scalar multiplying the whole residual stream after every layer "
            "(layer_scalar), key/value states shared across layers (num_kv_shared_layers), values normalised per "
-           "head (v_norm: values not linear in the layer input), keys used as values on full-attention layers "
-           "(attention_k_eq_v) and a dense MLP beside experts with their own norms (enable_moe_block), which no "
-           "layer kind expresses; Gemma 3's description does not verify either (Gemma 4's RMSNorm gain is w, not "
-           "1 + w; infer_architecture(model) lists what differs)")
+           "head (v_norm, a per-source scale), keys used as values on full-attention layers (attention_k_eq_v) and "
+           "a dense MLP beside experts with their own norms (enable_moe_block), which the capture of the attribution "
+           "classes does not record yet (the exact frozen decomposition of all of them is "
+           "captum_normattr.decompose.kinds.per_layer_input.gemma4_logit_scores; docs/frontier.md, \"Gemma 4\"); "
+           "Gemma 3's description does not verify either (Gemma 4's RMSNorm gain is w, not 1 + w; "
+           "infer_architecture(model) lists what differs)")
 _LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector before the text model); its text model "
            "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.

@@ -1,0 +1,328 @@
+r"""Gemma 4 (text) layers: the exact token decomposition of every mechanism (docs/frontier.md, "Gemma 4").
+
+Gemma 4's text layer (``Gemma4TextDecoderLayer``) is a sandwich layer with gains ``w`` (not
+``1 + w``) and three additions. With x the layer input, e_t the per-layer input of token t,
+c the ``layer_scalar`` and every N an RMSNorm ``w * u / rms(u)``:
+
+    h = x + N_pa(Attn(N_in(x)))                   Attn with v_norm: v_{j,h} = (N_in(x)_j W_V)_h / s_{j,h}
+    z = h + N_pf(FF(N_pre(h)))                    FF(u) = (act(u W_g) * (u W_u)) W_d
+    z = h + N_pf(N_pf1(FF(N_pre(h))) + N_pf2(Experts(N_pre2(h))))   (enable_moe_block)
+    y = c (z + N_ple((act(z W_gate) * e_t) W_proj))
+
+Every nonlinear quantity is frozen at its value in the real forward pass, which makes the layer
+linear in the parts of x:
+
+* each norm's per-token scale 1 / rms(u_t) of its real input (as in every kind);
+* the attention probabilities (recorded by an eager attention whose softmax keeps the float64 dtype);
+* the value norm's per-(source, head) scale 1 / s_{j,h}, s_{j,h} = rms((N_in(x)_j W_V)_h) (no
+  gain): v_{j<-k,h} = (N_in(x)_{j<-k} W_V)_h / s_{j,h}, like a norm's denominator;
+* the FF gate act(u_t W_g) (the gated feed-forward rule of the package: linear in u W_u);
+* with ``enable_moe_block``, the routing (chosen experts and weights, computed from h) and each
+  chosen expert's gate, the experts' output norms at their real inputs;
+* the per-layer-input gate act(z_t W_gate): held at its real value, the branch is linear in the
+  other factor e_t, which is a function of token t's own id and embedding only (never another
+  position). The whole branch output N_ple(...)_t is therefore token t's own part (k = t); it
+  adds no no-token term.
+
+The layer scalar multiplies every part. Shared keys and values (``num_kv_shared_layers``): a
+layer that reuses the values of an earlier layer reuses that earlier layer's value PARTS (kept
+per attention type while the decomposition runs forward), so the step stays exact; keys as
+values (``attention_k_eq_v``): the value parts are ``k_proj``'s parts (before the key norm and
+the rotary embedding), then the value-norm scale. Gemma 4 has no biases
+(``attention_bias=False``; none in the FF or the per-layer branch), so the parts sum to the real
+tensors with no bias part: sum_k y_{t<-k} = y_t.
+
+:func:`gemma4_token_parts` runs this decomposition forward through a whole ``Gemma4TextModel``
+or ``Gemma4ForCausalLM`` (DecompX's propagation, with the vector parts), and
+:func:`gemma4_logit_scores` projects the last layer's parts through the frozen final norm onto a
+target logit. The registered attribution classes do not read Gemma 4 yet (the capture has no
+record of the per-layer inputs, the value-norm scales or shared values): ``gemma4_text`` stays
+refused by them, see :mod:`captum_normattr.arch.families.frontier`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from captum_normattr.arch.spec import UnsupportedModelError
+
+__all__ = [
+    "frozen_rms_norm",
+    "gemma4_logit_scores",
+    "gemma4_token_parts",
+    "per_layer_input_branch",
+    "value_norm_scale",
+]
+
+
+def _rms_inverse(real: Tensor, eps: float) -> Tensor:
+    return torch.pow(real.pow(2).mean(-1) + eps, -0.5)
+
+
+def frozen_rms_norm(parts: Tensor, real: Tensor, norm: nn.Module) -> Tensor:
+    r"""A Gemma 4 RMSNorm applied to parts at its real per-token scale.
+
+    Args:
+        parts: (B, T, K, D) parts of the norm's input; real: (B, T, D) its real input.
+        norm: the ``Gemma4RMSNorm`` (gain ``w`` where it has one).
+
+    Returns:
+        (B, T, K, D) parts of the norm's output (they sum to ``norm(real)`` where ``parts`` sum to ``real``).
+    """
+    out = parts * _rms_inverse(real, norm.variance_epsilon)[:, :, None, None]
+    if getattr(norm, "with_scale", True):
+        out = out * norm.weight.to(parts.dtype)
+    return out
+
+
+def value_norm_scale(raw_values: Tensor, norm: nn.Module) -> Tensor:
+    r"""(B, T, H_kv) the value norm's frozen scale 1 / s_{j,h} at the real raw values (B, T, H_kv, Dh)."""
+    return _rms_inverse(raw_values, norm.variance_epsilon)
+
+
+def per_layer_input_branch(layer: nn.Module, z: Tensor, per_layer_input: Tensor) -> Tensor:
+    r"""The real per-layer-input branch N_ple((act(z W_gate) * e_t) W_proj), (B, T, D), written out.
+
+    Args:
+        layer: a ``Gemma4TextDecoderLayer`` with ``hidden_size_per_layer_input > 0``.
+        z: (B, T, D) the stream after the feed-forward branch; per_layer_input: (B, T, P) e_t.
+    """
+    gate = layer.act_fn(z @ layer.per_layer_input_gate.weight.T)
+    projected = (gate * per_layer_input) @ layer.per_layer_projection.weight.T
+    norm = layer.post_per_layer_input_norm
+    return projected * _rms_inverse(projected, norm.variance_epsilon)[..., None] * norm.weight
+
+
+def _refuse(config) -> None:
+    if getattr(config, "attention_bias", False):
+        raise UnsupportedModelError(
+            "Gemma 4 with attention_bias=True is not decomposed yet (the post-attention norm makes the output bias "
+            "a per-token bias); see docs/frontier.md, \"Gemma 4\"")
+
+
+#: the attention implementation :func:`gemma4_token_parts` switches a model to for one forward pass
+_ATTENTION_NAME = "captum_normattr_gemma4_probs"
+
+
+def _probability_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    r"""Eager attention whose softmax runs in the query's dtype (float64 stays float64); returns the probabilities.
+
+    A fully masked row (a left-padding query) gets uniform probabilities instead of the NaN of a
+    float32 softmax of a float64 mask minimum; only padding positions read it.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (module.head_dim ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+    probs = probs.to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(_ATTENTION_NAME, _probability_attention)
+    AttentionMaskInterface.register(_ATTENTION_NAME, eager_mask)
+
+
+@contextmanager
+def _recording(base: nn.Module):
+    r"""The probability attention and hooks recording each layer's input, per-layer input, attention output and probabilities.
+
+    The model's attention implementation and its hooks are restored on exit, also after an error.
+    """
+    _register()
+    config = base.config
+    saved = config._attn_implementation
+    records: List[Dict[str, Tensor]] = [dict() for _ in base.layers]
+    handles = []
+
+    def layer_hook(i):
+        def hook(module, args, kwargs):
+            records[i]["x"] = args[0] if args else kwargs["hidden_states"]
+            records[i]["e"] = args[1] if len(args) > 1 else kwargs.get("per_layer_input")
+        return hook
+
+    def attention_hook(i):
+        def hook(module, args, output):
+            records[i]["attn"], records[i]["probs"] = output[0], output[1]
+        return hook
+
+    def output_hook(i):
+        def hook(module, args, output):
+            records[i]["y"] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def router_hook(i):
+        def hook(module, args, output):
+            records[i]["route_weights"], records[i]["route_index"] = output[1], output[2]
+        return hook
+
+    try:
+        config._attn_implementation = _ATTENTION_NAME
+        for i, layer in enumerate(base.layers):
+            if getattr(layer, "enable_moe_block", False):
+                handles.append(layer.router.register_forward_hook(router_hook(i)))
+            handles.append(layer.register_forward_pre_hook(layer_hook(i), with_kwargs=True))
+            handles.append(layer.self_attn.register_forward_hook(attention_hook(i)))
+            handles.append(layer.register_forward_hook(output_hook(i)))
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+        config._attn_implementation = saved
+
+
+def _attention_parts(layer, n1_parts: Tensor, probs: Tensor, values: Tensor) -> Tensor:
+    r"""(B, T, K, D) the attention output's parts: sum_h (sum_j alpha^h_ij v^h_{j<-k}) W_O^h."""
+    attn = layer.self_attn
+    b, t, k, _ = n1_parts.shape
+    heads = probs.shape[1]
+    groups = heads // values.shape[3]
+    v = values.repeat_interleave(groups, dim=3)  # (B, T, K, H, Dh)
+    context = torch.einsum("bhij,bjkhd->bikhd", probs.to(v.dtype), v).reshape(b, t, k, -1)
+    return context @ attn.o_proj.weight.T
+
+
+def _layer_step(layer, parts: Tensor, rec: Dict[str, Tensor], shared: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+    r"""One Gemma 4 layer's frozen step: parts of x -> parts of y, and the rebuilt real y (see the module docstring)."""
+    attn = layer.self_attn
+    x, probs, a = rec["x"], rec["probs"], rec["attn"]
+    n1 = layer.input_layernorm(x)
+    n1_parts = frozen_rms_norm(parts, x, layer.input_layernorm)
+    b, t, k, _ = parts.shape
+    if attn.is_kv_shared_layer:
+        if attn.layer_type not in shared:
+            raise UnsupportedModelError(f"layer {layer.layer_idx} reuses the values of an earlier "
+                                        f"{attn.layer_type} layer, and none stored them in this forward pass")
+        values = shared[attn.layer_type]
+    else:
+        proj = attn.v_proj if attn.v_proj is not None else attn.k_proj  # keys as values (attention_k_eq_v)
+        raw = proj(n1).view(b, t, -1, attn.head_dim)
+        scale = value_norm_scale(raw, attn.v_norm)  # (B, T, H_kv)
+        values = (n1_parts @ proj.weight.T).view(b, t, k, -1, attn.head_dim) * scale[:, :, None, :, None]
+    if attn.store_full_length_kv:
+        shared[attn.layer_type] = values
+    h_parts = parts + frozen_rms_norm(_attention_parts(layer, n1_parts, probs, values), a,
+                                      layer.post_attention_layernorm)
+    h = x + layer.post_attention_layernorm(a)
+    n2 = layer.pre_feedforward_layernorm(h)
+    n2_parts = frozen_rms_norm(h_parts, h, layer.pre_feedforward_layernorm)
+    mlp = layer.mlp
+    gate = mlp.act_fn(mlp.gate_proj(n2))  # frozen at its real value
+    f = mlp.down_proj(gate * mlp.up_proj(n2))
+    f_parts = (gate[:, :, None, :] * (n2_parts @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    if getattr(layer, "enable_moe_block", False):
+        f_parts, f = _with_experts(layer, h_parts, h, f_parts, f, rec)
+    z_parts = h_parts + frozen_rms_norm(f_parts, f, layer.post_feedforward_layernorm)
+    z = h + layer.post_feedforward_layernorm(f)
+    if layer.hidden_size_per_layer_input:
+        branch = per_layer_input_branch(layer, z, rec["e"])  # token t's own part
+        idx = torch.arange(t, device=parts.device)
+        z_parts = z_parts.clone()
+        z_parts[:, idx, idx, :] += branch
+        z = z + branch
+    c = layer.layer_scalar.to(parts.dtype)
+    return z_parts * c, z * c
+
+
+def _with_experts(layer, h_parts: Tensor, h: Tensor, f_parts: Tensor, f: Tensor, rec: Dict[str, Tensor]
+                  ) -> Tuple[Tensor, Tensor]:
+    r"""The expert block beside the dense MLP: parts and real tensor of N_pf1(FF(u)) + N_pf2(Experts(N_pre2(h))).
+
+    Routing (the chosen experts and their weights, computed from h) is frozen at the recorded
+    values; each chosen expert is a gated FF, its gate act(u' W_g^e) frozen, linear in u' W_u^e.
+    """
+    b, t, k, d = h_parts.shape
+    experts = layer.experts
+    u = layer.pre_feedforward_layernorm_2(h).reshape(b * t, d)
+    u_parts = frozen_rms_norm(h_parts, h, layer.pre_feedforward_layernorm_2).reshape(b * t, k, d)
+    index, weights = rec["route_index"], rec["route_weights"].to(h.dtype)  # (B T, top-k)
+    gate_w, up_w = experts.gate_up_proj[index].chunk(2, dim=-2)  # (B T, top-k, I, D) each
+    gate = experts.act_fn(torch.einsum("nsid,nd->nsi", gate_w, u)) * weights[..., None]
+    down = experts.down_proj[index]  # (B T, top-k, D, I)
+    e = torch.einsum("nsdi,nsi->nd", down, gate * torch.einsum("nsid,nd->nsi", up_w, u)).reshape(b, t, d)
+    e_parts = torch.einsum("nsdi,nski->nkd", down, gate[:, :, None, :] * torch.einsum("nsid,nkd->nski", up_w, u_parts))
+    e_parts = e_parts.reshape(b, t, k, d)
+    parts = (frozen_rms_norm(f_parts, f, layer.post_feedforward_layernorm_1)
+             + frozen_rms_norm(e_parts, e, layer.post_feedforward_layernorm_2))
+    return parts, layer.post_feedforward_layernorm_1(f) + layer.post_feedforward_layernorm_2(e)
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def gemma4_token_parts(model: nn.Module, input_ids: Tensor, attention_mask: Optional[Tensor] = None
+                       ) -> Tuple[Tensor, Tensor, float]:
+    r"""Per-token parts of the last layer's output of a Gemma 4 text model (the step of the module docstring).
+
+    Args:
+        model: ``Gemma4ForCausalLM`` or ``Gemma4TextModel`` (float64 for exactness checks).
+        input_ids: (B, T) token ids; attention_mask: (B, T) 1 for real tokens (left padding), or None.
+
+    Returns:
+        (parts (B, T, K, D) with parts[b, t, k] the part of token k in position t's last hidden state,
+        the real last hidden state (B, T, D) before the final norm, the largest relative difference
+        between the rebuilt layer outputs and the model's own).
+
+    Raises:
+        UnsupportedModelError: for ``attention_bias`` (see :func:`_refuse`).
+
+    Examples::
+
+        >>> parts, real, err = gemma4_token_parts(model, ids)
+        >>> torch.testing.assert_close(parts.sum(2), real)
+    """
+    base = model.model if hasattr(model, "lm_head") else model
+    _refuse(base.config)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    with torch.no_grad(), _recording(base) as records:
+        base(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask))
+        x = records[0]["x"]
+        b, t, d = x.shape
+        idx = torch.arange(t, device=x.device)
+        parts = x.new_zeros(b, t, t, d)
+        parts[:, idx, idx, :] = x  # the embedding of token k is its own part
+        shared: Dict[str, Tensor] = {}
+        worst = 0.0
+        for layer, rec in zip(base.layers, records):
+            parts, rebuilt = _layer_step(layer, parts, rec, shared)
+            y = rec["y"]
+            worst = max(worst, float((rebuilt - y).abs().max() / y.abs().max()))
+            real = y
+    valid = mask.bool()
+    parts = parts * (valid[:, None, :, None] & valid[:, :, None, None]).to(parts.dtype)
+    return parts, real, worst
+
+
+def gemma4_logit_scores(model: nn.Module, input_ids: Tensor, target: int, attention_mask: Optional[Tensor] = None
+                        ) -> Tuple[Tensor, Tensor]:
+    r"""Token scores of the last position's logit of ``target``, and that logit (the model's own, before any soft-cap).
+
+    score_k = (w * final_{last<-k} / rms(final_last)) . W_lm[target]; sum_k score_k = the logit (no bias, no
+    no-token term).
+
+    Args:
+        model: ``Gemma4ForCausalLM``; input_ids, attention_mask: as in :func:`gemma4_token_parts`.
+        target: the vocabulary index.
+
+    Returns:
+        (scores (B, T), logits (B,)) where the logit is lm_head(norm(h)) of the last position.
+    """
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        raise UnsupportedModelError("final_logit_softcapping is nonlinear: decompose a model built without it "
+                                    "(the scores then sum to the logit before the cap)")
+    parts, real, _ = gemma4_token_parts(model, input_ids, attention_mask)
+    norm = model.model.norm
+    with torch.no_grad():
+        last_parts = frozen_rms_norm(parts[:, -1:], real[:, -1:], norm)[:, 0]  # (B, K, D)
+        logits = model.lm_head(norm(real[:, -1]))[:, target]
+        return last_parts @ model.lm_head.weight[target], logits
