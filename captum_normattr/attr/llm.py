@@ -597,6 +597,8 @@ class DecompositionLLMAttribution(Attribution):
         if isinstance(inp, ImageMaskInput):  # a vision-language model's image segments: docs/vlm.md
             from captum_normattr.attr.llm_images import decompose_image_input
 
+            if target is None and not gen_args:
+                gen_args = DEFAULT_GEN_ARGS
             return decompose_image_input(self, inp, target, gen_args, quantity, foil)  # type: ignore[return-value]
         if not isinstance(inp, self.SUPPORTED_INPUTS):
             raise TypeError(f"inp must be a TextTokenInput, TextTemplateInput or ImageMaskInput; got "
@@ -664,6 +666,8 @@ class DecompositionLLMAttribution(Attribution):
         if isinstance(inp, ImageMaskInput):  # image segments from one pass (captum_normattr.attr.llm_images)
             from captum_normattr.attr.llm_images import attribute_image_input
 
+            if target is None and not gen_args:
+                gen_args = DEFAULT_GEN_ARGS
             return attribute_image_input(self, inp, target, gen_args, quantity, foil, **kwargs)
         if kwargs:
             warnings.warn(f"ignored (they mean nothing for a decomposition): {sorted(kwargs)}", UserWarning,

@@ -274,9 +274,7 @@ def _target_ids(llm: Any, inputs: Dict[str, Any], target: Any, gen_args: Optiona
     model = llm.model
     if not callable(getattr(model, "generate", None)):
         raise ValueError("the model has no generate(): give target (a string or token ids)")
-    from captum_normattr.attr.llm import DEFAULT_GEN_ARGS
-
-    args = dict(gen_args) if gen_args else dict(DEFAULT_GEN_ARGS)
+    args = dict(gen_args) if gen_args else {"max_new_tokens": 25, "do_sample": False}  # the LLM API passes its own
     param = next(model.parameters())
     feed = {k: (v.to(device=param.device, dtype=param.dtype if v.is_floating_point() else v.dtype)
                 if isinstance(v, Tensor) else v) for k, v in inputs.items()}
@@ -318,8 +316,6 @@ def decompose_image_input(
         >>> ex = decompose_image_input(DecompositionLLMAttribution(ALTILogitAttribution(llava), tok), inp, " a cat")
         >>> ex.segment_attr.shape  # (targets, segments)
     """
-    from captum_normattr.attr.llm import explain_positions
-
     if quantity == "log_prob":
         raise ValueError(LOG_PROB_NOT_ADDITIVE)
     if quantity not in QUANTITIES:
@@ -351,8 +347,8 @@ def decompose_image_input(
                          "prompt have the processor's image placeholder?")
     fl = llm._foil_ids(foil, n)
     q = "logit_minus_foil" if fl is not None and quantity == "logit" else quantity
-    details = explain_positions(llm.attr_method, ids, torch.arange(p - 1, p - 1 + n), target_ids, q, fl,
-                                additional_forward_args=_forward_args(inputs, p, n, model))
+    details = llm.attr_method.explain_positions(ids, torch.arange(p - 1, p - 1 + n), target_ids, q, fl,
+                                                additional_forward_args=_forward_args(inputs, p, n, model))
     scores = details.scores
     found = grid_scores(scores.unsqueeze(0), image_mask.unsqueeze(0), geometry)
     if len(found.grids) != 1:

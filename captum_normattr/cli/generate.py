@@ -379,7 +379,12 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.image:  # a vision-language model: captum_normattr.cli.generate_image
             from captum_normattr.cli.generate_image import explain_image_generation, heatmap_paths, write_heatmap_png
 
-            record, found = explain_image_generation(args)
+            from captum_normattr.cli import generate_image
+
+            try:
+                record, found = explain_image_generation(args)
+            except generate_image.GenerateError as err:
+                raise GenerateError(str(err)) from None
             pngs = heatmap_paths(args, found)
             for key, ex in found:
                 write_heatmap_png(ex, pngs[key], f"{key}: {''.join(ex.output_tokens)[:40]}")

@@ -15,7 +15,14 @@ import io
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from captum_normattr.tokens import readable_tokens
+
+
+class GenerateError(Exception):
+    r"""A usage error of ``generate --image`` (the command prints it as its own usage errors, exit code 2)."""
+
 __all__ = [
+    "GenerateError",
     "explain_image_generation",
     "heatmap_paths",
     "heatmap_png_bytes",
@@ -37,7 +44,6 @@ def load_image(path: str) -> Any:
     """
     from PIL import Image, UnidentifiedImageError
 
-    from captum_normattr.cli.generate import GenerateError
 
     if not os.path.isfile(path):
         raise GenerateError(f"--image {path!r}: no such file")
@@ -60,7 +66,6 @@ def load_vision_language(name: str, trust_remote_code: bool = False, dtype: Opti
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from captum_normattr.cli.common import check_remote_code
-    from captum_normattr.cli.generate import GenerateError
     from captum_normattr.models.adapters import vision_language
 
     if os.path.isdir(name):
@@ -188,7 +193,6 @@ def explain_image_generation(args: Any) -> Tuple[Dict[str, Any], List[Tuple[str,
 
     from captum_normattr.attr.llm import DecompositionLLMAttribution
     from captum_normattr.attr.methods import get_method
-    from captum_normattr.cli.generate import GenerateError
 
     image = load_image(args.image)
     model, processor = load_vision_language(args.model, args.trust_remote_code, args.dtype, args.device)
@@ -218,10 +222,8 @@ def explain_image_generation(args: Any) -> Tuple[Dict[str, Any], List[Tuple[str,
             raise GenerateError(f"{key}: {err}") from None
         found.append((key, ex))
         if "tokens" not in record:
-            from captum_normattr.cli.generate import feature_text
-
             tokens = tok.convert_ids_to_tokens(ex.input_ids.tolist())
-            record.update(tokens=tokens, token_text=feature_text(tok, tokens), prompt_length=ex.prompt_length,
+            record.update(tokens=tokens, token_text=readable_tokens(tok, ex.input_ids.tolist()), prompt_length=ex.prompt_length,
                           generated=list(ex.output_tokens), generated_ids=ex.target_ids.tolist(), sink_index=0)
         d = ex.details
         signed = bool(d.signed)
