@@ -194,6 +194,11 @@ def explain_image_generation(args: Any) -> Tuple[Dict[str, Any], List[Tuple[str,
     from captum_normattr.attr.llm import DecompositionLLMAttribution
     from captum_normattr.attr.methods import get_method
 
+    unused = [o for o, on in (("--chat", args.chat), ("--skip-special", args.skip_special),
+                              ("--quantity", args.quantity != "logit"), ("--foil", args.foil is not None)) if on]
+    if unused:
+        raise GenerateError(f"--image explains the target logits of the prompt as given: {', '.join(unused)} not "
+                            "supported with --image yet (put the processor's chat text in the prompt itself)")
     image = load_image(args.image)
     model, processor = load_vision_language(args.model, args.trust_remote_code, args.dtype, args.device)
     tok = processor.tokenizer

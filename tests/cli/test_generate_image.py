@@ -89,6 +89,8 @@ def test_refusals(capsys, tiny_llava, image_file, tmp_path):
     make_llava(seed=2).save_pretrained(bare)
     code, _, err = run(capsys, "generate", "--model", bare, "--image", image_file, "w3", "--target-text", "w5")
     assert code == 2 and "processor_config.json" in err and "processor" in err
+    code, _, err = run(capsys, "generate", "--model", tiny_llava, "--image", image_file, "w3", "--chat")
+    assert code == 2 and "--chat not supported with --image" in err
     code, _, err = run(capsys, "generate", "--model", tiny_llava, "--image", tmp_path / "missing.png", "w3")
     assert code == 2 and "no such file" in err
     not_image = tmp_path / "x.png"
