@@ -258,3 +258,17 @@ def test_refusals(llava, proc):
         text.attribute(ids, target=torch.tensor([4]))
     with pytest.warns(UserWarning, match="num_trials"):
         llm.attribute(_llava_input(proc, image), target="w6", num_trials=2)
+
+
+def test_generate_first_then_explain(llava, proc):
+    r"""``target=None``: the model generates from the processor's inputs (gen_args), then the tokens are explained;
+    the rows equal the teacher-forced call on the generated tokens."""
+    inp = _llava_input(proc, _image(16, 16, seed=9), torch.zeros(16, 16, dtype=torch.int32))
+    llm = DecompositionLLMAttribution(ALTILogitAttribution(llava), proc.tokenizer)
+    gen = llm.attribute(inp, gen_args={"max_new_tokens": 3, "do_sample": False})
+    ids = gen.explanation.target_ids
+    assert ids.shape == (3,)
+    forced = llm.attribute(inp, target=ids)
+    assert torch.allclose(gen.token_attr, forced.token_attr, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="gen_args"):
+        llm.attribute(inp, target="w6", gen_args={"max_new_tokens": 2})
