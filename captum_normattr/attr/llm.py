@@ -12,6 +12,10 @@ Unlike ``LLMAttribution(FeatureAblation)`` (one forward pass per feature) or
 target tokens go through the model once; every target position is explained from the same
 per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md.
 
+A vision-language model's Captum ``ImageMaskInput`` is handed to
+:mod:`captum_normattr.attr.llm_images` (the same one pass; the image's segments scored by pixel
+overlap; docs/vlm.md).
+
 The methods explain themselves: this module only asks the attribution's class
 (``attribution.explain_positions``, answered with a
 :class:`~captum_normattr.attr.positions.PositionExplanation`) and adapts the answer to Captum.
