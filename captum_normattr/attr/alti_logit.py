@@ -239,6 +239,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         target: Optional[Tensor] = None,
         quantity: str = "logit",
         foil: Any = None,
+        additional_forward_args: Any = None,
     ) -> PositionExplanation:
         r"""The signed contributions to n next-token logits of one sequence, from one forward pass.
 
@@ -253,6 +254,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             quantity: ``"logit"``, ``"logit_minus_foil"`` or ``"logit_minus_mean"``
                 (:data:`~captum_normattr.attr.positions.QUANTITIES`).
             foil: one id or (n,) ids, for ``"logit_minus_foil"``.
+            additional_forward_args: the model's further inputs by keyword (an attention mask of ones,
+                a vision-language model's ``pixel_values``, ...), as in :meth:`decompose`.
 
         Returns:
             :class:`~captum_normattr.attr.positions.PositionExplanation` (signed; ``extras``:
@@ -263,7 +266,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
                                                                   foil)
         if target is None:
             raise ValueError("ALTI-Logit explains a target token at every position: give target")
-        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), None)
+        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), additional_forward_args)
         dtype, dev = compute_dtype(self.model), prepared.valid.device
         u, ub = explained_directions(self.output, target, quantity, foil, dtype, dev)
         got = self._explain(prepared, positions.to(dev).unsqueeze(0), directions=(u.unsqueeze(0), ub.unsqueeze(0)))

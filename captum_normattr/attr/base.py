@@ -428,6 +428,7 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         target: Optional[Tensor] = None,
         quantity: str = "logit",
         foil: Any = None,
+        additional_forward_args: Any = None,
     ) -> PositionExplanation:
         r"""The rollout rows of n positions of one sequence of a causal LM, from one forward pass.
 
@@ -440,6 +441,8 @@ class LayerDecompositionAttribution(DecompositionAttribution):
             positions: (n,) the explained positions.
             target: (n,) the next token at each position, or None; it only yields ``log_probs``.
             quantity, foil: see :func:`~captum_normattr.attr.positions.position_request` (ignored).
+            additional_forward_args: the model's further inputs by keyword (an attention mask of ones,
+                a vision-language model's ``pixel_values``, ...), as in :meth:`decompose`.
 
         Returns:
             :class:`~captum_normattr.attr.positions.PositionExplanation` (``quantity="rollout"``,
@@ -452,7 +455,7 @@ class LayerDecompositionAttribution(DecompositionAttribution):
         if quantity != "logit" or foil is not None:
             warnings.warn(f"{self.get_name()} rows are class-agnostic: quantity and foil are ignored",
                           UserWarning, stacklevel=2)
-        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), None)
+        prepared = prepare_inputs(self.model, self.adapter, ids.unsqueeze(0), additional_forward_args)
         valid = prepared.valid
         output = next_token_output(self.model, self.adapter) if target is not None else None
         collector, f_out = self.stream_maps(prepared, True, False,

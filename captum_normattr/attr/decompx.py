@@ -587,6 +587,7 @@ class DecompXAttribution(DecompositionAttribution):
         target: Optional[Tensor] = None,
         quantity: str = "logit",
         foil: Any = None,
+        additional_forward_args: Any = None,
     ) -> PositionExplanation:
         r"""Signed token scores of n next-token logits of one sequence of a causal LM, from one forward pass.
 
@@ -601,6 +602,8 @@ class DecompXAttribution(DecompositionAttribution):
             quantity: ``"logit"``, ``"logit_minus_foil"`` or ``"logit_minus_mean"``
                 (:data:`~captum_normattr.attr.positions.QUANTITIES`).
             foil: one id or (n,) ids, for ``"logit_minus_foil"``.
+            additional_forward_args: the model's further inputs by keyword (an attention mask of ones,
+                a vision-language model's ``pixel_values``, ...), as in :meth:`decompose`.
 
         Returns:
             :class:`~captum_normattr.attr.positions.PositionExplanation` (signed; ``no_token`` is
@@ -614,7 +617,8 @@ class DecompXAttribution(DecompositionAttribution):
             raise ValueError("DecompositionLLMAttribution explains causal LMs; this DecompXAttribution wraps a classifier")
         # the adjoint differentiates the frozen layers, which autograd refuses on inference tensors
         with torch.inference_mode(False):
-            prepared = prepare_inputs(self.model, self.adapter, _ordinary_tensors(ids).unsqueeze(0), None)
+            prepared = prepare_inputs(self.model, self.adapter, _ordinary_tensors(ids).unsqueeze(0),
+                                      additional_forward_args)
             dtype = compute_dtype(self.model)
             u, ub = explained_directions(self.output, target, quantity, foil, dtype, prepared.valid.device)
             readout = PositionsReadout(self, prepared, dtype, positions, u.unsqueeze(0), ub.unsqueeze(0))

@@ -12,6 +12,10 @@ Unlike ``LLMAttribution(FeatureAblation)`` (one forward pass per feature) or
 target tokens go through the model once; every target position is explained from the same
 per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md.
 
+A vision-language model's Captum ``ImageMaskInput`` is handed to
+:mod:`captum_normattr.attr.llm_images` (the same one pass; the image's segments scored by pixel
+overlap; docs/vlm.md).
+
 The methods explain themselves: this module only asks the attribution's class
 (``attribution.explain_positions``, answered with a
 :class:`~captum_normattr.attr.positions.PositionExplanation`) and adapts the answer to Captum.
@@ -26,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from captum.attr import Attribution, LLMAttributionResult, TextTemplateInput, TextTokenInput
+from captum.attr._utils.interpretable_input import ImageMaskInput
 from captum.log import log_usage
 from torch import Tensor, nn
 
@@ -90,6 +95,7 @@ def explain_positions(
     target: Optional[Tensor] = None,
     quantity: str = "logit",
     foil: Optional[Tensor] = None,
+    additional_forward_args: Any = None,
 ) -> PositionExplanation:
     r"""Explain n positions of one token sequence in one forward pass: ``attribution.explain_positions(...)``.
 
@@ -105,6 +111,8 @@ def explain_positions(
             optional for the rollouts, where it only yields ``log_probs``).
         quantity: one of :data:`~captum_normattr.attr.positions.QUANTITIES` (signed methods).
         foil: (n,) or a single foil id, for ``quantity="logit_minus_foil"``.
+        additional_forward_args: the model's further inputs by keyword (a vision-language
+            model's ``pixel_values``, ...; per-token inputs cover the whole sequence); None: none.
 
     Returns:
         :class:`~captum_normattr.attr.positions.PositionExplanation`; row k equals the
@@ -118,7 +126,10 @@ def explain_positions(
         >>> ex.scores.shape, ex.delta.abs().max()
     """
     check_explains_positions(attribution)
-    return attribution.explain_positions(input_ids, positions, target, quantity, foil)
+    if additional_forward_args is None:
+        return attribution.explain_positions(input_ids, positions, target, quantity, foil)
+    return attribution.explain_positions(input_ids, positions, target, quantity, foil,
+                                         additional_forward_args=additional_forward_args)
 
 
 # ----------------------------------------------------------------------------------------
@@ -488,7 +499,7 @@ class DecompositionLLMAttribution(Attribution):
 
     method_name = "LLM attribution"
 
-    SUPPORTED_INPUTS = (TextTemplateInput, TextTokenInput)
+    SUPPORTED_INPUTS = (TextTemplateInput, TextTokenInput, ImageMaskInput)
 
     def __init__(
         self,
@@ -563,7 +574,7 @@ class DecompositionLLMAttribution(Attribution):
     # --- the API ---------------------------------------------------------------------
     def decompose(
         self,
-        inp: Union[TextTokenInput, TextTemplateInput],
+        inp: Union[TextTokenInput, TextTemplateInput, ImageMaskInput],
         target: Union[str, Tensor, Sequence[int], None] = None,
         gen_args: Optional[Dict[str, Any]] = None,
         quantity: str = "logit",
@@ -572,7 +583,10 @@ class DecompositionLLMAttribution(Attribution):
         r"""Every target token explained from one teacher-forced forward pass, with all the details.
 
         Args:
-            inp: Captum's ``TextTokenInput`` or ``TextTemplateInput`` (baselines ignored).
+            inp: Captum's ``TextTokenInput`` or ``TextTemplateInput`` (baselines ignored), or an
+                ``ImageMaskInput`` of a vision-language model (its segments scored by pixel overlap
+                from the same one pass: :func:`~captum_normattr.attr.llm_images.decompose_image_input`,
+                which returns an :class:`~captum_normattr.attr.llm_images.ImageGenerationExplanation`).
             target: the target text (encoded without special tokens, as Captum does), (n,)
                 token ids, or None: generate with ``gen_args`` first.
             gen_args: ``model.generate`` arguments when ``target`` is None (default: Captum's,
@@ -584,8 +598,15 @@ class DecompositionLLMAttribution(Attribution):
         Returns:
             :class:`GenerationExplanation`.
         """
+        if isinstance(inp, ImageMaskInput):  # a vision-language model's image segments: docs/vlm.md
+            from captum_normattr.attr.llm_images import decompose_image_input
+
+            if target is None and not gen_args:
+                gen_args = DEFAULT_GEN_ARGS
+            return decompose_image_input(self, inp, target, gen_args, quantity, foil)  # type: ignore[return-value]
         if not isinstance(inp, self.SUPPORTED_INPUTS):
-            raise TypeError(f"inp must be a TextTokenInput or TextTemplateInput; got {type(inp).__name__}")
+            raise TypeError(f"inp must be a TextTokenInput, TextTemplateInput or ImageMaskInput; got "
+                            f"{type(inp).__name__}")
         if quantity == "log_prob":
             raise ValueError(LOG_PROB_NOT_ADDITIVE)
         if quantity not in QUANTITIES:
@@ -618,7 +639,7 @@ class DecompositionLLMAttribution(Attribution):
     @log_usage()
     def attribute(  # type: ignore[override]
         self,
-        inp: Union[TextTokenInput, TextTemplateInput],
+        inp: Union[TextTokenInput, TextTemplateInput, ImageMaskInput],
         target: Union[str, Tensor, Sequence[int], None] = None,
         gen_args: Optional[Dict[str, Any]] = None,
         quantity: str = "logit",
@@ -634,14 +655,24 @@ class DecompositionLLMAttribution(Attribution):
                 :meth:`GenerationExplanation.to_captum`); the scores are unchanged.
             **kwargs: Captum's keywords that do not apply to a decomposition
                 (``num_trials``, ``use_cached_outputs``, ``forward_in_tokens``) are accepted and
-                ignored with a warning.
+                ignored with a warning. With an ``ImageMaskInput``: ``layout`` (where the patch grid
+                lies over the image, :data:`~captum_normattr.attr.llm_images.LAYOUTS`).
 
         Returns:
             ``captum.attr.LLMAttributionResult``: ``token_attr`` (n, features), ``seq_attr``
             (features,), ``output_probs`` (n,) the target probabilities; ``input_tokens`` /
             ``output_tokens`` readable text (no ``Ġ`` / ``▁``), the tokenizer's spellings in
             ``raw_input_tokens`` / ``raw_output_tokens`` (:meth:`GenerationExplanation.to_captum`).
+            For an ``ImageMaskInput`` the features are its segments, and the result also holds
+            ``patch_attr`` (n, rows, cols) and ``explanation``
+            (:meth:`~captum_normattr.attr.llm_images.ImageGenerationExplanation.to_captum`).
         """
+        if isinstance(inp, ImageMaskInput):  # image segments from one pass (captum_normattr.attr.llm_images)
+            from captum_normattr.attr.llm_images import attribute_image_input
+
+            if target is None and not gen_args:
+                gen_args = DEFAULT_GEN_ARGS
+            return attribute_image_input(self, inp, target, gen_args, quantity, foil, **kwargs)
         if kwargs:
             warnings.warn(f"ignored (they mean nothing for a decomposition): {sorted(kwargs)}", UserWarning,
                           stacklevel=2)

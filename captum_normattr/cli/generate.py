@@ -18,6 +18,7 @@ import argparse
 import html
 import json
 import math
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the attention sink (the first token) out of the table, plots and colour scales")
     p.add_argument("--dtype", default=None, choices=("float32", "float64"), help="cast the model (default: as saved)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--image", default=None, metavar="FILE",
+                   help="an image for a vision-language model (its folder's processor is used); the image's heat map "
+                        "is written as a PNG next to the output (and shown in the html report)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model folder's own Python code to run (transformers' trust_remote_code; "
                         "off by default)")
@@ -371,13 +375,34 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
                 check_output_path(args.output, [], args.model, refuse_existing=not args.overwrite)
             except CLIError as err:
                 raise GenerateError(str(err)) from None
-        record = explain_generation_cli(args)
+        pngs: Dict[str, str] = {}
+        if args.image:  # a vision-language model: captum_normattr.cli.generate_image
+            from captum_normattr.cli.generate_image import explain_image_generation, heatmap_paths, write_heatmap_png
+
+            from captum_normattr.cli import generate_image
+
+            try:
+                record, found = explain_image_generation(args)
+            except generate_image.GenerateError as err:
+                raise GenerateError(str(err)) from None
+            pngs = heatmap_paths(args, found)
+            for key, ex in found:
+                write_heatmap_png(ex, pngs[key], f"{key}: {''.join(ex.output_tokens)[:40]}")
+            record["image"]["heatmaps"] = {k: os.path.basename(v) for k, v in pngs.items()}
+        else:
+            record = explain_generation_cli(args)
         if args.format == "json":
             text = json.dumps(record)
         elif args.format == "html":
             text = render_html(record, title=args.prompt[:80])
+            if pngs:
+                from captum_normattr.cli.generate_image import html_with_images
+
+                text = html_with_images(text, [(k, open(v, "rb").read()) for k, v in pngs.items()])
         else:
             text = render_table(record, args.top)
+        for png in pngs.values():
+            print(f"{PROG}: wrote the image heat map {png}", file=sys.stderr)
         if args.output:
             write_output(text, args.output)
             print(f"{PROG}: wrote {args.format} for {len(record['methods'])} method(s) to {args.output}", file=sys.stderr)

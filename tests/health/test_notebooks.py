@@ -33,7 +33,7 @@ def _smollm2_available() -> bool:
 def test_there_are_tutorials():
     names = [p.name for p in NOTEBOOKS]
     for name in ("01_quickstart.ipynb", "02_faithfulness.ipynb", "03_ff_analysis.ipynb", "04_decoders.ipynb",
-                 "05_words_and_spans.ipynb", "06_vision.ipynb"):
+                 "05_words_and_spans.ipynb", "06_vision.ipynb", "07_vision_language.ipynb"):
         assert name in names
 
 
