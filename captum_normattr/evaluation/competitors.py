@@ -24,12 +24,9 @@ The factories:
   ``torch.nn.Dropout``, ``torch.nn.LayerNorm`` for GPT-2, and transformers' shared attention
   registry): :func:`lxt_patched` applies it for one call and restores everything afterwards,
   also after an error;
-- :func:`attnlrp_classifier` — AttnLRP for BERT sequence classifiers (the harness protocol of
-  :mod:`~captum_normattr.evaluation.baselines`: ``(input_ids (B, T), attention_mask, target (B,))
-  -> (B, T)``), relevance of each input token for the target class logit. lxt's own BERT module
-  (``lxt.efficient.models.bert``) is a transformers 4 copy of ``modeling_bert`` that does not run
-  under transformers 5, so :func:`bert_attnlrp_map` places lxt's rule functions on the
-  transformers 5 BERT classes instead, where lxt's BERT module places them;
+- :func:`attnlrp_classifier` — AttnLRP for BERT sequence classifiers (harness methods of
+  :mod:`~captum_normattr.evaluation.baselines`), each token's relevance for the target class logit;
+  :func:`bert_attnlrp_map` puts lxt's rules on transformers 5 BERT (lxt's own BERT module does not run);
 - :func:`value_zeroing` — :class:`~captum_normattr.attr.value_zeroing.ValueZeroingAttribution`,
   the row of the last position of its rollout (unsigned, target-agnostic);
 - :func:`captum_feature_ablation` and :func:`captum_layer_integrated_gradients` — Captum's
