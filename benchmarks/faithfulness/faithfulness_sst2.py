@@ -88,6 +88,26 @@ def our_methods(model, names):
     return methods, []
 
 
+def competitor_methods(model):
+    r"""The competitors: AttnLRP (lxt efficient mode, when lxt imports) and Value Zeroing.
+
+    Args:
+        model: the fine-tuned BERT sequence classifier.
+
+    Returns:
+        (methods, notes).
+    """
+    from captum_normattr.evaluation.competitors import LXT_INSTALL, attnlrp_classifier, lxt_available
+
+    methods, notes = [], []
+    if lxt_available():
+        methods.append(attnlrp_classifier(model))
+    else:
+        notes.append("AttnLRP skipped: " + LXT_INSTALL)
+    methods.append(baselines.ours(model, "value-zeroing"))
+    return methods, notes
+
+
 def fmt(x, d=3):
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
 
@@ -249,7 +269,8 @@ def main(argv=None):
     p.add_argument("--dev", default=None, help="SST-2 dev.tsv (sentence<TAB>label, header; default: DATA/sst2/dev.tsv)")
     p.add_argument("--checkpoint", default=str(BENCHMARKS / "checkpoints" / "minilm-sst2"))
     p.add_argument("--limit", type=int, default=0, help="first N sentences only (0 = all)")
-    p.add_argument("--part", choices=("all", "ours", "baselines"), default="all", help="which methods to run")
+    p.add_argument("--part", choices=("all", "ours", "baselines", "competitors"), default="all",
+                   help="which methods to run (competitors: AttnLRP (lxt, skipped without it) and Value Zeroing)")
     p.add_argument("--presets", nargs="*", default=None,
                    help="preset names (default all; give none for a timing-only run)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -304,6 +325,10 @@ def main(argv=None):
     if args.part in ("all", "baselines"):
         base = baselines.default_baselines(clf, ig_steps=args.ig_steps)
         methods += [m for m in base if not args.methods or m.name in args.methods]
+    if args.part in ("all", "competitors"):
+        comp, comp_notes = competitor_methods(model)
+        methods += [m for m in comp if not args.methods or m.name in args.methods]
+        notes += comp_notes
     if not methods:
         raise SystemExit("no method to run")
     all_presets = {

@@ -24,6 +24,9 @@ The factories:
   ``torch.nn.Dropout``, ``torch.nn.LayerNorm`` for GPT-2, and transformers' shared attention
   registry): :func:`lxt_patched` applies it for one call and restores everything afterwards,
   also after an error;
+- :func:`attnlrp_classifier` — AttnLRP for BERT sequence classifiers (harness methods of
+  :mod:`~captum_normattr.evaluation.baselines`), each token's relevance for the target class logit;
+  :func:`bert_attnlrp_map` puts lxt's rules on transformers 5 BERT (lxt's own BERT module does not run);
 - :func:`value_zeroing` — :class:`~captum_normattr.attr.value_zeroing.ValueZeroingAttribution`,
   the row of the last position of its rollout (unsigned, target-agnostic);
 - :func:`captum_feature_ablation` and :func:`captum_layer_integrated_gradients` — Captum's
@@ -68,6 +71,8 @@ __all__ = [
     "lxt_available",
     "lxt_patched",
     "attnlrp",
+    "attnlrp_classifier",
+    "bert_attnlrp_map",
     "value_zeroing",
     "captum_feature_ablation",
     "captum_layer_integrated_gradients",
@@ -255,6 +260,85 @@ def _restore_registry(registry: Any, saved: Dict[str, Any]) -> None:
             registry[key] = saved[key]
 
 
+def _bert_module() -> types.ModuleType:
+    return importlib.import_module("transformers.models.bert.modeling_bert")
+
+
+def _default_map(model: nn.Module) -> dict:
+    r"""The AttnLRP patch map of the model's modeling module: :func:`bert_attnlrp_map` for BERT, else lxt's."""
+    _, models = _import_lxt()
+    module = _modeling_module(model)
+    if module is _bert_module():
+        return bert_attnlrp_map()
+    try:
+        return models.get_default_map(module)
+    except ValueError as exc:
+        raise ValueError(f"AttnLRP (lxt) has no patch for {type(model).__name__} ({module.__name__}): {exc}") from exc
+
+
+def bert_attnlrp_map() -> dict:
+    r"""lxt's AttnLRP patch map for the BERT classes of transformers 5 (``modeling_bert``).
+
+    lxt's ``efficient.models.bert`` replaces the attributes of ``modeling_bert`` by its own copy
+    of the transformers 4 BERT code; under transformers 5 that copy fails (its classes read
+    ``config.position_embedding_type`` and call ``get_head_mask``, both gone), and replacing a
+    module's classes does not change a model already built from them. This map applies lxt's
+    own rule functions, at the places lxt's BERT module applies them, to the transformers 5
+    classes and functions that a built model calls:
+
+    - ``torch.nn.LayerNorm``: lxt's ``layer_norm_forward`` (identity rule: the standard
+      deviation is detached), also the embedding LayerNorm;
+    - ``torch.nn.Dropout``: lxt's ``dropout_forward`` (identity);
+    - the attention functions of ``modeling_bert`` (``eager_attention_forward`` and every entry
+      of transformers' attention registry, sdpa included): lxt's ``patch_attention``, which
+      divides the gradients of the queries and keys by 4 and of the values by 2 (the uniform
+      rule on the two matrix products; lxt's BERT module divides the gradients of the
+      scores and of the context by 2, the same rule);
+    - ``BertIntermediate``, ``BertPooler``, ``BertPredictionHeadTransform``: the transformers 5
+      forward with lxt's ``identity_rule_implicit`` on the element-wise activation (GELU,
+      the pooler's tanh).
+
+    Every entry is undone by :func:`lxt_patched` after the call. The patched forward pass
+    computes the same values (only the gradients change; tested).
+
+    Returns:
+        dict: class or module -> patch function, for ``lxt.efficient.monkey_patch``.
+
+    Raises:
+        ImportError: lxt is not installed (with the install command).
+
+    Examples::
+
+        >>> with lxt_patched(bert_classifier, bert_attnlrp_map()):        # doctest: +SKIP
+        ...     logits = bert_classifier(inputs_embeds=x.requires_grad_()).logits
+    """
+    from functools import partial
+
+    _import_lxt()
+    patches = importlib.import_module("lxt.efficient.patches")
+    rules = importlib.import_module("lxt.efficient.rules")
+    bert = _bert_module()
+    identity = rules.identity_rule_implicit
+
+    def intermediate_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+        return identity(self.intermediate_act_fn, self.dense(hidden_states))
+
+    def pooler_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+        return identity(self.activation, self.dense(hidden_states[:, 0]))
+
+    def head_transform_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+        return self.LayerNorm(identity(self.transform_act_fn, self.dense(hidden_states)))
+
+    return {
+        torch.nn.LayerNorm: partial(patches.patch_method, patches.layer_norm_forward),
+        torch.nn.Dropout: partial(patches.patch_method, patches.dropout_forward),
+        bert: patches.patch_attention,
+        bert.BertIntermediate: partial(patches.patch_method, intermediate_forward),
+        bert.BertPooler: partial(patches.patch_method, pooler_forward),
+        bert.BertPredictionHeadTransform: partial(patches.patch_method, head_transform_forward),
+    }
+
+
 @contextlib.contextmanager
 def lxt_patched(model: nn.Module, patch_map: Optional[dict] = None) -> Iterator[dict]:
     r"""lxt's AttnLRP patch of the model's modeling module, for the duration of a ``with`` block.
@@ -267,8 +351,10 @@ def lxt_patched(model: nn.Module, patch_map: Optional[dict] = None) -> Iterator[
     process run unpatched. Not reentrant across threads: a lock serialises the patched blocks.
 
     Args:
-        model: a model of a family lxt supports (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, GPT-2).
-        patch_map: lxt's patch map (default: its AttnLRP map for the model's modeling module).
+        model: a model of a family lxt supports (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, GPT-2;
+            BERT through :func:`bert_attnlrp_map`).
+        patch_map: lxt's patch map (default: its AttnLRP map for the model's modeling module,
+            :func:`bert_attnlrp_map` for BERT).
 
     Yields:
         The patch map applied (class or module -> patch function).
@@ -282,13 +368,10 @@ def lxt_patched(model: nn.Module, patch_map: Optional[dict] = None) -> Iterator[
         >>> with lxt_patched(model):                           # doctest: +SKIP
         ...     logits = model(inputs_embeds=x.requires_grad_()).logits
     """
-    core, models = _import_lxt()
+    core, _ = _import_lxt()
     module = _modeling_module(model)
     if patch_map is None:
-        try:
-            patch_map = models.get_default_map(module)
-        except ValueError as exc:
-            raise ValueError(f"AttnLRP (lxt) has no patch for {type(model).__name__} ({module.__name__}): {exc}") from exc
+        patch_map = _default_map(model)
     registry = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
     with _PATCH_LOCK:
         saved = [(target, _snapshot(target)) for target in patch_map]
@@ -345,12 +428,8 @@ def attnlrp(model: nn.Module, lxt_commit: str = LXT_BENCHMARKED_COMMIT) -> Attri
         >>> f(ids, target=are_id, foil=is_id).shape     # doctest: +SKIP
         torch.Size([T])
     """
-    _, models = _import_lxt()
     module = _modeling_module(model)
-    try:
-        patch_map = models.get_default_map(module)
-    except ValueError as exc:
-        raise ValueError(f"AttnLRP (lxt) has no patch for {type(model).__name__} ({module.__name__}): {exc}") from exc
+    patch_map = _default_map(model)
     emb = model.get_input_embeddings()
     details = {
         "method": "AttnLRP, lxt efficient mode (input x modified gradient on the input embeddings, summed over the "
@@ -373,6 +452,77 @@ def attnlrp(model: nn.Module, lxt_commit: str = LXT_BENCHMARKED_COMMIT) -> Attri
         return (x.detach() * grad).sum(-1)[0].to(torch.float64)
 
     return Attributor(fn, "AttnLRP", signed=True, needs_grad=True, details=details)
+
+
+def attnlrp_classifier(model: nn.Module, lxt_commit: str = LXT_BENCHMARKED_COMMIT) -> Any:
+    r"""AttnLRP of a BERT sequence classifier: relevance of each input token for the target class logit.
+
+    Per call (a padded batch): the model is patched with :func:`bert_attnlrp_map` (lxt's
+    efficient-mode rules) inside :func:`lxt_patched`, the word embeddings x of the tokens are
+    fed with ``requires_grad`` (the model adds the position and token-type embeddings), the
+    target class logits of the batch are back-propagated once, and the scores are
+    sum_k x[b, t, k] * grad[b, t, k]; the patch is undone afterwards, also after an error.
+    Signed. Cost: one forward and one backward pass per batch. Not conservative: the
+    scores do not sum to the logit (the biases, the position and token-type embeddings and
+    the softmax keep the rest; ``docs/evaluation.md``).
+
+    Args:
+        model: a transformers 5 BERT model with a classification head
+            (``BertForSequenceClassification``; all-MiniLM-L6-v2 is one), in any mode (run in
+            eval mode, the training flags restored).
+        lxt_commit: the commit of the lxt snapshot installed, written in ``info``.
+
+    Returns:
+        :class:`~captum_normattr.evaluation.baselines.Method` ``"AttnLRP"``: ``(input_ids (B, T),
+        attention_mask (B, T), target (B,)) -> (B, T)`` scores (pads 0), ``uses_target=True``;
+        ``info``: lxt version and commit, the patches, the convention.
+
+    Raises:
+        ImportError: lxt is not installed (with the install command).
+        ValueError: the model is not a BERT model of transformers' ``modeling_bert``.
+
+    Examples::
+
+        >>> m = attnlrp_classifier(bert_classifier)                   # doctest: +SKIP
+        >>> m(input_ids, attention_mask, target=torch.tensor([1, 0])).shape   # doctest: +SKIP
+        torch.Size([2, T])
+    """
+    from captum_normattr.evaluation.baselines import Method
+    from captum_normattr.evaluation.classifier import logits_of
+    from captum_normattr.models.capture.session import eval_mode
+
+    _import_lxt()
+    module = _modeling_module(model)
+    if module is not _bert_module():
+        raise ValueError(f"attnlrp_classifier patches transformers' BERT (modeling_bert) only, not "
+                         f"{type(model).__name__} ({module.__name__}); for the decoders lxt patches use attnlrp()")
+    patch_map = bert_attnlrp_map()
+    emb = model.get_input_embeddings()
+    info = {
+        "method": "AttnLRP, lxt efficient mode: input x modified gradient of the target class logit on the word "
+                  "embeddings, summed over the embedding dimension",
+        "lxt_version": _lxt_version(),
+        "lxt_commit": lxt_commit,
+        "lxt_source": "https://github.com/rachtibat/LRP-eXplains-Transformers",
+        "patch": "lxt.efficient.monkey_patch with bert_attnlrp_map() (lxt's layer_norm_forward, dropout_forward, "
+                 "patch_attention and identity_rule_implicit on the transformers 5 BERT classes), undone after "
+                 "each call",
+        "patched": sorted(getattr(t, "__qualname__", getattr(t, "__name__", str(t))) for t in patch_map),
+    }
+
+    def fn(ids: Tensor, mask: Tensor, target: Tensor) -> Tensor:
+        dev = _device(model)
+        ids, mask, target = ids.to(dev), mask.to(dev), torch.as_tensor(target).to(dev).reshape(-1)
+        if target.numel() != ids.shape[0]:
+            raise ValueError(f"target must have one class per example ({ids.shape[0]}), got {target.numel()}")
+        with lxt_patched(model, patch_map), eval_mode(model), torch.enable_grad():
+            x = emb(ids).detach().requires_grad_(True)
+            logits = logits_of(model(inputs_embeds=x, attention_mask=mask))
+            chosen = logits.gather(1, target.long()[:, None]).sum()
+            (grad,) = torch.autograd.grad(chosen, x)
+        return (x.detach() * grad).sum(-1)
+
+    return Method("AttnLRP", fn, True, "AttnLRP (lxt efficient mode) on the word embeddings", info)
 
 
 # ----------------------------------------------------------------------------- Value Zeroing
