@@ -10,11 +10,8 @@ the sum of the explained quantities: the decompositions are additive), and
 Unlike ``LLMAttribution(FeatureAblation)`` (one forward pass per feature) or
 ``LLMGradientAttribution`` (one backward pass per generated token), the prompt and all
 target tokens go through the model once; every target position is explained from the same
-per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md.
-
-A vision-language model's Captum ``ImageMaskInput`` is handed to
-:mod:`captum_normattr.attr.llm_images` (the same one pass; the image's segments scored by pixel
-overlap; docs/vlm.md).
+per-layer maps (:mod:`captum_normattr.decompose.primitives.multi_position`). See docs/llm.md; an
+``ImageMaskInput`` goes to :mod:`captum_normattr.attr.llm_images` (docs/vlm.md).
 
 The methods explain themselves: this module only asks the attribution's class
 (``attribution.explain_positions``, answered with a

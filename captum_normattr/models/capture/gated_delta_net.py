@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.decompose.primitives.linear_mixers import gated_delta_net_mixing, gated_rmsnorm_scale
 from captum_normattr.models.adapters import get_path
+from captum_normattr.models.capture.record import input_keeper
 
 __all__ = ["delta_net_coefficients", "gated_attention_hooks", "gated_delta_net_hooks", "split_delta_projections"]
 
@@ -172,9 +173,7 @@ def gated_delta_net_hooks(recorder: Any, idx: int, layer: nn.Module, la: Archite
         if recorder._mine() and len(args) >= 2:
             got["core"], got["gate"] = args[0].detach(), args[1].detach()
 
-    def keep_context(mod, args):
-        if recorder._mine() and args and isinstance(args[0], Tensor):
-            got["context"] = args[0].detach()
+    keep_context = input_keeper(recorder._mine, got)
 
     def record(mod, args, output):
         if not recorder._mine():

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.decompose.primitives.linear_mixers import conv_composed_mixing, delta_rule_mixing, silu_slope
 from captum_normattr.models.adapters import get_path
+from captum_normattr.models.capture.record import input_keeper
 
 __all__ = ["KDA_PARTS", "kimi_delta_hooks", "kimi_delta_mixing"]
 
@@ -122,9 +123,7 @@ def kimi_delta_hooks(recorder: Any, idx: int, layer: nn.Module, la: Architecture
             got.clear()
             got["mask"] = (kwargs or {}).get("attention_mask")
 
-    def keep_context(mod, args):
-        if recorder._mine() and args and isinstance(args[0], Tensor):
-            got["context"] = args[0].detach()
+    keep_context = input_keeper(recorder._mine, got)
 
     def record(mod, args, output):
         if not recorder._mine():

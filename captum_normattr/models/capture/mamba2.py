@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
 from captum_normattr.decompose.primitives.linear_mixers import conv_composed_mixing, gated_rmsnorm_scale, ssd_mixing
 from captum_normattr.models.adapters import get_path
+from captum_normattr.models.capture.record import input_keeper
 
 __all__ = ["MAMBA2_CHECK", "mamba2_hooks", "mamba2_mixing_from_projection"]
 
@@ -139,9 +140,7 @@ def mamba2_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec
             if len(given) >= 2:
                 got["core"], got["gate"] = given[0].detach(), given[1].detach()
 
-    def keep_context(mod, args):
-        if recorder._mine() and args and isinstance(args[0], Tensor):
-            got["context"] = args[0].detach()
+    keep_context = input_keeper(recorder._mine, got)
 
     def record(mod, args, output):
         if not recorder._mine():

@@ -24,7 +24,29 @@ from captum_normattr.models.adapters import get_path, layer_scale, linear_params
 from captum_normattr.models.experts import experts_ff_params
 from captum_normattr.models.weights import module_tensor
 
-__all__ = ["branch_multiplier", "layer_record", "norm_params", "record_checks"]
+__all__ = ["branch_multiplier", "input_keeper", "layer_record", "norm_params", "record_checks"]
+
+
+def input_keeper(mine, got: Dict[str, Any], key: str = "context"):
+    r"""A forward pre-hook that keeps a module's first positional input, detached, as ``got[key]``.
+
+    The mixer captures (short convolution, Gated DeltaNet, Kimi delta attention, Mamba-2) keep their
+    output projection's real input so (the recorded context) with it.
+
+    Args:
+        mine: a callable telling whether the current forward pass is the recorder's own.
+        got: the capture's dictionary of kept tensors.
+        key: the key the input is kept under.
+
+    Returns:
+        The hook ``(module, args) -> None``.
+    """
+
+    def hook(module, args):
+        if mine() and args and isinstance(args[0], Tensor):
+            got[key] = args[0].detach()
+
+    return hook
 
 
 def norm_params(

@@ -38,7 +38,7 @@ from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, a
 from captum_normattr.models.capture.gated_delta_net import gated_attention_hooks, gated_delta_net_hooks
 from captum_normattr.models.capture.kimi_delta import kimi_delta_hooks
 from captum_normattr.models.capture.mamba2 import mamba2_hooks
-from captum_normattr.models.capture.record import layer_record, norm_params, record_checks
+from captum_normattr.models.capture.record import input_keeper, layer_record, norm_params, record_checks
 from captum_normattr.models.experts import register_expert_hooks
 
 __all__ = ["AttentionRecords", "LayerRunError", "RecordedTensorModifiedError", "Recorder"]
@@ -450,9 +450,7 @@ class Recorder(AttentionRecords):
             if self._mine():
                 got["bcx"] = _first_tensor(output).detach()
 
-        def keep_context(mod, args):
-            if self._mine() and args and isinstance(args[0], Tensor):
-                got["context"] = args[0].detach()
+        keep_context = input_keeper(self._mine, got)
 
         def record(mod, args, output):
             if not self._mine():
