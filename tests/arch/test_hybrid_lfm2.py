@@ -9,7 +9,6 @@ convolution bias and Value Zeroing are refused with the reason.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,6 @@ from captum.attr import TextTokenInput
 from captum_normattr import (
     ALTIAttribution,
     ALTILogitAttribution,
-    DecompXAttribution,
     FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
@@ -33,10 +31,10 @@ from captum_normattr.attr.routes import InformationFlowRoutes
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
 from captum_normattr.models.adapters import family_methods, get_adapter, layer_adapters, layer_modules
+from hybrid_checks import check_every_method_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
 from llm_tiny import tiny_tokenizer
-from zoo import real_next_token_logits
 from zoo_hybrid import build_hybrid
 
 
@@ -114,47 +112,7 @@ def test_lfm2_is_registered_and_no_longer_refused():
 
 def test_every_method_is_exact_padding_free_and_leaves_the_model():
     model = build_hybrid("lfm2", "lm")
-    state = copy.deepcopy(model.state_dict())
-    ids, mask = decoder_batch([6, 4], seed=3)
-    t = ids.shape[1]
-    logits = real_next_token_logits(model, ids, mask)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        attr = cls(model, strict=True)
-        res = attr.decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max())), cls.__name__
-        alone = attr.decompose(ids[1:, t - 4:])
-        torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0,
-                                   atol=1e-10 * float(res.scores.abs().max()))
-        maps = res.layer_maps[1, :, t - 4:, t - 4:]
-        assert float(maps.abs().max()) > 0 and float(res.layer_maps[1, :, :t - 4].abs().max()) == 0  # pads: no part
-
-    dx = DecompXAttribution(model, strict=True)
-    res = dx.decompose(ids, target=5, additional_forward_args=mask)
-    assert _rel(res.class_scores.sum(1) + res.bias_scores, logits[:, 5:6]) < 1e-10
-    alone = dx.decompose(ids[1:, t - 4:], target=5)
-    torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0, atol=1e-10 * float(res.scores.abs().max()))
-
-    target = logits.argmax(-1)
-    al = ALTILogitAttribution(model, strict=True)
-    res = al.decompose(ids, target=target, additional_forward_args=(mask,))
-    assert _rel(res.scores.sum(-1) + res.no_token_total, logits.gather(1, target[:, None])[:, 0]) < 1e-10
-    alone = al.decompose(ids[1:, t - 4:], target=target[1:])
-    torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0, atol=1e-10 * float(res.scores.abs().max()))
-
-    single = ids[1:, t - 4:]
-    g = InformationFlowRoutes(model).attribute(single, threshold=0.0)
-    into = {}
-    for e in g.edges:
-        into[e["target"]] = into.get(e["target"], 0.0) + e["importance"]
-    assert into and all(abs(v - 1) < 1e-12 for v in into.values())
-    padded = InformationFlowRoutes(model).attribute(ids[1:], attention_mask=mask[1:], position=-1, threshold=0.01)
-    a = {(e["source"], e["target"], e["kind"], e["head"]): e["importance"]
-         for e in InformationFlowRoutes(model).attribute(single, threshold=0.01).edges}
-    b = {(e["source"], e["target"], e["kind"], e["head"]): e["importance"] for e in padded.edges}
-    assert set(a) == set(b) and max(abs(a[k] - b[k]) for k in a) < 1e-10
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    check_every_method_exact(model)
 
 
 def test_recorded_mixing_rebuilds_the_mixer_output_and_a_shifted_one_does_not():
