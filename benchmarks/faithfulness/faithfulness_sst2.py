@@ -70,7 +70,7 @@ def our_methods(model, names):
         names: restrict to these table names (None: all).
 
     Returns:
-        (methods, notes).
+        The methods.
     """
     from captum_normattr import GLOBENC_MAPS, FFIntegratedDecomposition
 
@@ -80,12 +80,7 @@ def our_methods(model, names):
     methods.append(baselines.normattr_method(FFIntegratedDecomposition(model, contribution="alti")))  # ALTI+FF
     methods.append(baselines.decompx(model, "separate"))
     methods.append(baselines.decompx(model, "spread"))
-    if names:
-        unknown = set(names) - {m.name for m in methods}
-        methods = [m for m in methods if m.name in names]
-        notes = [f"unknown method names ignored: {sorted(unknown)}"] if unknown else []
-        return methods, notes
-    return methods, []
+    return [m for m in methods if not names or m.name in names]
 
 
 def competitor_methods(model):
@@ -321,7 +316,7 @@ def main(argv=None):
     clf = SequenceClassifier(model, tok)
     methods, notes = [], []
     if args.part in ("all", "ours"):
-        methods, notes = our_methods(model, args.methods)
+        methods = our_methods(model, args.methods)
     if args.part in ("all", "baselines"):
         base = baselines.default_baselines(clf, ig_steps=args.ig_steps)
         methods += [m for m in base if not args.methods or m.name in args.methods]
@@ -329,6 +324,9 @@ def main(argv=None):
         comp, comp_notes = competitor_methods(model)
         methods += [m for m in comp if not args.methods or m.name in args.methods]
         notes += comp_notes
+    unknown = set(args.methods or ()) - {m.name for m in methods}
+    if unknown:  # names no part of this run has (checked once every part is in)
+        notes.append(f"unknown method names ignored: {sorted(unknown)}")
     if not methods:
         raise SystemExit("no method to run")
     all_presets = {
