@@ -13,11 +13,15 @@ head of size 1 per channel (``Attention(mixer="mamba2")``, :mod:`captum_normattr
   into W_O / W_down, and the logits divisor); the dense feed-forward is the shared MLP
   (``shared_mlp``: a fused [gate | up] ``input_linear``, ``output_linear``).
 
-Refused (``refused_configs``), each with its reason: a convolution bias (``mamba_conv_bias=True``,
-a no-token term per target), experts beside the shared MLP (``num_local_experts > 0``: the layer
-adds the experts' and the shared MLP's outputs itself, outside any module whose output the capture
-records), an input-projection bias (``mamba_proj_bias=True``: a padding token's projection bias
-reaches the real tokens through the convolution). Nemotron-H (``nemotron_h``) stays refused
+The convolution bias of the real checkpoints (``mamba_conv_bias=True``) is decomposed: the part
+entering the scan at token s belongs to s (as attention's b_V), recorded as one more head of size 1
+per channel (``docs/linear_mixers.md``, "The convolution bias").
+
+Refused (``refused_configs``), each with its reason: experts beside the shared MLP
+(``num_local_experts > 0``: the layer adds the experts' and the shared MLP's outputs itself,
+outside any module whose output the capture records), an input-projection bias
+(``mamba_proj_bias=True``: a padding token's projection bias reaches the real tokens through the
+convolution, so the model itself is not the same padded and alone). Nemotron-H (``nemotron_h``) stays refused
 (:data:`captum_normattr.arch.families.frontier.REFUSED`): each of its layers is one branch behind
 its own norm, which no layer kind expresses yet.
 
@@ -42,9 +46,6 @@ GRANITE4_MAMBA2 = Attention("mamba", out="mamba.out_proj", value=ValueProjection
                             pre_norm=_INPUT_NORM, multiplier="residual_multiplier", mixer="mamba2",
                             conv="mamba.conv1d")
 
-_CONV_BIAS = ("the Mamba-2 convolution's bias adds gamma_t * b * sum_s M[t, s] sigma_s to every target (M the scan's "
-              "mixing, sigma the SiLU slope, gamma the gated norm's scale), a no-token term that depends on the target, "
-              "which no layer kind carries yet")
 _EXPERTS = ("the layer adds the experts block's output and the shared MLP's itself, outside any module whose output "
             "the capture records as the feed-forward output; the dense Granite 4 (num_local_experts=0, the shared MLP "
             "alone) is decomposed")
@@ -62,11 +63,11 @@ GRANITE4 = ArchitectureSpec(
         mixers=(("linear_attention", GRANITE4_MAMBA2),), mixer_types="layer_types",
     ),
     head=GRANITE.head, inputs=GRANITE.inputs,
-    refused_configs=(("mamba_conv_bias", True, _CONV_BIAS), ("num_local_experts", ..., _EXPERTS),
+    refused_configs=(("num_local_experts", ..., _EXPERTS),
                      ("mamba_proj_bias", True, _PROJ_BIAS)),
     notes="hybrid: Mamba-2 layers (scan coefficients, convolution slope and gated-norm scale recorded, one head of "
-          "size 1 per channel) and Granite attention layers, chosen by layer_types; Granite's multipliers; the "
-          "shared MLP as the dense FF",
+          "size 1 per channel, the convolution bias as one more head per channel) and Granite attention layers, "
+          "chosen by layer_types; Granite's multipliers; the shared MLP as the dense FF",
 )
 
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("granitemoehybrid", GRANITE4),)

@@ -225,6 +225,8 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         return cast(t)
 
     w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
+    if a.layer.attention.mixer == "mamba2" and get_path(layer, a.layer.attention.conv).bias is not None:
+        w_o = torch.cat([w_o, w_o], 0)  # a Mamba-2 convolution bias's heads read W_O again (capture.mamba2)
     experts = a.layer.ff.kind == "experts"  # the sparse block's weights are read by experts_ff_params below
     w_in, b_in = (None, None) if experts else linear_params(get_path(layer, a.ff_in), a.transposed_weights)
     w_out, b_out = (None, None) if experts else linear_params(get_path(layer, a.ff_out), a.transposed_weights)
