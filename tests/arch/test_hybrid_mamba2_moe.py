@@ -5,8 +5,9 @@ The tiny float64 Granite 4 with 4 experts (top 2) beside the shared MLP and the 
 feed-forward output is the experts block's plus the shared MLP's, against a naive per-token reference (the router's
 top-k and softmax, each chosen expert and the shared MLP by explicit sums) at every token; the frozen gated FF
 (experts' neurons times their routing weights beside the shared MLP's) rebuilds it at every token; every method
-(GlobEnc, ALTI, FF, DecompX, ALTI-Logit, routes, the LLM API) complete against the model's own logit (1e-10), padded
-equal to single, the model unchanged.
+(GlobEnc, ALTI, FF, DecompX, ALTI-Logit, routes, the LLM API; DecompX also by its forward algorithm and in its spread
+bias modes) complete against the model's own logit (1e-10), padded equal to single, the model unchanged; transformers'
+default config (experts, convolution bias) is the experts variant, not refused.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from captum.attr import TextTokenInput
 
-from captum_normattr import ALTILogitAttribution
+from captum_normattr import ALTILogitAttribution, DecompXAttribution
 from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families.state_space import GRANITE4, GRANITE4_MOE
 from captum_normattr.arch.spec import Experts, FeedForward
@@ -24,6 +25,7 @@ from decoder_models import decoder_batch
 from hybrid_checks import check_every_method_exact
 from layer_capture import capture_layers
 from llm_tiny import tiny_tokenizer
+from zoo import real_next_token_logits
 from zoo_state_space import GRANITE4_MOE as MOE_CONFIG
 from zoo_state_space import build_state_space
 
@@ -118,3 +120,25 @@ def test_shared_beside_names_an_ungated_shared_expert():
     with pytest.raises(ValueError, match="shared_beside"):
         Experts("block_sparse_moe.experts", shared=shared, shared_gate="gate", shared_beside="shared_mlp")
     assert isinstance(shared, FeedForward) and shared.kind == "fused_gate_up"
+
+
+@pytest.mark.parametrize("algorithm,bias_mode", [("forward", "separate"), ("forward", "spread"),
+                                                 ("forward", "spread_per_key")])
+def test_decompx_forward_and_spread_modes_are_complete(algorithm, bias_mode):
+    r"""The convolution bias's heads (b_V inside) and the experts under DecompX's other algorithm and bias modes."""
+    model = _moe()
+    ids, mask = decoder_batch([9, 6], seed=3)
+    logits = real_next_token_logits(model, ids, mask)
+    dx = DecompXAttribution(model, strict=True, algorithm=algorithm, bias_mode=bias_mode)
+    res = dx.decompose(ids, target=5, additional_forward_args=mask)
+    assert _rel(res.class_scores.sum(1) + res.bias_scores, logits[:, 5:6]) < 1e-10
+    alone = dx.decompose(ids[1:, 3:], target=5)
+    torch.testing.assert_close(res.scores[1, 3:], alone.scores[0], rtol=0, atol=1e-10 * float(res.scores.abs().max()))
+
+
+def test_transformers_default_config_is_the_experts_variant_with_the_convolution_bias():
+    import transformers as tf
+
+    config = tf.GraniteMoeHybridConfig()  # granite-4.0-h-tiny / -small's form: experts, convolution bias
+    assert config.mamba_conv_bias and config.num_local_experts > 0 and not config.mamba_proj_bias
+    assert lookup("granitemoehybrid", config) is GRANITE4_MOE and GRANITE4_MOE.refusal(config) is None
