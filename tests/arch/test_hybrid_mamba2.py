@@ -273,7 +273,7 @@ def test_llm_api_and_bare_model_with_the_convolution_bias():
 
 
 def test_the_capture_records_the_convolution_bias_as_heads_of_its_own():
-    r"""Without the bias heads (their probabilities set to 0) the capture's guard no longer rebuilds the mixer."""
+    r"""The mixing of a biased mixer has C more heads (the bias's), non-zero and causal."""
     from captum_normattr.models.capture.mamba2 import mamba2_mixing_from_projection
 
     model = _biased("bare")

@@ -28,8 +28,10 @@ at position s inside the value x'_s, so the part P[c, t, s] b_c belongs to token
 b_V belongs to the token whose value it is in (``docs/linear_mixers.md``, "The convolution bias").
 It is recorded as C more heads of size 1: probabilities P (zero at padding sources, whose slope
 the mixer zeroes), values b_c at every token, W_O the output projection's rows again
-(:func:`mamba2_bias_heads`). Guard: sum_s G[t, s] u_s is compared with the output projection's real input (a hook,
-a patched module or a wrong description shows there).
+(:func:`mamba2_bias_heads`).
+
+Guard: sum_s G[t, s] u_s (+ P[t, s] b) is compared with the output projection's real input (a
+hook, a patched module or a wrong description shows there).
 """
 from __future__ import annotations
 
