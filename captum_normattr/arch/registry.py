@@ -109,7 +109,9 @@ def _variant(spec: ArchitectureSpec, config: Any) -> ArchitectureSpec:
     r"""The first variant of ``spec`` that ``config`` selects, itself refined by its own variants (Falcon's
     architecture flags select a layout, then a norm arrangement), or ``spec``."""
     for variant in spec.variants:
-        if config is not None and getattr(config, variant.attribute, object()) == variant.value:
+        got = getattr(config, variant.attribute, None) if config is not None else None
+        if config is not None and hasattr(config, variant.attribute) and (
+                bool(got) if variant.value is ... else got == variant.value):
             return _variant(variant.spec, config)
     return spec
 

@@ -395,6 +395,10 @@ class Experts:
             from the output of :attr:`router`).
         router: for ``input_scaled``: the router module, whose first output is the (N, E)
             routing scores the experts' input is multiplied by; None otherwise.
+        shared_beside: the shared expert's module when the *layer*, not the sparse block, adds its
+            output (Granite 4: ``block_sparse_moe(u) + shared_mlp(u)`` in the layer's forward); its
+            output is recorded and added to the block's (the FF's ``down``) as the FF output; None
+            when the block's output holds the shared expert's.
     """
 
     module: str
@@ -403,6 +407,7 @@ class Experts:
     dense: Optional["FeedForward"] = None
     kind: str = "gated"
     router: Optional[str] = None
+    shared_beside: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kind not in EXPERT_KINDS:
@@ -414,6 +419,8 @@ class Experts:
                 raise ValueError(f"Experts: the {name} is a gated FeedForward, got kind {ff.kind!r}")
         if self.shared_gate is not None and self.shared is None:
             raise ValueError("Experts: a shared_gate needs a shared expert")
+        if self.shared_beside is not None and (self.shared is None or self.shared_gate is not None):
+            raise ValueError("Experts: shared_beside names the module of an ungated shared expert (shared=...)")
 
 
 @dataclass(frozen=True)
@@ -656,7 +663,8 @@ class Variant:
     r"""Another description for the models whose config sets ``attribute`` to ``value``.
 
     Examples: DINOv2 with ``use_swiglu_ffn=True`` (a gated FF); GPT-NeoX with
-    ``use_parallel_residual=False`` (sequential pre-LN). The variant's own ``spec.variants``
+    ``use_parallel_residual=False`` (sequential pre-LN); ``value`` ``...`` selects any true value
+    (Granite 4 with ``num_local_experts > 0``). The variant's own ``spec.variants``
     refine it (Falcon: ``new_decoder_architecture`` chooses the grouped QKV layout, then
     ``num_ln_in_parallel_attn`` the norms); the first matching variant wins at each level.
     """

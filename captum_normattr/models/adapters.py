@@ -486,7 +486,14 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
     if spec.layout == "mamba2_x":  # a Mamba-2 in_proj [z | x | B | C | dt]: the x channels
         inner = int(get_path(layer, adapter.attention).intermediate_size)
         cols = slice(inner, 2 * inner)
-        return w[:, cols], None if b is None else b[cols]
+        w_x, b_x = w[:, cols], None if b is None else b[cols]
+        conv_bias = getattr(get_path(layer, adapter.layer.attention.conv), "bias", None)
+        if conv_bias is None:
+            return w_x, b_x
+        # the convolution bias's heads (capture.mamba2.mamba2_bias_heads): W_V 0, b_V the bias of the x channels
+        conv_bias = conv_bias.detach()[:inner].to(w.dtype)
+        return (torch.cat([w_x, w_x.new_zeros(w_x.shape)], 1),
+                torch.cat([b_x if b_x is not None else conv_bias.new_zeros(inner), conv_bias]))
     if spec.layout == "interleaved":
         dh = _head_dim(get_path(layer, adapter.attention), w.shape[1] // spec.count)
         heads = w.shape[1] // (spec.count * dh)

@@ -16,7 +16,9 @@ token did not choose, the sigmoid gate for the shared expert) — the per-token
 a gated FF then applies unchanged: each chosen expert's parts are its dense gated parts
 times its routing weight, the other experts' are exactly 0, and the parts sum to the real
 FF output (``docs/architectures.md``, "Mixtures of experts"). The capture's FF guard rebuilds
-the FF output at the last position from these weights and the recorded routing.
+the FF output at the last position from these weights and the recorded routing. Where the layer,
+not the sparse block, adds the shared expert's output (Granite 4: ``Experts.shared_beside``), its
+output is recorded too and the FF output is the sum.
 
 The expert kernels (transformers' ``grouped_mm``) may refuse float64: nothing here needs the
 model to run in float64 (the weights are read and cast to the compute dtype).
@@ -120,6 +122,17 @@ def register_expert_hooks(
                 keep("shared_gate_logit", output[0] if isinstance(output, (tuple, list)) else output)
 
         handles.append(_path(layer, ff.experts.shared_gate).register_forward_hook(gate_hook))
+    if ff.experts.shared_beside is not None:  # the layer adds the shared expert's output itself (Granite 4)
+
+        def shared_hook(mod, args, output):
+            if not mine():
+                return
+            u = ff_input()
+            if args and isinstance(args[0], Tensor) and u is not None and u.numel() == args[0].numel():
+                check("shared expert input vs the second norm's output", args[0], u.reshape(args[0].shape))
+            keep("shared_out", output[0] if isinstance(output, (tuple, list)) else output)
+
+        handles.append(_path(layer, ff.experts.shared_beside).register_forward_hook(shared_hook))
     return handles
 
 

@@ -5,7 +5,9 @@ kernel taps, from the module's own weights and its real input: the recorded per-
 and the mixer's output); every method (GlobEnc, ALTI, FF, DecompX, ALTI-Logit, routes, the LLM API) on the tiny
 float64 Granite 4 (tests/fixtures/zoo_state_space.py): token scores plus no-token terms equal the model's own logit
 (relative 1e-10), a left-padded example equals the example alone, the model is unchanged; the mixer follows
-``layer_types``; a convolution bias, experts beside the shared MLP, an input-projection bias and Value Zeroing are
+``layer_types``; with the convolution bias of the real checkpoints (``mamba_conv_bias=True``) the bias heads against
+explicit sums over source tokens and every method exact and padding-free (experts beside the shared MLP:
+test_hybrid_mamba2_moe.py); an input-projection bias (the model itself then depends on padding) and Value Zeroing are
 refused with the reason, and Nemotron-H stays refused.
 """
 from __future__ import annotations
@@ -47,17 +49,20 @@ def _silu(a: float) -> float:
 
 
 def _naive_mamba2(mixer: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor):
-    r"""The mixer by explicit loops: (G (B, C, T, T), u (B, T, C), y (B, T, C) the output projection's input), from
+    r"""The mixer by explicit loops: (G (B, C, T, T), u (B, T, C), y (B, T, C) the output projection's input, and
+    the convolution bias's part (B, C, T, T): [c, t, s] what the bias entering the scan at s gives target t), from
     the module's weights and its input ``x`` (B, T, D); ``valid`` (B, T) the tokens it does not zero."""
     inner, groups, state, heads = mixer.intermediate_size, mixer.n_groups, mixer.ssm_state_size, mixer.num_heads
     w = mixer.conv1d.weight.detach()[:, 0, :]  # (C_conv, K), tap K - 1 on the current token
     k = w.shape[1]
+    conv_bias = torch.zeros(w.shape[0], dtype=x.dtype) if mixer.conv1d.bias is None else mixer.conv1d.bias.detach()
     proj = (x * valid[..., None]) @ mixer.in_proj.weight.detach().T
     z, xbc, dt_raw = proj[..., :inner], proj[..., inner:inner + mixer.conv_dim], proj[..., inner + mixer.conv_dim:]
     bsz, t, _ = x.shape
     pre = torch.zeros_like(xbc)
     for n in range(bsz):
         for ti in range(t):
+            pre[n, ti] += conv_bias
             for j in range(k):
                 s = ti - (k - 1 - j)
                 if s >= 0:
@@ -92,16 +97,18 @@ def _naive_mamba2(mixer: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor):
                     y[n, ti, c] = gamma[n, ti, c] * core[n, ti, c]
     slope = torch.sigmoid(pre[..., :inner]) * valid[..., None]
     big = torch.zeros(bsz, inner, t, t, dtype=x.dtype)
+    from_bias = torch.zeros(bsz, inner, t, t, dtype=x.dtype)
     for n in range(bsz):
         for c in range(inner):
             for ti in range(t):
                 for s in range(ti + 1):
                     p = gamma[n, ti, c] * m[n, c // per_head, ti, s] * slope[n, s, c]
+                    from_bias[n, c, ti, s] = p * conv_bias[c]  # the bias inside x'_s, entering the scan at s
                     for j in range(k):
                         src = s - (k - 1 - j)
                         if src >= 0 and valid[n, src]:
                             big[n, c, ti, src] += p * w[c, j]
-    return big, xbc[..., :inner], y
+    return big, xbc[..., :inner], y, from_bias
 
 
 def test_recorded_mixing_is_the_naive_one_rebuilds_the_mixer_and_follows_layer_types():
@@ -114,7 +121,7 @@ def test_recorded_mixing_is_the_naive_one_rebuilds_the_mixer_and_follows_layer_t
     for i in (0, 2):
         lt = layers[i]
         with torch.no_grad():
-            g, u, y = _naive_mamba2(modules[i].mamba, lt.ln1_out, mask.bool())
+            g, u, y, _ = _naive_mamba2(modules[i].mamba, lt.ln1_out, mask.bool())
         assert lt.probs.shape == (2, 48, ids.shape[1], ids.shape[1]) and lt.values.shape == (2, 48, ids.shape[1], 1)
         assert _rel(lt.probs, g) < 1e-12 and float(g.abs().max()) > 0
         assert _rel(lt.values[..., 0].transpose(1, 2)[mask.bool()], u[mask.bool()]) < 1e-12
@@ -181,27 +188,101 @@ def test_llm_api_explains_a_continuation_exactly():
     assert float(ex.details.delta.abs().max()) < 1e-10 * float(real.abs().max())
 
 
-def test_conv_bias_experts_projection_bias_and_value_zeroing_are_refused_with_the_reason():
-    with pytest.raises(UnsupportedModelError, match="mamba_conv_bias=True.*no-token term"):
-        get_adapter(build_state_space("granitemoehybrid", "lm", mamba_conv_bias=True))
-    with pytest.raises(UnsupportedModelError, match="num_local_experts=2.*shared MLP"):
-        get_adapter(build_state_space("granitemoehybrid", "lm", num_local_experts=2, num_experts_per_tok=1))
+def test_projection_bias_and_value_zeroing_are_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="mamba_proj_bias=True.*padding"):
         get_adapter(build_state_space("granitemoehybrid", "lm", mamba_proj_bias=True))
     with pytest.raises(UnsupportedModelError, match="Value Zeroing.*mamba2"):
         ValueZeroingAttribution(build_state_space("granitemoehybrid", "lm"))
 
 
-def test_the_capture_refuses_a_convolution_bias_it_meets():
-    r"""A description registered without the family's refusal still never decomposes the bias silently."""
+def test_an_input_projection_bias_makes_the_model_itself_depend_on_padding_a_convolution_bias_does_not():
+    r"""Why ``mamba_proj_bias`` stays refused: the model's own logits of a left-padded example differ from the example
+    alone (the padding tokens' projection bias reaches the real tokens through the convolution); with the convolution
+    bias alone they agree (the mixer zeroes the convolution's output at padding tokens after the bias is added)."""
+    ids, mask = decoder_batch([9, 6], seed=5)
+
+    def gap(model):
+        with torch.no_grad():
+            positions = (mask[1:].cumsum(-1) - 1).clamp_min(0)  # the positions the example has alone
+            padded = model(input_ids=ids[1:], attention_mask=mask[1:], position_ids=positions,
+                           use_cache=False).logits[0, -6:]
+            alone = model(input_ids=ids[1:, -6:], use_cache=False).logits[0]
+        return _rel(padded, alone)
+
+    assert gap(build_state_space("granitemoehybrid", "lm", mamba_conv_bias=True)) < 1e-12
+    assert gap(build_state_space("granitemoehybrid", "lm", mamba_conv_bias=True, mamba_proj_bias=True)) > 1e-4
+
+
+def _biased(head: str = "lm", **extra) -> torch.nn.Module:
+    r"""The tiny Granite 4 with the convolution bias on (transformers' default and the real checkpoints')."""
+    model = build_state_space("granitemoehybrid", head, mamba_conv_bias=True, **extra)
+    layers = layer_modules(model, get_adapter(model))
+    assert all(float(m.mamba.conv1d.bias.detach().abs().max()) > 0.1 for m in layers if m.mamba is not None)
+    return model
+
+
+def test_convolution_bias_heads_are_the_naive_per_token_sums_and_complete_the_layer():
+    r"""With a convolution bias the capture records C more heads (values b_c, probabilities P[c, t, s] = gamma M sigma):
+    P b against explicit sums over the source tokens s (the bias entering the scan at s), G u + P b the mixer's own
+    output projection input, the layer's residual join rebuilt from the per-source parts, and a left-padded example's
+    heads equal to the example's alone."""
+    model = _biased()
+    ids, mask = decoder_batch([7, 5], seed=3)
+    layers = capture_layers(model, ids, mask)
+    alone = capture_layers(model, ids[1:, 2:])
+    modules = layer_modules(model, get_adapter(model))
+    t = ids.shape[1]
+    for i in (0, 2, 3):
+        lt, mixer = layers[i], modules[i].mamba
+        c = mixer.intermediate_size
+        with torch.no_grad():
+            g, u, y, from_bias = _naive_mamba2(mixer, lt.ln1_out, mask.bool())
+        b = mixer.conv1d.bias.detach()[:c]
+        assert lt.probs.shape == (2, 2 * c, t, t) and lt.values.shape == (2, 2 * c, t, 1)
+        assert lt.out_weight.shape == (2 * c, 24) and torch.equal(lt.out_weight[:c], lt.out_weight[c:])
+        assert _rel(lt.probs[:, :c], g) < 1e-12
+        assert _rel(lt.probs[:, c:] * b[:, None, None], from_bias) < 1e-12 and float(from_bias.abs().max()) > 1e-3
+        assert torch.equal(lt.values[:, c:, :, 0], b[None, :, None].expand(2, c, t))
+        rebuilt = torch.einsum("bcts,bcs->btc", lt.probs, lt.values[..., 0])
+        both = rebuilt[..., :c] + rebuilt[..., c:]
+        assert _rel(both, y) < 1e-12 and _rel(lt.context[..., 0], rebuilt) < 1e-12
+        assert _rel(rebuilt[..., :c], y) > 1e-3  # the bias heads are needed
+        # the layer's residual join from the per-source parts (the bias part of s in s's column)
+        parts = torch.einsum("bhts,bhs,hd->btsd", lt.probs, lt.values[..., 0], lt.out_weight)
+        assert _rel(lt.hidden_in + parts.sum(2), lt.ln2_in) < 1e-12
+        assert float(lt.probs[1, :, :, :2].abs().max()) == 0  # padding sources reach nothing
+        torch.testing.assert_close(lt.probs[1:, :, 2:, 2:], alone[i].probs, rtol=0, atol=1e-12)
+
+
+def test_every_method_is_exact_with_the_convolution_bias():
+    check_every_method_exact(_biased(), lengths=(9, 6))
+
+
+def test_llm_api_and_bare_model_with_the_convolution_bias():
+    model = _biased()
+    tok = tiny_tokenizer()
+    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
+        TextTokenInput("the cat sat on the", tok), target="mat today")
+    with torch.no_grad():
+        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
+    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
+    bare = _biased("bare")
+    ids, mask = decoder_batch([7, 5], seed=9)
+    res = GlobEncAttribution(bare, strict=True).decompose(ids, additional_forward_args=(mask,))
+    assert float(res.extras["completeness_error"].max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+
+
+def test_the_capture_records_the_convolution_bias_as_heads_of_its_own():
+    r"""The mixing of a biased mixer has C more heads (the bias's), non-zero and causal."""
     from captum_normattr.models.capture.mamba2 import mamba2_mixing_from_projection
 
-    model = build_state_space("granitemoehybrid", "bare", mamba_conv_bias=True)
+    model = _biased("bare")
     mixer = model.layers[0].mamba
     x = torch.randn(1, 4, 24, dtype=torch.float64)
-    with pytest.raises(UnsupportedModelError, match="convolution bias.*no-token term"):
-        mamba2_mixing_from_projection(mixer, mixer.in_proj(x), torch.ones(1, 4, 48, dtype=torch.float64),
-                                      torch.ones(1, 4, 48, dtype=torch.float64), None, torch.float64)
+    probs = mamba2_mixing_from_projection(mixer, mixer.in_proj(x).detach(), torch.ones(1, 4, 48, dtype=torch.float64),
+                                          torch.ones(1, 4, 48, dtype=torch.float64), None, torch.float64)
+    assert probs.shape == (1, 96, 4, 4) and float(probs[:, 48:].abs().max()) > 0
+    assert float(probs[:, 48:].triu(1).abs().max()) == 0  # causal
 
 
 def test_mamba2_mixer_descriptions_are_validated():

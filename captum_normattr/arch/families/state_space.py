@@ -13,11 +13,19 @@ head of size 1 per channel (``Attention(mixer="mamba2")``, :mod:`captum_normattr
   into W_O / W_down, and the logits divisor); the dense feed-forward is the shared MLP
   (``shared_mlp``: a fused [gate | up] ``input_linear``, ``output_linear``).
 
-Refused (``refused_configs``), each with its reason: a convolution bias (``mamba_conv_bias=True``,
-a no-token term per target), experts beside the shared MLP (``num_local_experts > 0``: the layer
-adds the experts' and the shared MLP's outputs itself, outside any module whose output the capture
-records), an input-projection bias (``mamba_proj_bias=True``: a padding token's projection bias
-reaches the real tokens through the convolution). Nemotron-H (``nemotron_h``) stays refused
+The convolution bias of the real checkpoints (``mamba_conv_bias=True``) is decomposed: the part
+entering the scan at token s belongs to s (as attention's b_V), recorded as one more head of size 1
+per channel (``docs/linear_mixers.md``, "The convolution bias").
+
+Experts beside the shared MLP (``num_local_experts > 0``, granite-4.0-h-tiny and -small) are the
+variant :data:`GRANITE4_MOE`: the layer adds ``block_sparse_moe(u)`` and ``shared_mlp(u)`` itself, so
+the capture records both modules' outputs (``Experts.shared_beside``) and their sum is the FF output;
+with the routing the experts module is called with held fixed, experts and shared MLP are one gated
+FF (:mod:`captum_normattr.models.experts`), as DeepSeek-V3's ungated shared experts.
+
+Refused (``refused_configs``), with its reason: an input-projection bias (``mamba_proj_bias=True``: a
+padding token's projection bias reaches the real tokens through the convolution, so the model itself
+is not the same padded and alone). Nemotron-H (``nemotron_h``) stays refused
 (:data:`captum_normattr.arch.families.frontier.REFUSED`): each of its layers is one branch behind
 its own norm, which no layer kind expresses yet.
 
@@ -29,9 +37,18 @@ from dataclasses import replace
 from typing import Tuple
 
 from captum_normattr.arch.families.base import GRANITE
-from captum_normattr.arch.spec import ArchitectureSpec, Attention, FeedForward, Layer, Norm, ValueProjection
+from captum_normattr.arch.spec import (
+    ArchitectureSpec,
+    Attention,
+    Experts,
+    FeedForward,
+    Layer,
+    Norm,
+    ValueProjection,
+    Variant,
+)
 
-__all__ = ["BUILTIN", "GRANITE4", "GRANITE4_MAMBA2"]
+__all__ = ["BUILTIN", "GRANITE4", "GRANITE4_MAMBA2", "GRANITE4_MOE"]
 
 _RMS = dict(kind="rmsnorm")
 _INPUT_NORM = Norm("input_layernorm", **_RMS)
@@ -42,31 +59,35 @@ GRANITE4_MAMBA2 = Attention("mamba", out="mamba.out_proj", value=ValueProjection
                             pre_norm=_INPUT_NORM, multiplier="residual_multiplier", mixer="mamba2",
                             conv="mamba.conv1d")
 
-_CONV_BIAS = ("the Mamba-2 convolution's bias adds gamma_t * b * sum_s M[t, s] sigma_s to every target (M the scan's "
-              "mixing, sigma the SiLU slope, gamma the gated norm's scale), a no-token term that depends on the target, "
-              "which no layer kind carries yet")
-_EXPERTS = ("the layer adds the experts block's output and the shared MLP's itself, outside any module whose output "
-            "the capture records as the feed-forward output; the dense Granite 4 (num_local_experts=0, the shared MLP "
-            "alone) is decomposed")
 _PROJ_BIAS = ("the Mamba-2 input projection's bias gives padding tokens (whose input the mixer zeroes) a non-zero "
               "value that the causal convolution carries into the real tokens, so a padded example is not the example "
               "alone, and the values of padding tokens would be attributed")
 
-GRANITE4 = ArchitectureSpec(
+_SHARED_MLP = FeedForward(up="shared_mlp.input_linear", act="shared_mlp.activation", down="shared_mlp.output_linear",
+                          kind="fused_gate_up")
+_GRANITE4_DENSE = ArchitectureSpec(
     family="Granite 4", model_types=("granitemoehybrid",), layers="layers", causal=True,
     layer=Layer(
         attention=replace(GRANITE.layer.attention, pre_norm=_INPUT_NORM),
-        ff=FeedForward(up="shared_mlp.input_linear", act="shared_mlp.activation", down="shared_mlp.output_linear",
-                       kind="fused_gate_up", pre_norm=Norm("post_attention_layernorm", **_RMS),
-                       multiplier="residual_multiplier"),
+        ff=replace(_SHARED_MLP, pre_norm=Norm("post_attention_layernorm", **_RMS), multiplier="residual_multiplier"),
         mixers=(("linear_attention", GRANITE4_MAMBA2),), mixer_types="layer_types",
     ),
     head=GRANITE.head, inputs=GRANITE.inputs,
-    refused_configs=(("mamba_conv_bias", True, _CONV_BIAS), ("num_local_experts", ..., _EXPERTS),
-                     ("mamba_proj_bias", True, _PROJ_BIAS)),
+    refused_configs=(("mamba_proj_bias", True, _PROJ_BIAS),),
     notes="hybrid: Mamba-2 layers (scan coefficients, convolution slope and gated-norm scale recorded, one head of "
-          "size 1 per channel) and Granite attention layers, chosen by layer_types; Granite's multipliers; the "
-          "shared MLP as the dense FF",
+          "size 1 per channel, the convolution bias as one more head per channel) and Granite attention layers, "
+          "chosen by layer_types; Granite's multipliers; the shared MLP as the dense FF, beside experts where "
+          "num_local_experts > 0 (routing held fixed)",
 )
+
+#: Granite 4 with experts (``num_local_experts > 0``): the layer adds ``block_sparse_moe(u)`` (Mixtral's experts
+#: block: softmax over the top-k router logits) and ``shared_mlp(u)`` itself; read as one gated FF, the experts'
+#: neurons times their routing weights beside the shared MLP's (weight 1), Granite's multiplier in W_down.
+GRANITE4_MOE = replace(_GRANITE4_DENSE, layer=replace(_GRANITE4_DENSE.layer, ff=FeedForward(
+    up="block_sparse_moe", act="block_sparse_moe.experts.act_fn", down="block_sparse_moe",
+    pre_norm=Norm("post_attention_layernorm", **_RMS), multiplier="residual_multiplier",
+    experts=Experts("block_sparse_moe.experts", shared=_SHARED_MLP, shared_beside="shared_mlp"))))
+
+GRANITE4 = replace(_GRANITE4_DENSE, variants=(Variant("num_local_experts", ..., GRANITE4_MOE),))
 
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("granitemoehybrid", GRANITE4),)

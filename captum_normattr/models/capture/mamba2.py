@@ -22,25 +22,31 @@ Padding: the mixer zeroes its input and its convolution's output at padding toke
 it is called with), so a padding token's values never reach a real token; G's columns of the
 padding tokens are set to 0, and a left-padded example's G equals the example's alone.
 
-A convolution bias adds a no-token term per target, gamma_t b sum_s M[t, s] sigma_s, which no
-layer kind carries yet: the families refuse it (``refused_configs``) and the hooks raise if one
-is met. Guard: sum_s G[t, s] u_s is compared with the output projection's real input (a hook,
-a patched module or a wrong description shows there).
+A convolution bias b (``use_conv_bias`` / ``mamba_conv_bias=True``) adds, for target t and channel
+c, sum_s P[c, t, s] b_c with P[c, t, s] = gamma_{t,c} M[t, s] sigma_{s,c}: the bias enters the scan
+at position s inside the value x'_s, so the part P[c, t, s] b_c belongs to token s, as attention's
+b_V belongs to the token whose value it is in (``docs/linear_mixers.md``, "The convolution bias").
+It is recorded as C more heads of size 1: probabilities P (zero at padding sources, whose slope
+the mixer zeroes), values b_c at every token, W_O the output projection's rows again
+(:func:`mamba2_bias_heads`).
+
+Guard: sum_s G[t, s] u_s (+ P[t, s] b) is compared with the output projection's real input (a
+hook, a patched module or a wrong description shows there).
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
+from captum_normattr.arch.spec import ArchitectureSpec
 from captum_normattr.decompose.primitives.linear_mixers import conv_composed_mixing, gated_rmsnorm_scale, ssd_mixing
 from captum_normattr.models.adapters import get_path
 from captum_normattr.models.capture.record import input_keeper
 
-__all__ = ["MAMBA2_CHECK", "mamba2_hooks", "mamba2_mixing_from_projection"]
+__all__ = ["MAMBA2_CHECK", "mamba2_bias_heads", "mamba2_hooks", "mamba2_mixing_from_projection"]
 
 #: the check comparing the output projection's real input with the recorded mixing applied to the values
 MAMBA2_CHECK = "Mamba-2 output projection input vs the recorded mixing applied to the values"
@@ -66,15 +72,11 @@ def mamba2_mixing_from_projection(mixer: nn.Module, projection: Tensor, core: Te
     Returns:
         (B, C, T, T) G[b, c, t, s], zero at padding sources; ``out_proj`` of
         ``sum_s G[c, t, s] u_{s, c}`` is the mixer's output (``u`` the x slice of ``projection``).
-
-    Raises:
-        UnsupportedModelError: the convolution has a bias (a no-token term per target).
+        With a convolution bias (B, 2 C, T, T): G, then the bias heads P[c, t, s] =
+        gamma_{t,c} M[t, s] sigma_{s,c} (:func:`mamba2_bias_heads`), and the output is
+        ``out_proj`` of ``sum_s G[c, t, s] u_{s, c} + P[c, t, s] b_c``.
     """
     conv = mixer.conv1d
-    if conv.bias is not None:
-        raise UnsupportedModelError(
-            "a Mamba-2 convolution bias adds gamma_t * b * sum_s M[t, s] sigma_s to every target, a no-token term that "
-            "depends on the target, which no layer kind carries yet (use_conv_bias / mamba_conv_bias=False is decomposed)")
     inner, groups, state, heads = (int(mixer.intermediate_size), int(mixer.n_groups), int(mixer.ssm_state_size),
                                    int(mixer.num_heads))
     proj = projection.detach().to(dtype)
@@ -84,8 +86,9 @@ def mamba2_mixing_from_projection(mixer: nn.Module, projection: Tensor, core: Te
     _, xbc, dt_raw = proj.split([inner, conv_dim, heads], dim=-1)
     weight = conv.weight.detach().to(device=device, dtype=dtype).reshape(conv_dim, -1)  # (C, K), tap K-1 current
     kernel = weight.shape[1]
-    pre = F.conv1d(xbc.transpose(1, 2), weight.unsqueeze(1), None, padding=kernel - 1, groups=conv_dim)
-    pre = pre[..., :length].transpose(1, 2)  # the convolution's output before the SiLU
+    bias = None if conv.bias is None else conv.bias.detach().to(device=device, dtype=dtype)
+    pre = F.conv1d(xbc.transpose(1, 2), weight.unsqueeze(1), bias, padding=kernel - 1, groups=conv_dim)
+    pre = pre[..., :length].transpose(1, 2)  # the convolution's output before the SiLU (the bias inside B, C, sigma)
     pre_x, pre_b, pre_c = pre.split([inner, groups * state, groups * state], dim=-1)
     keep = None if valid is None else valid.to(device=device, dtype=dtype)[..., None]
     b_in, c_out, slope = F.silu(pre_b), F.silu(pre_c), torch.sigmoid(pre_x)  # silu(a) = sigmoid(a) * a
@@ -105,7 +108,52 @@ def mamba2_mixing_from_projection(mixer: nn.Module, projection: Tensor, core: Te
     composed, _ = conv_composed_mixing(mixing, slope, weight[:inner], scale)  # (B, T, S, C)
     if keep is not None:  # a padding token's values never reach the scan: its columns are 0
         composed = composed * keep[:, None, :, :]
-    return composed.permute(0, 3, 1, 2)
+    composed = composed.permute(0, 3, 1, 2)
+    if conv.bias is None:
+        return composed
+    return torch.cat([composed, _bias_mixing(mixing, slope, scale)], dim=1)
+
+
+def _bias_mixing(mixing: Tensor, slope: Tensor, scale: Tensor) -> Tensor:
+    r"""P[b, c, t, s] = gamma_{t,c} M_{h(c)}[t, s] sigma_{s,c} (B, C, T, S): how the convolution bias entering the
+    scan at s reaches t (``slope`` is already 0 at padding tokens)."""
+    channels = slope.shape[-1]
+    per_head = mixing.repeat_interleave(channels // mixing.shape[1], dim=1)  # (B, C, T, S)
+    return per_head * slope.transpose(1, 2).unsqueeze(2) * scale.transpose(1, 2).unsqueeze(3)
+
+
+def mamba2_bias_heads(mixer: nn.Module, values: Tensor, context: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""Values and context of a Mamba-2 mixer with a convolution bias, recorded with the bias as C more heads.
+
+    The bias b_c of the x channels enters the scan at every position s inside the value
+    x'_s = sigma_{s,c} (conv(u)_{s,c} + b_c); the part that reaches target t, P[c, t, s] b_c, belongs to
+    token s, as attention's b_V belongs to the token whose value holds it (``docs/linear_mixers.md``,
+    "The convolution bias"). Heads C..2C-1 have the value b_c at every token and the probabilities P
+    (the second half of :func:`mamba2_mixing_from_projection`'s output); their W_O rows are the output
+    projection's again and their W_V columns 0 with b_V = b
+    (:func:`~captum_normattr.models.adapters.value_projection`).
+
+    Args:
+        mixer: the Mamba-2 module (its ``conv1d.bias``, ``intermediate_size``).
+        values: (B, C, T, 1) the x slice of the input projection.
+        context: (B, T, C) the output projection's real input.
+        probs: (B, 2 C, T, T) the recorded mixing with the bias heads.
+
+    Returns:
+        ``(values (B, 2 C, T, 1), context (B, T, 2 C, 1))``: the bias heads' context is
+        sum_s P[c, t, s] b_c, the first C heads' the real input minus it (their sum is the real input).
+
+    Examples::
+
+        >>> values, context = mamba2_bias_heads(mixer, u.transpose(1, 2)[..., None], ctx, probs)
+    """
+    inner = int(mixer.intermediate_size)
+    bias = mixer.conv1d.bias.detach()[:inner].to(device=probs.device, dtype=probs.dtype)
+    b, _, t, _ = values.shape
+    from_bias = torch.einsum("bcts,c->btc", probs[:, inner:], bias)
+    ctx = context.to(probs.dtype)
+    values = torch.cat([values.to(probs.dtype), bias[None, :, None, None].expand(b, inner, t, 1)], dim=1)
+    return values, torch.cat([ctx - from_bias, from_bias], dim=-1).unsqueeze(-1)
 
 
 def mamba2_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec) -> list:
@@ -156,12 +204,19 @@ def mamba2_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec
         u = projection[..., inner:2 * inner]
         valid = mask.to(torch.bool) if isinstance(mask, Tensor) and mask.dim() == 2 else None
         probs = None
-        if recorder.record_probabilities:
+        biased = mod.conv1d.bias is not None  # the bias heads' context needs their mixing, recorded or not
+        if recorder.record_probabilities or biased:
             probs = mamba2_mixing_from_projection(mod, projection, core, gate, valid, recorder.dtype)
-            rebuilt = torch.einsum("bcts,bsc->btc", probs, u.to(probs.dtype))
+            rebuilt = torch.einsum("bcts,bsc->btc", probs[:, :inner], u.to(probs.dtype))
+            if biased:
+                bias = mod.conv1d.bias.detach()[:inner].to(probs.dtype)
+                rebuilt = rebuilt + torch.einsum("bcts,c->btc", probs[:, inner:], bias)
             recorder._check(idx, MAMBA2_CHECK, ctx, rebuilt)
-        values = u.transpose(1, 2).unsqueeze(-1)  # (B, C, T, 1)
-        recorder.record_attention(mod, probs, values, ctx.reshape(b, t, inner, 1))
+        values, context = u.transpose(1, 2).unsqueeze(-1), ctx.reshape(b, t, inner, 1)  # (B, C, T, 1), (B, T, C, 1)
+        if biased:
+            values, context = mamba2_bias_heads(mod, values, ctx, probs)
+            probs = probs if recorder.record_probabilities else None
+        recorder.record_attention(mod, probs, values, context)
 
     return [module.register_forward_pre_hook(keep_mask, with_kwargs=True),
             get_path(layer, mixer_spec.value.path).register_forward_hook(keep_projection),

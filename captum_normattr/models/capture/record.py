@@ -12,7 +12,7 @@ output joined to the stream (``docs/reliability.md``, "Consistency guards").
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -225,6 +225,8 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         return cast(t)
 
     w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
+    if a.layer.attention.mixer == "mamba2" and get_path(layer, a.layer.attention.conv).bias is not None:
+        w_o = torch.cat([w_o, w_o], 0)  # a Mamba-2 convolution bias's heads read W_O again (capture.mamba2)
     experts = a.layer.ff.kind == "experts"  # the sparse block's weights are read by experts_ff_params below
     w_in, b_in = (None, None) if experts else linear_params(get_path(layer, a.ff_in), a.transposed_weights)
     w_out, b_out = (None, None) if experts else linear_params(get_path(layer, a.ff_out), a.transposed_weights)
@@ -265,7 +267,7 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         ln2=norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
         ln2_in=tokens(rec["ln2_in"]),
         ln2_out=tokens(rec["ln2_out"]),
-        ff_out=_times(tokens(rec["ff_out"]), m_ff),
+        ff_out=_times(_with_shared(tokens, rec, a.layer.ff), m_ff),
         layer_out=tokens(rec["layer_out"]),
         ff=ff,
         causal=a.causal,
@@ -286,6 +288,17 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
     post_norms = {k: norm_params(get_path(layer, described[k].path), described[k], dtype, device) for k in recipe.post_norms}
     kind.fill_record(tensors, extra, post_norms)
     return tensors
+
+
+def _with_shared(tokens: Callable[[Optional[Tensor]], Optional[Tensor]], rec: Dict[str, Tensor], ff: Any) -> Tensor:
+    r"""The FF output: the recorded ``ff_out``, plus the shared expert's output where the layer adds it itself
+    (``Experts.shared_beside``, Granite 4)."""
+    out = tokens(rec["ff_out"])
+    if ff.experts is None or ff.experts.shared_beside is None:
+        return out
+    if "shared_out" not in rec:
+        raise RuntimeError(f"the forward pass recorded no output of the shared expert {ff.experts.shared_beside!r}")
+    return out + tokens(rec["shared_out"])
 
 
 def _fold_latent_scale(tensors: LayerTensors, layer: nn.Module, a: ArchitectureSpec, dtype: torch.dtype,
