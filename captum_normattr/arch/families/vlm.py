@@ -21,7 +21,8 @@ a text model is only where things are:
   itself (:attr:`VisionLanguage.positions`), and a decoder whose model type is the family's own but
   whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
 
-Described: LLaVA (:data:`LLAVA`) and Qwen2-VL (:data:`QWEN2_VL`).
+Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
+decoder and merged grid; its tower's window attention stays inside the tower).
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
@@ -39,6 +40,7 @@ __all__ = [
     "GEOMETRIES",
     "LLAVA",
     "QWEN2_VL",
+    "QWEN2_5_VL",
     "VISION_LANGUAGE",
     "VisionLanguage",
     "text_config",
@@ -122,8 +124,17 @@ QWEN2_VL = VisionLanguage(
           "tokens on the (h / p / m) x (w / p / m) grid of m x m merged patches",
 )
 
+QWEN2_5_VL = VisionLanguage(
+    family="Qwen2.5-VL", model_types=("qwen2_5_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    text_types=(("qwen2_5_vl_text", "qwen2"),), positions="model", geometry="merged_grid",
+    text_families=("qwen2_5_vl_text",),
+    notes="Qwen2-VL's decoder (Qwen2's layer with M-RoPE, positions computed by the model); the tower's window "
+          "attention is the tower's own (its merged tokens are put back in the image's order); image tokens on the "
+          "(h / p / m) x (w / p / m) grid of m x m merged patches",
+)
+
 #: ``config.model_type`` -> the vision-language description.
-VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA, QWEN2_VL) for t in d.model_types}
+VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
