@@ -18,6 +18,10 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"merged_grid"`` (Qwen2-VL): each image's ``image_grid_thw`` (1, h, w) patches, every m x m block
   (``spatial_merge_size``) merged into one token, the tokens row by row over (h / m) x (w / m); a
   token covers (p m) x (p m) pixels.
+- ``"shuffled_grid"`` (Idefics3, SmolVLM): the tower's square (S / p) x (S / p) patch grid, every s x s
+  block (``config.scale_factor``) shuffled into one token, the tokens row by row over
+  (S / p / s) x (S / p / s); each sub-image the processor makes (with image splitting: the tiles row
+  by row, then the global image) is one grid over its own S x S input, in that order.
 
 The pure functions (:func:`grid_scores`, :func:`patches_to_pixels`) take the geometry as numbers
 and are what the synthetic-grid tests check; :func:`image_scores` and :func:`image_heatmaps` read
@@ -135,6 +139,10 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         if any(int(t) != 1 for t, _, _ in thw):
             raise ValueError("image_grid_thw with several frames (a video) has no single image grid")
         return ImageGeometry(token, (p * m, p * m), tuple((int(h) // m, int(w) // m) for _, h, w in thw))
+    if description.geometry == "shuffled_grid":  # Idefics3 / SmolVLM: s x s patches shuffled into one token
+        s = _as_int(getattr(config, "scale_factor", None), "scale_factor")
+        side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p // s
+        return ImageGeometry(token, (p * s, p * s), ((side, side),))
     strategy = getattr(config, description.strategy, "default")
     class_token = getattr(vision, "model_type", None) in description.class_token_towers
     if image_sizes is not None:

@@ -13,7 +13,7 @@ import torch
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
 from captum_normattr.attr.vlm_regions import image_geometry, image_heatmaps, image_scores
-from captum_normattr.models.adapters import get_adapter
+from captum_normattr.models.adapters import get_adapter, vision_language
 from vlm_families import CASES
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
@@ -21,6 +21,10 @@ FAMILIES = sorted(CASES)
 
 
 def _real(model, ids, mask, extra):
+    r"""The model's own last logits; positions counted over the real tokens where the family takes the package's
+    (a left-padded row's positions start at its first real token), the model's own M-RoPE otherwise."""
+    if vision_language(model).positions == "package":
+        extra = dict(extra, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, **extra).logits[:, -1]
 
@@ -181,3 +185,118 @@ def test_qwen2_5_vl_image_mask_input():
     real = logits[torch.arange(p - 1, p + 2), target]
     assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
     assert torch.allclose(res.token_attr[:, 1], res.patch_attr[:, :, 1].sum(-1), rtol=1e-12, atol=1e-14)
+
+
+# ---- Idefics3 / SmolVLM: pixel shuffle ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_idefics3_regions_on_the_shuffled_grid(family):
+    r"""Scores equal to the token index: token k of the 3 x 3 shuffled grid lands on pixel block (k // 3, k % 3) of
+    8 x 8 pixels (4-pixel patches, 2 x 2 shuffled); two sub-images make two grids, in order."""
+    from vlm_families import IDEFICS_FAKE, IDEFICS_GLOBAL, idefics3_tokens
+
+    c = CASES[family]
+    model = c.make(seed=0, layers=1)
+    n = idefics3_tokens()
+    g = image_geometry(model)
+    assert g.patch == (8, 8) and g.grids == ((3, 3),) and g.tokens(0) == n == 9
+    ids = torch.tensor([[1, IDEFICS_FAKE, IDEFICS_GLOBAL] + [c.image_token] * n + [IDEFICS_FAKE, 7]])
+    scores = torch.arange(ids.shape[1], dtype=torch.float64)[None]
+    heat = image_heatmaps(scores, ids, model)[0]
+    assert heat.shape == (24, 24)
+    for k in range(n):
+        r, col = divmod(k, 3)
+        assert (heat[8 * r:8 * r + 8, 8 * col:8 * col + 8] == 3 + k).all()
+    two = torch.cat([ids, ids[:, 1:]], 1)
+    found = image_scores(torch.arange(two.shape[1], dtype=torch.float64)[None], two, model)
+    assert len(found.grids) == 2 and found.grids[1][0, 0] == ids.shape[1] + 2
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_idefics3_heat_map_finds_the_changed_patch(family):
+    r"""A tower without layers (each image token sees its own 2 x 2 patches only): changing one 4 x 4 pixel patch
+    of one sub-image changes one image token, and that sub-image's heat map lights the patch's 8 x 8 token block.
+    Two sub-images per prompt (the split layout: a tile, then the global image, with their text tokens)."""
+    from vlm_families import IDEFICS_FAKE, IDEFICS_GLOBAL, idefics3_tokens
+
+    c = CASES[family]
+    model = c.make(seed=5, layers=1, vision_layers=0)
+    n = idefics3_tokens()
+    ids = torch.tensor([[1, IDEFICS_FAKE, 40] + [c.image_token] * n + [41, IDEFICS_FAKE, IDEFICS_GLOBAL]
+                        + [c.image_token] * n + [IDEFICS_FAKE, 7]])
+    mask = torch.ones_like(ids)
+    pixels = torch.randn(1, 2, 3, 24, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = {}
+    handle = model.model.text_model.register_forward_pre_hook(
+        lambda m, a, k: got.__setitem__("x", k["inputs_embeds"].detach().clone()), with_kwargs=True)
+    try:
+        def embeddings(px):
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, pixel_values=px)
+            return got["x"]
+
+        x0 = embeddings(pixels)
+        for sub, pr, pc in ((0, 0, 0), (1, 3, 4), (0, 5, 1)):
+            changed = pixels.clone()
+            changed[0, sub, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
+            change = (embeddings(changed) - x0).norm(dim=-1)
+            maps = image_heatmaps(change, ids, model)
+            assert len(maps) == 2 and not (maps[1 - sub] > 1e-9).any()
+            r, col = pr // 2, pc // 2
+            expect = torch.zeros(24, 24, dtype=torch.bool)
+            expect[8 * r:8 * r + 8, 8 * col:8 * col + 8] = True
+            assert torch.equal(maps[sub] > 1e-9, expect), (sub, pr, pc)
+    finally:
+        handle.remove()
+
+
+def _image_mask_route(model, fn, image, mask, target, image_token, package_positions):
+    r"""Run Captum's ``ImageMaskInput`` through ``DecompositionLLMAttribution`` and the model's own logits of the
+    targets on the processor's inputs; returns (result, real logits)."""
+    from captum.attr._utils.interpretable_input import ImageMaskInput
+    from vlm_processors import vlm_tokenizer
+
+    from captum_normattr.attr.llm import DecompositionLLMAttribution
+
+    def double(im):
+        out = dict(fn(im))
+        out["pixel_values"] = out["pixel_values"].double()
+        return out
+
+    res = DecompositionLLMAttribution(ALTILogitAttribution(model), vlm_tokenizer({})).attribute(
+        ImageMaskInput(image, mask=mask, processor_fn=double), target=target)
+    inputs = double(image)
+    full = torch.cat([inputs["input_ids"], target[None]], 1)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    if "mm_token_type_ids" in inputs:
+        extra["mm_token_type_ids"] = (full == image_token).long()
+    if package_positions:
+        extra["position_ids"] = torch.arange(full.shape[1])[None]
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=torch.ones_like(full), **extra).logits[0]
+    p = inputs["input_ids"].shape[1]
+    return res, logits[torch.arange(p - 1, p - 1 + target.shape[0]), target]
+
+
+def test_idefics3_image_mask_input():
+    r"""Idefics3 without image splitting through its own image processor (the image squared to 24 x 24: the grid
+    stretched over the whole image): complete against the model's own logit; segments that are whole token columns
+    equal their tokens' sums."""
+    np = pytest.importorskip("numpy")
+    from PIL import Image
+    from vlm_processors import idefics3_processor_fn
+
+    c = CASES["idefics3"]
+    model = c.make(seed=4)
+    image = Image.fromarray((np.random.RandomState(8).rand(12, 30, 3) * 255).astype("uint8"))
+    mask = torch.zeros(12, 30, dtype=torch.int32)
+    mask[:, 10:20] = 1  # exactly token column 1 of the 3 x 3 grid stretched over 12 x 30
+    mask[:, 20:] = 2
+    target = torch.tensor([8, 9, 10])
+    res, real = _image_mask_route(model, idefics3_processor_fn([5, 6, 7]), image, mask, target, c.image_token, True)
+    ex = res.explanation
+    assert res.patch_attr.shape == (3, 3, 3) and ex.box == (0.0, 0.0, 12.0, 30.0)
+    assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
+    for s in range(3):
+        assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)

@@ -22,7 +22,8 @@ a text model is only where things are:
   whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
-decoder and merged grid; its tower's window attention stays inside the tower).
+decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
+(:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids).
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
@@ -38,9 +39,11 @@ from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
     "GEOMETRIES",
+    "IDEFICS3",
     "LLAVA",
     "QWEN2_VL",
     "QWEN2_5_VL",
+    "SMOLVLM",
     "VISION_LANGUAGE",
     "VisionLanguage",
     "text_config",
@@ -53,7 +56,10 @@ __all__ = [
 #: ``"merged_grid"``: Qwen2-VL's ``image_grid_thw`` (t, h, w) patches per image, each
 #: ``spatial_merge_size`` x ``spatial_merge_size`` block merged into one token, row-major over
 #: the (h / m) x (w / m) grid (frames in order).
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid")
+#: ``"shuffled_grid"``: Idefics3 / SmolVLM's pixel shuffle: the tower's square (S / p) x (S / p) patch
+#: grid (``vision_config.image_size`` S), every ``scale_factor`` s x s block one token, row-major over the
+#: (S / p / s) x (S / p / s) grid; each sub-image (a tile, or the global image) is one such grid.
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid")
 
 
 @dataclass(frozen=True)
@@ -133,8 +139,19 @@ QWEN2_5_VL = VisionLanguage(
           "(h / p / m) x (w / p / m) grid of m x m merged patches",
 )
 
+IDEFICS3 = VisionLanguage(
+    family="Idefics3", model_types=("idefics3",), language_model="text_model",
+    inputs=("pixel_values", "pixel_attention_mask"), image_token=("image_token_id",), geometry="shuffled_grid",
+    text_families=("llama",),
+    notes="SigLIP tower, pixel shuffle (scale_factor s: s x s patches per token) and a linear projector; image tokens "
+          "on the (S / p / s) x (S / p / s) grid of each sub-image (tiles row by row, then the global image)",
+)
+
+SMOLVLM = replace(IDEFICS3, family="SmolVLM", model_types=("smolvlm",))
+
 #: ``config.model_type`` -> the vision-language description.
-VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL) for t in d.model_types}
+VISION_LANGUAGE: Dict[str, VisionLanguage] = {
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
