@@ -300,3 +300,96 @@ def test_idefics3_image_mask_input():
     assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
     for s in range(3):
         assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)
+
+
+# ---- Mistral 3: Pixtral tower, patch merger, row breaks -------------------------------------------------------
+
+
+def test_mistral3_regions_skip_the_row_breaks():
+    r"""Scores equal to the token index on a 16 x 24 image (a 2 x 3 merged grid, a break after row 0, an end after
+    row 1): token (r, c) lands on pixel block (r, c) of 8 x 8 pixels; the break and end tokens land nowhere."""
+    from vlm_families import MISTRAL_BREAK, MISTRAL_END, mistral3_image_ids
+
+    c = CASES["mistral3"]
+    model = c.make(seed=0, layers=1)
+    ids = torch.cat([torch.tensor([1]), mistral3_image_ids(16, 24), torch.tensor([7])])[None]
+    assert ids[0, 1:9].tolist() == [c.image_token] * 3 + [MISTRAL_BREAK] + [c.image_token] * 3 + [MISTRAL_END]
+    scores = torch.arange(ids.shape[1], dtype=torch.float64)[None]
+    sizes = torch.tensor([[16, 24]])
+    g = image_geometry(model, image_sizes=sizes)
+    assert g.patch == (8, 8) and g.grids == ((2, 3),)
+    heat = image_heatmaps(scores, ids, model, image_sizes=sizes)[0]
+    assert heat.shape == (16, 24)
+    expect = [[1, 2, 3], [5, 6, 7]]  # index 4 is the break
+    for r in range(2):
+        for col in range(3):
+            assert (heat[8 * r:8 * r + 8, 8 * col:8 * col + 8] == expect[r][col]).all()
+    with pytest.raises(ValueError, match="image_sizes"):
+        image_geometry(model)
+
+
+def test_mistral3_heat_map_finds_the_changed_patch():
+    r"""A one-layer Pixtral tower whose attention output is zeroed (each image token sees its own 2 x 2 merged
+    patches only), two images of different shapes in one prompt: changing one 4 x 4 patch of one image lights that
+    image's 8 x 8 token block."""
+    from vlm_families import mistral3_image_ids
+
+    c = CASES["mistral3"]
+    model = c.make(seed=5, layers=1, vision_layers=1)
+    with torch.no_grad():
+        for layer in model.model.vision_tower.transformer.layers:
+            layer.attention.o_proj.weight.zero_()
+    sizes = torch.tensor([[16, 24], [24, 8]])
+    ids = torch.cat([torch.tensor([1]), mistral3_image_ids(16, 24), torch.tensor([7]), mistral3_image_ids(24, 8),
+                     torch.tensor([9])])[None]
+    mask = torch.ones_like(ids)
+    pixels = torch.zeros(2, 3, 24, 24, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for i, (h, w) in enumerate(sizes.tolist()):
+        pixels[i, :, :h, :w] = torch.randn(3, h, w, generator=g, dtype=torch.float64)
+    got = {}
+    handle = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, k: got.__setitem__("x", k["inputs_embeds"].detach().clone()), with_kwargs=True)
+    try:
+        def embeddings(px):
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, pixel_values=px, image_sizes=sizes)
+            return got["x"]
+
+        x0 = embeddings(pixels)
+        for img, pr, pc in ((0, 0, 5), (0, 3, 2), (1, 5, 1), (1, 2, 0)):
+            changed = pixels.clone()
+            changed[img, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
+            change = (embeddings(changed) - x0).norm(dim=-1)
+            maps = image_heatmaps(change, ids, model, image_sizes=sizes)
+            assert [tuple(m.shape) for m in maps] == [(16, 24), (24, 8)]
+            assert not (maps[1 - img] > 1e-9).any()
+            expect = torch.zeros(maps[img].shape, dtype=torch.bool)
+            expect[8 * (pr // 2):8 * (pr // 2) + 8, 8 * (pc // 2):8 * (pc // 2) + 8] = True
+            assert torch.equal(maps[img] > 1e-9, expect), (img, pr, pc)
+            assert (change[ids != c.image_token] < 1e-12).all()  # breaks and text untouched
+    finally:
+        handle.remove()
+
+
+def test_mistral3_image_mask_input():
+    r"""Mistral 3 through Pixtral's own image processor (a 12 x 30 image resized whole to 16 x 24: a 2 x 3 token
+    grid stretched over the image): complete against the model's own logit; segments that are whole token columns
+    equal their tokens' sums."""
+    np = pytest.importorskip("numpy")
+    from PIL import Image
+    from vlm_processors import mistral3_processor_fn
+
+    c = CASES["mistral3"]
+    model = c.make(seed=4)
+    image = Image.fromarray((np.random.RandomState(8).rand(12, 30, 3) * 255).astype("uint8"))
+    mask = torch.zeros(12, 30, dtype=torch.int32)
+    mask[:, 10:20] = 1  # exactly token column 1
+    mask[:, 20:] = 2
+    target = torch.tensor([8, 9, 10])
+    res, real = _image_mask_route(model, mistral3_processor_fn([5, 6, 7]), image, mask, target, c.image_token, True)
+    ex = res.explanation
+    assert res.patch_attr.shape == (3, 2, 3) and ex.box == (0.0, 0.0, 12.0, 30.0)
+    assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
+    for s in range(3):
+        assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)

@@ -23,7 +23,8 @@ a text model is only where things are:
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
 decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
-(:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids).
+(:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
+Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image).
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
@@ -41,6 +42,7 @@ __all__ = [
     "GEOMETRIES",
     "IDEFICS3",
     "LLAVA",
+    "MISTRAL3",
     "QWEN2_VL",
     "QWEN2_5_VL",
     "SMOLVLM",
@@ -59,7 +61,10 @@ __all__ = [
 #: ``"shuffled_grid"``: Idefics3 / SmolVLM's pixel shuffle: the tower's square (S / p) x (S / p) patch
 #: grid (``vision_config.image_size`` S), every ``scale_factor`` s x s block one token, row-major over the
 #: (S / p / s) x (S / p / s) grid; each sub-image (a tile, or the global image) is one such grid.
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid")
+#: ``"merged_sizes"``: Mistral 3's patch merger: each image's ``image_sizes`` (h, w) in pixels, every
+#: ``spatial_merge_size`` m x m block of its (h / p) x (w / p) patches one token, row-major over the
+#: (h / p / m) x (w / p / m) grid (the processor's row-break and end tokens are text tokens).
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes")
 
 
 @dataclass(frozen=True)
@@ -149,9 +154,17 @@ IDEFICS3 = VisionLanguage(
 
 SMOLVLM = replace(IDEFICS3, family="SmolVLM", model_types=("smolvlm",))
 
+MISTRAL3 = VisionLanguage(
+    family="Mistral 3", model_types=("mistral3",), inputs=("pixel_values", "image_sizes"), geometry="merged_sizes",
+    text_families=("mistral",),
+    notes="Pixtral tower (images of any size), a projector whose patch merger makes every m x m block of patches one "
+          "token; image tokens row by row over each image's (h / p / m) x (w / p / m) grid, the row breaks and the "
+          "image end text tokens",
+)
+
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM) for t in d.model_types}
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
