@@ -25,6 +25,8 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"merged_sizes"`` (Mistral 3): each image's ``image_sizes`` (h, w), every m x m block of its
   (h / p) x (w / p) patches (``config.spatial_merge_size``) one token, row by row over
   (h / p / m) x (w / p / m); the row-break and image-end tokens between rows are text tokens.
+- ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
+  n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
 The pure functions (:func:`grid_scores`, :func:`patches_to_pixels`) take the geometry as numbers
 and are what the synthetic-grid tests check; :func:`image_scores` and :func:`image_heatmaps` read
@@ -152,6 +154,13 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         m = _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size")
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
         return ImageGeometry(token, (p * m, p * m), tuple((int(h) // (p * m), int(w) // (p * m)) for h, w in sizes))
+    if description.geometry == "pooled_grid":  # Gemma 3: the patch grid average-pooled to a square token grid
+        side = int(round(_as_int(getattr(config, "mm_tokens_per_image", None), "mm_tokens_per_image") ** 0.5))
+        size = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size")
+        if side * side != int(config.mm_tokens_per_image) or (size // p) % side:
+            raise ValueError(f"mm_tokens_per_image {config.mm_tokens_per_image} is not a square that divides the "
+                             f"{size // p} x {size // p} patch grid")
+        return ImageGeometry(token, (size // side, size // side), ((side, side),))
     strategy = getattr(config, description.strategy, "default")
     class_token = getattr(vision, "model_type", None) in description.class_token_towers
     if image_sizes is not None:

@@ -393,3 +393,75 @@ def test_mistral3_image_mask_input():
     assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
     for s in range(3):
         assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)
+
+
+# ---- Gemma 3: pooled grid, bidirectional image spans refused ---------------------------------------------------
+
+
+def test_gemma3_regions_on_the_pooled_grid():
+    r"""Scores equal to the token index: token k of the 2 x 2 pooled grid lands on pixel block (k // 2, k % 2) of
+    8 x 8 pixels (a 4 x 4 patch grid pooled 2 x 2)."""
+    from vlm_families import GEMMA_BOI, GEMMA_EOI
+
+    c = CASES["gemma3"]
+    model = c.make(seed=0, layers=1)
+    g = image_geometry(model)
+    assert g.patch == (8, 8) and g.grids == ((2, 2),) and g.tokens(0) == 4
+    ids = torch.tensor([[1, GEMMA_BOI] + [c.image_token] * 4 + [GEMMA_EOI, 7]])
+    scores = torch.arange(ids.shape[1], dtype=torch.float64)[None]
+    heat = image_heatmaps(scores, ids, model)[0]
+    assert heat.shape == (16, 16)
+    for k in range(4):
+        r, col = divmod(k, 2)
+        assert (heat[8 * r:8 * r + 8, 8 * col:8 * col + 8] == 2 + k).all()
+
+
+def test_gemma3_heat_map_finds_the_changed_patch():
+    r"""A one-layer SigLIP tower whose attention output is zeroed (each image token sees its own pooled 2 x 2
+    patches only): changing one 4 x 4 patch changes one image token, and the heat map lights its 8 x 8 block."""
+    c = CASES["gemma3"]
+    model = c.make(seed=5, layers=1)
+    with torch.no_grad():
+        for layer in model.model.vision_tower.encoder.layers:
+            layer.self_attn.out_proj.weight.zero_()
+            layer.self_attn.out_proj.bias.zero_()
+    ids, mask, extra = c.batch([2], seed=6)
+    got = {}
+    handle = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, k: got.__setitem__("x", k["inputs_embeds"].detach().clone()), with_kwargs=True)
+    try:
+        def embeddings(px):
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, pixel_values=px)
+            return got["x"]
+
+        x0 = embeddings(extra["pixel_values"])
+        for pr, pc in ((0, 0), (1, 3), (3, 2)):
+            changed = extra["pixel_values"].clone()
+            changed[0, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
+            change = (embeddings(changed) - x0).norm(dim=-1)
+            expect = torch.zeros(16, 16, dtype=torch.bool)
+            expect[8 * (pr // 2):8 * (pr // 2) + 8, 8 * (pc // 2):8 * (pc // 2) + 8] = True
+            assert torch.equal(image_heatmaps(change, ids, model)[0] > 1e-9, expect), (pr, pc)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
+def test_gemma3_bidirectional_image_spans_are_refused(cls):
+    r"""``token_type_ids`` make the model attend bidirectionally within each image (its logits change): every method
+    refuses them with the reason, and without them the model's own (causal) forward is what is explained."""
+    from vlm_families import gemma3_batch
+
+    from captum_normattr import UnsupportedModelError
+
+    c = CASES["gemma3"]
+    model = c.make(seed=2, layers=2)
+    ids, mask, extra = gemma3_batch([3, 5], seed=7, token_types=True)
+    plain = {k: v for k, v in extra.items() if k != "token_type_ids"}
+    assert not torch.allclose(_real(model, ids, mask, extra), _real(model, ids, mask, plain), rtol=0, atol=1e-8)
+    t = torch.tensor([4, 8])
+    with pytest.raises(UnsupportedModelError, match="token_type_ids.*bidirectional.*lower triangular"):
+        cls(model).attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
+    got = cls(model).attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **plain})
+    assert got.abs().max() > 0

@@ -24,7 +24,8 @@ a text model is only where things are:
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
 decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
-Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image).
+Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image) and
+Gemma 3 with images (:data:`GEMMA3`: pooled grids; run causally, its bidirectional image spans refused).
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
@@ -39,6 +40,8 @@ from typing import Any, Dict, Optional, Tuple
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
+    "BIDIRECTIONAL_IMAGES",
+    "GEMMA3",
     "GEOMETRIES",
     "IDEFICS3",
     "LLAVA",
@@ -64,7 +67,16 @@ __all__ = [
 #: ``"merged_sizes"``: Mistral 3's patch merger: each image's ``image_sizes`` (h, w) in pixels, every
 #: ``spatial_merge_size`` m x m block of its (h / p) x (w / p) patches one token, row-major over the
 #: (h / p / m) x (w / p / m) grid (the processor's row-break and end tokens are text tokens).
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes")
+#: ``"pooled_grid"``: Gemma 3's projector: the tower's square (S / p) x (S / p) patch grid average-pooled
+#: to a square sqrt(mm_tokens_per_image) x sqrt(mm_tokens_per_image) grid of tokens, row-major.
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid")
+
+#: Why Gemma 3's ``token_type_ids`` are refused (:attr:`VisionLanguage.refused`).
+BIDIRECTIONAL_IMAGES = (
+    "token_type_ids make the attention within each image span bidirectional, so the decoder's attention maps are not "
+    "lower triangular, which the package's decompositions of a causal decoder assume (ALTI's maps, for one, are cut to "
+    "their lower triangle); pass no token_type_ids: the model then attends causally over the image tokens as well, and that "
+    "forward is explained exactly (docs/vlm.md)")
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,8 @@ class VisionLanguage:
             (``"default"``: the first feature dropped, ``"full"``: all kept).
         class_token_towers: the vision tower ``model_type`` values whose sequence starts with a
             [CLS] feature before the patches (CLIP); the others (SigLIP) have patches only.
+        refused: (model input, reason) pairs: inputs the forward takes that the package refuses
+            (Gemma 3's ``token_type_ids``, which turn its image spans bidirectional), with why.
         notes: for the docs.
     """
 
@@ -111,6 +125,7 @@ class VisionLanguage:
     vision_config: str = "vision_config"
     strategy: str = "vision_feature_select_strategy"
     class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
+    refused: Tuple[Tuple[str, str], ...] = ()
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -162,9 +177,16 @@ MISTRAL3 = VisionLanguage(
           "image end text tokens",
 )
 
+GEMMA3 = VisionLanguage(
+    family="Gemma 3", model_types=("gemma3",), geometry="pooled_grid", text_families=("gemma3_text",),
+    refused=(("token_type_ids", BIDIRECTIONAL_IMAGES),),
+    notes="SigLIP tower average-pooled to mm_tokens_per_image tokens on a square grid; the decoder run causally over "
+          "the image tokens (token_type_ids, the bidirectional image spans, refused)",
+)
+
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3) for t in d.model_types}
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
