@@ -465,3 +465,40 @@ def test_gemma3_bidirectional_image_spans_are_refused(cls):
         cls(model).attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
     got = cls(model).attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **plain})
     assert got.abs().max() > 0
+
+
+def test_gemma3_image_mask_input_refuses_token_types_and_runs_without():
+    r"""The ``ImageMaskInput`` route refuses a ``processor_fn`` that gives ``token_type_ids`` (Gemma 3's processor
+    does); without them it is complete against the model's own causal forward."""
+    np = pytest.importorskip("numpy")
+    from captum.attr._utils.interpretable_input import ImageMaskInput
+    from PIL import Image
+    from vlm_families import GEMMA_BOI, GEMMA_EOI, GEMMA_SIZE
+    from vlm_processors import vlm_tokenizer
+
+    from captum_normattr import UnsupportedModelError
+    from captum_normattr.attr.llm import DecompositionLLMAttribution
+
+    c = CASES["gemma3"]
+    model = c.make(seed=4)
+    image = Image.fromarray((np.random.RandomState(8).rand(GEMMA_SIZE, GEMMA_SIZE, 3) * 255).astype("uint8"))
+    ids = torch.tensor([[1, GEMMA_BOI] + [c.image_token] * 4 + [GEMMA_EOI, 5, 6]])
+
+    def fn(types):
+        def process(im):
+            px = torch.tensor(np.array(im), dtype=torch.float64).permute(2, 0, 1)[None] / 255.0
+            out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": px}
+            return dict(out, token_type_ids=(ids == c.image_token).long()) if types else out
+        return process
+
+    mask = torch.zeros(GEMMA_SIZE, GEMMA_SIZE, dtype=torch.int32)
+    mask[:, 8:] = 1
+    llm = DecompositionLLMAttribution(ALTILogitAttribution(model), vlm_tokenizer({}))
+    target = torch.tensor([8, 9])
+    with pytest.raises(UnsupportedModelError, match="token_type_ids"):
+        llm.attribute(ImageMaskInput(image, mask=mask, processor_fn=fn(True)), target=target)
+    res, real = _image_mask_route(model, fn(False), image, mask, target, c.image_token, True)
+    ex = res.explanation
+    assert res.patch_attr.shape == (2, 2, 2)
+    assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
+    assert torch.allclose(res.token_attr[:, 1], res.patch_attr[:, :, 1].sum(-1), rtol=1e-12, atol=1e-14)
