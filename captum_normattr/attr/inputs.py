@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.models.prepared import PreparedInputs, single_input
-from captum_normattr.arch.spec import ArchitectureSpec
+from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
 from captum_normattr.models.adapters import base_model, language_config, max_positions, vision_language
 from captum_normattr.models.weights import input_device
 from captum_normattr.options import check_explained_position
@@ -86,6 +86,8 @@ def split_forward_args(
 
     Raises:
         ValueError / TypeError: naming the keyword form.
+        UnsupportedModelError: an input the vision-language description refuses, with why
+            (:attr:`~captum_normattr.arch.families.vlm.VisionLanguage.refused`: Gemma 3's ``token_type_ids``).
 
     Examples:
         >>> split_forward_args({"attention_mask": mask, "position_ids": pos}, model, adapter)["position_ids"] is pos
@@ -101,6 +103,10 @@ def split_forward_args(
         got["attention_mask"] = extras
         return got
     if isinstance(extras, Mapping):
+        description = vision_language(model)
+        for name, why in (() if description is None else description.refused):
+            if extras.get(name) is not None:
+                raise UnsupportedModelError(f"captum_normattr cannot attribute {description.family} with {name}: {why}.")
         further = model_inputs(model)
         unknown = sorted(str(k) for k in extras if k not in FORWARD_KEYWORDS + further and k != "input_ids")
         if unknown:

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: Where the patch grid lies over the original image: ``"auto"`` (``"stretch"`` for a merged grid
-#: (Qwen2-VL) or per-image sizes, ``"center_crop"`` for a fixed square tower (LLaVA 1.5's CLIP
+#: (Qwen2-VL), a shuffled grid (Idefics3 without splitting: the image squared) or per-image sizes, ``"center_crop"`` for a fixed square tower (LLaVA 1.5's CLIP
 #: processor)), ``"stretch"`` (the whole image), ``"center_crop"`` (the central min(H, W) square);
 #: or a box ``(top, left, height, width)`` in the original image's pixels.
 LAYOUTS: Tuple[str, ...] = ("auto", "stretch", "center_crop")
@@ -264,7 +264,7 @@ def _resolve_layout(layout: Layout, geometry: ImageGeometry, model: Any, inputs:
     from captum_normattr.models.adapters import vision_language
 
     description = vision_language(model)
-    per_image = description is not None and description.geometry == "merged_grid" or "image_sizes" in inputs
+    per_image = description is not None and description.geometry != "patch_grid" or "image_sizes" in inputs
     return "stretch" if per_image else "center_crop"
 
 

@@ -18,6 +18,15 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"merged_grid"`` (Qwen2-VL): each image's ``image_grid_thw`` (1, h, w) patches, every m x m block
   (``spatial_merge_size``) merged into one token, the tokens row by row over (h / m) x (w / m); a
   token covers (p m) x (p m) pixels.
+- ``"shuffled_grid"`` (Idefics3, SmolVLM): the tower's square (S / p) x (S / p) patch grid, every s x s
+  block (``config.scale_factor``) shuffled into one token, the tokens row by row over
+  (S / p / s) x (S / p / s); each sub-image the processor makes (with image splitting: the tiles row
+  by row, then the global image) is one grid over its own S x S input, in that order.
+- ``"merged_sizes"`` (Mistral 3): each image's ``image_sizes`` (h, w), every m x m block of its
+  (h / p) x (w / p) patches (``config.spatial_merge_size``) one token, row by row over
+  (h / p / m) x (w / p / m); the row-break and image-end tokens between rows are text tokens.
+- ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
+  n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
 The pure functions (:func:`grid_scores`, :func:`patches_to_pixels`) take the geometry as numbers
 and are what the synthetic-grid tests check; :func:`image_scores` and :func:`image_heatmaps` read
@@ -102,8 +111,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
     Args:
         model: a vision-language model the package describes (:mod:`captum_normattr.arch.families.vlm`).
         image_sizes: (n_images, 2) heights and widths in pixels, for a tower whose grid follows the
-            image (the ``image_sizes`` the processor gives); None: the tower's square
-            ``vision_config.image_size``.
+            image (the ``image_sizes`` the processor gives; Mistral 3 needs them); None: the tower's
+            square ``vision_config.image_size``.
         image_grid_thw: (n_images, 3) Qwen2-VL's patches per image (frames, rows, columns), as the
             processor gives them (the ``"merged_grid"`` geometry needs them).
 
@@ -135,6 +144,23 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         if any(int(t) != 1 for t, _, _ in thw):
             raise ValueError("image_grid_thw with several frames (a video) has no single image grid")
         return ImageGeometry(token, (p * m, p * m), tuple((int(h) // m, int(w) // m) for _, h, w in thw))
+    if description.geometry == "shuffled_grid":  # Idefics3 / SmolVLM: s x s patches shuffled into one token
+        s = _as_int(getattr(config, "scale_factor", None), "scale_factor")
+        side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p // s
+        return ImageGeometry(token, (p * s, p * s), ((side, side),))
+    if description.geometry == "merged_sizes":  # Mistral 3: each image's m x m patches merged into one token
+        if image_sizes is None:
+            raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's)")
+        m = _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size")
+        sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
+        return ImageGeometry(token, (p * m, p * m), tuple((int(h) // (p * m), int(w) // (p * m)) for h, w in sizes))
+    if description.geometry == "pooled_grid":  # Gemma 3: the patch grid average-pooled to a square token grid
+        side = int(round(_as_int(getattr(config, "mm_tokens_per_image", None), "mm_tokens_per_image") ** 0.5))
+        size = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size")
+        if side * side != int(config.mm_tokens_per_image) or (size // p) % side:
+            raise ValueError(f"mm_tokens_per_image {config.mm_tokens_per_image} is not a square that divides the "
+                             f"{size // p} x {size // p} patch grid")
+        return ImageGeometry(token, (size // side, size // side), ((side, side),))
     strategy = getattr(config, description.strategy, "default")
     class_token = getattr(vision, "model_type", None) in description.class_token_towers
     if image_sizes is not None:

@@ -21,7 +21,11 @@ a text model is only where things are:
   itself (:attr:`VisionLanguage.positions`), and a decoder whose model type is the family's own but
   whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
 
-Described: LLaVA (:data:`LLAVA`) and Qwen2-VL (:data:`QWEN2_VL`).
+Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
+decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
+(:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
+Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image) and
+Gemma 3 with images (:data:`GEMMA3`: pooled grids; run causally, its bidirectional image spans refused).
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
@@ -36,9 +40,15 @@ from typing import Any, Dict, Optional, Tuple
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
+    "BIDIRECTIONAL_IMAGES",
+    "GEMMA3",
     "GEOMETRIES",
+    "IDEFICS3",
     "LLAVA",
+    "MISTRAL3",
     "QWEN2_VL",
+    "QWEN2_5_VL",
+    "SMOLVLM",
     "VISION_LANGUAGE",
     "VisionLanguage",
     "text_config",
@@ -51,7 +61,22 @@ __all__ = [
 #: ``"merged_grid"``: Qwen2-VL's ``image_grid_thw`` (t, h, w) patches per image, each
 #: ``spatial_merge_size`` x ``spatial_merge_size`` block merged into one token, row-major over
 #: the (h / m) x (w / m) grid (frames in order).
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid")
+#: ``"shuffled_grid"``: Idefics3 / SmolVLM's pixel shuffle: the tower's square (S / p) x (S / p) patch
+#: grid (``vision_config.image_size`` S), every ``scale_factor`` s x s block one token, row-major over the
+#: (S / p / s) x (S / p / s) grid; each sub-image (a tile, or the global image) is one such grid.
+#: ``"merged_sizes"``: Mistral 3's patch merger: each image's ``image_sizes`` (h, w) in pixels, every
+#: ``spatial_merge_size`` m x m block of its (h / p) x (w / p) patches one token, row-major over the
+#: (h / p / m) x (w / p / m) grid (the processor's row-break and end tokens are text tokens).
+#: ``"pooled_grid"``: Gemma 3's projector: the tower's square (S / p) x (S / p) patch grid average-pooled
+#: to a square sqrt(mm_tokens_per_image) x sqrt(mm_tokens_per_image) grid of tokens, row-major.
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid")
+
+#: Why Gemma 3's ``token_type_ids`` are refused (:attr:`VisionLanguage.refused`).
+BIDIRECTIONAL_IMAGES = (
+    "token_type_ids make the attention within each image span bidirectional, so the decoder's attention maps are not "
+    "lower triangular, which the package's decompositions of a causal decoder assume (ALTI's maps, for one, are cut to "
+    "their lower triangle); pass no token_type_ids: the model then attends causally over the image tokens as well, and that "
+    "forward is explained exactly (docs/vlm.md)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,8 @@ class VisionLanguage:
             (``"default"``: the first feature dropped, ``"full"``: all kept).
         class_token_towers: the vision tower ``model_type`` values whose sequence starts with a
             [CLS] feature before the patches (CLIP); the others (SigLIP) have patches only.
+        refused: (model input, reason) pairs: inputs the forward takes that the package refuses
+            (Gemma 3's ``token_type_ids``, which turn its image spans bidirectional), with why.
         notes: for the docs.
     """
 
@@ -98,6 +125,7 @@ class VisionLanguage:
     vision_config: str = "vision_config"
     strategy: str = "vision_feature_select_strategy"
     class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
+    refused: Tuple[Tuple[str, str], ...] = ()
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -122,8 +150,43 @@ QWEN2_VL = VisionLanguage(
           "tokens on the (h / p / m) x (w / p / m) grid of m x m merged patches",
 )
 
+QWEN2_5_VL = VisionLanguage(
+    family="Qwen2.5-VL", model_types=("qwen2_5_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    text_types=(("qwen2_5_vl_text", "qwen2"),), positions="model", geometry="merged_grid",
+    text_families=("qwen2_5_vl_text",),
+    notes="Qwen2-VL's decoder (Qwen2's layer with M-RoPE, positions computed by the model); the tower's window "
+          "attention is the tower's own (its merged tokens are put back in the image's order); image tokens on the "
+          "(h / p / m) x (w / p / m) grid of m x m merged patches",
+)
+
+IDEFICS3 = VisionLanguage(
+    family="Idefics3", model_types=("idefics3",), language_model="text_model",
+    inputs=("pixel_values", "pixel_attention_mask"), image_token=("image_token_id",), geometry="shuffled_grid",
+    text_families=("llama",),
+    notes="SigLIP tower, pixel shuffle (scale_factor s: s x s patches per token) and a linear projector; image tokens "
+          "on the (S / p / s) x (S / p / s) grid of each sub-image (tiles row by row, then the global image)",
+)
+
+SMOLVLM = replace(IDEFICS3, family="SmolVLM", model_types=("smolvlm",))
+
+MISTRAL3 = VisionLanguage(
+    family="Mistral 3", model_types=("mistral3",), inputs=("pixel_values", "image_sizes"), geometry="merged_sizes",
+    text_families=("mistral",),
+    notes="Pixtral tower (images of any size), a projector whose patch merger makes every m x m block of patches one "
+          "token; image tokens row by row over each image's (h / p / m) x (w / p / m) grid, the row breaks and the "
+          "image end text tokens",
+)
+
+GEMMA3 = VisionLanguage(
+    family="Gemma 3", model_types=("gemma3",), geometry="pooled_grid", text_families=("gemma3_text",),
+    refused=(("token_type_ids", BIDIRECTIONAL_IMAGES),),
+    notes="SigLIP tower average-pooled to mm_tokens_per_image tokens on a square grid; the decoder run causally over "
+          "the image tokens (token_type_ids, the bidirectional image spans, refused)",
+)
+
 #: ``config.model_type`` -> the vision-language description.
-VISION_LANGUAGE: Dict[str, VisionLanguage] = {t: d for d in (LLAVA, QWEN2_VL) for t in d.model_types}
+VISION_LANGUAGE: Dict[str, VisionLanguage] = {
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
