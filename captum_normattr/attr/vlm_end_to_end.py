@@ -29,7 +29,7 @@ are pre-LN ViT layers. Others are refused (:data:`TOWERS`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from captum.log import log_usage
@@ -220,6 +220,11 @@ def tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float 
         >>> tp = tower_parts(llava, pixel_values)
         >>> (tp.parts.sum(2) + tp.bias - tp.features).abs().max()  # rounding
     """
+    with torch.no_grad():
+        return _tower_parts(model, pixel_values, memory_budget_mb)
+
+
+def _tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float) -> TowerParts:
     model = unwrap_model(model)
     _, tower, spec = _tower_and_description(model)
     dtype = compute_dtype(model)
@@ -292,6 +297,11 @@ def projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features:
     Returns:
         (parts (..., S, D), the bias part carried through (..., D), the projector's constant (..., D)).
     """
+    with torch.no_grad():
+        return _projector_parts(projector, parts, bias, features)
+
+
+def _projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     dtype = parts.dtype
     w1, b1 = projector.linear_1.weight.to(dtype), projector.linear_1.bias
     w2, b2 = projector.linear_2.weight.to(dtype), projector.linear_2.bias
@@ -324,6 +334,7 @@ def _relative(a: Tensor, b: Tensor) -> float:
 
 
 @log_usage()
+@torch.no_grad()
 def patch_contributions(
     model: nn.Module,
     input_ids: Tensor,
