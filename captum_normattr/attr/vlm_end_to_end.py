@@ -36,7 +36,7 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec, Attention, FeedForward, Layer, Norm, ValueProjection
-from captum_normattr.attr.decompx import DecompXAttribution, _ordinary_tensors
+from captum_normattr.attr.decompx import DecompXAttribution
 from captum_normattr.attr.decompx_readouts import NextTokenReadout
 from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.decompose.kinds.registry import layer_kind
@@ -400,7 +400,8 @@ def patch_contributions(
     handle = base.multi_modal_projector.register_forward_pre_hook(projector_hook)
     try:
         with torch.inference_mode(False):
-            ids, mask, px = _ordinary_tensors((input_ids, mask, pixel_values))
+            # the adjoint differentiates the frozen layers: inference tensors (torch.inference_mode) are cloned
+            ids, mask, px = (t.clone() if t.is_inference() else t for t in (input_ids, mask, pixel_values))
             prepared = prepare_inputs(attr.model, attr.adapter, ids, {"attention_mask": mask, "pixel_values": px})
             readout = _CotangentReadout(attr, prepared, target, dtype, foil)
             fields = attr._run(prepared, readout, "adjoint")

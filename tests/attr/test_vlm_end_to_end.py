@@ -173,3 +173,14 @@ def test_refuses_what_it_cannot_carry_to_the_patches(monkeypatch):
                                                     if k != "clip_vision_model"})
     with pytest.raises(ValueError, match="not one the package decomposes end to end"):
         patch_contributions(model, ids, px, attention_mask=mask)
+
+
+def test_inside_inference_mode_gives_the_same_scores():
+    model = make_mixing_llava("clip")
+    ids, mask, px = batch("clip", "default")
+    res = patch_contributions(model, ids, px, attention_mask=mask)
+    with torch.inference_mode():
+        ids_i, mask_i, px_i = ids.clone(), mask.clone(), px.clone()
+        again = patch_contributions(model, ids_i, px_i, attention_mask=mask_i)
+    assert torch.equal(res.patch_scores, again.patch_scores)
+    assert torch.equal(res.text_scores, again.text_scores)
