@@ -396,8 +396,10 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.format == "html":
             text = render_html(record, title=args.prompt[:80])
             if pngs:
-                from captum_normattr.cli.generate_image import html_with_images
+                from captum_normattr.cli.generate_image import html_with_images, interactive_image_panel
 
+                text = interactive_image_panel(text, found, caption=f"{os.path.basename(args.image)}: the image tokens' "
+                                               "scores on the patch grid, per generated token")
                 text = html_with_images(text, [(k, open(v, "rb").read()) for k, v in pngs.items()])
         else:
             text = render_table(record, args.top)

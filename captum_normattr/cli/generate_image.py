@@ -28,6 +28,7 @@ __all__ = [
     "heatmap_png_bytes",
     "html_with_images",
     "image_prompt",
+    "interactive_image_panel",
     "load_image",
     "load_vision_language",
     "pixel_heatmap",
@@ -180,6 +181,28 @@ def html_with_images(page: str, images: List[Tuple[str, bytes]]) -> str:
     block = f"<section id='image-heatmaps'><h2>Image heat maps</h2>{figs}</section>"
     at = page.rfind("</body>")
     return page + block if at < 0 else page[:at] + block + page[at:]
+
+
+def interactive_image_panel(page: str, found: List[Tuple[str, Any]], caption: str = "") -> str:
+    r"""The interactive report with its image panel: the image, and each method's patch grid per generated token
+    drawn over it as the tokens are hovered (:func:`~captum_normattr.present.interactive_images.add_image_panel`).
+
+    Args:
+        page: :func:`~captum_normattr.cli.generate.render_html` of the record.
+        found: [(method key, :class:`~captum_normattr.attr.llm_images.ImageGenerationExplanation`), ...] (the
+            second value of :func:`explain_image_generation`); the page's maps are named by ``ex.method``.
+        caption: a line under the image (plain text).
+
+    Returns:
+        The HTML text.
+    """
+    from captum_normattr.present.interactive_images import add_image_panel
+
+    if not found:
+        return page
+    first = found[0][1]
+    grids = {ex.details.method: ex.patch_attr for _, ex in found}
+    return add_image_panel(page, first.inp.image, grids, box=first.box, caption=caption)
 
 
 def explain_image_generation(args: Any) -> Tuple[Dict[str, Any], List[Tuple[str, Any]]]:
