@@ -5,8 +5,10 @@ The image is loaded with PIL and passed, with the prompt, through the model fold
 decomposes the language model once for all generated tokens
 (:func:`~captum_normattr.attr.llm_images.decompose_image_input`); the image tokens' scores, summed
 over the generated tokens, are spread over the image's pixels (:func:`pixel_heatmap`) and written as
-a PNG next to the text output (:func:`write_heatmap_png`), and embedded in the HTML report
-(:func:`html_with_images`). See docs/cli.md and docs/vlm.md.
+a PNG next to the text output (:func:`write_heatmap_png`); the HTML report is the interactive page
+with its image panel (:func:`interactive_image_panel`: the image, and each generated token's patch
+grid drawn over it as the token is hovered), the PNGs embedded under it (:func:`html_with_images`).
+See docs/cli.md, docs/vlm.md and docs/interactive.md.
 """
 from __future__ import annotations
 
@@ -195,6 +197,11 @@ def interactive_image_panel(page: str, found: List[Tuple[str, Any]], caption: st
 
     Returns:
         The HTML text.
+
+    Examples::
+
+        >>> record, found = explain_image_generation(args)
+        >>> page = interactive_image_panel(render_html(record), found, caption="cat.png")
     """
     from captum_normattr.present.interactive_images import add_image_panel
 

@@ -342,6 +342,9 @@ function draw(){
 var seen = null;
 function sync(){ var k = R.state.key + "|" + R.state.row + "|" + R.state.layer; if (k !== seen) { seen = k; draw(); } }
 ["mouseover", "mousemove", "change", "input"].forEach(function(t){ document.addEventListener(t, sync); });
+// the report's own controls, directly: a script's change event (new Event("change")) does not bubble
+[document.getElementById("method"), document.getElementById("layer")].forEach(function(el){
+  el.addEventListener("change", sync); el.addEventListener("input", sync); });
 [sumIn, scaleSel, alphaIn, document.getElementById("sink"), document.getElementById("scale")].forEach(function(el){
   el.addEventListener("change", draw); el.addEventListener("input", draw); });
 cv.addEventListener("mousemove", function(ev){

@@ -97,3 +97,26 @@ def test_refusals(capsys, tiny_llava, image_file, tmp_path):
     not_image.write_text("hello")
     code, _, err = run(capsys, "generate", "--model", tiny_llava, "--image", not_image, "w3")
     assert code == 2 and "not an image" in err
+
+
+def test_html_is_the_interactive_page_with_the_image_panel(capsys, tiny_llava, image_file, tmp_path):
+    import base64
+
+    common = ["generate", "--model", tiny_llava, "--image", image_file, "w3 w4", "--target-text", "w5 w6",
+              "-m", "alti-logit", "decompx", "--dtype", "float64"]
+    code, _, err = run(capsys, *common, "--format", "json", "-o", tmp_path / "out.json")
+    assert code == 0, err
+    rec = json.loads((tmp_path / "out.json").read_text())
+    code, _, err = run(capsys, *common, "--format", "html", "-o", tmp_path / "out.html")
+    assert code == 0, err
+    page = (tmp_path / "out.html").read_text()
+    assert "image-heatmaps" in page and 'id="image-canvas"' in page  # the PNG figures are kept
+    data = json.loads(page.split('id="image-data">')[1].split("</script>")[0])
+    report = json.loads(page.split('id="report-data">')[1].split("</script>")[0])
+    assert data["orig"] == [16, 24] and data["src"].startswith("data:image/png;base64,")
+    assert data["box"] == pytest.approx(rec["image"]["methods"]["ALTI-Logit"]["box"])
+    assert sorted(data["grids"]) == sorted(rec["image"]["methods"]) == sorted(report["methods"])
+    for name, enc in data["grids"].items():
+        grid = np.frombuffer(base64.b64decode(enc["f32"]), dtype="<f4").reshape(enc["n"], enc["rows"], enc["cols"])
+        want = np.asarray(rec["image"]["methods"][name]["patch_attr"], dtype=np.float64).astype(np.float32)
+        assert np.array_equal(grid, want, equal_nan=True) and enc["n"] == report["methods"][name]["rows"] == 2

@@ -446,3 +446,41 @@ def test_route_graph_page(browser, tmp_path):
     assert abs(tops[1] - tops[0]) <= 2, tops
     browser.screenshot(str(tmp_path / "routes.png"))
     assert browser.errors() == []
+
+
+def test_image_panel_follows_the_hovered_token(browser, tmp_path):
+    from captum_normattr.present.interactive_images import interactive_image_report_html
+
+    t = len(HOSTILE)
+    g = np.random.default_rng(3)
+    signed = g.normal(size=(3, t))  # the last 3 tokens are the explained (generated) ones
+    grid = g.normal(size=(3, 4, 6))
+    grid[1, 0, 0] = np.nan
+    img = (g.random((30, 40, 3)) * 255).astype(np.uint8)
+    page = interactive_image_report_html(HOSTILE, {"alti-logit": signed}, img, {"alti-logit": grid},
+                                         box=(0, 5, 30, 30), caption=HOSTILE[2], layer_maps={"ALTI": g.random((2, t, t))},
+                                         first_generated=t - 3)
+    path = tmp_path / "image.html"
+    path.write_text(page, encoding="utf-8")
+    browser.open(str(path))
+    assert browser.js("document.getElementById('image-img').naturalWidth") == 40  # the data URI loaded
+    assert browser.js("document.getElementById('image-canvas').width") == 40
+    assert browser.js("document.getElementById('image-caption').textContent") == HOSTILE[2]
+    canvas = "document.getElementById('image-canvas').toDataURL()"
+    first = browser.js(canvas)
+    assert browser.js("window.__image.current().row") == 2  # the last row, as the text, before any hover
+    # a pixel inside the box is coloured, one left of the box (columns 0..4) is not
+    px = "Array.from(document.getElementById('image-canvas').getContext('2d').getImageData(%d, %d, 1, 1).data)"
+    assert browser.js(px % (20, 15))[3] == 255 and browser.js(px % (2, 15))[3] == 0
+    browser.hover_token(t - 2)
+    assert browser.js("window.__report.state.row") == 1 and browser.js("window.__image.current().row") == 1
+    second = browser.js(canvas)
+    assert second != first
+    assert browser.js(px % (5, 1))[3] == 0  # the NaN cell of row 1: no score, transparent
+    assert "explained token 1" in browser.js("document.getElementById('image-info').textContent")
+    browser.js("var s=document.getElementById('image-sum'); s.checked=true; s.dispatchEvent(new Event('change'))")
+    assert browser.js("window.__image.current().row") == -1 and browser.js(canvas) not in (first, second)
+    browser.js("var s=document.getElementById('method'); s.value='l:ALTI'; s.dispatchEvent(new Event('change'))")
+    assert browser.js("document.getElementById('image-info').textContent") == "no image scores for this map"
+    assert browser.js(px % (20, 15))[3] == 0
+    assert browser.errors() == []
