@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
+from captum_normattr.attr.vlm_regions import two_way_pairs
+from captum_normattr.models.adapters import vision_language
 from vlm_families import GEMMA_IMAGE, gemma3_batch, make_gemma3, make_paligemma, paligemma_batch
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
@@ -73,6 +75,7 @@ def test_maps_open_above_the_diagonal_exactly_at_the_two_way_pairs(case, cls):
     ids, mask, extra = batch([3, 6], seed=3)
     want = _open_pairs(family, ids, mask, extra["token_type_ids"])
     assert want.any()
+    assert torch.equal(two_way_pairs(vision_language(model).two_way, extra["token_type_ids"], mask), want)
     maps = cls(model).decompose(ids, additional_forward_args={"attention_mask": mask, **extra}).layer_maps
     upper = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
     for l in range(maps.shape[1]):
