@@ -331,7 +331,7 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             dtype = compute_dtype(model)
             final = norm_params(get_path(base_model(model), adapter.final_norm), adapter.head.final_norm, dtype, dev)
             n_maps, w_unscaled = n_layers, unscaled_logit_directions(final, directions[0])  # (B, n, D)
-        store = LayerMapStore(max(1, n_maps), adapter.causal, dense=not late)
+        store = LayerMapStore(max(1, n_maps), adapter.causal and not prepared.two_way, dense=not late)
         guard = ConsistencyGuard(self.get_name(), self.strict)
         kept: Dict[str, Any] = {k: [None] * n_layers for k in ("updates", "ff", "biases", "errors")}
         map_checks = [0.0] * n_layers

@@ -342,7 +342,8 @@ class LayerDecompositionAttribution(DecompositionAttribution):
             (:class:`~captum_normattr.models.engine.MapCollector`, the final norm's output or None).
         """
         valid = prepared.valid
-        collector = MapCollector(len(layer_modules(self.model, self.adapter)), self.adapter.causal, keep_maps)
+        causal = self.adapter.causal and not prepared.two_way  # two-way spans: full maps (docs/vlm.md)
+        collector = MapCollector(len(layer_modules(self.model, self.adapter)), causal, keep_maps)
         guard = ConsistencyGuard(self.get_name(), self.strict)
 
         def on_layer(layer: LayerTensors) -> None:

@@ -87,7 +87,7 @@ def split_forward_args(
     Raises:
         ValueError / TypeError: naming the keyword form.
         UnsupportedModelError: an input the vision-language description refuses, with why
-            (:attr:`~captum_normattr.arch.families.vlm.VisionLanguage.refused`: Gemma 3's ``token_type_ids``).
+            (:attr:`~captum_normattr.arch.families.vlm.VisionLanguage.refused`).
 
     Examples:
         >>> split_forward_args({"attention_mask": mask, "position_ids": pos}, model, adapter)["position_ids"] is pos
@@ -197,7 +197,9 @@ def prepare_inputs(
             where it cannot be misread); None means no padding.
 
     Returns:
-        :class:`PreparedInputs` on the model's device.
+        :class:`PreparedInputs` on the model's device; ``two_way`` where a vision-language model's
+        ``token_type_ids`` make its decoder attend two-way over part of the sequence
+        (:attr:`~captum_normattr.arch.families.vlm.VisionLanguage.two_way`, docs/vlm.md).
 
     Raises:
         ValueError / TypeError with a message saying what to change.
@@ -270,8 +272,9 @@ def prepare_inputs(
         finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
     further = {k: v.to(device=device) for k, v in given.items() if k not in FORWARD_KEYWORDS and v is not None}
     description = vision_language(model)
+    two_way = description is not None and description.two_way is not None and token_types is not None
     return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite,
-                          position_ids, further, description is not None and description.positions == "model")
+                          position_ids, further, description is not None and description.positions == "model", two_way)
 
 
 def is_integer(t: Tensor) -> bool:

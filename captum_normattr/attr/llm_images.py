@@ -39,6 +39,7 @@ from torch import Tensor
 
 from captum_normattr.attr.positions import LOG_PROB_NOT_ADDITIVE, QUANTITIES, PositionExplanation
 from captum_normattr.attr.vlm_regions import ImageGeometry, grid_scores, image_geometry, image_token_mask
+from captum_normattr.models.adapters import vision_language
 from captum_normattr.tokens import display_token, readable_tokens
 
 __all__ = [
@@ -168,15 +169,18 @@ def image_model_inputs(inp: ImageMaskInput) -> Dict[str, Any]:
 
 def _forward_args(inputs: Dict[str, Any], prompt_length: int, n_target: int, model: Any) -> Dict[str, Any]:
     r"""The model's further inputs for the prompt followed by n target tokens: per-token inputs extended
-    (the attention mask with ones, token-type inputs with zeros), floats cast to the model's dtype."""
+    (the attention mask with ones, token-type inputs with zeros; ``token_type_ids`` with the type the model's
+    own ``generate`` gives new tokens: 1, the causal suffix, for PaliGemma), floats cast to the model's dtype."""
     param = next(model.parameters())
+    description = vision_language(model)
+    generated_type = 0 if description is None else description.generated_type
     out: Dict[str, Any] = {}
     for key, value in inputs.items():
         if key == "input_ids":
             continue
         if isinstance(value, Tensor):
             if value.dim() == 2 and value.shape == (1, prompt_length):
-                fill = 1 if key == "attention_mask" else 0
+                fill = 1 if key == "attention_mask" else generated_type if key == "token_type_ids" else 0
                 value = torch.cat([value, value.new_full((1, n_target), fill)], 1)
             value = value.to(device=param.device, dtype=param.dtype if value.is_floating_point() else value.dtype)
         out[key] = value

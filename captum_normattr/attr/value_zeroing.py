@@ -293,6 +293,7 @@ class _ZeroingRun:
         self.adapter = owner.adapter
         self.layers = layer_modules(self.model, self.adapter)
         self.valid = prepared.valid
+        self.causal = bool(self.adapter.causal) and not prepared.two_way  # two-way spans: full maps (docs/vlm.md)
         self.thread = threading.get_ident()
         self.rerunning = False
         self.zero_rows: Optional[Tensor] = None  # (n,) source zeroed in every rerun (-1: none)
@@ -401,7 +402,7 @@ class _ZeroingRun:
             if bool(zeroed.any()):
                 d = cosine_distances(ref[zeroed], y[zeroed])  # (n, T): row i of example rows[k], source zero[k]
                 distances[rows[zeroed], :, zero[zeroed]] = d
-        if self.adapter.causal:  # i does not attend to j > i: exactly 0 (the reruns give rounding noise at most)
+        if self.causal:  # i does not attend to j > i: exactly 0 (the reruns give rounding noise at most)
             distances = distances.tril()
         v = valid.to(torch.float64)
         self.distances[idx] = distances * v[:, :, None] * v[:, None, :]

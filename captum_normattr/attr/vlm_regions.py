@@ -28,6 +28,10 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
+PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
+:func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
+image spans, PaliGemma's prefix: docs/vlm.md, "Two-way spans").
+
 The pure functions (:func:`grid_scores`, :func:`patches_to_pixels`) take the geometry as numbers
 and are what the synthetic-grid tests check; :func:`image_scores` and :func:`image_heatmaps` read
 it from the model.
@@ -40,6 +44,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.arch.families.vlm import TWO_WAY
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "image_scores",
     "image_token_mask",
     "patches_to_pixels",
+    "two_way_pairs",
 ]
 
 
@@ -161,7 +167,7 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
             raise ValueError(f"mm_tokens_per_image {config.mm_tokens_per_image} is not a square that divides the "
                              f"{size // p} x {size // p} patch grid")
         return ImageGeometry(token, (size // side, size // side), ((side, side),))
-    strategy = getattr(config, description.strategy, "default")
+    strategy = "full" if description.strategy is None else getattr(config, description.strategy, "default")
     class_token = getattr(vision, "model_type", None) in description.class_token_towers
     if image_sizes is not None:
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
@@ -321,3 +327,40 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
     scores = _scores_of(result)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]
+
+
+def two_way_pairs(two_way: str, token_type_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    r"""The (receiving i, source j > i) pairs that ``token_type_ids`` open above the diagonal.
+
+    What the model's own mask adds to the causal one (Gemma 3's ``get_block_sequence_ids_for_mask``,
+    PaliGemma's prefix); a decomposition of such a call is non-zero above the diagonal at these
+    pairs only.
+
+    Args:
+        two_way: :attr:`VisionLanguage.two_way` (:data:`TWO_WAY`).
+        token_type_ids: (B, T) integer.
+        attention_mask: (B, T) 0/1, or None (every token real): pairs with a pad are dropped.
+
+    Returns:
+        (B, T, T) bool, True at the pairs (i, j), j > i, that attend two-way.
+
+    Examples::
+
+        >>> two_way_pairs("image_spans", torch.tensor([[0, 1, 1, 0]]))[0].nonzero().tolist()
+        [[1, 2]]
+    """
+    if two_way not in TWO_WAY:
+        raise ValueError(f"two_way must be one of {TWO_WAY}, got {two_way!r}")
+    if two_way == "prefix":
+        group = torch.where(token_type_ids == 0, 0, -1)
+    else:
+        image = token_type_ids == 1
+        start = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+        group = torch.where(image, start.long().cumsum(-1), -1)
+    t = group.shape[-1]
+    pairs = (group[:, :, None] == group[:, None, :]) & (group[:, :, None] >= 0)
+    pairs &= torch.ones(t, t, dtype=torch.bool, device=group.device).triu(1)
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        pairs &= real[:, :, None] & real[:, None, :]
+    return pairs

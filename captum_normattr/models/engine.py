@@ -130,7 +130,7 @@ def streamed_forward(
     Args:
         model: the user's model.
         adapter: its adapter.
-        prepared: validated inputs.
+        prepared: validated inputs (``prepared.two_way``: the layers are recorded as not causal).
         on_layer: callback receiving each layer's :class:`LayerTensors`. Before it runs,
             ``prepared.finite`` is updated with the layer's finiteness (:func:`layer_finite`).
         top_model: run the whole model (heads included) instead of the bare Transformer.
@@ -166,7 +166,7 @@ def streamed_forward(
 
     for attempt in range(2):
         with torch.no_grad(), recording(model, adapter, checked_on_layer, compute_dtype(model), keep_calls,
-                                        probabilities) as rec:
+                                        probabilities, prepared.two_way) as rec:
             try:
                 out = (model if top_model else base_model(model))(**prepared.forward_kwargs())
             except RecordedTensorModifiedError as e:

@@ -37,6 +37,10 @@ class PreparedInputs:
     extra_inputs: Dict[str, Tensor] = field(default_factory=dict)
     #: the model computes its own positions (a vision-language model's M-RoPE): none are passed unless given
     model_positions: bool = False
+    #: the decoder's attention is two-way over part of this call's sequence (a vision-language model's
+    #: ``token_type_ids``: Gemma 3's image spans, PaliGemma's prefix; docs/vlm.md, "Two-way spans"): its layers
+    #: are recorded as not causal (full maps, no triangular shortcuts); positions and cache stay a decoder's
+    two_way: bool = False
 
     @property
     def valid(self) -> Tensor:

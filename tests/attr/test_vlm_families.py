@@ -1,5 +1,5 @@
 r"""Vision-language families beyond LLaVA and Qwen2-VL (issue 38): Qwen2.5-VL, Idefics3 / SmolVLM, Mistral 3,
-Gemma 3 (``docs/vlm.md``).
+Gemma 3, PaliGemma (``docs/vlm.md``; their two-way spans: ``tests/attr/test_vlm_two_way.py``).
 
 For every described family, on a tiny float64 model (``tests/fixtures/vlm_families.py``): ALTI-Logit and DecompX
 token scores plus no-token terms equal the model's own logit; all four methods on a left-padded batch equal the
@@ -269,8 +269,9 @@ def _image_mask_route(model, fn, image, mask, target, image_token, package_posit
     inputs = double(image)
     full = torch.cat([inputs["input_ids"], target[None]], 1)
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    if "mm_token_type_ids" in inputs:
-        extra["mm_token_type_ids"] = (full == image_token).long()
+    for key in ("mm_token_type_ids", "token_type_ids"):  # 1 on the image tokens (the targets are text)
+        if key in inputs:
+            extra[key] = (full == image_token).long()
     if package_positions:
         extra["position_ids"] = torch.arange(full.shape[1])[None]
     with torch.no_grad():
@@ -395,7 +396,7 @@ def test_mistral3_image_mask_input():
         assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)
 
 
-# ---- Gemma 3: pooled grid, bidirectional image spans refused ---------------------------------------------------
+# ---- Gemma 3: pooled grid (two-way image spans: tests/attr/test_vlm_two_way.py) ---------------------------------------------------
 
 
 def test_gemma3_regions_on_the_pooled_grid():
@@ -447,37 +448,13 @@ def test_gemma3_heat_map_finds_the_changed_patch():
         handle.remove()
 
 
-@pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
-def test_gemma3_bidirectional_image_spans_are_refused(cls):
-    r"""``token_type_ids`` make the model attend bidirectionally within each image (its logits change): every method
-    refuses them with the reason, and without them the model's own (causal) forward is what is explained."""
-    from vlm_families import gemma3_batch
-
-    from captum_normattr import UnsupportedModelError
-
-    c = CASES["gemma3"]
-    model = c.make(seed=2, layers=2)
-    ids, mask, extra = gemma3_batch([3, 5], seed=7, token_types=True)
-    plain = {k: v for k, v in extra.items() if k != "token_type_ids"}
-    assert not torch.allclose(_real(model, ids, mask, extra), _real(model, ids, mask, plain), rtol=0, atol=1e-8)
-    t = torch.tensor([4, 8])
-    with pytest.raises(UnsupportedModelError, match="token_type_ids.*bidirectional.*lower triangular"):
-        cls(model).attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
-    got = cls(model).attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **plain})
-    assert got.abs().max() > 0
-
-
-def test_gemma3_image_mask_input_refuses_token_types_and_runs_without():
-    r"""The ``ImageMaskInput`` route refuses a ``processor_fn`` that gives ``token_type_ids`` (Gemma 3's processor
-    does); without them it is complete against the model's own causal forward."""
+def test_gemma3_image_mask_input_with_and_without_token_types():
+    r"""The ``ImageMaskInput`` route with a ``processor_fn`` that gives ``token_type_ids`` (Gemma 3's processor does)
+    is complete against the model's own two-way forward (the targets typed 0, as the model's ``generate`` types
+    them); without them, against the causal forward; the two differ (``tests/attr/test_vlm_two_way.py``)."""
     np = pytest.importorskip("numpy")
-    from captum.attr._utils.interpretable_input import ImageMaskInput
     from PIL import Image
     from vlm_families import GEMMA_BOI, GEMMA_EOI, GEMMA_SIZE
-    from vlm_processors import vlm_tokenizer
-
-    from captum_normattr import UnsupportedModelError
-    from captum_normattr.attr.llm import DecompositionLLMAttribution
 
     c = CASES["gemma3"]
     model = c.make(seed=4)
@@ -493,12 +470,13 @@ def test_gemma3_image_mask_input_refuses_token_types_and_runs_without():
 
     mask = torch.zeros(GEMMA_SIZE, GEMMA_SIZE, dtype=torch.int32)
     mask[:, 8:] = 1
-    llm = DecompositionLLMAttribution(ALTILogitAttribution(model), vlm_tokenizer({}))
     target = torch.tensor([8, 9])
-    with pytest.raises(UnsupportedModelError, match="token_type_ids"):
-        llm.attribute(ImageMaskInput(image, mask=mask, processor_fn=fn(True)), target=target)
-    res, real = _image_mask_route(model, fn(False), image, mask, target, c.image_token, True)
-    ex = res.explanation
-    assert res.patch_attr.shape == (2, 2, 2)
-    assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
-    assert torch.allclose(res.token_attr[:, 1], res.patch_attr[:, :, 1].sum(-1), rtol=1e-12, atol=1e-14)
+    reals = []
+    for types in (True, False):
+        res, real = _image_mask_route(model, fn(types), image, mask, target, c.image_token, True)
+        ex = res.explanation
+        assert res.patch_attr.shape == (2, 2, 2)
+        assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
+        assert torch.allclose(res.token_attr[:, 1], res.patch_attr[:, :, 1].sum(-1), rtol=1e-12, atol=1e-14)
+        reals.append(real)
+    assert float((reals[0] - reals[1]).abs().max() / reals[0].abs().max()) > 1e-3

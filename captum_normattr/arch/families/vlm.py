@@ -24,8 +24,17 @@ a text model is only where things are:
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
 decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
-Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image) and
-Gemma 3 with images (:data:`GEMMA3`: pooled grids; run causally, its bidirectional image spans refused).
+Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
+Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
+patches).
+
+Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
+processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
+PaliGemma over its prefix (the image tokens and the prompt), the suffix causal. Such a call's attention maps
+are not lower triangular, so the package decomposes it as a stack without the causal shortcuts (full maps,
+no triangular storage or row blocks): the recorded probabilities carry the model's own mask, so every entry
+above the diagonal that the mask opens is kept, and every other one is exactly 0 (docs/vlm.md,
+"Two-way spans").
 
 :data:`VISION_LANGUAGE` lists the descriptions by ``config.model_type``; they are kept apart
 from the one-stack registry's table (:data:`~captum_normattr.arch.registry.ARCHITECTURES`)
@@ -40,15 +49,16 @@ from typing import Any, Dict, Optional, Tuple
 from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
-    "BIDIRECTIONAL_IMAGES",
     "GEMMA3",
     "GEOMETRIES",
     "IDEFICS3",
     "LLAVA",
     "MISTRAL3",
+    "PALIGEMMA",
     "QWEN2_VL",
     "QWEN2_5_VL",
     "SMOLVLM",
+    "TWO_WAY",
     "VISION_LANGUAGE",
     "VisionLanguage",
     "text_config",
@@ -71,12 +81,11 @@ __all__ = [
 #: to a square sqrt(mm_tokens_per_image) x sqrt(mm_tokens_per_image) grid of tokens, row-major.
 GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid")
 
-#: Why Gemma 3's ``token_type_ids`` are refused (:attr:`VisionLanguage.refused`).
-BIDIRECTIONAL_IMAGES = (
-    "token_type_ids make the attention within each image span bidirectional, so the decoder's attention maps are not "
-    "lower triangular, which the package's decompositions of a causal decoder assume (ALTI's maps, for one, are cut to "
-    "their lower triangle); pass no token_type_ids: the model then attends causally over the image tokens as well, and that "
-    "forward is explained exactly (docs/vlm.md)")
+#: How ``token_type_ids`` open the attention of a decoder above the diagonal (:attr:`VisionLanguage.two_way`):
+#: ``"image_spans"`` (Gemma 3): each maximal run of tokens of type 1 (an image's tokens) attends to itself two-way,
+#: the rest causally; ``"prefix"`` (PaliGemma): the tokens of type 0 (the image tokens and the prompt, the prefix)
+#: attend to one another two-way, the tokens of type 1 (the suffix) causally.
+TWO_WAY: Tuple[str, ...] = ("image_spans", "prefix")
 
 
 @dataclass(frozen=True)
@@ -104,11 +113,16 @@ class VisionLanguage:
         vision_config: the config attribute holding the vision tower's config (its
             ``image_size`` and ``patch_size`` give the patch grid).
         strategy: the config attribute naming which tower features become image tokens
-            (``"default"``: the first feature dropped, ``"full"``: all kept).
+            (``"default"``: the first feature dropped, ``"full"``: all kept); None: all kept (PaliGemma).
         class_token_towers: the vision tower ``model_type`` values whose sequence starts with a
             [CLS] feature before the patches (CLIP); the others (SigLIP) have patches only.
-        refused: (model input, reason) pairs: inputs the forward takes that the package refuses
-            (Gemma 3's ``token_type_ids``, which turn its image spans bidirectional), with why.
+        refused: (model input, reason) pairs: inputs the forward takes that the package refuses, with why
+            (none of the described families refuses one today).
+        two_way: how ``token_type_ids`` make the decoder's attention two-way over part of the sequence
+            (:data:`TWO_WAY`), or None (the decoder is causal whatever the inputs). A call that carries
+            them is decomposed without the causal shortcuts (full maps; docs/vlm.md, "Two-way spans").
+        generated_type: the ``token_type_ids`` value of tokens appended after the prompt (targets, generated
+            tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
         notes: for the docs.
     """
 
@@ -123,9 +137,11 @@ class VisionLanguage:
     text_types: Tuple[Tuple[str, str], ...] = ()
     positions: str = "package"
     vision_config: str = "vision_config"
-    strategy: str = "vision_feature_select_strategy"
+    strategy: Optional[str] = "vision_feature_select_strategy"
     class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
     refused: Tuple[Tuple[str, str], ...] = ()
+    two_way: Optional[str] = None
+    generated_type: int = 0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -133,6 +149,8 @@ class VisionLanguage:
             raise ValueError(f"VisionLanguage {self.family}: positions must be 'package' or 'model'")
         if self.geometry not in GEOMETRIES:
             raise ValueError(f"VisionLanguage {self.family}: geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
+        if self.two_way is not None and self.two_way not in TWO_WAY:
+            raise ValueError(f"VisionLanguage {self.family}: two_way must be None or one of {TWO_WAY}, got {self.two_way!r}")
 
 
 LLAVA = VisionLanguage(
@@ -179,14 +197,21 @@ MISTRAL3 = VisionLanguage(
 
 GEMMA3 = VisionLanguage(
     family="Gemma 3", model_types=("gemma3",), geometry="pooled_grid", text_families=("gemma3_text",),
-    refused=(("token_type_ids", BIDIRECTIONAL_IMAGES),),
-    notes="SigLIP tower average-pooled to mm_tokens_per_image tokens on a square grid; the decoder run causally over "
-          "the image tokens (token_type_ids, the bidirectional image spans, refused)",
+    two_way="image_spans",
+    notes="SigLIP tower average-pooled to mm_tokens_per_image tokens on a square grid; with token_type_ids (1 on the "
+          "image tokens, as the processor gives them) each image span is attended two-way",
+)
+
+PALIGEMMA = VisionLanguage(
+    family="PaliGemma", model_types=("paligemma",), geometry="patch_grid", text_families=("gemma", "gemma2"),
+    two_way="prefix", generated_type=1, strategy=None,
+    notes="SigLIP tower (no [CLS]), a linear projector; image tokens on the tower's patch grid; with token_type_ids "
+          "(0 on the prefix: the image tokens and the prompt; 1 on the suffix) the prefix is attended two-way",
 )
 
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3) for t in d.model_types}
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:

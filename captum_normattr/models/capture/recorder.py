@@ -156,6 +156,8 @@ class Recorder(AttentionRecords):
     ):
         self.model = model
         self.adapter = adapter
+        #: the pass's attention is two-way over part of the sequence: its layers are recorded as not causal
+        self.two_way = False
         #: the layer kind: what is recorded of each layer and checked (its ``capture`` recipe)
         self.kind = layer_kind(adapter.topology, adapter.family)
         self.dtype = dtype
@@ -578,6 +580,8 @@ class Recorder(AttentionRecords):
         hooks' checks and :func:`~captum_normattr.models.capture.record.record_checks`.
         """
         tensors = layer_record(self.layer_adapters[idx], self.kind, self.layers[idx], self.base, idx, rec, self.dtype)
+        if self.two_way:  # a decoder attending two-way over part of this pass (docs/vlm.md, "Two-way spans")
+            tensors.causal = False
         tensors.checks = self._layer_checks(idx, rec, tensors)
         return tensors
 

@@ -55,6 +55,7 @@ def recording(
     dtype: torch.dtype = torch.float32,
     keep_calls: bool = False,
     probabilities: bool = True,
+    two_way: bool = False,
 ) -> Iterator[Recorder]:
     r"""Record the forward passes run inside the block, handing each layer to ``on_layer``.
 
@@ -73,6 +74,9 @@ def recording(
             (sdpa, ...; the eager recording attention where the model was configured eager) and
             the handed-over layers have ``probs=None``; :meth:`Recorder.rerun_layer` still
             records them. For passes that keep only checkpoints (the DecompX adjoint).
+        two_way: the pass's attention is two-way over part of a decoder's sequence (a vision-language
+            model's ``token_type_ids``): the handed-over layers (and reruns) are marked not causal
+            (``LayerTensors.causal=False``: full maps, no triangular shortcuts).
 
     Yields:
         The :class:`Recorder`.
@@ -85,6 +89,7 @@ def recording(
     """
     recorder = Recorder(model, adapter, dtype, on_layer, keep_calls)
     recorder.record_probabilities = probabilities
+    recorder.two_way = two_way
     with recorder_session(model, recorder, recorder.install_hooks):
         try:
             yield recorder
