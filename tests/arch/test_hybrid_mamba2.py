@@ -6,7 +6,7 @@ and the mixer's output); every method (GlobEnc, ALTI, FF, DecompX, ALTI-Logit, r
 float64 Granite 4 (tests/fixtures/zoo_state_space.py): token scores plus no-token terms equal the model's own logit
 (relative 1e-10), a left-padded example equals the example alone, the model is unchanged; the mixer follows
 ``layer_types``; a convolution bias, experts beside the shared MLP, an input-projection bias and Value Zeroing are
-refused with the reason, and Nemotron-H stays refused.
+refused with the reason. Nemotron-H's single-branch layers with the same mixer: tests/arch/test_hybrid_nemotron_h.py.
 """
 from __future__ import annotations
 
@@ -128,13 +128,12 @@ def test_recorded_mixing_is_the_naive_one_rebuilds_the_mixer_and_follows_layer_t
     assert [la.layer.attention.mixer for la in layer_adapters(other, get_adapter(other))] == ["softmax", "mamba2"] * 2
 
 
-def test_granite4_is_registered_and_nemotron_h_stays_refused():
+def test_granite4_is_registered():
     assert ARCHITECTURES["granitemoehybrid"] is GRANITE4 and lookup("granitemoehybrid") is GRANITE4
-    assert "granitemoehybrid" not in REFUSED
+    assert "granitemoehybrid" not in REFUSED and refusal("granitemoehybrid") is None
     assert family_methods(GRANITE4) == ("GlobEnc", "ALTI", "FF", "DecompX", "ALTI-Logit")
     assert "Mamba-2 mixer layers" in GRANITE4.features()
     assert "Mamba-2" in GRANITE4.mixer_summary()
-    assert "nemotron_h" in REFUSED and "one branch behind its own norm" in refusal("nemotron_h")
 
 
 def test_every_method_is_exact_padding_free_and_leaves_the_model():
