@@ -26,7 +26,16 @@ from captum_normattr import (
 from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families.state_space import NEMOTRON_H, NEMOTRON_H_MAMBA2
 from captum_normattr.arch.registry import REFUSED
-from captum_normattr.arch.spec import ArchitectureSpec, Attention, FeedForward, Head, Layer, Norm, ValueProjection
+from captum_normattr.arch.spec import (
+    ArchitectureSpec,
+    Attention,
+    Experts,
+    FeedForward,
+    Head,
+    Layer,
+    Norm,
+    ValueProjection,
+)
 from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS, SingleBranchKind
@@ -196,3 +205,7 @@ def test_single_branch_descriptions_are_validated():
         spec(single_branches=(("f", FeedForward(up="u", act="a", down="d")),), mixer_types="types")
     with pytest.raises(ValueError, match="one of"):
         spec(branch="both")
+    with pytest.raises(ValueError, match="shared expert is a plain FeedForward"):
+        Experts("mixer.experts", kind="squared_relu", shared=FeedForward(up="u", gate="g", act="a", down="d"))
+    with pytest.raises(ValueError, match="latent projections"):
+        Experts("mlp.experts", latent=("fc1", "fc2"))
