@@ -79,7 +79,9 @@ FF_KINDS: Tuple[str, ...] = ("plain", "gated", "fused_gate_up", "experts")
 #: a clamped gate and up, (up + 1) * gate * sigmoid(alpha * gate)).
 #: ``input_scaled`` (Llama 4: every expert reads the routing-scaled input, FF_e(r u), the scores
 #: read from the router's output, :attr:`Experts.router`).
-EXPERT_KINDS: Tuple[str, ...] = ("gated", "clamped_swiglu", "input_scaled")
+#: ``squared_relu`` (Nemotron-H: non-gated ReLU² experts, relu(u W_up^e)^2 W_down^e, with a plain
+#: ReLU² shared expert; read as the gated form relu(a) * a, W_gate = W_up).
+EXPERT_KINDS: Tuple[str, ...] = ("gated", "clamped_swiglu", "input_scaled", "squared_relu")
 #: The fixed functions a classification head may apply (:attr:`ClassifierHead.activation_fn`), by
 #: their name in ``torch``: the activation is ``getattr(torch, name)``.
 HEAD_FUNCTIONS: Tuple[str, ...] = ("tanh", "relu")
@@ -146,8 +148,12 @@ MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net", "kim
 #: - ``sandwich``: h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))), norms after the branches
 #:   too (Gemma 2, Gemma 3);
 #: - ``parallel``: y = x + Attn(N1(x)) + FF(N2(x)), both branches on the layer input
-#:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere).
-TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel")
+#:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere);
+#: - ``single_branch``: y = x + B(N(x)), ONE branch per layer, a mixing branch (attention, a linear
+#:   mixer) or a feed-forward, chosen by the layer's type (Nemotron-H; :attr:`Layer.single_branches`).
+TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel", "single_branch")
+#: The branch names of a single-branch layer's description (:attr:`Layer.branch`).
+SINGLE_BRANCH_NAMES: Tuple[str, ...] = ("self_attention", "feed_forward")
 
 
 def _has_path(module: Any, path: str) -> bool:
@@ -163,6 +169,18 @@ def _has_parts(module: Any, att: "Attention") -> bool:
     r"""True when ``module`` (a layer) has the mixer ``att``'s module, value projection and convolution (Kimi Linear's
     two mixers share the module path ``self_attn``: their parts tell them apart)."""
     paths = [att.module] + [p for p in (att.value.path if att.value is not None else None, att.conv) if p is not None]
+    return all(_has_path(module, p) for p in paths)
+
+
+def _has_branch_parts(module: Any, branch: Any) -> bool:
+    r"""True when ``module`` (a layer) has the parts of ``branch``: an :class:`Attention` (:func:`_has_parts`) or a
+    :class:`FeedForward` (its projections, and its experts module; a functional activation is no module)."""
+    if isinstance(branch, Attention):
+        return _has_parts(module, branch)
+    paths = [branch.up, branch.down] + [p for p in (branch.gate, branch.experts.module if branch.experts else None)
+                                        if p is not None]
+    if not branch.act.startswith(FUNCTIONAL_ACT):
+        paths.append(branch.act)
     return all(_has_path(module, p) for p in paths)
 
 
@@ -392,13 +410,21 @@ class Experts:
             per expert and multiplied by its routing score, FF_e(r_e u) =
             (g(r_e u W_gate^e) * (r_e u W_up^e)) W_down^e, r_e = 0 for the experts not chosen; the
             (E, D, 2F) ``gate_up_proj`` [gate | up] is applied as u @ W^e; the scores are recorded
-            from the output of :attr:`router`).
+            from the output of :attr:`router`) or ``"squared_relu"`` (Nemotron-H: non-gated experts,
+            ``up_proj`` (E, F, D) and ``down_proj`` (E, D, F) applied as ``F.linear``,
+            r_e relu(u W_up^e)^2 W_down^e; the shared expert a plain ReLU² :class:`FeedForward`; every
+            neuron read as the gated form relu(a) * a with W_gate = W_up, whose integrated gradients
+            are the elementwise ReLU²'s: ``docs/frontier.md``, "Single-branch layers").
         router: for ``input_scaled``: the router module, whose first output is the (N, E)
             routing scores the experts' input is multiplied by; None otherwise.
         shared_beside: the shared expert's module when the *layer*, not the sparse block, adds its
             output (Granite 4: ``block_sparse_moe(u) + shared_mlp(u)`` in the layer's forward); its
             output is recorded and added to the block's (the FF's ``down``) as the FF output; None
             when the block's output holds the shared expert's.
+        latent: for ``squared_relu``: the linear maps the block applies around the routed experts,
+            ``(into the latent space, back)`` (Nemotron-H's ``fc1_latent_proj`` and ``fc2_latent_proj``
+            with ``moe_latent_size``; an ``nn.Identity`` there without), folded into the stacked
+            W_up and W_down (and the output bias) when the weights are read; None: none.
     """
 
     module: str
@@ -408,6 +434,7 @@ class Experts:
     kind: str = "gated"
     router: Optional[str] = None
     shared_beside: Optional[str] = None
+    latent: Optional[Tuple[str, str]] = None
 
     def __post_init__(self) -> None:
         if self.kind not in EXPERT_KINDS:
@@ -415,8 +442,14 @@ class Experts:
         if (self.kind == "input_scaled") != (self.router is not None):
             raise ValueError("Experts: input-scaled experts (and only they) name the router whose scores they read")
         for name, ff in (("shared expert", self.shared), ("dense feed-forward", self.dense)):
-            if ff is not None and ff.kind not in ("gated", "fused_gate_up"):
-                raise ValueError(f"Experts: the {name} is a gated FeedForward, got kind {ff.kind!r}")
+            plain = self.kind == "squared_relu" and name == "shared expert"  # Nemotron-H's shared ReLU² MLP
+            if ff is not None and ff.kind not in (("plain",) if plain else ("gated", "fused_gate_up")):
+                raise ValueError(f"Experts: the {name} is a {'plain' if plain else 'gated'} FeedForward, got kind "
+                                 f"{ff.kind!r}")
+        if self.kind == "squared_relu" and self.shared_gate is not None:
+            raise ValueError("Experts: squared_relu experts have an ungated shared expert")
+        if self.latent is not None and (self.kind != "squared_relu" or len(self.latent) != 2):
+            raise ValueError("Experts: latent projections (into, back) are read for squared_relu experts")
         if self.shared_gate is not None and self.shared is None:
             raise ValueError("Experts: a shared_gate needs a shared expert")
         if self.shared_beside is not None and (self.shared is None or self.shared_gate is not None):
@@ -495,6 +528,15 @@ class Layer:
             type (``config.<mixer_types>[i]``) is listed runs that mixer instead of ``attention``
             (LFM2: ``(("conv", short_conv),)``); the norms and the feed-forward are the same.
         mixer_types: the config attribute listing each layer's type (LFM2: ``"layer_types"``), or None.
+        single_branches: a model whose layers are each ONE branch behind its own norm, y = x + B(N(x))
+            (Nemotron-H): ``(layer type, branch)``, the branch an :class:`Attention` (a mixing branch:
+            attention or a linear mixer) or a :class:`FeedForward`, with its ``pre_norm`` N; the layer's
+            type is ``config.<mixer_types>[i]``. ``attention`` and ``ff`` are then the family's defaults
+            (what its docs row shows); each layer's description (:meth:`ArchitectureSpec.for_layer`) has
+            only its own branch (:attr:`branch`). Empty: every layer has both branches.
+        branch: ``"self_attention"`` or ``"feed_forward"``: the one branch of a single-branch layer's
+            description (its other branch is absent, decomposed as identically zero:
+            :mod:`captum_normattr.decompose.kinds.single_branch`); None: the layer has both.
     """
 
     attention: Attention
@@ -504,9 +546,16 @@ class Layer:
     cross_attention: Optional[Attention] = None
     mixers: Tuple[Tuple[str, Attention], ...] = ()
     mixer_types: Optional[str] = None
+    single_branches: Tuple[Tuple[str, Any], ...] = ()
+    branch: Optional[str] = None
 
     def branches(self) -> Tuple[Tuple[str, Any], ...]:
-        r"""(name, branch) in the order the layer runs them: self-attention, cross-attention, feed-forward."""
+        r"""(name, branch) in the order the layer runs them: self-attention, cross-attention, feed-forward
+        (a single-branch layer's description: its one branch)."""
+        if self.branch == "self_attention":
+            return (("self_attention", self.attention),)
+        if self.branch == "feed_forward":
+            return (("feed_forward", self.ff),)
         out = [("self_attention", self.attention)]
         if self.cross_attention is not None:
             out.append(("cross_attention", self.cross_attention))
@@ -729,9 +778,10 @@ class ArchitectureSpec:
             raise ValueError(f"{self.family}: modality must be 'text' or 'image', got {self.modality!r}")
 
     def _check_layer(self, lay: Layer) -> None:
-        if bool(lay.mixers) != (lay.mixer_types is not None):
-            raise ValueError(f"{self.family}: a hybrid layer names its mixers and the config attribute of the layer "
-                             "types (mixer_types) together")
+        if bool(lay.mixers or lay.single_branches) != (lay.mixer_types is not None):
+            raise ValueError(f"{self.family}: a hybrid layer names its mixers (or single branches) and the config "
+                             "attribute of the layer types (mixer_types) together")
+        self._check_single_branch(lay)
         if lay.stream_norms and (any(b.pre_norm for _, b in lay.branches()) or lay.parallel):
             raise ValueError(f"{self.family}: a post-LN layer (stream_norms) has no branch pre-norms and no parallel branches")
         if lay.stream_norms and len(lay.stream_norms) != len(lay.branches()):
@@ -755,6 +805,27 @@ class ArchitectureSpec:
                 raise ValueError(f"{self.family}: the {name} branch's multiplier cannot be combined with a post-norm "
                                  "or a layer scale (it is folded into the output projection)")
 
+    def _check_single_branch(self, lay: Layer) -> None:
+        r"""The rules of single-branch layers (:attr:`Layer.single_branches`, :attr:`Layer.branch`)."""
+        if lay.branch is not None and lay.branch not in SINGLE_BRANCH_NAMES:
+            raise ValueError(f"{self.family}: a single-branch layer's branch is one of {SINGLE_BRANCH_NAMES}, "
+                             f"got {lay.branch!r}")
+        if not (lay.single_branches or lay.branch is not None):
+            return
+        if lay.single_branches and (lay.mixers or lay.branch is not None):
+            raise ValueError(f"{self.family}: single-branch layers name each type's branch in single_branches, "
+                             "without mixers")
+        if lay.parallel or lay.stream_norms or lay.cross_attention is not None:
+            raise ValueError(f"{self.family}: a single-branch layer has no parallel branches, stream norms or "
+                             "cross-attention")
+        for name, branch in lay.single_branches + lay.branches():  # each type's branch, and the defaults
+            if not isinstance(branch, (Attention, FeedForward)):
+                raise ValueError(f"{self.family}: the single branch {name!r} is an Attention or a FeedForward, got "
+                                 f"{type(branch).__name__}")
+            if branch.pre_norm is None or branch.post_norm is not None or branch.scale is not None:
+                raise ValueError(f"{self.family}: a single-branch layer's branch ({name!r}) has its "
+                                 "pre-norm, and no post-norm or layer scale")
+
     # --- hybrid layers: one mixer per layer -------------------------------------------
     def for_layer(self, layer: Any = None, layer_type: Optional[str] = None) -> "ArchitectureSpec":
         r"""This description with the mixer of one layer of a hybrid model as its attention branch.
@@ -766,12 +837,16 @@ class ArchitectureSpec:
 
         Returns:
             ``self`` for a model with one mixer (or a layer of the default mixer's type); else a copy
-            whose :attr:`Layer.attention` is the layer's mixer and without other mixers.
+            whose :attr:`Layer.attention` is the layer's mixer and without other mixers. For a
+            single-branch model (:attr:`Layer.single_branches`): the description of the layer's one
+            branch (:meth:`_single_branch_layer`).
 
         Raises:
             ValueError: the layer's type names no mixer and the layer lacks the default mixer's module.
         """
         lay = self.layer
+        if lay.single_branches:
+            return self._single_branch_layer(layer, layer_type)
         if not lay.mixers:
             return self
         chosen = dict(lay.mixers).get(layer_type) if layer_type is not None else None
@@ -786,6 +861,35 @@ class ArchitectureSpec:
                                  f"{lay.attention.module!r} nor one of the mixers {[m.module for _, m in lay.mixers]}")
             chosen = lay.attention
         return replace(self, layer=replace(lay, attention=chosen, mixers=(), mixer_types=None))
+
+    def _single_branch_layer(self, layer: Any, layer_type: Optional[str]) -> "ArchitectureSpec":
+        r""":meth:`for_layer` of a single-branch model: the description of the layer's one branch (:attr:`Layer.branch`).
+
+        The branch is ``layer_type``'s; without a type, the first listed branch whose parts the layer has; with
+        neither, ``self``.
+
+        Raises:
+            ValueError: a type the description does not list, or a layer with no listed branch's parts.
+        """
+        lay = self.layer
+        branches = dict(lay.single_branches)
+        if layer_type is not None:
+            chosen = branches.get(layer_type)
+            if chosen is None:
+                raise ValueError(f"{self.family}: layer type {layer_type!r} is not one of the described single-branch "
+                                 f"layer types {list(branches)}")
+        elif layer is not None:
+            chosen = next((b for _, b in lay.single_branches if _has_branch_parts(layer, b)), None)
+            if chosen is None:
+                raise ValueError(f"{self.family}: the layer has the parts of none of the described single branches "
+                                 f"(layer types {list(branches)})")
+        else:
+            return self
+        if isinstance(chosen, Attention):
+            one = replace(lay, attention=chosen, branch="self_attention", single_branches=(), mixer_types=None)
+        else:
+            one = replace(lay, ff=chosen, branch="feed_forward", single_branches=(), mixer_types=None)
+        return replace(self, layer=one)
 
     # --- the stacks and the topology --------------------------------------------------
     @property
@@ -805,6 +909,8 @@ class ArchitectureSpec:
     def topology(self) -> str:
         r"""The layer's topology kind, one of :data:`TOPOLOGIES`, chosen from the description."""
         lay = self.layer
+        if lay.single_branches or lay.branch is not None:
+            return "single_branch"
         if lay.stream_norms:
             return "post_ln"
         if lay.parallel:
@@ -918,7 +1024,7 @@ class ArchitectureSpec:
         if lay.stream_norms:
             return tuple(lay.stream_norms)
         out = []
-        for _, branch in lay.branches():
+        for _, branch in lay.branches() + lay.single_branches:
             out += [branch.pre_norm, branch.post_norm]
         return tuple(n for n in out if n is not None)
 
@@ -945,16 +1051,18 @@ class ArchitectureSpec:
             return "softmax attention" + (f" ({', '.join(extras)})" if extras else "")
 
         names: List[str] = []
-        for att in [self.layer.attention] + [m for _, m in self.layer.mixers]:
+        singles = [b for _, b in self.layer.single_branches if isinstance(b, Attention)]
+        for att in ([self.layer.attention] if not singles else []) + [m for _, m in self.layer.mixers] + singles:
             if one(att) not in names:
                 names.append(one(att))
-        return " + ".join(names) + (", per layer type" if self.layer.mixers else "")
+        return " + ".join(names) + (", per layer type" if self.layer.mixers or self.layer.single_branches else "")
 
     def features(self) -> Tuple[str, ...]:
         r"""Readable features for the docs' table (norm type, FF type, layouts, heads)."""
         lay, out = self.layer, []
         out.append({"post_ln": "post-LN", "pre_ln": "pre-LN", "sandwich": "sandwich norms",
-                    "parallel": "parallel attention + FF"}[self.topology])
+                    "parallel": "parallel attention + FF",
+                    "single_branch": "one branch per layer (mixer or FF) behind its own norm"}[self.topology])
         kinds = {n.kind for n in self.norms()}
         out.append("RMSNorm" if kinds == {"rmsnorm"} else "LayerNorm" if kinds == {"layernorm"} else "mixed norms")
         if any(n.weight_offset for n in self.norms()):
@@ -967,6 +1075,9 @@ class ArchitectureSpec:
             out.append("clamped SwiGLU experts with biases")
         if lay.ff.experts is not None and lay.ff.experts.kind == "input_scaled":
             out.append("experts on the routing-scaled input")
+        for ff in dict.fromkeys(b for _, b in lay.single_branches if isinstance(b, FeedForward) and b.experts):
+            out.append("expert layers" + (" (non-gated ReLU² experts, a shared expert)"
+                                          if ff.experts.kind == "squared_relu" else ""))
         if lay.ff.experts is not None and lay.ff.experts.shared is not None:
             out.append("sigmoid-gated shared expert" if lay.ff.experts.shared_gate else "shared expert")
         v = lay.attention.value
@@ -979,7 +1090,8 @@ class ArchitectureSpec:
             out.append("attention soft-cap")
         if lay.attention.sinks:
             out.append("attention sinks")
-        for _, mixer in lay.mixers:
+        mixers = lay.mixers + tuple((t, b) for t, b in lay.single_branches if isinstance(b, Attention) and b.mixer != "softmax")
+        for mixer in dict.fromkeys(m for _, m in mixers):  # once each (a single-branch mixer may serve two type names)
             out.append({"short_conv": "gated short-convolution mixer layers",
                         "gated_delta_net": "Gated DeltaNet mixer layers",
                         "kimi_delta": "Kimi delta attention mixer layers",

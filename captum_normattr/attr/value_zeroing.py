@@ -468,6 +468,12 @@ class ValueZeroingAttribution(DecompositionAttribution):
                 f"Value Zeroing is not supported for {self.adapter.family}: its layers mix tokens with other mixers "
                 f"({', '.join(m.mixer for _, m in self.adapter.layer.mixers)}) beside attention, whose value rerun "
                 "is not implemented; use ALTI, GlobEnc, DecompX or ALTI-Logit, which decompose every mixer")
+        if self.adapter.layer.single_branches:  # Nemotron-H: one branch per layer, Mamba-2 mixers among them
+            raise UnsupportedModelError(
+                f"Value Zeroing is not supported for {self.adapter.family}: its layers are single branches (a mixer "
+                f"or a feed-forward, by layer type: {', '.join(dict(self.adapter.layer.single_branches))}) and its "
+                "value rerun is implemented for attention beside a feed-forward only; use ALTI, GlobEnc, DecompX or "
+                "ALTI-Logit, which decompose every layer")
         if self.adapter.layer.attention.value is None:
             raise ValueError(
                 f"Value Zeroing needs the value projection of the {self.adapter.family} layers, which its architecture "

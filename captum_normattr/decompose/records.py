@@ -112,7 +112,7 @@ class LayerTensors:
         source_dtype: the dtype the model computed the recorded tensors in (before the cast
             to the compute dtype); sets the tolerance of the checks. None: the compute dtype.
         topology: the layer's topology kind (``"post_ln"``, ``"pre_ln"``, ``"sandwich"``,
-            ``"parallel"``; :data:`captum_normattr.arch.spec.TOPOLOGIES`), from the description;
+            ``"parallel"``, ``"single_branch"``; :data:`captum_normattr.arch.spec.TOPOLOGIES`), from the description;
             what a method asks of the layer it asks its kind
             (:func:`captum_normattr.decompose.kinds.registry.layer_kind`).
         attn_post / ff_post: parameters of the norms on the branch outputs (sandwich), or None.

@@ -20,6 +20,7 @@ from captum_normattr.arch.registry import ARCHITECTURES, ENCODER_DECODERS, VISIO
 from captum_normattr.arch.families.vlm import VisionLanguage, text_config, vision_language_spec
 from captum_normattr.arch.spec import ArchitectureSpec, UnsupportedModelError
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS
+from captum_normattr.decompose.kinds.single_branch import absent_value_projection
 from captum_normattr.models.quantization import check_quantization
 from captum_normattr.models.unregistered import unregistered_hint
 from captum_normattr.models.weights import module_tensor, weight_and_bias
@@ -397,7 +398,8 @@ def layer_modules(model: nn.Module, adapter: ArchitectureSpec):
 
 def layer_adapters(model: nn.Module, adapter: ArchitectureSpec, layers: Optional[list] = None) -> list:
     r"""Each layer's description: for a hybrid model (:attr:`~captum_normattr.arch.spec.Layer.mixers`) the layer's
-    own mixer as its attention branch, chosen by ``config.<mixer_types>[i]``; else ``adapter`` for every layer.
+    own mixer as its attention branch, for a single-branch model (:attr:`~captum_normattr.arch.spec.Layer.single_branches`)
+    the layer's one branch, chosen by ``config.<mixer_types>[i]``; else ``adapter`` for every layer.
 
     Args:
         model: the model.
@@ -409,7 +411,7 @@ def layer_adapters(model: nn.Module, adapter: ArchitectureSpec, layers: Optional
     """
     layers = layer_modules(model, adapter) if layers is None else layers
     types_name = adapter.layer.mixer_types
-    if not adapter.layer.mixers or types_name is None:
+    if not (adapter.layer.mixers or adapter.layer.single_branches) or types_name is None:
         return [adapter] * len(layers)
     types = getattr(getattr(unwrap_model(model), "config", None), types_name, None)
     if types is None or len(types) < len(layers):
@@ -459,6 +461,11 @@ def value_projection(layer: nn.Module, adapter: ArchitectureSpec) -> Tuple[Tenso
             does not match the head counts of its attention module.
     """
     adapter = adapter.for_layer(layer)  # a hybrid model: this layer's mixer
+    if adapter.layer.branch == "feed_forward":  # a single-branch FF layer: its absent attention's W_V (D, 1) is 0
+        norm = module_tensor(get_path(layer, adapter.norm2.path), "weight")
+        if norm is None:
+            raise ValueError(f"the {adapter.family} feed-forward layer's norm has no weight to read its width from")
+        return absent_value_projection(norm.shape[-1], norm.dtype, norm.device), None
     spec = adapter.layer.attention.value
     if spec is None:
         raise ValueError(f"the {adapter.family} description does not name the value projection (attention value)")

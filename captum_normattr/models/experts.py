@@ -31,13 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import FeedForward
-from captum_normattr.decompose.primitives.gated_feed_forward import ClampedSwiGLUGate
+from captum_normattr.decompose.primitives.gated_feed_forward import ClampedSwiGLUGate, ReLUGate
 from captum_normattr.decompose.records import FFParams
 from captum_normattr.models.adapters import linear_params
 from captum_normattr.models.weights import module_tensor
 
 __all__ = ["BIAS_NEURON_GATE", "EXPERT_KEYS", "clamped_swiglu_ff_params", "experts_ff_params", "experts_module",
-           "input_scaled_ff_params", "register_expert_hooks", "routing_scale"]
+           "input_scaled_ff_params", "register_expert_hooks", "routing_scale", "squared_relu_ff_params"]
 
 #: The gate pre-activation of the constant neurons that carry GPT-OSS's per-expert output biases
 #: (:func:`clamped_swiglu_ff_params`): any value with g(a) != 0 will do; 1 keeps g(a) of order 1.
@@ -327,6 +327,8 @@ def experts_ff_params(
     index, weights = rec["expert_index"], rec["expert_weights"]
     if index.shape[0] != b * t:
         raise RuntimeError(f"the experts module routed {index.shape[0]} tokens, not the batch's {b} x {t}")
+    if ex.kind == "squared_relu":
+        return squared_relu_ff_params(layer, ff, module, index.to(device), cast(weights), dtype, device, (b, t))
     if ex.kind == "clamped_swiglu":
         e = int(module_tensor(module, "gate_up_proj", ex.module).shape[0])
         return clamped_swiglu_ff_params(module, ex.module, cast(rec["ln2_out"]).reshape(b * t, -1),
@@ -416,3 +418,84 @@ def clamped_swiglu_ff_params(module: nn.Module, where: str, u: Tensor, routing: 
         w_d = torch.cat([w_d, down_bias], 0)
         scale = torch.cat([scale, routing / g0], 1)
     return FFParams(w_u, b_u + 1, w_d, None, act, w_g, b_g, hidden_scale=scale.reshape(*batch, -1))
+
+
+def _squared_relu(x: Tensor) -> Tensor:
+    return torch.relu(x) ** 2
+
+
+def squared_relu_ff_params(layer: nn.Module, ff: FeedForward, module: nn.Module, index: Tensor, weights: Tensor,
+                           dtype: torch.dtype, device: torch.device, batch: Tuple[int, int]) -> FFParams:
+    r"""Nemotron-H's experts (``Experts.kind="squared_relu"``) as one gated :class:`FFParams` with a frozen hidden scale.
+
+    Expert e's neuron f computes r_e relu(a)^2 W_down^e[f] with a = u W_up^e[:, f] (no gate, no bias). As
+    relu(a)^2 = relu(a) * a, it is the gated form g(a) * b with W_gate = W_up (b = a) and g = ReLU
+    (:class:`~captum_normattr.decompose.primitives.gated_feed_forward.ReLUGate`): integrated gradients along
+    t (a, b) is then the straight path of the elementwise ReLU², the parts a_j relu(a) are its closed form's, and
+    the gate integrals are exact (no quadrature error). The shared expert (a plain ReLU² MLP, its biases allowed)
+    is the same form with the factor 1; the routing is the recorded one, held fixed. Latent projections around
+    the routed experts (``Experts.latent``: z = u W_1 + b_1 into the experts' space, their sum s back as
+    s W_2 + b_2) are linear: folded, W_up^e <- W_1 W_up^e with the bias b_1 W_up^e, W_down^e <- W_down^e W_2,
+    and b_2 joins the output bias.
+
+    Args:
+        layer: the layer module.
+        ff: its feed-forward description (kind ``experts``, ``Experts.kind="squared_relu"``).
+        module: the experts module (``up_proj`` (E, F, D), ``down_proj`` (E, D, F), ``act_fn`` ReLU²).
+        index, weights: (N, k) the recorded routing (the experts module's arguments), N = B T.
+        dtype, device: of the returned tensors.
+        batch: (B, T).
+
+    Returns:
+        :class:`FFParams` of width E F [+ F_s], W_gate = W_in, the hidden scale (B, T, E F [+ F_s]).
+
+    Raises:
+        NotImplementedError: an activation other than ReLU² (experts or shared expert), or experts with biases.
+    """
+    ex = ff.experts
+    cast = lambda x: None if x is None else x.detach().to(device=device, dtype=dtype)
+    up, down = cast(module_tensor(module, "up_proj", ex.module)), cast(module_tensor(module, "down_proj", ex.module))
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"the experts module {ex.module} ({type(module).__name__}) has no 3-D up_proj (E, F, D) / "
+                         "down_proj (E, D, F) (Nemotron-H's non-gated experts)")
+    if bool(getattr(module, "has_bias", False)) or bool(getattr(module, "is_transposed", False)):
+        raise NotImplementedError(f"the experts module {ex.module} has biases or a transposed layout: not decomposed")
+    if not _same_activation(_path(layer, ff.act), _squared_relu):
+        raise NotImplementedError(f"the experts' activation {ff.act} is not ReLU²: squared_relu experts are read as "
+                                  "relu(a) * a, which holds for ReLU² only")
+    e, f, d = up.shape
+    w_u, w_d = up.reshape(e * f, d).T, down.transpose(1, 2).reshape(e * f, d)  # (D, E F), (E F, D): neuron e F + f
+    scale = routing_scale(index, weights, e).repeat_interleave(f, dim=1)  # (N, E F)
+    b_u, b_d = None, None
+    into, back = (_linear_or_none(layer, p) for p in (ex.latent or (None, None)))
+    if into is not None:  # z = u W_1 + b_1: the experts' up pre-activation z W_up = u (W_1 W_up) + b_1 W_up
+        w1, b1 = (cast(t) for t in into)
+        b_u = None if b1 is None else b1 @ w_u
+        w_u = w1 @ w_u
+    if back is not None:  # (sum_e ...) W_2 + b_2
+        w2, b2 = (cast(t) for t in back)
+        w_d, b_d = w_d @ w2, b2
+    if ex.shared is not None:
+        if not _same_activation(_path(layer, ex.shared.act), _squared_relu):
+            raise NotImplementedError("the shared expert's activation is not ReLU²: not decomposed")
+        su, sub = linear_params(_path(layer, ex.shared.up))
+        sd, sdb = linear_params(_path(layer, ex.shared.down))
+        fs = su.shape[1]
+        if sub is not None or b_u is not None:  # its up bias is in a = b: the gate's and the up's bias
+            b_u = torch.cat([w_u.new_zeros(e * f) if b_u is None else b_u,
+                             cast(sub) if sub is not None else w_u.new_zeros(su.shape[1])])
+        if sdb is not None:
+            b_d = cast(sdb) if b_d is None else b_d + cast(sdb)
+        w_u, w_d = torch.cat([w_u, cast(su)], 1), torch.cat([w_d, cast(sd)], 0)
+        scale = torch.cat([scale, scale.new_ones(scale.shape[0], fs)], 1)
+    return FFParams(w_u, b_u, w_d, b_d, ReLUGate(), w_u, b_u, hidden_scale=scale.reshape(*batch, -1))
+
+
+def _linear_or_none(layer: nn.Module, path: Optional[str]) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    r"""(W, b) right-multiplied of the linear module at ``path``; None for no path or an ``nn.Identity`` there."""
+    if path is None:
+        return None
+    module = _path(layer, path)
+    if isinstance(module, nn.Identity):
+        return None
+    return linear_params(module)

@@ -8,7 +8,7 @@ float64 Granite 4 (tests/fixtures/zoo_state_space.py): token scores plus no-toke
 ``layer_types``; with the convolution bias of the real checkpoints (``mamba_conv_bias=True``) the bias heads against
 explicit sums over source tokens and every method exact and padding-free (experts beside the shared MLP:
 test_hybrid_mamba2_moe.py); an input-projection bias (the model itself then depends on padding) and Value Zeroing are
-refused with the reason, and Nemotron-H stays refused.
+refused with the reason. Nemotron-H's single-branch layers with the same mixer: tests/arch/test_hybrid_nemotron_h.py.
 """
 from __future__ import annotations
 
@@ -37,78 +37,12 @@ from hybrid_checks import check_every_method_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
 from llm_tiny import tiny_tokenizer
+from mamba2_reference import naive_mamba2
 from zoo_state_space import build_state_space
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def _silu(a: float) -> float:
-    return a / (1.0 + math.exp(-a))
-
-
-def _naive_mamba2(mixer: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor):
-    r"""The mixer by explicit loops: (G (B, C, T, T), u (B, T, C), y (B, T, C) the output projection's input, and
-    the convolution bias's part (B, C, T, T): [c, t, s] what the bias entering the scan at s gives target t), from
-    the module's weights and its input ``x`` (B, T, D); ``valid`` (B, T) the tokens it does not zero."""
-    inner, groups, state, heads = mixer.intermediate_size, mixer.n_groups, mixer.ssm_state_size, mixer.num_heads
-    w = mixer.conv1d.weight.detach()[:, 0, :]  # (C_conv, K), tap K - 1 on the current token
-    k = w.shape[1]
-    conv_bias = torch.zeros(w.shape[0], dtype=x.dtype) if mixer.conv1d.bias is None else mixer.conv1d.bias.detach()
-    proj = (x * valid[..., None]) @ mixer.in_proj.weight.detach().T
-    z, xbc, dt_raw = proj[..., :inner], proj[..., inner:inner + mixer.conv_dim], proj[..., inner + mixer.conv_dim:]
-    bsz, t, _ = x.shape
-    pre = torch.zeros_like(xbc)
-    for n in range(bsz):
-        for ti in range(t):
-            pre[n, ti] += conv_bias
-            for j in range(k):
-                s = ti - (k - 1 - j)
-                if s >= 0:
-                    pre[n, ti] += w[:, j] * xbc[n, s]
-    act = pre * torch.sigmoid(pre) * valid[..., None]
-    v, b_in, c_out = act[..., :inner], act[..., inner:inner + groups * state], act[..., inner + groups * state:]
-    dt = torch.nn.functional.softplus(dt_raw + mixer.dt_bias.detach())
-    a = -torch.exp(mixer.A_log.detach().float()).double()
-    per_head, per_group = inner // heads, heads // groups
-    m = torch.zeros(bsz, heads, t, t, dtype=x.dtype)
-    for n in range(bsz):
-        for h in range(heads):
-            g = h // per_group
-            for ti in range(t):
-                for s in range(ti + 1):
-                    decay = math.exp(sum(float(dt[n, r, h] * a[h]) for r in range(s + 1, ti + 1)))
-                    score = float(c_out[n, ti, g * state:(g + 1) * state] @ b_in[n, s, g * state:(g + 1) * state])
-                    m[n, h, ti, s] = score * decay * float(dt[n, s, h]) + (float(mixer.D[h]) if s == ti else 0.0)
-    core = torch.zeros(bsz, t, inner, dtype=x.dtype)
-    for c in range(inner):
-        core[..., c] = torch.einsum("bts,bs->bt", m[:, c // per_head], v[..., c])
-    gated = core * torch.nn.functional.silu(z)
-    size = mixer.norm.group_size
-    y = torch.zeros_like(core)
-    gamma = torch.zeros_like(core)
-    for n in range(bsz):
-        for ti in range(t):
-            for g0 in range(0, inner, size):
-                rms = math.sqrt(float(gated[n, ti, g0:g0 + size].pow(2).mean()) + mixer.norm.variance_epsilon)
-                for c in range(g0, g0 + size):
-                    gamma[n, ti, c] = float(mixer.norm.weight[c]) * _silu(float(z[n, ti, c])) / rms
-                    y[n, ti, c] = gamma[n, ti, c] * core[n, ti, c]
-    slope = torch.sigmoid(pre[..., :inner]) * valid[..., None]
-    big = torch.zeros(bsz, inner, t, t, dtype=x.dtype)
-    from_bias = torch.zeros(bsz, inner, t, t, dtype=x.dtype)
-    for n in range(bsz):
-        for c in range(inner):
-            for ti in range(t):
-                for s in range(ti + 1):
-                    p = gamma[n, ti, c] * m[n, c // per_head, ti, s] * slope[n, s, c]
-                    from_bias[n, c, ti, s] = p * conv_bias[c]  # the bias inside x'_s, entering the scan at s
-                    for j in range(k):
-                        src = s - (k - 1 - j)
-                        if src >= 0 and valid[n, src]:
-                            big[n, c, ti, src] += p * w[c, j]
-    return big, xbc[..., :inner], y, from_bias
 
 
 def test_recorded_mixing_is_the_naive_one_rebuilds_the_mixer_and_follows_layer_types():
@@ -121,7 +55,7 @@ def test_recorded_mixing_is_the_naive_one_rebuilds_the_mixer_and_follows_layer_t
     for i in (0, 2):
         lt = layers[i]
         with torch.no_grad():
-            g, u, y, _ = _naive_mamba2(modules[i].mamba, lt.ln1_out, mask.bool())
+            g, u, y, _ = naive_mamba2(modules[i].mamba, lt.ln1_out, mask.bool())
         assert lt.probs.shape == (2, 48, ids.shape[1], ids.shape[1]) and lt.values.shape == (2, 48, ids.shape[1], 1)
         assert _rel(lt.probs, g) < 1e-12 and float(g.abs().max()) > 0
         assert _rel(lt.values[..., 0].transpose(1, 2)[mask.bool()], u[mask.bool()]) < 1e-12
@@ -135,13 +69,12 @@ def test_recorded_mixing_is_the_naive_one_rebuilds_the_mixer_and_follows_layer_t
     assert [la.layer.attention.mixer for la in layer_adapters(other, get_adapter(other))] == ["softmax", "mamba2"] * 2
 
 
-def test_granite4_is_registered_and_nemotron_h_stays_refused():
+def test_granite4_is_registered():
     assert ARCHITECTURES["granitemoehybrid"] is GRANITE4 and lookup("granitemoehybrid") is GRANITE4
-    assert "granitemoehybrid" not in REFUSED
+    assert "granitemoehybrid" not in REFUSED and refusal("granitemoehybrid") is None
     assert family_methods(GRANITE4) == ("GlobEnc", "ALTI", "FF", "DecompX", "ALTI-Logit")
     assert "Mamba-2 mixer layers" in GRANITE4.features()
     assert "Mamba-2" in GRANITE4.mixer_summary()
-    assert "nemotron_h" in REFUSED and "one branch behind its own norm" in refusal("nemotron_h")
 
 
 def test_every_method_is_exact_padding_free_and_leaves_the_model():
@@ -236,7 +169,7 @@ def test_convolution_bias_heads_are_the_naive_per_token_sums_and_complete_the_la
         lt, mixer = layers[i], modules[i].mamba
         c = mixer.intermediate_size
         with torch.no_grad():
-            g, u, y, from_bias = _naive_mamba2(mixer, lt.ln1_out, mask.bool())
+            g, u, y, from_bias = naive_mamba2(mixer, lt.ln1_out, mask.bool())
         b = mixer.conv1d.bias.detach()[:c]
         assert lt.probs.shape == (2, 2 * c, t, t) and lt.values.shape == (2, 2 * c, t, 1)
         assert lt.out_weight.shape == (2 * c, 24) and torch.equal(lt.out_weight[:c], lt.out_weight[c:])

@@ -257,9 +257,6 @@ BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
 _QWEN3_5 = ("the multimodal model (a vision tower and a projector before the text model); its text model "
             "(%s, %s) is supported")
-_NEMOTRON_H = ("each of its layers is one branch behind its own norm (a Mamba-2 mixer, attention, a ReLU² FF or "
-               "experts), which no layer kind expresses yet (a layer kind pairs a mixer with a feed-forward); the "
-               "Mamba-2 mixer itself is decomposed (Granite 4, granitemoehybrid)")
 _GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer embedding of the "
            "token, projected and normed), a learned scalar multiplying the whole residual stream after every layer "
            "(layer_scalar), key/value states shared across layers (num_kv_shared_layers), values normalised per "
@@ -279,5 +276,4 @@ REFUSED: Dict[str, Tuple[str, str]] = {
     "gemma4_text": ("Gemma 4", _GEMMA4),
     "gemma4": ("Gemma 4 (multimodal)", "a vision (and audio) tower before the text model, whose text model "
                                        "(gemma4_text) is itself refused: " + _GEMMA4),
-    "nemotron_h": ("Nemotron-H", _NEMOTRON_H),
 }

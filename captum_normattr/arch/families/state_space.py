@@ -25,9 +25,20 @@ FF (:mod:`captum_normattr.models.experts`), as DeepSeek-V3's ungated shared expe
 
 Refused (``refused_configs``), with its reason: an input-projection bias (``mamba_proj_bias=True``: a
 padding token's projection bias reaches the real tokens through the convolution, so the model itself
-is not the same padded and alone). Nemotron-H (``nemotron_h``) stays refused
-(:data:`captum_normattr.arch.families.frontier.REFUSED`): each of its layers is one branch behind
-its own norm, which no layer kind expresses yet.
+is not the same padded and alone).
+
+- Nemotron-H (``nemotron_h``): each layer is ONE branch behind its own RMSNorm ``norm``,
+  y = x + B(norm(x)) (the single-branch layer kind, :mod:`captum_normattr.decompose.kinds.single_branch`),
+  the branch ``mixer`` chosen by ``config.layers_block_type``: ``"linear_attention"`` (legacy
+  ``"mamba"``) a Mamba-2 mixer (the one Granite 4's capture records; its gated norm works per group of
+  ``intermediate_size // n_groups`` channels), ``"full_attention"`` (``"attention"``) grouped-query
+  attention without positions, ``"mlp"`` a plain ReLU² FF (``up_proj``, ``down_proj``), ``"moe"``
+  non-gated ReLU² experts (``Experts(kind="squared_relu")``, read as relu(a) * a) beside an ungated
+  ReLU² shared expert (latent projections around the experts, ``moe_latent_size``, folded into
+  them), the routing of the real forward pass held fixed; final norm ``norm_f``. The convolution
+  bias (``use_conv_bias=True``, the config's default) is decomposed as Granite 4's; refused with the
+  reason: projection biases (``use_bias=True``: the Mamba-2 input projection's, as Granite 4's
+  ``mamba_proj_bias``).
 
 ``BUILTIN`` lists the descriptions by registry key; :mod:`captum_normattr.arch.registry` registers them.
 """
@@ -42,13 +53,14 @@ from captum_normattr.arch.spec import (
     Attention,
     Experts,
     FeedForward,
+    Head,
     Layer,
     Norm,
     ValueProjection,
     Variant,
 )
 
-__all__ = ["BUILTIN", "GRANITE4", "GRANITE4_MAMBA2", "GRANITE4_MOE"]
+__all__ = ["BUILTIN", "GRANITE4", "GRANITE4_MAMBA2", "GRANITE4_MOE", "NEMOTRON_H", "NEMOTRON_H_MAMBA2"]
 
 _RMS = dict(kind="rmsnorm")
 _INPUT_NORM = Norm("input_layernorm", **_RMS)
@@ -90,4 +102,40 @@ GRANITE4_MOE = replace(_GRANITE4_DENSE, layer=replace(_GRANITE4_DENSE.layer, ff=
 
 GRANITE4 = replace(_GRANITE4_DENSE, variants=(Variant("num_local_experts", ..., GRANITE4_MOE),))
 
-BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("granitemoehybrid", GRANITE4),)
+# --- Nemotron-H: one branch per layer ------------------------------------------------------------
+_NEMOTRON_NORM = Norm("norm", **_RMS)
+#: Nemotron-H's Mamba-2 mixer (Granite 4's, its gated norm per group of intermediate_size // n_groups channels)
+NEMOTRON_H_MAMBA2 = Attention("mixer", out="mixer.out_proj", value=ValueProjection("mixer.in_proj", "mamba2_x"),
+                              pre_norm=_NEMOTRON_NORM, mixer="mamba2", conv="mixer.conv1d")
+_NEMOTRON_ATTENTION = Attention("mixer", out="mixer.o_proj", value=ValueProjection("mixer.v_proj"),
+                                pre_norm=_NEMOTRON_NORM)
+_NEMOTRON_MLP = FeedForward(up="mixer.up_proj", act="mixer.act_fn", down="mixer.down_proj", pre_norm=_NEMOTRON_NORM)
+#: the experts block: non-gated ReLU² experts beside an ungated ReLU² shared expert, the routing held fixed
+_NEMOTRON_MOE = FeedForward(up="mixer", act="mixer.experts.act_fn", down="mixer", pre_norm=_NEMOTRON_NORM,
+                            experts=Experts("mixer.experts", kind="squared_relu", shared=FeedForward(
+                                up="mixer.shared_experts.up_proj", act="mixer.shared_experts.act_fn",
+                                down="mixer.shared_experts.down_proj"),
+                                latent=("mixer.fc1_latent_proj", "mixer.fc2_latent_proj")))
+_NEMOTRON_PROJ_BIAS = ("its projection biases include the Mamba-2 input projection's, which gives padding tokens (whose "
+                       "input the mixer zeroes) a non-zero value that the causal convolution carries into the real "
+                       "tokens, so a padded example is not the example alone, and the values of padding tokens would "
+                       "be attributed")
+
+NEMOTRON_H = ArchitectureSpec(
+    family="Nemotron-H", model_types=("nemotron_h",), layers="layers", causal=True,
+    layer=Layer(
+        attention=_NEMOTRON_ATTENTION, ff=_NEMOTRON_MLP,
+        single_branches=(("linear_attention", NEMOTRON_H_MAMBA2), ("mamba", NEMOTRON_H_MAMBA2),
+                         ("full_attention", _NEMOTRON_ATTENTION), ("attention", _NEMOTRON_ATTENTION),
+                         ("mlp", _NEMOTRON_MLP), ("moe", _NEMOTRON_MOE)),
+        mixer_types="layers_block_type",
+    ),
+    head=Head(final_norm=Norm("norm_f", **_RMS), lm_head="lm_head"),
+    refused_configs=(("use_bias", True, _NEMOTRON_PROJ_BIAS),),
+    notes="one branch per layer behind its own RMSNorm, chosen by layers_block_type: Mamba-2 mixers (scan "
+          "coefficients, convolution slope and the per-group gated-norm scale recorded, one head of size 1 per "
+          "channel, the convolution bias as one more head per channel), grouped-query attention without positions, plain ReLU² FFs, non-gated ReLU² experts beside a "
+          "shared expert (sigmoid group-limited routing with a correction bias held fixed)",
+)
+
+BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("granitemoehybrid", GRANITE4), ("nemotron_h", NEMOTRON_H))

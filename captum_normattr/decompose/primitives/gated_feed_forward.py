@@ -31,6 +31,7 @@ from torch import Tensor
 __all__ = [
     "ClampedSwiGLUGate",
     "DEFAULT_NODES",
+    "ReLUGate",
     "SILU_CHUNK",
     "gate_integrals",
     "gated_ff_parts",
@@ -42,6 +43,7 @@ __all__ = [
     "quadrature_gate_integrals",
     "silu_gate_integrals",
     "clamped_swiglu_gate_integrals",
+    "relu_gate_integrals",
 ]
 
 #: Default number of Gauss-Legendre nodes: |a I1 + I2 - g(a)| < 1e-12 for SiLU gate values |a| <= 60 in float64.
@@ -98,6 +100,8 @@ def gate_integrals(a: Tensor, act: Callable, nodes: int = DEFAULT_NODES) -> Tupl
         return silu_gate_integrals(a)
     if int(nodes) >= DEFAULT_NODES and isinstance(act, ClampedSwiGLUGate):
         return clamped_swiglu_gate_integrals(a, act.limit, act.alpha)
+    if isinstance(act, ReLUGate):  # exact for any number of nodes (the rule is exact on its polynomials too)
+        return relu_gate_integrals(a)
     return quadrature_gate_integrals(a, act, nodes)
 
 
@@ -130,6 +134,23 @@ class ClampedSwiGLUGate(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"limit={self.limit}, alpha={self.alpha}"
+
+
+class ReLUGate(torch.nn.Module):
+    r"""The ReLU as the gate of a ReLU² neuron written gated: relu(a)^2 = relu(a) * a.
+
+    A non-gated ReLU² expert (Nemotron-H's) is the gated form g(a) * b with W_gate = W_up (a = b) and
+    g = ReLU: integrated gradients along t (a, b) = t (a, a) is the straight path of the elementwise
+    ReLU², so the parts are the elementwise closed form's, a_j relu(a) (:func:`relu_gate_integrals`).
+    """
+
+    def forward(self, a: Tensor) -> Tensor:
+        return torch.relu(a)
+
+
+def relu_gate_integrals(a: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""The exact gate integrals of :class:`ReLUGate`: I1 = [a > 0] / 2, I2 = relu(a) / 2 (a I1 + I2 = relu(a))."""
+    return (a > 0).to(a.dtype) * 0.5, torch.relu(a) * 0.5
 
 
 def clamped_swiglu_gate_integrals(a: Tensor, limit: float, alpha: float) -> Tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import FUNCTIONAL_ACT, ArchitectureSpec, Norm
+from captum_normattr.decompose.kinds.single_branch import absent_attention_out, absent_feed_forward, absent_norm
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import get_path, layer_scale, linear_params
@@ -224,29 +225,38 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
             t = t.reshape(b, t_len, t.shape[-1])
         return cast(t)
 
-    w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
-    if a.layer.attention.mixer == "mamba2" and get_path(layer, a.layer.attention.conv).bias is not None:
-        w_o = torch.cat([w_o, w_o], 0)  # a Mamba-2 convolution bias's heads read W_O again (capture.mamba2)
+    branch = a.layer.branch  # a single-branch layer (Nemotron-H): its absent branch is 0 (decompose.kinds.single_branch)
+    width = rec["hidden_in"].shape[-1]
+    if branch == "feed_forward":  # no attention: one head of size 1 whose W_O is 0
+        w_o, b_o = absent_attention_out(width, dtype, device), None
+    else:
+        w_o, b_o = linear_params(get_path(layer, a.attn_out), a.transposed_weights)
+        if a.layer.attention.mixer == "mamba2" and get_path(layer, a.layer.attention.conv).bias is not None:
+            w_o = torch.cat([w_o, w_o], 0)  # a Mamba-2 convolution bias's heads read W_O again (capture.mamba2)
     experts = a.layer.ff.kind == "experts"  # the sparse block's weights are read by experts_ff_params below
-    w_in, b_in = (None, None) if experts else linear_params(get_path(layer, a.ff_in), a.transposed_weights)
-    w_out, b_out = (None, None) if experts else linear_params(get_path(layer, a.ff_out), a.transposed_weights)
+    absent_ff = branch == "self_attention"  # no feed-forward: the zero FF
+    skip = experts or absent_ff
+    w_in, b_in = (None, None) if skip else linear_params(get_path(layer, a.ff_in), a.transposed_weights)
+    w_out, b_out = (None, None) if skip else linear_params(get_path(layer, a.ff_out), a.transposed_weights)
     if a.attn_scale is not None or a.ff_scale is not None:  # DINOv2 layer scale, folded (a per-channel scale is linear)
         w_o, b_o = _scaled(w_o, b_o, layer_scale(layer, a.attn_scale))
         w_out, b_out = _scaled(w_out, b_out, layer_scale(layer, a.ff_scale))
     # Granite's residual multipliers h = x + m * Attn(..), y = h + m * FF(..): scalars, folded like the layer
     # scales; the recorded branch outputs (the projections' outputs) are scaled below to what joins the stream
-    m_attn = branch_multiplier(base, a.layer.attention.multiplier)
-    m_ff = branch_multiplier(base, a.layer.ff.multiplier)
+    m_attn = None if branch == "feed_forward" else branch_multiplier(base, a.layer.attention.multiplier)
+    m_ff = None if absent_ff else branch_multiplier(base, a.layer.ff.multiplier)
     if m_attn is not None:
         w_o, b_o = _scaled(w_o, b_o, torch.tensor(m_attn, dtype=torch.float64))
     if m_ff is not None and not experts:  # the experts' W_down is scaled once read (below)
         w_out, b_out = _scaled(w_out, b_out, torch.tensor(m_ff, dtype=torch.float64))
     w_g = b_g = None
-    if a.layer.ff.kind == "fused_gate_up":  # Phi-3's gate_up_proj: the gate and up halves of one projection
-        w_in, b_in, w_g, b_g = _split_gate_up(w_in, b_in, a.layer.ff.gate_first)
-    elif a.ff_gate is not None:
+    if a.layer.ff.kind == "fused_gate_up" and not absent_ff:  # Phi-3's gate_up_proj: the gate and up halves of one
+        w_in, b_in, w_g, b_g = _split_gate_up(w_in, b_in, a.layer.ff.gate_first)  # projection
+    elif a.ff_gate is not None and not absent_ff:
         w_g, b_g = linear_params(get_path(layer, a.ff_gate), a.transposed_weights)
-    if experts:
+    if absent_ff:
+        ff = absent_feed_forward(width, dtype, device)
+    elif experts:
         ff = experts_ff_params(layer, a.layer.ff, rec, dtype, device)
         if m_ff is not None:  # Granite-MoE: y = h + m * MoE(u), folded into the stacked experts' W_down
             ff = replace(ff, w_out=ff.w_out * m_ff, b_out=_times(ff.b_out, m_ff))
@@ -261,10 +271,10 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         context=cast(rec.get("context")),
         out_weight=cast(w_o),
         out_bias=cast(b_o),
-        ln1=norm_params(get_path(layer, a.ln1), a.norm1, dtype, device),
+        ln1=absent_norm() if branch == "feed_forward" else norm_params(get_path(layer, a.ln1), a.norm1, dtype, device),
         ln1_in=tokens(rec["ln1_in"]),
         ln1_out=tokens(rec["ln1_out"]),
-        ln2=norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
+        ln2=absent_norm() if absent_ff else norm_params(get_path(layer, a.ln2), a.norm2, dtype, device),
         ln2_in=tokens(rec["ln2_in"]),
         ln2_out=tokens(rec["ln2_out"]),
         ff_out=_times(_with_shared(tokens, rec, a.layer.ff), m_ff),

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec, Norm
 from captum_normattr.decompose.kinds.registry import layer_kind
+from captum_normattr.decompose.kinds.single_branch import complete_record
 from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.records import LayerTensors, NormParams
 from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
@@ -173,7 +174,8 @@ class Recorder(AttentionRecords):
         #: each layer's description: a hybrid model's layer with its own mixer as the attention branch
         self.layer_adapters = layer_adapters(model, adapter, self.layers)
         self._attn_keys = {id(get_path(layer, la.attention)): i
-                           for i, (layer, la) in enumerate(zip(self.layers, self.layer_adapters))}
+                           for i, (layer, la) in enumerate(zip(self.layers, self.layer_adapters))
+                           if la.layer.branch != "feed_forward"}  # a single-branch feed-forward layer mixes nothing
         self.records: Dict[int, Dict[str, Tensor]] = {}
         self.versions: Dict[int, Dict[str, Optional[int]]] = {}
         self.checks: Dict[int, Dict[str, Tensor]] = {}
@@ -381,8 +383,12 @@ class Recorder(AttentionRecords):
                     self._finish_layer(idx)
 
                 handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                handles.append(norm_hook(get_path(layer, a.ln1), a.norm1, i, "ln1"))
-                handles.append(norm_hook(get_path(layer, a.ln2), a.norm2, i, "ln2"))
+                # a single-branch layer (Nemotron-H) runs one of its description's branches: only its hooks
+                mixes, feeds = la.layer.branch != "feed_forward", la.layer.branch != "self_attention"
+                if mixes:
+                    handles.append(norm_hook(get_path(layer, la.ln1), la.norm1, i, "ln1"))
+                if feeds:
+                    handles.append(norm_hook(get_path(layer, la.ln2), la.norm2, i, "ln2"))
                 if returned:
                     handles.extend(returned_attention(i, layer))
                 for key, norm in (("attn_post", a.layer.attention.post_norm), ("ff_post", a.layer.ff.post_norm)):
@@ -391,30 +397,34 @@ class Recorder(AttentionRecords):
                 if recipe.branch_output is not None:  # the attention branch output as it joins the stream (parallel)
                     attn_branch = get_path(layer, la.attn_scale if la.attn_scale is not None else la.attn_out)
                     handles.append(attn_branch.register_forward_hook(keep_output(i, recipe.branch_output)))
-                if a.layer.ff.kind == "experts":  # the routing the experts module is called with, and the shared gate
+                if feeds and la.layer.ff.kind == "experts":  # the routing the experts module is called with, the shared gate
                     handles.extend(register_expert_hooks(
-                        layer, a.layer.ff, self._mine, lambda key, t, idx=i: self._keep(idx, key, t),
+                        layer, la.layer.ff, self._mine, lambda key, t, idx=i: self._keep(idx, key, t),
                         lambda name, real, assumed, idx=i: self._check(idx, name, real, assumed),
                         lambda idx=i: self.records.get(idx, {}).get(recipe.ff_input)))
-                ff_out_module = get_path(layer, a.ff_scale if a.ff_scale is not None else a.ff_out)  # FF(u), layer scale inside
-                handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
-                if la.layer.attention.mixer == "short_conv":  # the gates and values from the real forward pass
+                if feeds:  # FF(u), layer scale inside
+                    ff_out_module = get_path(layer, la.ff_scale if la.ff_scale is not None else la.ff_out)
+                    handles.append(ff_out_module.register_forward_hook(store(i, "ff", "out")))
+                mixer = la.layer.attention.mixer if mixes else None
+                if mixer == "short_conv":  # the gates and values from the real forward pass
                     handles.extend(self._short_conv_hooks(i, layer, la))
-                elif la.layer.attention.mixer == "gated_delta_net" or la.layer.attention.output_gate is not None:
+                elif mixer == "gated_delta_net" or (mixes and la.layer.attention.output_gate is not None):
                     hooks = gated_delta_net_hooks if la.layer.attention.output_gate is None else gated_attention_hooks
                     handles.extend(hooks(self, i, layer, la))  # per-channel heads (Qwen3-Next, Qwen3.5)
-                elif la.layer.attention.mixer == "kimi_delta":  # Kimi Linear's delta attention, its coefficients recorded
+                elif mixer == "kimi_delta":  # Kimi Linear's delta attention, its coefficients recorded
                     handles.extend(kimi_delta_hooks(self, i, layer, la))
-                elif la.layer.attention.mixer == "mamba2":  # the scan's coefficients from the real forward pass
+                elif mixer == "mamba2":  # the scan's coefficients from the real forward pass
                     handles.extend(mamba2_hooks(self, i, layer, la))
-                handles.append(get_path(layer, la.attention).register_forward_pre_hook(
-                    compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input, True,
-                                   returned), with_kwargs=True))
-                for path in (a.ff_in, a.ff_gate):
+                if mixes:
+                    handles.append(get_path(layer, la.attention).register_forward_pre_hook(
+                        compare_inputs(i, "attention input vs " + recipe.attention_input_name, recipe.attention_input,
+                                       True, returned), with_kwargs=True))
+                for path in (la.ff_in, la.ff_gate) if feeds else ():
                     if path is not None:
                         handles.append(get_path(layer, path).register_forward_pre_hook(compare_inputs(
                             i, "feed-forward input vs " + recipe.ff_input_name, recipe.ff_input, False)))
-                handles.append(get_path(layer, la.attn_out).register_forward_pre_hook(context_check(i)))
+                if mixes:
+                    handles.append(get_path(layer, la.attn_out).register_forward_pre_hook(context_check(i)))
                 if a.layer.attention.probabilities == "module_output":  # DeBERTa: the module computes its attention
                     handles.extend(self._module_output_hooks(layer))
                 handles.append(layer.register_forward_hook(post_hook))
@@ -545,6 +555,9 @@ class Recorder(AttentionRecords):
 
     def _finish_layer(self, idx: int) -> None:
         rec = self.records.pop(idx, {})
+        branch = self.layer_adapters[idx].layer.branch
+        if branch is not None and "layer_out" in rec and "hidden_in" in rec:  # one branch: the other completed as 0
+            complete_record(rec, branch, self.record_probabilities)
         missing = [k for k in self.kind.capture.record_keys if k not in rec
                    and not (k == "probs" and not self.record_probabilities)]
         if missing:

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[3] / "captum_normattr"
 
 
 def test_every_topology_has_its_kind_listed_literally():
-    assert list(LAYER_KINDS) == ["post_ln", "pre_ln", "parallel", "sandwich"]
+    assert list(LAYER_KINDS) == ["post_ln", "pre_ln", "parallel", "sandwich", "single_branch"]
     assert set(LAYER_KINDS) == set(TOPOLOGIES)
     for name, kind in LAYER_KINDS.items():
         assert kind.name == name and type(kind).__module__ == f"captum_normattr.decompose.kinds.{name}"
@@ -29,6 +29,7 @@ def test_every_topology_has_its_kind_listed_literally():
 def test_methods_of_each_kind():
     assert {"alti_logit", "routes"}.isdisjoint(LAYER_KINDS["post_ln"].methods)
     assert LAYER_KINDS["pre_ln"].methods == frozenset(KIND_METHODS)
+    assert LAYER_KINDS["single_branch"].methods == frozenset(KIND_METHODS)  # the pre-LN kind on one-branch records
     for name in ("parallel", "sandwich"):
         assert LAYER_KINDS[name].methods == frozenset(KIND_METHODS) - {"routes"}
     with pytest.raises(UnsupportedModelError, match="post_ln layers, and the 'routes' decomposition"):
@@ -39,12 +40,13 @@ def test_capture_recipes():
     rec = {name: kind.capture for name, kind in LAYER_KINDS.items()}
     assert rec["post_ln"].attention_input == "hidden_in" and rec["post_ln"].ff_input == "ln1_out"
     assert rec["post_ln"].stream_norms and not any(rec[k].stream_norms for k in ("pre_ln", "parallel", "sandwich"))
+    assert rec["single_branch"] == rec["pre_ln"]  # the absent branch is completed, the record is a pre-LN one
     for name in ("pre_ln", "parallel", "sandwich"):
         assert rec[name].attention_input == "ln1_out" and rec[name].ff_input == "ln2_out"
     assert rec["parallel"].extra_keys == ("attn_branch_out",) and rec["parallel"].branch_output == "attn_branch_out"
     assert rec["sandwich"].extra_keys == ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out")
     assert rec["sandwich"].post_norms == ("attn_post", "ff_post")
-    assert [r.attention_join for r in rec.values()] == ["ln1_in", "ln2_in", None, None]
+    assert [r.attention_join for r in rec.values()] == ["ln1_in", "ln2_in", None, None, "ln2_in"]
     for r in rec.values():
         assert r.record_keys[: len(COMMON_RECORD_KEYS)] == COMMON_RECORD_KEYS
         keys = set(r.record_keys)
