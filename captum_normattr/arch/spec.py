@@ -146,8 +146,11 @@ MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net", "kim
 #: - ``sandwich``: h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))), norms after the branches
 #:   too (Gemma 2, Gemma 3);
 #: - ``parallel``: y = x + Attn(N1(x)) + FF(N2(x)), both branches on the layer input
-#:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere).
-TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel")
+#:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere);
+#: - ``sandwich_per_layer_input``: a sandwich layer with Gemma 4's additions (:attr:`Layer.per_layer_input`):
+#:   y = c (z + N_ple((act(z W_gate) * e_t) W_proj)), z the sandwich layer's output, e_t a per-layer
+#:   input of the token, c a learned scalar; values normalised per head, shared across layers.
+TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel", "sandwich_per_layer_input")
 
 
 def _has_path(module: Any, path: str) -> bool:
@@ -488,6 +491,16 @@ class Layer:
             type (``config.<mixer_types>[i]``) is listed runs that mixer instead of ``attention``
             (LFM2: ``(("conv", short_conv),)``); the norms and the feed-forward are the same.
         mixer_types: the config attribute listing each layer's type (LFM2: ``"layer_types"``), or None.
+        per_layer_input: Gemma 4's layer (``docs/frontier.md``, "Gemma 4"): the config attribute of
+            the width of the per-layer inputs (``"hidden_size_per_layer_input"``; 0 in a config
+            without them), or None. Such a sandwich layer adds a third residual branch
+            N_ple((act(z W_gate) * e_t) W_proj) on a per-layer input e_t of the token, multiplies
+            its output by a learned scalar (``layer_scalar``), normalises its values per head
+            (``v_norm``), may reuse an earlier layer's keys and values (``num_kv_shared_layers``)
+            or its keys as values (``attention_k_eq_v``) and may put experts beside its dense
+            feed-forward (``enable_moe_block``); its topology is ``sandwich_per_layer_input``,
+            whose layer kind reads those modules by their Gemma 4 names
+            (:mod:`captum_normattr.decompose.kinds.per_layer_input`).
     """
 
     attention: Attention
@@ -497,6 +510,7 @@ class Layer:
     cross_attention: Optional[Attention] = None
     mixers: Tuple[Tuple[str, Attention], ...] = ()
     mixer_types: Optional[str] = None
+    per_layer_input: Optional[str] = None
 
     def branches(self) -> Tuple[Tuple[str, Any], ...]:
         r"""(name, branch) in the order the layer runs them: self-attention, cross-attention, feed-forward."""
@@ -734,6 +748,10 @@ class ArchitectureSpec:
                 f"{self.family}: a layer without stream norms needs a pre-norm on every branch, or post-norms on every "
                 "branch (a sandwich layer, whose pre-norms may be missing: OLMo 2)"
             )
+        if lay.per_layer_input is not None and (lay.attention.post_norm is None or lay.parallel or lay.mixers
+                                                 or lay.ff.kind not in ("gated", "fused_gate_up")):
+            raise ValueError(f"{self.family}: a per-layer-input layer is a sandwich layer (post-norms on both branches) "
+                             "with a gated feed-forward and one mixer")
         if lay.parallel and (lay.attention.post_norm or lay.ff.post_norm or lay.cross_attention is not None):
             raise ValueError(f"{self.family}: parallel branches with post-norms or cross-attention are not supported")
         if len({b.post_norm is None for _, b in lay.branches()}) > 1:
@@ -801,6 +819,8 @@ class ArchitectureSpec:
             return "post_ln"
         if lay.parallel:
             return "parallel"
+        if lay.per_layer_input is not None:
+            return "sandwich_per_layer_input"
         if lay.attention.post_norm is not None:
             return "sandwich"
         return "pre_ln"
@@ -946,7 +966,8 @@ class ArchitectureSpec:
         r"""Readable features for the docs' table (norm type, FF type, layouts, heads)."""
         lay, out = self.layer, []
         out.append({"post_ln": "post-LN", "pre_ln": "pre-LN", "sandwich": "sandwich norms",
-                    "parallel": "parallel attention + FF"}[self.topology])
+                    "parallel": "parallel attention + FF",
+                    "sandwich_per_layer_input": "sandwich norms + per-layer inputs"}[self.topology])
         kinds = {n.kind for n in self.norms()}
         out.append("RMSNorm" if kinds == {"rmsnorm"} else "LayerNorm" if kinds == {"layernorm"} else "mixed norms")
         if any(n.weight_offset for n in self.norms()):

@@ -12,6 +12,9 @@ kind           layer
 ``parallel``   y = x + Attn(N1(x)) + FF(N2(x)) (N1 and N2 may be one norm)
 ``sandwich``   h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))); P1, P2 frozen at their real
                per-token scale (:mod:`~captum_normattr.decompose.kinds.sandwich`)
+``sandwich_    a sandwich layer plus Gemma 4's per-layer-input branch and layer scalar,
+per_layer_     y = c (z + N(act(z W_g) * e_t) W_p)), values normalised per head and shared across
+input``        layers (:mod:`~captum_normattr.decompose.kinds.sandwich_per_layer_input`)
 =============  ===============================================================================
 
 Which family has which kind: the table of ``docs/architectures.md`` (generated from the registry).
@@ -25,8 +28,9 @@ everything about its topology (maps, ALTI map, FF scopes, completeness, logit fo
 step, frozen layer and transpose, and its capture recipe):
 :mod:`~captum_normattr.decompose.kinds.post_ln` (:class:`PostLNKind`),
 :mod:`~captum_normattr.decompose.kinds.pre_ln` (:class:`PreLNKind`),
-:mod:`~captum_normattr.decompose.kinds.parallel` (:class:`ParallelKind`) and
-:mod:`~captum_normattr.decompose.kinds.sandwich` (:class:`SandwichKind`). :data:`LAYER_KINDS`
+:mod:`~captum_normattr.decompose.kinds.parallel` (:class:`ParallelKind`),
+:mod:`~captum_normattr.decompose.kinds.sandwich` (:class:`SandwichKind`) and
+:mod:`~captum_normattr.decompose.kinds.sandwich_per_layer_input` (:class:`SandwichPerLayerInputKind`). :data:`LAYER_KINDS`
 lists them, one line each; a user's own kind is added with :func:`register_layer_kind`.
 """
 from __future__ import annotations
@@ -39,9 +43,11 @@ from captum_normattr.decompose.kinds.parallel import ParallelKind
 from captum_normattr.decompose.kinds.post_ln import PostLNKind
 from captum_normattr.decompose.kinds.pre_ln import PreLNKind
 from captum_normattr.decompose.kinds.sandwich import SandwichKind
+from captum_normattr.decompose.kinds.sandwich_per_layer_input import SandwichPerLayerInputKind
 
 __all__ = [
     "KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "ParallelKind", "PostLNKind", "PreLNKind", "SandwichKind",
+    "SandwichPerLayerInputKind",
     "layer_kind", "register_layer_kind",
 ]
 
@@ -51,6 +57,7 @@ LAYER_KINDS: Dict[str, LayerKind] = {
     "pre_ln": PreLNKind(),
     "parallel": ParallelKind(),
     "sandwich": SandwichKind(),
+    "sandwich_per_layer_input": SandwichPerLayerInputKind(),
 }
 
 

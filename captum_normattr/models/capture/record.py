@@ -21,6 +21,7 @@ from captum_normattr.arch.spec import FUNCTIONAL_ACT, ArchitectureSpec, Norm
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import get_path, layer_scale, linear_params
+from captum_normattr.models.capture.per_layer_input import per_layer_input_extras
 from captum_normattr.models.experts import experts_ff_params
 from captum_normattr.models.weights import module_tensor
 
@@ -285,6 +286,8 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
     described = {"attn_post": a.layer.attention.post_norm, "ff_post": a.layer.ff.post_norm}
     post_norms = {k: norm_params(get_path(layer, described[k].path), described[k], dtype, device) for k in recipe.post_norms}
     kind.fill_record(tensors, extra, post_norms)
+    if a.layer.per_layer_input is not None:  # Gemma 4: what its kind's step reads beyond the record
+        tensors.extras = per_layer_input_extras(layer, list(get_path(base, a.layers)), idx, rec, cast)
     return tensors
 
 
