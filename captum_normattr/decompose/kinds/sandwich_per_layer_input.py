@@ -87,6 +87,22 @@ class SandwichPerLayerInputKind(SandwichKind):
     #: DecompX's step reads the value projection from the layer module itself (v_proj, k_proj or none)
     reads_value_projection = False
 
+    def require(self, method: str, family: str) -> None:
+        r"""Raise :class:`UnsupportedModelError` for a method this kind does not decompose, naming why and what does."""
+        if method in self.methods:
+            return
+        what = {"ff": ("FFIntegratedDecomposition's feed-forward component scopes (ATB, LN2, FF, RES2)",
+                       "its layers continue after the feed-forward block with the per-layer-input branch and the layer "
+                       "scalar (and, with enable_moe_block, experts beside the dense FF under their own norms), which "
+                       "the scopes do not cover"),
+                "routes": ("the information-flow routes", "they are implemented for pre-LN layers only")}.get(
+            method, (f"the {method!r} decomposition", "it is not defined for this layer kind"))
+        raise UnsupportedModelError(
+            f"{family} has {self.name} layers: {what[0]} are not implemented for them ({what[1]}). "
+            "DecompXAttribution, ALTILogitAttribution, GlobEncAttribution and ALTIAttribution (and the LLM API, "
+            "DecompositionLLMAttribution, with any of them) decompose these layers exactly; see docs/frontier.md, "
+            "\"Gemma 4\"")
+
     def logit_form(self, layer):
         r"""The C_l-scaled pre-LN form: attention update C_l A_l, FF update C_{l+1} y_l - C_l h_l, stream C_l x_l."""
         view = pre_ln_form(layer)
