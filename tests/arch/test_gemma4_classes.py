@@ -16,8 +16,8 @@ full-attention head and the expert block:
 - a left-padded batch equals its examples alone, and the model's weights, hooks and attention
   implementation are as before;
 - the LLM API (DecompositionLLMAttribution) explains a continuation exactly with DecompX and ALTI-Logit;
-- FFIntegratedDecomposition and the routes are refused naming why and the methods that work, as are
-  DecompX's adjoint, an attention bias and the multimodal ``gemma4``.
+- FFIntegratedDecomposition, the routes and Value Zeroing are refused naming why and the methods that
+  work, as are DecompX's adjoint, an attention bias and a bidirectional attention.
 """
 import copy
 
@@ -37,6 +37,7 @@ from captum_normattr import (  # noqa: E402
     FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
+    ValueZeroingAttribution,
 )
 from captum_normattr.attr.llm import DecompositionLLMAttribution  # noqa: E402
 from captum_normattr.attr.routes import InformationFlowRoutes  # noqa: E402
@@ -197,6 +198,11 @@ def test_ff_scopes_and_routes_are_refused_naming_why_and_what_works(cls, words):
     assert words in text and "not implemented" in text and "Gemma 4" in text
     for works in ("DecompXAttribution", "ALTILogitAttribution", "GlobEncAttribution", "ALTIAttribution"):
         assert works in text
+
+
+def test_value_zeroing_is_refused_naming_the_shared_values():
+    with pytest.raises(UnsupportedModelError, match="num_kv_shared_layers.*attention_k_eq_v.*DecompXAttribution"):
+        ValueZeroingAttribution(build_gemma4())
 
 
 def test_decompx_adjoint_is_refused_and_auto_runs_forward():

@@ -16,9 +16,11 @@ linear in the parts of x:
 * the attention probabilities (recorded by an eager attention whose softmax keeps the float64 dtype);
 * the value norm's per-(source, head) scale 1 / s_{j,h}, s_{j,h} = rms((N_in(x)_j W_V)_h) (no
   gain): v_{j<-k,h} = (N_in(x)_{j<-k} W_V)_h / s_{j,h}, like a norm's denominator;
-* the FF gate act(u_t W_g) (the gated feed-forward rule of the package: linear in u W_u);
-* with ``enable_moe_block``, the routing (chosen experts and weights, computed from h) and each
-  chosen expert's gate, the experts' output norms at their real inputs;
+* the dense FF by DecompX's gated rule (the package's, as for every gated FF: integrated gradients
+  along t (a, b), a = u W_g, b = u W_u, part k = a_k b I1(a) + b_k I2(a); :func:`gated_parts`);
+* with ``enable_moe_block``, the routing (chosen experts and weights, computed from h), each chosen
+  expert decomposed by the same rule with its routing weight as the frozen factor of its up
+  projection, the experts' norms at their real inputs;
 * the per-layer-input gate act(z_t W_gate): held at its real value, the branch is linear in the
   other factor e_t, which is a function of token t's own id and embedding only (never another
   position). The whole branch output N_ple(...)_t is therefore token t's own part (k = t); it
@@ -32,12 +34,17 @@ the rotary embedding), then the value-norm scale. Gemma 4 has no biases
 (``attention_bias=False``; none in the FF or the per-layer branch), so the parts sum to the real
 tensors with no bias part: sum_k y_{t<-k} = y_t.
 
-:func:`gemma4_token_parts` runs this decomposition forward through a whole ``Gemma4TextModel``
-or ``Gemma4ForCausalLM`` (DecompX's propagation, with the vector parts), and
+:func:`layer_step` is one layer's step (every real intermediate tensor rebuilt in the parts'
+dtype from the layer's real input and attention output, the weights cast to it). The attribution
+classes read Gemma 4 through it: its description (``gemma4_text``,
+:mod:`captum_normattr.arch.families.gemma4`) has the layer kind
+:mod:`~captum_normattr.decompose.kinds.sandwich_per_layer_input`, whose DecompX step is
+:func:`layer_step` on the recorded layer (:mod:`captum_normattr.models.capture.per_layer_input`
+records what it reads beyond a sandwich layer). Standalone, with its own recording,
+:func:`gemma4_token_parts` runs the decomposition forward through a whole ``Gemma4TextModel`` or
+``Gemma4ForCausalLM`` (DecompX's propagation, with the vector parts), and
 :func:`gemma4_logit_scores` projects the last layer's parts through the frozen final norm onto a
-target logit. The registered attribution classes do not read Gemma 4 yet (the capture has no
-record of the per-layer inputs, the value-norm scales or shared values): ``gemma4_text`` stays
-refused by them, see :mod:`captum_normattr.arch.families.frontier`.
+target logit; ``DecompXAttribution`` gives the same scores (tests/arch/test_gemma4_classes.py).
 """
 from __future__ import annotations
 
@@ -51,10 +58,14 @@ from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES, gate_integrals
 
 __all__ = [
+    "SharedValueParts",
     "frozen_rms_norm",
+    "gated_parts",
     "gemma4_logit_scores",
     "gemma4_token_parts",
+    "layer_step",
     "per_layer_input_branch",
+    "rms_norm",
     "value_norm_scale",
 ]
 
