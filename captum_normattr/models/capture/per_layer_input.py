@@ -39,7 +39,17 @@ def per_layer_input_hooks(recorder: Any, idx: int, layer: nn.Module) -> list:
 
     Returns:
         The hooks' handles.
+
+    Raises:
+        ValueError: the layer lacks the attributes of Gemma 4's layer that the kind's step reads.
     """
+    missing = [name for name in ("layer_scalar", "hidden_size_per_layer_input") if not hasattr(layer, name)]
+    attention = getattr(layer, "self_attn", None)
+    missing += [f"self_attn.{name}" for name in ("is_kv_shared_layer", "store_full_length_kv", "layer_type")
+                if not hasattr(attention, name)]
+    if missing:
+        raise ValueError(f"layer {idx} ({type(layer).__name__}) has no {missing}: the per-layer-input description "
+                         "(Gemma 4's layer) does not match the model")
     store = getattr(recorder, _SHARED, None)
     if store is None:  # one store of shared value parts per recorder (per forward pass)
         store = SharedValueParts()
