@@ -226,3 +226,10 @@ def test_the_description_is_found_and_unsupported_configs_are_refused():
     model.config.use_bidirectional_attention = "all"
     with pytest.raises(UnsupportedModelError, match="bidirectional"):
         ALTILogitAttribution(model)
+
+
+def test_the_zoos_exact_norms_are_gemma4s_own():
+    r"""The builder's float64 norms compute Gemma 4's own function (its norms compute in float32: float32 rounding)."""
+    ids, mask = decoder_batch([7, 4], seed=12)
+    own, exact = build_gemma4(exact_norms=False, **MOE), build_gemma4(**MOE)
+    assert _rel(_own_logits(own, ids, mask), _own_logits(exact, ids, mask)) < 1e-5

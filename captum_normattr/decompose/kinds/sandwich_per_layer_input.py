@@ -43,13 +43,7 @@ from captum_normattr.decompose.kinds.sandwich import SandwichKind, pre_ln_form
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import LayerTensors
 
-__all__ = ["PER_LAYER_INPUT_CAPTURE", "PER_LAYER_INPUT_EXTRAS", "SandwichPerLayerInputKind"]
-
-#: What the capture puts in a record's ``extras`` (:mod:`captum_normattr.models.capture.per_layer_input`):
-#: the layer module (its weights), the forward pass's shared value parts, the stream scale C_l, and,
-#: where the layer has them, the per-layer input e (B, T, P) and the expert block's routing.
-PER_LAYER_INPUT_EXTRAS = ("module", "shared_values", "stream_scale", "per_layer_input", "route_weights",
-                          "route_index")
+__all__ = ["PER_LAYER_INPUT_CAPTURE", "SandwichPerLayerInputKind"]
 
 #: A sandwich layer's record (the branch post-norms' inputs and outputs); the feed-forward post-norm's
 #: input is the dense FF's output only without experts (checked in the kind's joins).
@@ -61,6 +55,9 @@ PER_LAYER_INPUT_CAPTURE = CaptureRecipe(
 
 
 def _extra(layer: LayerTensors, name: str) -> Any:
+    r"""What the capture put in the record's ``extras`` (:mod:`captum_normattr.models.capture.per_layer_input`): the
+    layer ``module`` (its weights), the pass's ``shared_values``, the ``stream_scale`` C_l, and, where the layer has
+    them, the ``per_layer_input`` e (B, T, P) and the expert block's ``route_weights`` and ``route_index``."""
     if name not in layer.extras:
         raise ValueError(f"layer {layer.index}: a per-layer-input layer's record carries {name!r} in its extras "
                          "(the capture of captum_normattr.models.capture.per_layer_input fills them)")

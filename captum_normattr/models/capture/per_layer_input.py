@@ -75,12 +75,14 @@ def per_layer_input_hooks(recorder: Any, idx: int, layer: nn.Module) -> list:
 
 
 def per_layer_input_extras(layer: nn.Module, layers: List[nn.Module], idx: int, rec: Dict[str, Any],
-                           cast: Callable[[Optional[Tensor]], Optional[Tensor]]) -> Dict[str, Any]:
+                           cast: Callable[[Optional[Tensor]], Optional[Tensor]], width: int) -> Dict[str, Any]:
     r"""The record's ``extras`` of a per-layer-input layer (see the module docstring).
 
     Args:
         layer: the layer module; layers: every layer module of the model, in order; idx: the layer's index.
         rec: its recorded tensors; cast: to the compute dtype and the record's device.
+        width: the per-layer inputs' width (the config attribute :attr:`~captum_normattr.arch.spec.Layer.per_layer_input`
+            names; 0: the layers have no per-layer-input branch).
 
     Raises:
         RuntimeError: the forward pass recorded no per-layer input of a layer that has the branch, or no
@@ -90,7 +92,7 @@ def per_layer_input_extras(layer: nn.Module, layers: List[nn.Module], idx: int, 
     for later in layers[idx:]:
         scale = scale * later.layer_scalar.detach().to(device="cpu", dtype=torch.float64).reshape(())
     extras: Dict[str, Any] = {"module": layer, "shared_values": rec.get(_SHARED), "stream_scale": cast(scale)}
-    needed = (["per_layer_input"] if getattr(layer, "hidden_size_per_layer_input", 0) else []) + (
+    needed = (["per_layer_input"] if width else []) + (
         ["route_weights", "route_index"] if getattr(layer, "enable_moe_block", False) else [])
     missing = [k for k in needed if k not in rec] + (["the shared value parts"] if extras["shared_values"] is None
                                                      else [])
