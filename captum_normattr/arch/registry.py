@@ -16,6 +16,7 @@ from captum_normattr.arch.families import encoders as family_encoders
 
 from captum_normattr.arch.families import frontier as family_frontier
 
+from captum_normattr.arch.families import gemma4 as family_gemma4
 from captum_normattr.arch.families import hybrid as family_hybrid
 
 from captum_normattr.arch.families import kimi as family_kimi
@@ -50,7 +51,8 @@ __all__ = [
 #: Order (the docs' table): the text families of ``families``, the family groups, the vision families.
 ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
     [e for e in BUILTIN if e[1].modality == "text"]
-    + [e for group in (family_parallel, family_moe, family_decoders, family_frontier, family_hybrid, family_kimi,
+    + [e for group in (family_parallel, family_moe, family_decoders, family_frontier, family_gemma4, family_hybrid,
+                    family_kimi,
                     family_state_space, family_encoders)
        for e in group.BUILTIN]
     + [e for e in BUILTIN if e[1].modality != "text"]
@@ -58,7 +60,8 @@ ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
 #: The registered encoder-decoder (two-stack) descriptions by key, explained by ALTIPlusAttribution.
 ENCODER_DECODERS: Dict[str, ArchitectureSpec] = dict(family_seq2seq.BUILTIN)
 #: ``config.model_type`` -> (family, why it is not supported): the family groups' refusals
-REFUSED: Dict[str, Tuple[str, str]] = {k: v for k, v in {**family_base.REFUSED, **family_frontier.REFUSED}.items()
+REFUSED: Dict[str, Tuple[str, str]] = {k: v for k, v in {**family_base.REFUSED, **family_frontier.REFUSED,
+                                                                   **family_gemma4.REFUSED}.items()
                                        if k not in ARCHITECTURES}
 
 

@@ -151,7 +151,10 @@ MIXER_KINDS: Tuple[str, ...] = ("softmax", "short_conv", "gated_delta_net", "kim
 #:   (GPT-NeoX, GPT-J, Phi-2, Falcon, Cohere);
 #: - ``single_branch``: y = x + B(N(x)), ONE branch per layer, a mixing branch (attention, a linear
 #:   mixer) or a feed-forward, chosen by the layer's type (Nemotron-H; :attr:`Layer.single_branches`).
-TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel", "single_branch")
+#: - ``sandwich_per_layer_input``: a sandwich layer with Gemma 4's additions (:attr:`Layer.per_layer_input`):
+#:   y = c (z + N_ple((act(z W_gate) * e_t) W_proj)), z the sandwich layer's output, e_t a per-layer
+#:   input of the token, c a learned scalar; values normalised per head, shared across layers.
+TOPOLOGIES: Tuple[str, ...] = ("post_ln", "pre_ln", "sandwich", "parallel", "single_branch", "sandwich_per_layer_input")
 #: The branch names of a single-branch layer's description (:attr:`Layer.branch`).
 SINGLE_BRANCH_NAMES: Tuple[str, ...] = ("self_attention", "feed_forward")
 
@@ -537,6 +540,16 @@ class Layer:
         branch: ``"self_attention"`` or ``"feed_forward"``: the one branch of a single-branch layer's
             description (its other branch is absent, decomposed as identically zero:
             :mod:`captum_normattr.decompose.kinds.single_branch`); None: the layer has both.
+        per_layer_input: Gemma 4's layer (``docs/frontier.md``, "Gemma 4"): the config attribute of
+            the width of the per-layer inputs (``"hidden_size_per_layer_input"``; 0 in a config
+            without them), or None. Such a sandwich layer adds a third residual branch
+            N_ple((act(z W_gate) * e_t) W_proj) on a per-layer input e_t of the token, multiplies
+            its output by a learned scalar (``layer_scalar``), normalises its values per head
+            (``v_norm``), may reuse an earlier layer's keys and values (``num_kv_shared_layers``)
+            or its keys as values (``attention_k_eq_v``) and may put experts beside its dense
+            feed-forward (``enable_moe_block``); its topology is ``sandwich_per_layer_input``,
+            whose layer kind reads those modules by their Gemma 4 names
+            (:mod:`captum_normattr.decompose.kinds.per_layer_input`).
     """
 
     attention: Attention
@@ -548,6 +561,7 @@ class Layer:
     mixer_types: Optional[str] = None
     single_branches: Tuple[Tuple[str, Any], ...] = ()
     branch: Optional[str] = None
+    per_layer_input: Optional[str] = None
 
     def branches(self) -> Tuple[Tuple[str, Any], ...]:
         r"""(name, branch) in the order the layer runs them: self-attention, cross-attention, feed-forward
@@ -792,6 +806,10 @@ class ArchitectureSpec:
                 f"{self.family}: a layer without stream norms needs a pre-norm on every branch, or post-norms on every "
                 "branch (a sandwich layer, whose pre-norms may be missing: OLMo 2)"
             )
+        if lay.per_layer_input is not None and (lay.attention.post_norm is None or lay.parallel or lay.mixers
+                                                 or lay.ff.kind not in ("gated", "fused_gate_up")):
+            raise ValueError(f"{self.family}: a per-layer-input layer is a sandwich layer (post-norms on both branches) "
+                             "with a gated feed-forward and one mixer")
         if lay.parallel and (lay.attention.post_norm or lay.ff.post_norm or lay.cross_attention is not None):
             raise ValueError(f"{self.family}: parallel branches with post-norms or cross-attention are not supported")
         if len({b.post_norm is None for _, b in lay.branches()}) > 1:
@@ -915,6 +933,8 @@ class ArchitectureSpec:
             return "post_ln"
         if lay.parallel:
             return "parallel"
+        if lay.per_layer_input is not None:
+            return "sandwich_per_layer_input"
         if lay.attention.post_norm is not None:
             return "sandwich"
         return "pre_ln"
@@ -1062,7 +1082,8 @@ class ArchitectureSpec:
         lay, out = self.layer, []
         out.append({"post_ln": "post-LN", "pre_ln": "pre-LN", "sandwich": "sandwich norms",
                     "parallel": "parallel attention + FF",
-                    "single_branch": "one branch per layer (mixer or FF) behind its own norm"}[self.topology])
+                    "single_branch": "one branch per layer (mixer or FF) behind its own norm",
+                    "sandwich_per_layer_input": "sandwich norms + per-layer inputs"}[self.topology])
         kinds = {n.kind for n in self.norms()}
         out.append("RMSNorm" if kinds == {"rmsnorm"} else "LayerNorm" if kinds == {"layernorm"} else "mixed norms")
         if any(n.weight_offset for n in self.norms()):

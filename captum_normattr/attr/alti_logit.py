@@ -339,8 +339,6 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
         def on_layer(layer: LayerTensors) -> None:
             layer = tensors_to(layer, dev)  # a device_map may spread the layers: work on the inputs' device
             l = layer.index
-            if l == 0:
-                kept["embedding"] = layer.hidden_in[rows, positions]  # (B, n, D)
             if late and not isinstance(kept["updates"], Tensor):  # filled in place: no second copy when stacked
                 b, t, d = layer.hidden_in.shape
                 kept["updates"], kept["ff"] = layer.hidden_in.new_zeros(b, n_layers, t, d), layer.hidden_in.new_zeros(
@@ -357,6 +355,8 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
             # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
             kept["errors"][l] = kind.example_completeness_error(layer, valid)
             layer = kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
+            if l == 0:  # the embedding as the logit form carries it (a kind scaling the stream scales it too)
+                kept["embedding"] = layer.hidden_in[rows, positions]  # (B, n, D)
             if late:
                 kept["updates"][:, l] = attention_update_at(layer, positions[:, 0])  # (B, T, D)
             else:

@@ -16,6 +16,7 @@ import torch
 from captum.attr import Attribution
 from torch import Tensor, nn
 
+from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.base import DecompositionAttribution, format_output
 from captum_normattr.attr.decompx_readouts import (
     ClassifierReadout,
@@ -346,7 +347,13 @@ class DecompXAttribution(DecompositionAttribution):
             raise ValueError("the 'adjoint' algorithm computes bias_mode='separate' only; use algorithm='forward' for 'spread'")
         model = unwrap_model(model)  # a PeftModel / torch.compile wrapper: the transformers model inside, run eagerly
         self.adapter = get_adapter(model)
-        layer_kind(self.adapter.topology, self.adapter.family).require("decompx", self.adapter.family)
+        self.kind = layer_kind(self.adapter.topology, self.adapter.family)
+        self.kind.require("decompx", self.adapter.family)
+        if algorithm == "adjoint" and not self.kind.adjoint:
+            raise UnsupportedModelError(
+                f"{self.adapter.family} has {self.kind.name} layers, which DecompX's adjoint does not transpose (a "
+                "layer reusing an earlier layer's values depends on that layer's input): use algorithm='forward' "
+                "(what 'auto' chooses for them)")
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         # the explained output follows the model's head: an LM head gives next-token logits, a classification
         # head class logits (whatever the layer kind: a pre-LN *ForSequenceClassification is a classifier)
@@ -375,7 +382,12 @@ class DecompXAttribution(DecompositionAttribution):
         self._modules_list = layer_modules(model, self.adapter)
 
     def _value_param(self, layer: LayerTensors) -> Tuple[Tensor, Optional[Tensor]]:
-        r"""(W_V, b_V) of ``layer`` in its dtype, on its device (read from an accelerate hook if offloaded)."""
+        r"""(W_V, b_V) of ``layer`` in its dtype, on its device (read from an accelerate hook if offloaded).
+
+        A kind whose step reads its values itself (``reads_value_projection`` False) gets an empty W_V.
+        """
+        if not self.kind.reads_value_projection:
+            return layer.hidden_in.new_zeros(0), None
         w, b = value_projection(self._modules_list[layer.index], self.adapter)
         dev, dtype = layer.hidden_in.device, layer.hidden_in.dtype
         return w.detach().to(dev, dtype), None if b is None else b.detach().to(dev, dtype)
@@ -451,7 +463,7 @@ class DecompXAttribution(DecompositionAttribution):
                 h.remove()
 
     def _algorithm(self, layer_parts: bool) -> str:
-        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate"
+        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate" or not self.kind.adjoint
         return "forward" if forward else "adjoint"
 
     def decompose(

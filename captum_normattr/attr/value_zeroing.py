@@ -474,6 +474,13 @@ class ValueZeroingAttribution(DecompositionAttribution):
                 f"or a feed-forward, by layer type: {', '.join(dict(self.adapter.layer.single_branches))}) and its "
                 "value rerun is implemented for attention beside a feed-forward only; use ALTI, GlobEnc, DecompX or "
                 "ALTI-Logit, which decompose every layer")
+        if self.adapter.layer.per_layer_input is not None:  # Gemma 4: values reused across layers, keys as values
+            raise UnsupportedModelError(
+                f"Value Zeroing is not supported for {self.adapter.family}: its last layers reuse the values of earlier "
+                "layers (num_kv_shared_layers) and its full-attention layers may use their keys as values "
+                "(attention_k_eq_v), so zeroing one layer's value projection output is not zeroing that layer's value "
+                "vectors alone. DecompXAttribution, ALTILogitAttribution, GlobEncAttribution and ALTIAttribution "
+                "decompose it exactly (docs/frontier.md, \"Gemma 4\")")
         if self.adapter.layer.attention.value is None:
             raise ValueError(
                 f"Value Zeroing needs the value projection of the {self.adapter.family} layers, which its architecture "

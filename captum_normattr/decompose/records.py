@@ -2,7 +2,7 @@ r"""Plain data records that flow from tensor capture into the decomposition math
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -124,6 +124,10 @@ class LayerTensors:
             (the output projection's output; parallel layers, which never form x + Attn), or None.
         ff_input_key: the field holding the feed-forward block's real input (:attr:`ff_input`),
             as the layer's kind declares it (``CaptureRecipe.ff_input``; filled by the capture).
+        extras: what a layer kind reads beyond these fields, by name, filled by its capture
+            (the per-layer-input kind: the per-layer input, the routing of its expert block, the
+            layer module whose weights its step reads, the forward pass's shared value parts;
+            :mod:`captum_normattr.decompose.kinds.sandwich_per_layer_input`); empty for the others.
     """
 
     hidden_in: Tensor
@@ -154,6 +158,7 @@ class LayerTensors:
     ff_post_out: Optional[Tensor] = None
     attn_branch_out: Optional[Tensor] = None
     ff_input_key: str = "ln2_out"
+    extras: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def ff_input(self) -> Tensor:

@@ -257,15 +257,6 @@ BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
 _QWEN3_5 = ("the multimodal model (a vision tower and a projector before the text model); its text model "
             "(%s, %s) is supported")
-_GEMMA4 = ("per-layer inputs (a third residual branch per layer: act(h W_gate) times a per-layer embedding of the "
-           "token, projected and normed), a learned scalar multiplying the whole residual stream after every layer "
-           "(layer_scalar), key/value states shared across layers (num_kv_shared_layers), values normalised per "
-           "head (v_norm, a per-source scale), keys used as values on full-attention layers (attention_k_eq_v) and "
-           "a dense MLP beside experts with their own norms (enable_moe_block), which the capture of the attribution "
-           "classes does not record yet (the exact frozen decomposition of all of them is "
-           "captum_normattr.decompose.kinds.per_layer_input.gemma4_logit_scores; docs/frontier.md, \"Gemma 4\"); "
-           "Gemma 3's description does not verify either (Gemma 4's RMSNorm gain is w, not 1 + w; "
-           "infer_architecture(model) lists what differs)")
 _LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector before the text model); its text model "
            "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
@@ -273,7 +264,4 @@ REFUSED: Dict[str, Tuple[str, str]] = {
     "llama4": ("Llama 4", _LLAMA4),
     "qwen3_5": ("Qwen3.5 (multimodal)", _QWEN3_5 % ("qwen3_5_text", "Qwen3_5ForCausalLM")),
     "qwen3_5_moe": ("Qwen3.5-MoE (multimodal)", _QWEN3_5 % ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")),
-    "gemma4_text": ("Gemma 4", _GEMMA4),
-    "gemma4": ("Gemma 4 (multimodal)", "a vision (and audio) tower before the text model, whose text model "
-                                       "(gemma4_text) is itself refused: " + _GEMMA4),
 }

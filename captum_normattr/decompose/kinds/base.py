@@ -106,6 +106,12 @@ class LayerKind:
     methods: FrozenSet[str] = frozenset(KIND_METHODS)
     #: what the capture records of this kind's layers and checks (:class:`CaptureRecipe`)
     capture: CaptureRecipe = CaptureRecipe()
+    #: DecompX's adjoint algorithm applies (the kind has :meth:`frozen_layer` and :meth:`frozen_layer_vjp`);
+    #: False: DecompX runs its forward propagation on these layers
+    adjoint: bool = True
+    #: DecompX's step takes the value projection W_V read from the description (False: the kind's step
+    #: reads its values itself, and no W_V is read)
+    reads_value_projection: bool = True
 
     def require(self, method: str, family: str) -> None:
         r"""Raise :class:`UnsupportedModelError` if this kind does not decompose ``method``."""

@@ -4,17 +4,20 @@ A layer kind owns its parts, the outputs of its scopes, its norm handling and it
 completeness error. The Captum classes ask the kind of the layer they are given
 (:func:`layer_kind`) and never branch on the architecture themselves.
 
-=================  ===============================================================================
-kind               layer
-=================  ===============================================================================
-``post_ln``        z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT-like encoders)
-``pre_ln``         h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the layer record says)
-``parallel``       y = x + Attn(N1(x)) + FF(N2(x)) (N1 and N2 may be one norm)
-``sandwich``       h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))); P1, P2 frozen at their real
-                   per-token scale (:mod:`~captum_normattr.decompose.kinds.sandwich`)
-``single_branch``  y = x + B(N(x)), one branch per layer (a mixer or a feed-forward): the pre-LN
-                   layer whose other branch is 0 (:mod:`~captum_normattr.decompose.kinds.single_branch`)
-=================  ===============================================================================
+============================  ===============================================================================
+kind                          layer
+============================  ===============================================================================
+``post_ln``                   z = x + Attn(x), zt = LN1(z), y = LN2(zt + FF(zt)) (BERT-like encoders)
+``pre_ln``                    h = x + Attn(LN1(x)), y = h + FF(LN2(h)); causal or not (the layer record says)
+``parallel``                  y = x + Attn(N1(x)) + FF(N2(x)) (N1 and N2 may be one norm)
+``sandwich``                  h = x + P1(Attn(N1(x))), y = h + P2(FF(N2(h))); P1, P2 frozen at their real
+                              per-token scale (:mod:`~captum_normattr.decompose.kinds.sandwich`)
+``single_branch``             y = x + B(N(x)), one branch per layer (a mixer or a feed-forward): the pre-LN
+                              layer whose other branch is 0 (:mod:`~captum_normattr.decompose.kinds.single_branch`)
+``sandwich_per_layer_input``  a sandwich layer plus Gemma 4's per-layer-input branch and layer scalar,
+                              y = c (z + N(act(z W_g) * e_t) W_p)), values normalised per head and shared across
+                              layers (:mod:`~captum_normattr.decompose.kinds.sandwich_per_layer_input`)
+============================  ===============================================================================
 
 Which family has which kind: the table of ``docs/architectures.md`` (generated from the registry).
 
@@ -29,7 +32,9 @@ step, frozen layer and transpose, and its capture recipe):
 :mod:`~captum_normattr.decompose.kinds.pre_ln` (:class:`PreLNKind`),
 :mod:`~captum_normattr.decompose.kinds.parallel` (:class:`ParallelKind`),
 :mod:`~captum_normattr.decompose.kinds.sandwich` (:class:`SandwichKind`) and
-:mod:`~captum_normattr.decompose.kinds.single_branch` (:class:`SingleBranchKind`). :data:`LAYER_KINDS`
+:mod:`~captum_normattr.decompose.kinds.single_branch` (:class:`SingleBranchKind`),
+
+:mod:`~captum_normattr.decompose.kinds.sandwich_per_layer_input` (:class:`SandwichPerLayerInputKind`). :data:`LAYER_KINDS`
 lists them, one line each; a user's own kind is added with :func:`register_layer_kind`.
 """
 from __future__ import annotations
@@ -42,11 +47,12 @@ from captum_normattr.decompose.kinds.parallel import ParallelKind
 from captum_normattr.decompose.kinds.post_ln import PostLNKind
 from captum_normattr.decompose.kinds.pre_ln import PreLNKind
 from captum_normattr.decompose.kinds.sandwich import SandwichKind
+from captum_normattr.decompose.kinds.sandwich_per_layer_input import SandwichPerLayerInputKind
 from captum_normattr.decompose.kinds.single_branch import SingleBranchKind
 
 __all__ = [
     "KIND_METHODS", "FFOptions", "LAYER_KINDS", "LayerKind", "ParallelKind", "PostLNKind", "PreLNKind", "SandwichKind",
-    "SingleBranchKind", "layer_kind", "register_layer_kind",
+    "SandwichPerLayerInputKind", "SingleBranchKind", "layer_kind", "register_layer_kind",
 ]
 
 #: The layer kinds by topology name: one instance per topology of the descriptions.
@@ -56,6 +62,7 @@ LAYER_KINDS: Dict[str, LayerKind] = {
     "parallel": ParallelKind(),
     "sandwich": SandwichKind(),
     "single_branch": SingleBranchKind(),
+    "sandwich_per_layer_input": SandwichPerLayerInputKind(),
 }
 
 

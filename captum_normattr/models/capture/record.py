@@ -22,6 +22,7 @@ from captum_normattr.decompose.kinds.single_branch import absent_attention_out, 
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 from captum_normattr.models.adapters import get_path, layer_scale, linear_params
+from captum_normattr.models.capture.per_layer_input import per_layer_input_extras
 from captum_normattr.models.experts import experts_ff_params
 from captum_normattr.models.weights import module_tensor
 
@@ -297,6 +298,9 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
     described = {"attn_post": a.layer.attention.post_norm, "ff_post": a.layer.ff.post_norm}
     post_norms = {k: norm_params(get_path(layer, described[k].path), described[k], dtype, device) for k in recipe.post_norms}
     kind.fill_record(tensors, extra, post_norms)
+    if a.layer.per_layer_input is not None:  # Gemma 4: what its kind's step reads beyond the record
+        width = int(getattr(getattr(base, "config", None), a.layer.per_layer_input, 0) or 0)
+        tensors.extras = per_layer_input_extras(layer, list(get_path(base, a.layers)), idx, rec, cast, width)
     return tensors
 
 

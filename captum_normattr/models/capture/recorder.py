@@ -39,6 +39,7 @@ from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, a
 from captum_normattr.models.capture.gated_delta_net import gated_attention_hooks, gated_delta_net_hooks
 from captum_normattr.models.capture.kimi_delta import kimi_delta_hooks
 from captum_normattr.models.capture.mamba2 import mamba2_hooks
+from captum_normattr.models.capture.per_layer_input import per_layer_input_hooks
 from captum_normattr.models.capture.record import input_keeper, layer_record, norm_params, record_checks
 from captum_normattr.models.experts import register_expert_hooks
 
@@ -397,6 +398,8 @@ class Recorder(AttentionRecords):
                 if recipe.branch_output is not None:  # the attention branch output as it joins the stream (parallel)
                     attn_branch = get_path(layer, la.attn_scale if la.attn_scale is not None else la.attn_out)
                     handles.append(attn_branch.register_forward_hook(keep_output(i, recipe.branch_output)))
+                if la.layer.per_layer_input is not None:  # Gemma 4: the per-layer input and the expert block's routing
+                    handles.extend(per_layer_input_hooks(self, i, layer))
                 if feeds and la.layer.ff.kind == "experts":  # the routing the experts module is called with, the shared gate
                     handles.extend(register_expert_hooks(
                         layer, la.layer.ff, self._mine, lambda key, t, idx=i: self._keep(idx, key, t),

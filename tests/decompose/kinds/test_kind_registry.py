@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[3] / "captum_normattr"
 
 
 def test_every_topology_has_its_kind_listed_literally():
-    assert list(LAYER_KINDS) == ["post_ln", "pre_ln", "parallel", "sandwich", "single_branch"]
+    assert list(LAYER_KINDS) == ["post_ln", "pre_ln", "parallel", "sandwich", "single_branch", "sandwich_per_layer_input"]
     assert set(LAYER_KINDS) == set(TOPOLOGIES)
     for name, kind in LAYER_KINDS.items():
         assert kind.name == name and type(kind).__module__ == f"captum_normattr.decompose.kinds.{name}"
@@ -34,6 +34,12 @@ def test_methods_of_each_kind():
         assert LAYER_KINDS[name].methods == frozenset(KIND_METHODS) - {"routes"}
     with pytest.raises(UnsupportedModelError, match="post_ln layers, and the 'routes' decomposition"):
         LAYER_KINDS["post_ln"].require("routes", "BERT")
+    gemma4 = LAYER_KINDS["sandwich_per_layer_input"]  # Gemma 4: no FF scopes, no routes, no adjoint
+    assert gemma4.methods == frozenset(KIND_METHODS) - {"ff", "routes"}
+    assert not gemma4.adjoint and not gemma4.reads_value_projection
+    assert all(kind.adjoint and kind.reads_value_projection for kind in LAYER_KINDS.values() if kind is not gemma4)
+    with pytest.raises(UnsupportedModelError, match="feed-forward component scopes .* not implemented"):
+        gemma4.require("ff", "Gemma 4")
 
 
 def test_capture_recipes():
@@ -46,7 +52,9 @@ def test_capture_recipes():
     assert rec["parallel"].extra_keys == ("attn_branch_out",) and rec["parallel"].branch_output == "attn_branch_out"
     assert rec["sandwich"].extra_keys == ("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out")
     assert rec["sandwich"].post_norms == ("attn_post", "ff_post")
-    assert [r.attention_join for r in rec.values()] == ["ln1_in", "ln2_in", None, None, "ln2_in"]
+    assert rec["sandwich_per_layer_input"].extra_keys == rec["sandwich"].extra_keys
+    assert rec["sandwich_per_layer_input"].post_norms == ("attn_post", "ff_post")
+    assert [r.attention_join for r in rec.values()] == ["ln1_in", "ln2_in", None, None, "ln2_in", None]
     for r in rec.values():
         assert r.record_keys[: len(COMMON_RECORD_KEYS)] == COMMON_RECORD_KEYS
         keys = set(r.record_keys)

@@ -1,0 +1,152 @@
+r"""Sandwich layers with per-layer inputs (Gemma 4's text layer; docs/frontier.md, "Gemma 4").
+
+With x the layer input, e_t the per-layer input of token t, c the layer scalar and every N an
+RMSNorm (gain w):
+
+    h = x + N_pa(Attn(N_in(x)))                      values normalised per head (v_norm), maybe shared
+    z = h + N_pf(FF(N_pre(h)))                       (enable_moe_block: N_pf(N_pf1(FF) + N_pf2(Experts)))
+    y = c (z + N_ple((act(z W_gate) * e_t) W_proj))
+
+The attention block h is a sandwich layer's, recorded as one (the real probabilities, the values
+the attention read, its post-norm's real scale): every map of the sandwich kind
+(:mod:`captum_normattr.decompose.kinds.sandwich`) — the GlobEnc table, ALTI's map, the
+completeness error — is the one of h, unchanged. What follows h is position-wise (the feed-forward
+block, the experts, the per-layer-input branch, which reads token t's own stream and input, and
+the scalar), as a feed-forward block is for those maps.
+
+ALTI-Logit (:meth:`SandwichPerLayerInputKind.logit_form`): the scalars multiply the stream, so the
+final norm's input is x_L = C_0 x_0 + sum_l (C_l A_l + C_{l+1} y_l - C_l h_l) with C_l the product
+of the scalars of layers l..L-1 (C_L = 1): the attention update A_l counts C_l times, the rest of
+layer l (the feed-forward block and the per-layer-input branch, one no-token update per position)
+is C_{l+1} y_l - C_l h_l, and the embedding C_0 x_0. The sum telescopes to x_L exactly.
+
+DecompX (:meth:`SandwichPerLayerInputKind.decompx_step`): the frozen step of
+:func:`~captum_normattr.decompose.kinds.per_layer_input.layer_step` (the value norm's per-source
+scale, the shared value parts, the experts, the branch to each token's own part, the scalar),
+whose dense feed-forward takes DecompX's own coefficients. A layer that reuses an earlier layer's
+values depends on that layer's input, so there is no per-layer transpose: DecompX runs its forward
+propagation on this kind (:attr:`SandwichPerLayerInputKind.adjoint` is False). The FF component
+scopes (FFIntegratedDecomposition) and the routes are not implemented for this kind and are refused.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import Tensor
+
+from captum_normattr.arch.spec import UnsupportedModelError
+from captum_normattr.decompose.kinds import pre_ln as decoder
+from captum_normattr.decompose.kinds.base import CaptureRecipe
+from captum_normattr.decompose.kinds.per_layer_input import layer_step, per_layer_input_branch
+from captum_normattr.decompose.kinds.sandwich import SandwichKind, pre_ln_form
+from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
+from captum_normattr.decompose.records import LayerTensors
+
+__all__ = ["PER_LAYER_INPUT_CAPTURE", "SandwichPerLayerInputKind"]
+
+#: A sandwich layer's record (the branch post-norms' inputs and outputs); the feed-forward post-norm's
+#: input is the dense FF's output only without experts (checked in the kind's joins).
+PER_LAYER_INPUT_CAPTURE = CaptureRecipe(
+    extra_keys=("attn_post_in", "attn_post_out", "ff_post_in", "ff_post_out"),
+    identity_checks=decoder.PRE_LN_CAPTURE.identity_checks,
+    post_norms=("attn_post", "ff_post"),
+)
+
+
+def _extra(layer: LayerTensors, name: str) -> Any:
+    r"""What the capture put in the record's ``extras`` (:mod:`captum_normattr.models.capture.per_layer_input`): the
+    layer ``module`` (its weights), the pass's ``shared_values``, the ``stream_scale`` C_l, and, where the layer has
+    them, the ``per_layer_input`` e (B, T, P) and the expert block's ``route_weights`` and ``route_index``."""
+    if name not in layer.extras:
+        raise ValueError(f"layer {layer.index}: a per-layer-input layer's record carries {name!r} in its extras "
+                         "(the capture of captum_normattr.models.capture.per_layer_input fills them)")
+    return layer.extras[name]
+
+
+def _step_record(layer: LayerTensors) -> Dict[str, Tensor]:
+    r"""The real tensors :func:`~captum_normattr.decompose.kinds.per_layer_input.layer_step` reads, from the record."""
+    rec = {"x": layer.hidden_in, "probs": layer.probs, "attn": layer.attn_post_in}
+    for key, name in (("e", "per_layer_input"), ("route_weights", "route_weights"), ("route_index", "route_index")):
+        if layer.extras.get(name) is not None:
+            rec[key] = layer.extras[name]
+    return rec
+
+
+class SandwichPerLayerInputKind(SandwichKind):
+    r"""Gemma 4's layers: the sandwich kind's attention block, its own logit form and DecompX step (module docstring)."""
+
+    name = "sandwich_per_layer_input"
+    methods = frozenset({"maps", "alti", "decompx", "alti_logit"})
+    capture = PER_LAYER_INPUT_CAPTURE
+    #: DecompX's adjoint needs a transpose per layer; a layer reusing another layer's values has none
+    adjoint = False
+    #: DecompX's step reads the value projection from the layer module itself (v_proj, k_proj or none)
+    reads_value_projection = False
+
+    def require(self, method: str, family: str) -> None:
+        r"""Raise :class:`UnsupportedModelError` for a method this kind does not decompose, naming why and what does."""
+        if method in self.methods:
+            return
+        what = {"ff": ("FFIntegratedDecomposition's feed-forward component scopes (ATB, LN2, FF, RES2)",
+                       "its layers continue after the feed-forward block with the per-layer-input branch and the layer "
+                       "scalar (and, with enable_moe_block, experts beside the dense FF under their own norms), which "
+                       "the scopes do not cover"),
+                "routes": ("the information-flow routes", "they are implemented for pre-LN layers only")}.get(
+            method, (f"the {method!r} decomposition", "it is not defined for this layer kind"))
+        raise UnsupportedModelError(
+            f"{family} has {self.name} layers: {what[0]} are not implemented for them ({what[1]}). "
+            "DecompXAttribution, ALTILogitAttribution, GlobEncAttribution and ALTIAttribution (and the LLM API, "
+            "DecompositionLLMAttribution, with any of them) decompose these layers exactly; see docs/frontier.md, "
+            "\"Gemma 4\"")
+
+    def logit_form(self, layer):
+        r"""The C_l-scaled pre-LN form: attention update C_l A_l, FF update C_{l+1} y_l - C_l h_l, stream C_l x_l."""
+        view = pre_ln_form(layer)
+        c_l = _extra(layer, "stream_scale").to(layer.hidden_in.dtype)
+        module = _extra(layer, "module")
+        c = module.layer_scalar.detach().to(device=layer.hidden_in.device, dtype=layer.hidden_in.dtype)
+        view.out_weight = view.out_weight * c_l
+        view.hidden_in = layer.hidden_in * c_l
+        view.ff_out = layer.layer_out * (c_l / c) - layer.ln2_in * c_l
+        return view
+
+    def decompx_step(self, parts, bias, layer, value_weight, value_bias, bias_mode="separate", rows=None,
+                     memory_budget_mb=256.0, coefs=None):
+        if bias is not None and bool(torch.any(bias != 0)):
+            raise UnsupportedModelError(f"layer {layer.index}: a per-layer-input layer has no bias, so no bias part "
+                                        "reaches it (the capture saw one)")
+        coefs = None if coefs is None else {k: coefs[k] for k in ("gate", "up") if k in coefs} or None
+        out, _ = layer_step(_extra(layer, "module"), parts, _step_record(layer), _extra(layer, "shared_values"),
+                            coefs=coefs)
+        if rows is not None:
+            out = out[:, rows.to(out.device)]
+        return out, out.new_zeros(out.shape[0], out.shape[1], out.shape[3])
+
+    def frozen_layer(self, *args, **kwargs):
+        raise UnsupportedModelError("DecompX's adjoint has no transpose of a per-layer-input layer (a layer that "
+                                    "reuses an earlier layer's values depends on that layer's input): use "
+                                    "algorithm='forward' (what 'auto' chooses for this kind)")
+
+    frozen_layer_vjp = frozen_layer
+
+    def join_checks(self, layer):
+        module = _extra(layer, "module")
+        c = module.layer_scalar.detach().to(device=layer.hidden_in.device, dtype=layer.hidden_in.dtype)
+        z = layer.ln2_in + layer.ff_post_out
+        if getattr(module, "hidden_size_per_layer_input", 0):
+            z = z + per_layer_input_branch(module, z, _extra(layer, "per_layer_input"))
+        checks = {
+            "attention post-norm rebuilt from its input": norm_rebuild_error(
+                layer.attn_post_in, layer.attn_post_out, layer.attn_post),
+            "feed-forward post-norm rebuilt from its input": norm_rebuild_error(
+                layer.ff_post_in, layer.ff_post_out, layer.ff_post),
+            "second norm input vs the layer input plus the attention post-norm output": relative_difference(
+                layer.ln2_in, layer.hidden_in + layer.attn_post_out, temporary=True),
+            "layer output vs the layer scalar times the stream plus the feed-forward post-norm output and the "
+            "per-layer-input branch": relative_difference(layer.layer_out, z * c, temporary=True),
+        }
+        if not getattr(module, "enable_moe_block", False):  # with experts the post-norm reads N_pf1(FF) + N_pf2(E)
+            checks["feed-forward post-norm input vs the feed-forward output"] = relative_difference(
+                layer.ff_post_in, layer.ff_out)
+        return checks
