@@ -12,7 +12,6 @@ refused with the reason. Nemotron-H's single-branch layers with the same mixer: 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
