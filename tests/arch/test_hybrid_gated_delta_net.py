@@ -16,11 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from captum.attr import TextTokenInput
 
 from captum_normattr import (
     ALTIAttribution,
-    ALTILogitAttribution,
     DecompXAttribution,
     FFIntegratedDecomposition,
     GlobEncAttribution,
@@ -30,14 +28,12 @@ from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families.hybrid import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, QWEN3_NEXT_DELTA_NET
 from captum_normattr.arch.registry import REFUSED, refusal
 from captum_normattr.arch.spec import Attention, ValueProjection
-from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.attr.routes import InformationFlowRoutes
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.models.adapters import family_methods, get_adapter, layer_adapters, layer_modules, value_projection
-from hybrid_checks import check_every_method_exact
+from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
-from llm_tiny import tiny_tokenizer
 from zoo_linear_attention import build_linear_attention
 
 KEYS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
@@ -231,13 +227,7 @@ def test_bare_model_and_classifier_maps_are_complete(key, head):
 @pytest.mark.parametrize("key", KEYS)
 def test_llm_api_explains_a_continuation_exactly(key):
     model = build_linear_attention(key, "lm")
-    tok = tiny_tokenizer()
-    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
-        TextTokenInput("the cat sat on the", tok), target="mat today")
-    with torch.no_grad():
-        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
-    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
-    assert float(ex.details.delta.abs().max()) < 1e-10 * float(real.abs().max())
+    check_llm_continuation_exact(model)
 
 
 def test_the_zoos_float64_kernels_are_the_familys_own():

@@ -13,11 +13,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from captum.attr import TextTokenInput
 
 from captum_normattr import (
     ALTIAttribution,
-    ALTILogitAttribution,
     FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
@@ -26,15 +24,13 @@ from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families.hybrid import LFM2, LFM2_SHORT_CONV
 from captum_normattr.arch.registry import REFUSED
 from captum_normattr.arch.spec import Attention, ValueProjection
-from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.attr.routes import InformationFlowRoutes
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
 from captum_normattr.models.adapters import family_methods, get_adapter, layer_adapters, layer_modules
-from hybrid_checks import check_every_method_exact
+from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
-from llm_tiny import tiny_tokenizer
 from zoo_hybrid import build_hybrid
 
 
@@ -150,13 +146,7 @@ def test_bare_model_maps_are_complete():
 
 def test_llm_api_explains_a_continuation_exactly():
     model = build_hybrid("lfm2", "lm")
-    tok = tiny_tokenizer()
-    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
-        TextTokenInput("the cat sat on the", tok), target="mat today")
-    with torch.no_grad():
-        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
-    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
-    assert float(ex.details.delta.abs().max()) < 1e-10 * float(real.abs().max())
+    check_llm_continuation_exact(model)
 
 
 def test_conv_bias_and_value_zeroing_are_refused_with_the_reason():

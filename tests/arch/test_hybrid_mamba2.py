@@ -16,11 +16,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from captum.attr import TextTokenInput
 
 from captum_normattr import (
     ALTIAttribution,
-    ALTILogitAttribution,
     FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
@@ -29,13 +27,11 @@ from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families.state_space import GRANITE4, GRANITE4_MAMBA2
 from captum_normattr.arch.registry import REFUSED, refusal
 from captum_normattr.arch.spec import Attention, ValueProjection
-from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.models.adapters import family_methods, get_adapter, layer_adapters, layer_modules
-from hybrid_checks import check_every_method_exact
+from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
-from llm_tiny import tiny_tokenizer
 from mamba2_reference import naive_mamba2
 from zoo_state_space import build_state_space
 
@@ -111,13 +107,7 @@ def test_bare_model_maps_are_complete():
 
 def test_llm_api_explains_a_continuation_exactly():
     model = build_state_space("granitemoehybrid", "lm")
-    tok = tiny_tokenizer()
-    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
-        TextTokenInput("the cat sat on the", tok), target="mat today")
-    with torch.no_grad():
-        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
-    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
-    assert float(ex.details.delta.abs().max()) < 1e-10 * float(real.abs().max())
+    check_llm_continuation_exact(model)
 
 
 def test_projection_bias_and_value_zeroing_are_refused_with_the_reason():
@@ -192,12 +182,7 @@ def test_every_method_is_exact_with_the_convolution_bias():
 
 def test_llm_api_and_bare_model_with_the_convolution_bias():
     model = _biased()
-    tok = tiny_tokenizer()
-    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
-        TextTokenInput("the cat sat on the", tok), target="mat today")
-    with torch.no_grad():
-        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
-    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
+    check_llm_continuation_exact(model)
     bare = _biased("bare")
     ids, mask = decoder_batch([7, 5], seed=9)
     res = GlobEncAttribution(bare, strict=True).decompose(ids, additional_forward_args=(mask,))

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from captum.attr import TextTokenInput
 
-from captum_normattr import ALTILogitAttribution, DecompXAttribution
+from captum_normattr import DecompXAttribution
 from captum_normattr.arch import ARCHITECTURES, lookup
 from captum_normattr.arch.families.state_space import GRANITE4, GRANITE4_MOE
 from captum_normattr.arch.spec import Experts, FeedForward
-from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.models.adapters import family_methods, get_adapter, layer_modules
 from decoder_models import decoder_batch
-from hybrid_checks import check_every_method_exact
+from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from layer_capture import capture_layers
-from llm_tiny import tiny_tokenizer
 from zoo import real_next_token_logits
 from zoo_state_space import GRANITE4_MOE as MOE_CONFIG
 from zoo_state_space import build_state_space
@@ -105,12 +102,7 @@ def test_every_method_is_exact_with_experts_and_the_convolution_bias():
 
 def test_llm_api_explains_a_continuation_exactly():
     model = _moe()
-    tok = tiny_tokenizer()
-    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
-        TextTokenInput("the cat sat on the", tok), target="mat today")
-    with torch.no_grad():
-        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
-    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
+    check_llm_continuation_exact(model)
 
 
 def test_shared_beside_names_an_ungated_shared_expert():

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from captum.attr import TextTokenInput
 
 from captum_normattr import (
     ALTIAttribution,
-    ALTILogitAttribution,
     FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
@@ -36,15 +34,13 @@ from captum_normattr.arch.spec import (
     Norm,
     ValueProjection,
 )
-from captum_normattr.attr.llm import DecompositionLLMAttribution
 from captum_normattr.attr.value_zeroing import ValueZeroingAttribution
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS, SingleBranchKind
 from captum_normattr.decompose.primitives.gated_feed_forward import ReLUGate, gate_integrals
 from captum_normattr.models.adapters import family_methods, get_adapter, layer_adapters, layer_modules
 from decoder_models import decoder_batch
-from hybrid_checks import check_every_method_exact
+from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from layer_capture import capture_layers
-from llm_tiny import tiny_tokenizer
 from mamba2_reference import naive_mamba2
 from zoo_state_space import NEMOTRON_H_CONFIG, build_state_space
 
@@ -125,13 +121,7 @@ def test_bare_model_per_layer_tensors_are_complete_and_feed_forward_layers_do_no
 
 def test_llm_api_explains_a_continuation_exactly():
     model = build_state_space("nemotron_h", "lm")
-    tok = tiny_tokenizer()
-    ex = DecompositionLLMAttribution(ALTILogitAttribution(model), tok).decompose(
-        TextTokenInput("the cat sat on the", tok), target="mat today")
-    with torch.no_grad():
-        real = model(input_ids=ex.input_ids[None]).logits[0, ex.positions, ex.target_ids]
-    assert _rel(ex.scores.sum(-1) + ex.details.no_token, real) < 1e-10
-    assert float(ex.details.delta.abs().max()) < 1e-10 * float(real.abs().max())
+    check_llm_continuation_exact(model)
 
 
 def test_squared_relu_experts_read_as_relu_gates_are_exactly_relu2():
