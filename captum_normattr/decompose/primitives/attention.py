@@ -43,6 +43,11 @@ QUAD_COMPILE_MIN_ELEMENTS = 2**22
 #: may change in their last bits when it switches; ``CAPTUM_NORMATTR_COMPILE=0`` or ``=1`` fixes
 #: the kernel for bitwise-reproducible runs.
 QUAD_COMPILE_AFTER_SECONDS = 10.0
+#: Most heads for which the compiled kernel is used by default: it unrolls a loop over the heads,
+#: which compiles in about 10 s for up to a few dozen heads, but the hybrid mixers record one head
+#: per channel (256-512 at a width of 256), where the compilation alone stalled a 1024-token GlobEnc
+#: call for over 600 s (37 s eager; benchmarks/RESULTS.md, "Hybrid mixers at 1024 and 4096 tokens").
+QUAD_COMPILE_MAX_HEADS = 64
 _EAGER_QUAD_SECONDS = [0.0]
 
 
@@ -237,8 +242,8 @@ def _fused_quadratic_norms(kernel: Callable, probs: Tensor, gram: Tensor, causal
 def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
     r"""(B, T, T) squared norms alpha_ij^T G_j alpha_ij of the attention parts (diagonal included).
 
-    Float32 layers of at least :data:`QUAD_COMPILE_MIN_ELEMENTS` probabilities use the
-    compiled kernel :func:`_quadratic_forms_tile` once such layers have spent
+    Float32 layers of at least :data:`QUAD_COMPILE_MIN_ELEMENTS` probabilities and at most
+    :data:`QUAD_COMPILE_MAX_HEADS` heads use the compiled kernel :func:`_quadratic_forms_tile` once such layers have spent
     :data:`QUAD_COMPILE_AFTER_SECONDS` in the eager one (or always, with
     :func:`~captum_normattr.decompose.primitives.compiled.use_compiled_kernels`). The eager one works on
     blocks of query rows i, their probabilities laid out (B, C, R, H) once per block so
@@ -247,7 +252,7 @@ def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
     causal: a block's sources stop at its last row (entries j > i are 0).
     """
     b, h, t = probs.shape[:3]
-    large = probs.dtype == torch.float32 and probs.numel() >= QUAD_COMPILE_MIN_ELEMENTS
+    large = probs.dtype == torch.float32 and probs.numel() >= QUAD_COMPILE_MIN_ELEMENTS and h <= QUAD_COMPILE_MAX_HEADS
     kernel = compiled.compiled_kernel(_quadratic_forms_tile, large and _EAGER_QUAD_SECONDS[0] >= QUAD_COMPILE_AFTER_SECONDS)
     if kernel is not None:
         try:

@@ -117,7 +117,7 @@ def test_compiled_quadratic_forms_equal_the_batched_products(causal, b, forced_c
 def test_quadratic_kernel_default_selection(monkeypatch):
     r"""By default, float32 layers from QUAD_COMPILE_MIN_ELEMENTS probabilities compile once the eager
     kernel has taken QUAD_COMPILE_AFTER_SECONDS on such layers; float64 and small layers never do,
-    and the time of small layers does not count."""
+    and the time of small layers does not count; layers of more than QUAD_COMPILE_MAX_HEADS heads never do."""
     monkeypatch.delenv(compiled.COMPILE_ENV, raising=False)
     monkeypatch.setattr(attention, "_EAGER_QUAD_SECONDS", [0.0])
     monkeypatch.setattr(attention, "QUAD_COMPILE_AFTER_SECONDS", 1e-9)
@@ -141,6 +141,10 @@ def test_quadratic_kernel_default_selection(monkeypatch):
     run(torch.float64, n // 128 + 1)
     run(torch.float32, 1)
     assert calls == [False, False, True, False, False]
+    heads = attention.QUAD_COMPILE_MAX_HEADS + 1  # one head per channel (hybrid mixers): never by default
+    attention._quadratic_norms(torch.zeros(n // (64 * heads) + 1, heads, 8, 8), torch.zeros(n // (64 * heads) + 1, 8,
+                                                                                             heads, heads), False)
+    assert calls[-1] is False
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
