@@ -23,7 +23,17 @@ shape of ``memory_engine.py``'s depth section: hidden 256, 8 heads, 4 key/value 
   a SwiGLU; sdpa. Its delta-rule kernel runs transformers' torch fallback (no flash-linear-attention).
 - ``granitemoehybrid`` (Granite 4, dense): Mamba-2 layers (as many heads as the attention, expand 2, one group,
   state 64, kernel 4, chunk 64, no convolution bias) and attention layers alternating, the shared MLP of the Llama
-  FF width, Granite's multipliers; the Mamba-2 torch path, sdpa.
+  FF width, Granite's multipliers; the Mamba-2 torch path, sdpa;
+- ``kimi_linear`` (Kimi Linear, dense): Kimi delta attention layers and multi-head latent attention layers
+  alternating (delta attention first: 2 layers are one of each; Kimi Linear's own ratio is 3:1); the delta
+  attention with as many heads as the Llama's, of its head size (``linear_num_heads`` heads x ``linear_head_dim``
+  = the width), kernel 4; the latent attention shaped as ``deepseek_v3``'s but without low-rank queries (Kimi's
+  ``q_lora_rank`` None) and NoPE (Kimi applies no rotary); every FF the dense Llama SwiGLU (``mlp_layer_types``
+  all ``"dense"``: no experts, so that the mixers alone differ from Llama); the delta rule runs transformers'
+  torch path (``chunk_kimi_delta_attention``; no flash-linear-attention), in float32;
+- ``lfm2`` (LFM2): gated short-convolution layers (``"conv"``, kernel ``conv_L_cache`` 3, no bias) and
+  grouped-query attention layers (q/k norms) alternating, convolution first (LFM2's own ratio is about 10:6); the
+  Llama FF width as a SwiGLU (``block_auto_adjust_ff_dim`` off); the convolution's torch path (``F.conv1d``), sdpa.
 
 The experts run transformers' default kernel (``grouped_mm`` where the family has it), as the Mixtral figures
 of ``_bench.family_model``; routers are drawn at std 1 so that tokens choose different experts.
@@ -39,7 +49,8 @@ from _bench import DECODER_FAMILIES, family_model
 __all__ = ["ALL_FAMILIES", "FRONTIER_FAMILIES", "any_family_model", "frontier_model"]
 
 #: the frontier families :func:`frontier_model` builds (one per new mechanism of issue #34)
-FRONTIER_FAMILIES = ("gpt_oss", "deepseek_v3", "llama4_text", "granitemoe", "qwen3_5_text", "granitemoehybrid")
+FRONTIER_FAMILIES = ("gpt_oss", "deepseek_v3", "llama4_text", "granitemoe", "qwen3_5_text", "granitemoehybrid",
+                     "kimi_linear", "lfm2")
 #: every family the decoder benchmarks build: ``_bench.DECODER_FAMILIES`` and :data:`FRONTIER_FAMILIES`
 ALL_FAMILIES = DECODER_FAMILIES + FRONTIER_FAMILIES
 
@@ -137,6 +148,22 @@ def frontier_model(family: str, config: Mapping[str, Any], layers: Optional[int]
             residual_multiplier=0.6, embedding_multiplier=3.0, attention_multiplier=0.1,
             position_embedding_type="rope")
         cls = tf.GraniteMoeHybridModel
+    elif family == "kimi_linear":
+        common.pop("router_aux_loss_coef")
+        common["num_key_value_heads"] = heads
+        config_obj = tf.KimiLinearConfig(
+            **common, intermediate_size=ff, moe_intermediate_size=half, num_local_experts=4, num_experts_per_tok=2,
+            mlp_layer_types=["dense"] * n_layers, kv_lora_rank=hidden // 4, q_lora_rank=None, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, linear_num_heads=heads, linear_head_dim=hidden // heads,
+            linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)])
+        cls = tf.KimiLinearModel
+    elif family == "lfm2":
+        common.pop("router_aux_loss_coef")
+        config_obj = tf.Lfm2Config(
+            **common, intermediate_size=ff, block_auto_adjust_ff_dim=False, conv_L_cache=3, conv_bias=False,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(n_layers)])
+        cls = tf.Lfm2Model
     else:
         raise ValueError(f"unknown frontier family {family!r}; choose from {FRONTIER_FAMILIES}")
     torch.manual_seed(seed)

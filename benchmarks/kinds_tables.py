@@ -23,7 +23,9 @@ LABELS = {"forward": "forward", "globenc": "GlobEnc", "alti": "ALTI", "alti_logi
 NAMES = {"llama": "Llama", "gpt_neox": "GPT-NeoX (parallel)", "gemma2": "Gemma 2 (sandwich)",
          "mixtral": "Mixtral (experts)", "qwen2_moe": "Qwen2-MoE (experts)",
          "gpt_oss": "GPT-OSS (sinks, clamped experts)", "deepseek_v3": "DeepSeek-V3 (latent attention)",
-         "llama4_text": "Llama 4 text (chunked, input-scaled experts)", "granitemoe": "Granite-MoE"}
+         "llama4_text": "Llama 4 text (chunked, input-scaled experts)", "granitemoe": "Granite-MoE",
+         "qwen3_5_text": "Qwen3.5 (Gated DeltaNet)", "granitemoehybrid": "Granite 4 (Mamba-2 + attention)",
+         "kimi_linear": "Kimi Linear (delta attention + latent attention)", "lfm2": "LFM2 (short conv + attention)"}
 
 
 def _table(header, rows) -> str:

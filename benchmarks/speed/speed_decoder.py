@@ -24,9 +24,10 @@ predicted from a fit a + c T^2 (or a full quadratic with 3+ points) of the measu
 ``--families`` (ratio table only) puts families side by side in one process, each against its own forward pass:
 ``_bench.DECODER_FAMILIES`` (one per layer kind) and the frontier mechanisms of ``_frontier.py`` (``gpt_oss``:
 sinks and clamped experts; ``deepseek_v3``: latent attention; ``llama4_text``: chunked attention and input-scaled
-experts; ``granitemoe``), e.g. ``--families llama gpt_oss deepseek_v3 llama4_text granitemoe --config small
---layers 2``. ``--exactness`` adds, per family and length, ALTI-Logit's and DecompX's token scores plus no-token
-terms against the model's own logit (recomputed from its forward pass), float32.
+experts; ``granitemoe``; the hybrid mixers ``qwen3_5_text``, ``granitemoehybrid``, ``kimi_linear``, ``lfm2``),
+e.g. ``--families llama gpt_oss deepseek_v3 llama4_text granitemoe --config small --layers 2``. ``--exactness``
+adds, per family and length, ALTI-Logit's and DecompX's token scores plus no-token terms against the model's own
+logit (recomputed from its forward pass), float32.
 """
 from __future__ import annotations
 
