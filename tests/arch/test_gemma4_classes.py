@@ -16,8 +16,11 @@ full-attention head and the expert block:
 - a left-padded batch equals its examples alone, and the model's weights, hooks and attention
   implementation are as before;
 - the LLM API (DecompositionLLMAttribution) explains a continuation exactly with DecompX and ALTI-Logit;
-- FFIntegratedDecomposition, the routes and Value Zeroing are refused naming why and the methods that
-  work, as are DecompX's adjoint, an attention bias and a bidirectional attention.
+- FFIntegratedDecomposition's scopes (ATB, LN2, FF, RES2: the attention block, the dense FF's input, the
+  feed-forward branch after its post-norm, the whole layer with the per-layer-input branch and the layer
+  scalar) sum to the model's own tensors, read by hooks of their own, and are padding-free;
+- the routes and Value Zeroing are refused naming why and the methods that work, as are DecompX's
+  adjoint, an attention bias and a bidirectional attention.
 """
 import copy
 
@@ -41,6 +44,7 @@ from captum_normattr import (  # noqa: E402
 )
 from captum_normattr.attr.llm import DecompositionLLMAttribution  # noqa: E402
 from captum_normattr.attr.routes import InformationFlowRoutes  # noqa: E402
+from captum_normattr.decompose.kinds import pre_ln  # noqa: E402
 from captum_normattr.decompose.kinds.per_layer_input import gemma4_logit_scores  # noqa: E402
 from captum_normattr.models.adapters import get_adapter  # noqa: E402
 from decoder_models import decoder_batch  # noqa: E402
@@ -189,14 +193,104 @@ def test_float32_weights_decompose_to_float32_rounding():
     assert _rel(_capped((al.scores.sum(-1) + al.no_token_total).double()), own[:, 5]) < 1e-4
 
 
-@pytest.mark.parametrize("cls,words", [(FFIntegratedDecomposition, "feed-forward component scopes"),
-                                       (InformationFlowRoutes, "routes")])
-def test_ff_scopes_and_routes_are_refused_naming_why_and_what_works(cls, words):
+def _scope_reals(model, ids, mask):
+    r"""Each layer's real h (N_pre's input), N_pre's output, N_pf's output and the layer output, by hooks of the test's own."""
+    base = model.model if hasattr(model, "lm_head") else model
+    reals, handles = [dict() for _ in base.layers], []
+
+    def keep(i, key, use_input=False):
+        def hook(module, args, output):
+            reals[i][key] = (args[0] if use_input else output[0] if isinstance(output, tuple) else output).detach()
+        return hook
+
+    for i, layer in enumerate(base.layers):
+        handles += [layer.pre_feedforward_layernorm.register_forward_hook(keep(i, "ATB", True)),
+                    layer.pre_feedforward_layernorm.register_forward_hook(keep(i, "LN2")),
+                    layer.post_feedforward_layernorm.register_forward_hook(keep(i, "FF")),
+                    layer.register_forward_hook(keep(i, "RES2"))]
+    try:
+        _own_logits(model, ids, mask) if hasattr(model, "lm_head") else None
+    finally:
+        for h in handles:
+            h.remove()
+    return reals
+
+
+@pytest.mark.parametrize("name", ["plain", "no_per_layer_input", "experts", "shared_kv_k_eq_v"])
+def test_ff_scopes_sum_to_the_models_own_tensors(name, monkeypatch):
+    r"""Every scope's parts of every row chunk, summed over the sources, against the tensor the model computed."""
+    model = build_gemma4(**CONFIGS[name])
+    state = _state(model)
+    ids, mask = decoder_batch([7, 4], seed=9)
+    reals = _scope_reals(model, ids, mask)
+    sums = []
+    scorer = pre_ln.scope_scorer
+
+    def recording_scorer(contribution, outputs):
+        score = scorer(contribution, outputs)
+        if not sums or "RES2" in sums[-1]:
+            sums.append({})
+
+        def wrapped(scope, parts, rows):
+            full = sums[-1].setdefault(scope, torch.full_like(outputs[scope], float("nan")))
+            full[:, rows] = parts.sum(2)
+            return score(scope, parts, rows)
+        return wrapped
+
+    monkeypatch.setattr(pre_ln, "scope_scorer", recording_scorer)
+    res = FFIntegratedDecomposition(model, strict=True, chunk_rows=3).decompose(ids, additional_forward_args=(mask,))
+    assert res.extras["completeness_error"].max() < 1e-12 and res.extras["layer_completeness_error"].max() < 1e-12
+    assert len(sums) == len(reals)
+    valid = mask.bool()
+    for layer, (got, real) in enumerate(zip(sums, reals)):
+        for scope in ("ATB", "LN2", "FF", "RES2"):
+            want = real[scope][valid]
+            err = float((got[scope][valid] - want).abs().max())
+            assert err < 1e-12 * max(1.0, float(want.abs().max())), (name, layer, scope, err)
+    assert _unchanged(model, state)
+
+
+@pytest.mark.parametrize("name", ["plain", "no_per_layer_input", "experts"])
+@pytest.mark.parametrize("contribution", ["norm", "alti"])
+def test_ff_scopes_are_padding_free(name, contribution):
+    model = build_gemma4(**CONFIGS[name])
+    ids, mask = decoder_batch([7, 4], seed=4)
+    t = ids.shape[1]
+    for scope in ("ATB", "LN2", "FF", "RES2"):
+        ffd = FFIntegratedDecomposition(model, scope=scope, contribution=contribution, strict=True)
+        padded = ffd.decompose(ids, additional_forward_args=(mask,))
+        alone = ffd.decompose(ids[1:, t - 4:])
+        torch.testing.assert_close(padded.scores[1, t - 4:], alone.scores[0], rtol=0,
+                                   atol=1e-10 * float(alone.scores.abs().max()))
+        torch.testing.assert_close(padded.layer_maps[1][:, t - 4:, t - 4:], alone.layer_maps[0], rtol=0,
+                                   atol=1e-10 * float(alone.layer_maps.abs().max()))
+        assert float(padded.layer_maps[1, :, :, :t - 4].abs().max()) == 0.0  # the pads have no part
+    assert ffd.get_name() == ("GlobEnc+FF" if contribution == "norm" else "ALTI+FF")  # RES2: the whole layer
+
+
+def test_the_whole_layer_scope_gives_each_token_its_per_layer_input_branch():
+    r"""The branch is token i's own part: without it RES2's diagonal would differ (and the layer would not be complete)."""
+    ids, mask = decoder_batch([7, 4], seed=4)
+    with_branch = build_gemma4(num_kv_shared_layers=0)
+    res = FFIntegratedDecomposition(with_branch, strict=True).decompose(ids, additional_forward_args=(mask,))
+    assert float(res.extras["layer_completeness_error"].max()) < 1e-12
+    base = with_branch.model
+    for layer in base.layers:  # the same model with the branch switched off and its output removed
+        layer.hidden_size_per_layer_input = 0
+    without = FFIntegratedDecomposition(with_branch, strict=True).decompose(ids, additional_forward_args=(mask,))
+    diag = torch.diagonal(res.layer_maps[0, 0]) - torch.diagonal(without.layer_maps[0, 0])
+    assert float(diag.abs().max()) > 1e-3  # the first layer's maps see the same input: only the branch differs
+
+
+def test_ff_options_and_the_routes_are_refused_naming_why_and_what_works():
+    with pytest.raises(ValueError, match="ignore_low_gamma"):
+        FFIntegratedDecomposition(build_gemma4(), ignore_low_gamma=0.01)
     with pytest.raises(UnsupportedModelError) as err:
-        cls(build_gemma4())
+        InformationFlowRoutes(build_gemma4())
     text = str(err.value)
-    assert words in text and "not implemented" in text and "Gemma 4" in text
-    for works in ("DecompXAttribution", "ALTILogitAttribution", "GlobEncAttribution", "ALTIAttribution"):
+    assert "routes" in text and "not implemented" in text and "Gemma 4" in text
+    for works in ("DecompXAttribution", "ALTILogitAttribution", "GlobEncAttribution", "ALTIAttribution",
+                  "FFIntegratedDecomposition"):
         assert works in text
 
 

@@ -7,8 +7,10 @@ token, a learned scalar on the layer's output, values normalised per head, keys 
 across the last layers, keys used as values on full-attention layers, experts beside the dense
 feed-forward. The attention block is recorded as a sandwich layer's; the layer kind
 (:mod:`captum_normattr.decompose.kinds.sandwich_per_layer_input`) adds the rest
-(``docs/frontier.md``, "Gemma 4"). DecompX, ALTI-Logit, GlobEnc and ALTI decompose it exactly; the
-FF component scopes and the routes are not implemented for its kind and are refused.
+(``docs/frontier.md``, "Gemma 4"). DecompX, ALTI-Logit, GlobEnc, ALTI and the FF component scopes
+(FFIntegratedDecomposition; the whole-layer scope with the per-layer-input branch as each token's own
+part and the layer scalar on every part) decompose it exactly; the routes are not implemented for its
+kind and are refused.
 
 ``BUILTIN`` lists the description by registry key; :mod:`captum_normattr.arch.registry` registers it.
 ``REFUSED`` keeps the multimodal ``gemma4`` refused, with a pointer to its text model.
@@ -44,7 +46,7 @@ GEMMA4_TEXT = ArchitectureSpec(
     notes="sandwich layers with gain-w RMSNorms plus per-layer inputs (a third residual branch to each token's own "
           "part), a layer scalar, per-head value norms, shared keys/values, keys as values and experts beside the "
           "dense FF (enable_moe_block, routing held fixed); sliding-window and global layers recorded; DecompX runs "
-          "its forward propagation; FF scopes and routes refused",
+          "its forward propagation; routes refused",
 )
 
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("gemma4_text", GEMMA4_TEXT),)

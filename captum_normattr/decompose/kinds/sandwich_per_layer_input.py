@@ -25,25 +25,48 @@ DecompX (:meth:`SandwichPerLayerInputKind.decompx_step`): the frozen step of
 scale, the shared value parts, the experts, the branch to each token's own part, the scalar),
 whose dense feed-forward takes DecompX's own coefficients. A layer that reuses an earlier layer's
 values depends on that layer's input, so there is no per-layer transpose: DecompX runs its forward
-propagation on this kind (:attr:`SandwichPerLayerInputKind.adjoint` is False). The FF component
-scopes (FFIntegratedDecomposition) and the routes are not implemented for this kind and are refused.
+propagation on this kind (:attr:`SandwichPerLayerInputKind.adjoint` is False).
+
+FF component scopes (FFIntegratedDecomposition; :func:`per_layer_input_scope_maps`), each against the
+model's real tensor, with every norm (N_pre, N_pf, and with experts N_pre2, N_pf1, N_pf2) frozen at
+its real per-token scale and the feed-forward blocks decomposed by the gated rule of DecompX's step
+(:func:`~captum_normattr.decompose.kinds.per_layer_input.gated_parts`, ``nodes`` Gauss-Legendre nodes):
+
+    ATB_{i<-j}  = h_{i<-j} = [i = j] x_i + N_pa's parts of the attention output    (against h_i)
+    LN2_{i<-j}  = N_pre(h)_{i<-j}                  the dense FF's input            (against N_pre(h_i))
+    FF_{i<-j}   = N_pf(FF)_{i<-j}, with experts N_pf(N_pf1(FF) + N_pf2(Experts))_{i<-j}, the routing
+                  frozen (the feed-forward branch as it joins the stream)        (against N_pf's output)
+    RES2_{i<-j} = c (h_{i<-j} + FF_{i<-j} + [i = j] B_i)   the whole layer        (against y_i)
+
+with B_i = N_ple((act(z_i W_gate) * e_i) W_proj) the real per-layer-input branch, token i's OWN part (its
+gate frozen at its real value, e_i a function of token i alone; as in DecompX's step), and the layer
+scalar c multiplying every part. RES2 is the whole layer (the default scope). There is no bias part
+(Gemma 4 has no biases). The routes are not implemented for this kind and are refused.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import Tensor
 
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose.kinds import pre_ln as decoder
-from captum_normattr.decompose.kinds.base import CaptureRecipe
-from captum_normattr.decompose.kinds.per_layer_input import layer_step, per_layer_input_branch
+from captum_normattr.decompose.kinds.base import CaptureRecipe, FFOptions
+from captum_normattr.decompose.kinds.per_layer_input import (
+    _with_experts,
+    frozen_rms_norm,
+    gated_parts,
+    layer_step,
+    per_layer_input_branch,
+    rms_norm,
+)
 from captum_normattr.decompose.kinds.sandwich import SandwichKind, pre_ln_form
+from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import LayerTensors
 
-__all__ = ["PER_LAYER_INPUT_CAPTURE", "SandwichPerLayerInputKind"]
+__all__ = ["PER_LAYER_INPUT_CAPTURE", "SandwichPerLayerInputKind", "per_layer_input_scope_maps"]
 
 #: A sandwich layer's record (the branch post-norms' inputs and outputs); the feed-forward post-norm's
 #: input is the dense FF's output only without experts (checked in the kind's joins).
@@ -73,11 +96,89 @@ def _step_record(layer: LayerTensors) -> Dict[str, Tensor]:
     return rec
 
 
+def _w(linear: torch.nn.Module, like: Tensor) -> Tensor:
+    r"""A linear module's weight, right-multiplied (in, out), in ``like``'s dtype and device."""
+    return linear.weight.detach().to(device=like.device, dtype=like.dtype).T
+
+
+def per_layer_input_scope_maps(
+    layer: LayerTensors, valid: Tensor, options: FFOptions
+) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    r"""Maps of the FF component scopes of a per-layer-input layer (``ATB``, ``LN2``, ``FF``, ``RES2``; module docstring).
+
+    Built in chunks of query rows as the pre-LN scopes
+    (:func:`~captum_normattr.decompose.kinds.pre_ln.pre_ln_component_scope_maps`): the attention block's
+    parts are the sandwich kind's (:func:`~captum_normattr.decompose.kinds.sandwich.pre_ln_form`), the rest
+    is written out from the layer module's weights and the recorded real tensors. ``options.method`` and
+    ``steps`` do not apply (the feed-forward blocks are gated); ``nodes`` does.
+
+    Args:
+        layer: a per-layer-input layer's record; valid: (B, T) bool; options: the FF options.
+
+    Returns:
+        (maps scope -> (B, T, T), errors ``"ff"`` (max over real tokens of |FF parts - N_pf's real output|),
+        ``"layer"`` (|RES2 parts - the real layer output|) and their ``"*_per_example"`` (B,)).
+    """
+    view = pre_ln_form(layer)
+    module = _extra(layer, "module")
+    causal = layer.causal
+    h = layer.ln2_in
+    outputs = {"ATB": h, "LN2": layer.ln2_out, "FF": layer.ff_post_out, "RES2": layer.layer_out}
+    score = decoder.scope_scorer(options.contribution, outputs)
+    b, t, _ = h.shape
+    chunk = decoder.scope_chunk_rows(view, options.chunk_rows, options.memory_budget_mb, causal)
+    maps = {s: h.new_zeros(b, t, t) for s in decoder.PRE_LN_SCOPES}
+    ff_err, layer_err = h.new_zeros(b, t), h.new_zeros(b, t)
+    c = module.layer_scalar.detach().to(device=h.device, dtype=h.dtype)
+    branch = None
+    if getattr(module, "hidden_size_per_layer_input", 0):  # token i's own part, from the real z_i and e_i
+        branch = per_layer_input_branch(module, h + layer.ff_post_out, _extra(layer, "per_layer_input"))
+    experts = bool(getattr(module, "enable_moe_block", False))
+    if experts:
+        top_k = _extra(layer, "route_index").reshape(b, t, -1).shape[-1]
+        route_index = _extra(layer, "route_index").reshape(b, t, top_k)
+        route_weights = _extra(layer, "route_weights").reshape(b, t, top_k)
+    mlp = module.mlp
+    w_gate, w_up, w_down = _w(mlp.gate_proj, h), _w(mlp.up_proj, h), _w(mlp.down_proj, h)
+    nodes = options.nodes or DEFAULT_NODES
+
+    for start in range(0, t, chunk):
+        rows = slice(start, min(t, start + chunk))
+        cols = rows.stop if causal else t  # causal: sources j > i have exactly zero parts
+        hp = decoder.residual_parts(view, rows, cols)  # (B, R, C, D) h_{i<-j}
+        h_rows = h[:, rows]
+        maps["ATB"][:, rows, :cols] = score("ATB", hp, rows)
+        u_parts = frozen_rms_norm(hp, h_rows, module.pre_feedforward_layernorm)
+        maps["LN2"][:, rows, :cols] = score("LN2", u_parts, rows)
+        hidden_parts, hidden = gated_parts(u_parts, rms_norm(h_rows, module.pre_feedforward_layernorm), w_gate, w_up,
+                                           mlp.act_fn, nodes)
+        del u_parts
+        f_parts, f = hidden_parts @ w_down, hidden @ w_down
+        del hidden_parts
+        if experts:
+            rec = {"route_index": route_index[:, rows], "route_weights": route_weights[:, rows]}
+            f_parts, f = _with_experts(module, hp, h_rows, f_parts, f, rec, nodes)
+        ffp = frozen_rms_norm(f_parts, f, module.post_feedforward_layernorm)
+        del f_parts
+        maps["FF"][:, rows, :cols] = score("FF", ffp, rows)
+        ff_err[:, rows] = (ffp.sum(2) - layer.ff_post_out[:, rows]).abs().amax(-1)
+        hp.add_(ffp)
+        del ffp
+        if branch is not None:
+            r = torch.arange(rows.start, rows.stop, device=hp.device)
+            hp[:, r - rows.start, r] += branch[:, rows]
+        hp.mul_(c)
+        maps["RES2"][:, rows, :cols] = score("RES2", hp, rows)
+        layer_err[:, rows] = (hp.sum(2) - layer.layer_out[:, rows]).abs().amax(-1)
+        del hp
+    return decoder.finish_scope_maps(maps, ff_err, layer_err, valid, causal, options.contribution)
+
+
 class SandwichPerLayerInputKind(SandwichKind):
     r"""Gemma 4's layers: the sandwich kind's attention block, its own logit form and DecompX step (module docstring)."""
 
     name = "sandwich_per_layer_input"
-    methods = frozenset({"maps", "alti", "decompx", "alti_logit"})
+    methods = frozenset({"maps", "alti", "ff", "decompx", "alti_logit"})
     capture = PER_LAYER_INPUT_CAPTURE
     #: DecompX's adjoint needs a transpose per layer; a layer reusing another layer's values has none
     adjoint = False
@@ -88,17 +189,18 @@ class SandwichPerLayerInputKind(SandwichKind):
         r"""Raise :class:`UnsupportedModelError` for a method this kind does not decompose, naming why and what does."""
         if method in self.methods:
             return
-        what = {"ff": ("FFIntegratedDecomposition's feed-forward component scopes (ATB, LN2, FF, RES2)",
-                       "its layers continue after the feed-forward block with the per-layer-input branch and the layer "
-                       "scalar (and, with enable_moe_block, experts beside the dense FF under their own norms), which "
-                       "the scopes do not cover"),
-                "routes": ("the information-flow routes", "they are implemented for pre-LN layers only")}.get(
+        what = {"routes": ("the information-flow routes", "they are implemented for pre-LN layers only")}.get(
             method, (f"the {method!r} decomposition", "it is not defined for this layer kind"))
         raise UnsupportedModelError(
             f"{family} has {self.name} layers: {what[0]} are not implemented for them ({what[1]}). "
-            "DecompXAttribution, ALTILogitAttribution, GlobEncAttribution and ALTIAttribution (and the LLM API, "
+            "DecompXAttribution, ALTILogitAttribution, GlobEncAttribution, ALTIAttribution and "
+            "FFIntegratedDecomposition (and the LLM API, "
             "DecompositionLLMAttribution, with any of them) decompose these layers exactly; see docs/frontier.md, "
             "\"Gemma 4\"")
+
+    def scope_maps(self, layer, valid, options):
+        r"""The FF component scopes of :func:`per_layer_input_scope_maps`."""
+        return per_layer_input_scope_maps(layer, valid, options)
 
     def logit_form(self, layer):
         r"""The C_l-scaled pre-LN form: attention update C_l A_l, FF update C_{l+1} y_l - C_l h_l, stream C_l x_l."""
