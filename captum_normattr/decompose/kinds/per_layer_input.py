@@ -64,6 +64,7 @@ __all__ = [
     "gemma4_logit_scores",
     "gemma4_token_parts",
     "layer_step",
+    "moe_block_parts",
     "per_layer_input_branch",
     "rms_norm",
     "value_norm_scale",
@@ -328,7 +329,7 @@ def layer_step(layer: nn.Module, parts: Tensor, rec: Dict[str, Tensor], shared: 
     w_down = _w(mlp.down_proj, n2).T
     f_parts, f = hidden_parts @ w_down, hidden @ w_down
     if getattr(layer, "enable_moe_block", False):
-        f_parts, f = _with_experts(layer, h_parts, h, f_parts, f, rec, nodes)
+        f_parts, f = moe_block_parts(layer, h_parts, h, f_parts, f, rec, nodes)
     z_parts = h_parts + frozen_rms_norm(f_parts, f, layer.post_feedforward_layernorm)
     z = h + rms_norm(f, layer.post_feedforward_layernorm)
     if layer.hidden_size_per_layer_input:
@@ -344,7 +345,7 @@ def layer_step(layer: nn.Module, parts: Tensor, rec: Dict[str, Tensor], shared: 
     return z_parts * c, z * c
 
 
-def _with_experts(layer, h_parts: Tensor, h: Tensor, f_parts: Tensor, f: Tensor, rec: Dict[str, Tensor],
+def moe_block_parts(layer, h_parts: Tensor, h: Tensor, f_parts: Tensor, f: Tensor, rec: Dict[str, Tensor],
                   nodes: int) -> Tuple[Tensor, Tensor]:
     r"""The expert block beside the dense MLP: parts and real tensor of N_pf1(FF(u)) + N_pf2(Experts(N_pre2(h))).
 

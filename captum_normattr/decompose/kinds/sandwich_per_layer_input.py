@@ -54,7 +54,7 @@ from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.decompose.kinds import pre_ln as decoder
 from captum_normattr.decompose.kinds.base import CaptureRecipe, FFOptions
 from captum_normattr.decompose.kinds.per_layer_input import (
-    _with_experts,
+    moe_block_parts,
     frozen_rms_norm,
     gated_parts,
     layer_step,
@@ -157,7 +157,7 @@ def per_layer_input_scope_maps(
         del hidden_parts
         if experts:
             rec = {"route_index": route_index[:, rows], "route_weights": route_weights[:, rows]}
-            f_parts, f = _with_experts(module, hp, h_rows, f_parts, f, rec, nodes)
+            f_parts, f = moe_block_parts(module, hp, h_rows, f_parts, f, rec, nodes)
         ffp = frozen_rms_norm(f_parts, f, module.post_feedforward_layernorm)
         del f_parts
         maps["FF"][:, rows, :cols] = score("FF", ffp, rows)
