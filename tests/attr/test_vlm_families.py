@@ -280,24 +280,27 @@ def _image_mask_route(model, fn, image, mask, target, image_token, package_posit
     return res, logits[torch.arange(p - 1, p - 1 + target.shape[0]), target]
 
 
-def test_idefics3_image_mask_input():
-    r"""Idefics3 without image splitting through its own image processor (the image squared to 24 x 24: the grid
-    stretched over the whole image): complete against the model's own logit; segments that are whole token columns
-    equal their tokens' sums."""
+@pytest.mark.parametrize("family,grid", [("idefics3", (3, 3)), ("mistral3", (2, 3))])
+def test_image_mask_input_segments_are_their_tokens_sums(family, grid):
+    r"""Through the family's own image processor, a 12 x 30 image and segments that are whole token columns of the
+    grid stretched over it (Idefics3 without image splitting: squared to 24 x 24, a 3 x 3 grid; Mistral 3: Pixtral's
+    processor resizes it whole to 16 x 24, a 2 x 3 grid): complete against the model's own logit, and each segment's
+    score the sum of its tokens'."""
     np = pytest.importorskip("numpy")
     from PIL import Image
-    from vlm_processors import idefics3_processor_fn
+    import vlm_processors
 
-    c = CASES["idefics3"]
+    c = CASES[family]
     model = c.make(seed=4)
     image = Image.fromarray((np.random.RandomState(8).rand(12, 30, 3) * 255).astype("uint8"))
     mask = torch.zeros(12, 30, dtype=torch.int32)
-    mask[:, 10:20] = 1  # exactly token column 1 of the 3 x 3 grid stretched over 12 x 30
+    mask[:, 10:20] = 1  # exactly token column 1 of the grid stretched over 12 x 30
     mask[:, 20:] = 2
     target = torch.tensor([8, 9, 10])
-    res, real = _image_mask_route(model, idefics3_processor_fn([5, 6, 7]), image, mask, target, c.image_token, True)
+    fn = getattr(vlm_processors, f"{family}_processor_fn")([5, 6, 7])
+    res, real = _image_mask_route(model, fn, image, mask, target, c.image_token, True)
     ex = res.explanation
-    assert res.patch_attr.shape == (3, 3, 3) and ex.box == (0.0, 0.0, 12.0, 30.0)
+    assert res.patch_attr.shape == (3, *grid) and ex.box == (0.0, 0.0, 12.0, 30.0)
     assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
     for s in range(3):
         assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)
@@ -371,29 +374,6 @@ def test_mistral3_heat_map_finds_the_changed_patch():
             assert (change[ids != c.image_token] < 1e-12).all()  # breaks and text untouched
     finally:
         handle.remove()
-
-
-def test_mistral3_image_mask_input():
-    r"""Mistral 3 through Pixtral's own image processor (a 12 x 30 image resized whole to 16 x 24: a 2 x 3 token
-    grid stretched over the image): complete against the model's own logit; segments that are whole token columns
-    equal their tokens' sums."""
-    np = pytest.importorskip("numpy")
-    from PIL import Image
-    from vlm_processors import mistral3_processor_fn
-
-    c = CASES["mistral3"]
-    model = c.make(seed=4)
-    image = Image.fromarray((np.random.RandomState(8).rand(12, 30, 3) * 255).astype("uint8"))
-    mask = torch.zeros(12, 30, dtype=torch.int32)
-    mask[:, 10:20] = 1  # exactly token column 1
-    mask[:, 20:] = 2
-    target = torch.tensor([8, 9, 10])
-    res, real = _image_mask_route(model, mistral3_processor_fn([5, 6, 7]), image, mask, target, c.image_token, True)
-    ex = res.explanation
-    assert res.patch_attr.shape == (3, 2, 3) and ex.box == (0.0, 0.0, 12.0, 30.0)
-    assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
-    for s in range(3):
-        assert torch.allclose(res.token_attr[:, s], res.patch_attr[:, :, s].sum(-1), rtol=1e-12, atol=1e-14)
 
 
 # ---- Gemma 3: pooled grid (two-way image spans: tests/attr/test_vlm_two_way.py) ---------------------------------------------------
