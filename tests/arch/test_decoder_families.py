@@ -16,7 +16,6 @@ from captum_normattr import (
     ALTIAttribution,
     ALTILogitAttribution,
     DecompXAttribution,
-    FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
 )
@@ -28,6 +27,7 @@ from decoder_models import decoder_batch
 from zoo import real_next_token_logits
 from registry_state import described_as
 from zoo import build
+from map_checks import check_maps_complete
 
 FAMILIES = ["olmo2", "gemma3_text", "bloom", "opt"]
 
@@ -104,11 +104,7 @@ def test_opt_variants_are_exact(overrides):
     assert spec.topology == ("post_ln" if overrides.get("do_layer_norm_before", True) is False else "pre_ln")
     ids, mask = decoder_batch([6, 4], seed=5)
     logits = real_next_token_logits(model, ids, mask)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
     dx = DecompXAttribution(model, strict=True)
     res = dx.decompose(ids, target=7, additional_forward_args=mask)
     assert _rel(res.class_scores.sum(1) + res.bias_scores, logits[:, 7:8]) < 1e-10
@@ -200,11 +196,7 @@ def test_bare_model_and_classifier_maps_are_complete(key, head):
     decoder classification head yet: DecompX refuses it cleanly)."""
     model = build(key, head)
     ids, mask = decoder_batch([6, 4], seed=9)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
     if head == "cls":
         with pytest.raises(UnsupportedModelError, match="classification head"):
             DecompXAttribution(model)

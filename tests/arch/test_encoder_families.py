@@ -29,6 +29,7 @@ from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.capture.session import recording
 from decoder_models import decoder_batch
 from zoo import build
+from map_checks import check_maps_complete
 
 FAMILIES = ["deberta-v2", "modernbert"]
 
@@ -227,10 +228,7 @@ def test_decompx_head_norms_are_needed():
 def test_bare_models_maps_and_refusals(key):
     model = build(key, "bare")
     ids, mask = decoder_batch([6, 4], seed=10, left=False)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        assert err is None or float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
     with pytest.raises(UnsupportedModelError, match="no supported classification head"):
         DecompXAttribution(model)
 
@@ -328,9 +326,7 @@ def test_config_variants_every_method(key, config):
         logits = model(input_ids=ids, attention_mask=mask, **kw).logits
     res = DecompXAttribution(model, strict=True).decompose(ids, additional_forward_args=extra)
     assert _rel(res.class_scores.sum(1) + res.bias_scores, logits) < 1e-10
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        out = cls(model, strict=True).decompose(ids, additional_forward_args=extra)
-        assert float(out.extras["completeness_error"].max()) < 1e-10 * max(1.0, float(out.layer_maps.abs().max()))
+    check_maps_complete(model, ids, extra)
 
 
 def test_a_head_description_without_its_norm_is_caught():

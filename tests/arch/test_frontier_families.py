@@ -42,6 +42,7 @@ from llm_tiny import tiny_tokenizer
 from registry_state import described_as
 from zoo import build, real_next_token_logits
 from zoo_frontier import FAMILIES
+from map_checks import check_maps_complete
 
 REGISTERED = [key for key, _ in frontier.BUILTIN]
 MOE = [key for key in REGISTERED if ARCHITECTURES[key].layer.ff.kind == "experts"]
@@ -161,11 +162,7 @@ def test_bare_model_and_classifier_maps_are_complete(key, head):
     classification head (refused cleanly)."""
     model = build(key, head)
     ids, mask = decoder_batch([6, 4], seed=9)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
     if head == "cls":
         with pytest.raises(UnsupportedModelError, match="classification head"):
             DecompXAttribution(model)

@@ -18,10 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from captum_normattr import (
-    ALTIAttribution,
     DecompXAttribution,
-    FFIntegratedDecomposition,
-    GlobEncAttribution,
     UnsupportedModelError,
 )
 from captum_normattr.arch import ARCHITECTURES, lookup
@@ -35,6 +32,7 @@ from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
 from zoo_linear_attention import build_linear_attention
+from map_checks import check_maps_complete
 
 KEYS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 SPECS = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE}
@@ -214,11 +212,7 @@ def test_every_method_is_exact_padding_free_and_leaves_the_model(key):
 def test_bare_model_and_classifier_maps_are_complete(key, head):
     model = build_linear_attention(key, head)
     ids, mask = decoder_batch([6, 4], seed=9)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
     if head == "cls":
         with pytest.raises(UnsupportedModelError, match="classification head"):
             DecompXAttribution(model)

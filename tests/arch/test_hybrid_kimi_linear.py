@@ -20,8 +20,6 @@ import torch.nn.functional as F
 from captum_normattr import (
     ALTIAttribution,
     ConsistencyError,
-    FFIntegratedDecomposition,
-    GlobEncAttribution,
     UnsupportedModelError,
 )
 from captum_normattr.arch import ARCHITECTURES, lookup
@@ -36,6 +34,7 @@ from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
 from zoo_kimi import build_kimi
+from map_checks import check_maps_complete
 
 DT = torch.float64
 
@@ -182,11 +181,7 @@ def test_every_method_is_exact_padding_free_and_leaves_the_model():
 def test_bare_model_maps_are_complete():
     model = build_kimi("bare")
     ids, mask = decoder_batch([6, 4], seed=9)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
 
 
 def test_llm_api_explains_a_continuation_exactly():

@@ -15,9 +15,6 @@ import pytest
 import torch
 
 from captum_normattr import (
-    ALTIAttribution,
-    FFIntegratedDecomposition,
-    GlobEncAttribution,
     UnsupportedModelError,
 )
 from captum_normattr.arch import ARCHITECTURES, lookup
@@ -32,6 +29,7 @@ from hybrid_checks import check_every_method_exact, check_llm_continuation_exact
 from decoder_models import decoder_batch
 from layer_capture import capture_layers
 from zoo_hybrid import build_hybrid
+from map_checks import check_maps_complete
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,11 +135,7 @@ def test_the_zoos_exact_norms_are_the_familys_own():
 def test_bare_model_maps_are_complete():
     model = build_hybrid("lfm2", "bare")
     ids, mask = decoder_batch([6, 4], seed=9)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
 
 
 def test_llm_api_explains_a_continuation_exactly():

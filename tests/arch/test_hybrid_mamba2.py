@@ -18,8 +18,6 @@ import pytest
 import torch
 
 from captum_normattr import (
-    ALTIAttribution,
-    FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
 )
@@ -34,6 +32,7 @@ from decoder_models import decoder_batch
 from layer_capture import capture_layers
 from mamba2_reference import naive_mamba2
 from zoo_state_space import build_state_space
+from map_checks import check_maps_complete
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,11 +97,7 @@ def test_the_zoos_exact_scan_and_norms_are_the_familys_own():
 def test_bare_model_maps_are_complete():
     model = build_state_space("granitemoehybrid", "bare")
     ids, mask = decoder_batch([7, 5], seed=9)
-    for cls in (GlobEncAttribution, ALTIAttribution, FFIntegratedDecomposition):
-        res = cls(model, strict=True).decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max()))
+    check_maps_complete(model, ids, (mask,))
 
 
 def test_llm_api_explains_a_continuation_exactly():

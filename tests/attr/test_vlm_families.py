@@ -15,6 +15,7 @@ from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttrib
 from captum_normattr.attr.vlm_regions import image_geometry, image_heatmaps, image_scores
 from captum_normattr.models.adapters import get_adapter, vision_language
 from vlm_families import CASES
+from vlm_models import merged_embeddings
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
 FAMILIES = sorted(CASES)
@@ -116,7 +117,6 @@ def test_qwen2_5_vl_window_attention_keeps_the_image_order():
     pixel block of a 16 x 16 image (windows of 2 x 2 tokens) changes one token, and the heat map lights that block."""
     np = pytest.importorskip("numpy")
     from transformers import Qwen2VLImageProcessor
-    from vlm_models import merged_embeddings
 
     c = CASES["qwen2_5_vl"]
     model = c.make(seed=5, layers=1, vision_depth=1)
@@ -227,28 +227,21 @@ def test_idefics3_heat_map_finds_the_changed_patch(family):
                         + [c.image_token] * n + [IDEFICS_FAKE, 7]])
     mask = torch.ones_like(ids)
     pixels = torch.randn(1, 2, 3, 24, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    got = {}
-    handle = model.model.text_model.register_forward_pre_hook(
-        lambda m, a, k: got.__setitem__("x", k["inputs_embeds"].detach().clone()), with_kwargs=True)
-    try:
-        def embeddings(px):
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, pixel_values=px)
-            return got["x"]
 
-        x0 = embeddings(pixels)
-        for sub, pr, pc in ((0, 0, 0), (1, 3, 4), (0, 5, 1)):
-            changed = pixels.clone()
-            changed[0, sub, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
-            change = (embeddings(changed) - x0).norm(dim=-1)
-            maps = image_heatmaps(change, ids, model)
-            assert len(maps) == 2 and not (maps[1 - sub] > 1e-9).any()
-            r, col = pr // 2, pc // 2
-            expect = torch.zeros(24, 24, dtype=torch.bool)
-            expect[8 * r:8 * r + 8, 8 * col:8 * col + 8] = True
-            assert torch.equal(maps[sub] > 1e-9, expect), (sub, pr, pc)
-    finally:
-        handle.remove()
+    def embeddings(px):
+        return merged_embeddings(model, ids, mask, px, decoder="text_model")
+
+    x0 = embeddings(pixels)
+    for sub, pr, pc in ((0, 0, 0), (1, 3, 4), (0, 5, 1)):
+        changed = pixels.clone()
+        changed[0, sub, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
+        change = (embeddings(changed) - x0).norm(dim=-1)
+        maps = image_heatmaps(change, ids, model)
+        assert len(maps) == 2 and not (maps[1 - sub] > 1e-9).any()
+        r, col = pr // 2, pc // 2
+        expect = torch.zeros(24, 24, dtype=torch.bool)
+        expect[8 * r:8 * r + 8, 8 * col:8 * col + 8] = True
+        assert torch.equal(maps[sub] > 1e-9, expect), (sub, pr, pc)
 
 
 def _image_mask_route(model, fn, image, mask, target, image_token, package_positions):
@@ -351,29 +344,22 @@ def test_mistral3_heat_map_finds_the_changed_patch():
     g = torch.Generator().manual_seed(0)
     for i, (h, w) in enumerate(sizes.tolist()):
         pixels[i, :, :h, :w] = torch.randn(3, h, w, generator=g, dtype=torch.float64)
-    got = {}
-    handle = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, k: got.__setitem__("x", k["inputs_embeds"].detach().clone()), with_kwargs=True)
-    try:
-        def embeddings(px):
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, pixel_values=px, image_sizes=sizes)
-            return got["x"]
 
-        x0 = embeddings(pixels)
-        for img, pr, pc in ((0, 0, 5), (0, 3, 2), (1, 5, 1), (1, 2, 0)):
-            changed = pixels.clone()
-            changed[img, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
-            change = (embeddings(changed) - x0).norm(dim=-1)
-            maps = image_heatmaps(change, ids, model, image_sizes=sizes)
-            assert [tuple(m.shape) for m in maps] == [(16, 24), (24, 8)]
-            assert not (maps[1 - img] > 1e-9).any()
-            expect = torch.zeros(maps[img].shape, dtype=torch.bool)
-            expect[8 * (pr // 2):8 * (pr // 2) + 8, 8 * (pc // 2):8 * (pc // 2) + 8] = True
-            assert torch.equal(maps[img] > 1e-9, expect), (img, pr, pc)
-            assert (change[ids != c.image_token] < 1e-12).all()  # breaks and text untouched
-    finally:
-        handle.remove()
+    def embeddings(px):
+        return merged_embeddings(model, ids, mask, px, image_sizes=sizes)
+
+    x0 = embeddings(pixels)
+    for img, pr, pc in ((0, 0, 5), (0, 3, 2), (1, 5, 1), (1, 2, 0)):
+        changed = pixels.clone()
+        changed[img, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
+        change = (embeddings(changed) - x0).norm(dim=-1)
+        maps = image_heatmaps(change, ids, model, image_sizes=sizes)
+        assert [tuple(m.shape) for m in maps] == [(16, 24), (24, 8)]
+        assert not (maps[1 - img] > 1e-9).any()
+        expect = torch.zeros(maps[img].shape, dtype=torch.bool)
+        expect[8 * (pr // 2):8 * (pr // 2) + 8, 8 * (pc // 2):8 * (pc // 2) + 8] = True
+        assert torch.equal(maps[img] > 1e-9, expect), (img, pr, pc)
+        assert (change[ids != c.image_token] < 1e-12).all()  # breaks and text untouched
 
 
 # ---- Gemma 3: pooled grid (two-way image spans: tests/attr/test_vlm_two_way.py) ---------------------------------------------------
@@ -407,25 +393,18 @@ def test_gemma3_heat_map_finds_the_changed_patch():
             layer.self_attn.out_proj.weight.zero_()
             layer.self_attn.out_proj.bias.zero_()
     ids, mask, extra = c.batch([2], seed=6)
-    got = {}
-    handle = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, k: got.__setitem__("x", k["inputs_embeds"].detach().clone()), with_kwargs=True)
-    try:
-        def embeddings(px):
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, pixel_values=px)
-            return got["x"]
 
-        x0 = embeddings(extra["pixel_values"])
-        for pr, pc in ((0, 0), (1, 3), (3, 2)):
-            changed = extra["pixel_values"].clone()
-            changed[0, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
-            change = (embeddings(changed) - x0).norm(dim=-1)
-            expect = torch.zeros(16, 16, dtype=torch.bool)
-            expect[8 * (pr // 2):8 * (pr // 2) + 8, 8 * (pc // 2):8 * (pc // 2) + 8] = True
-            assert torch.equal(image_heatmaps(change, ids, model)[0] > 1e-9, expect), (pr, pc)
-    finally:
-        handle.remove()
+    def embeddings(px):
+        return merged_embeddings(model, ids, mask, px)
+
+    x0 = embeddings(extra["pixel_values"])
+    for pr, pc in ((0, 0), (1, 3), (3, 2)):
+        changed = extra["pixel_values"].clone()
+        changed[0, :, 4 * pr:4 * pr + 4, 4 * pc:4 * pc + 4] += 1.0
+        change = (embeddings(changed) - x0).norm(dim=-1)
+        expect = torch.zeros(16, 16, dtype=torch.bool)
+        expect[8 * (pr // 2):8 * (pr // 2) + 8, 8 * (pc // 2):8 * (pc // 2) + 8] = True
+        assert torch.equal(image_heatmaps(change, ids, model)[0] > 1e-9, expect), (pr, pc)
 
 
 def test_gemma3_image_mask_input_with_and_without_token_types():

@@ -14,8 +14,6 @@ Three checks per mixer, all float64:
 * G is causal, target tiles of G concatenate to the whole, and the chunked kernels are covered
   (sequences longer than a chunk); Qwen3.5's ``Qwen3_5GatedDeltaNet`` as well as Qwen3-Next's.
 """
-import contextlib
-import types
 
 import pytest
 import torch
@@ -37,27 +35,13 @@ from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
+from zoo_kimi import float32_as_float64  # noqa: E402
 
 DT = torch.float64
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().max() / b.detach().abs().max())
-
-
-@contextlib.contextmanager
-def _float32_lifted(module):
-    r"""Run ``module``'s torch code with ``torch.float32`` and ``Tensor.float()`` meaning float64 (restored after)."""
-    shim = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
-    shim.float32 = torch.float64
-    original_torch, original_float = module.torch, torch.Tensor.float
-    module.torch = shim
-    torch.Tensor.float = lambda self, *a, **k: self.to(torch.float64)
-    try:
-        yield
-    finally:
-        module.torch = original_torch
-        torch.Tensor.float = original_float
 
 
 def _causal_conv(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -171,7 +155,7 @@ def test_gated_delta_net_reproduces_the_transformers_module(length):
     mine = mod.out_proj(apply_channel_mixing(G, u, no_token))
     assert _rel(mine, out) < 200 * torch.finfo(torch.float32).eps
     # (b) the same torch code with its float32 casts promoted to float64: exact
-    with _float32_lifted(modeling_qwen3_next):
+    with float32_as_float64(modeling_qwen3_next):
         out64, core64, gate64 = _record_norm_input(mod, x)
         rec64, u = _gdn_record(mod, x, core64, gate64)
     G64, no_token = gated_delta_net_mixing(**rec64)
@@ -199,7 +183,7 @@ def test_qwen3_5_gated_delta_net_reproduces_the_transformers_module():
     rec, u = _gdn_record(mod, x, core, gate)
     G, no_token = gated_delta_net_mixing(**rec)
     assert _rel(mod.out_proj(apply_channel_mixing(G, u, no_token)), out) < 200 * torch.finfo(torch.float32).eps
-    with _float32_lifted(modeling_qwen3_5):
+    with float32_as_float64(modeling_qwen3_5):
         out64, core64, gate64 = _record_norm_input(mod, x)
         rec64, u = _gdn_record(mod, x, core64, gate64)
     G64, no_token = gated_delta_net_mixing(**rec64)
@@ -240,7 +224,7 @@ def test_kda_per_channel_decay_equals_the_kimi_kernels(block):
     v = torch.randn(bsz, length, heads, dv, dtype=DT, generator=g)
     M = delta_rule_mixing(q, k, beta, log_decay, block=block)
     got = torch.einsum("bhts,bshv->bthv", M, v)
-    with _float32_lifted(modeling_kimi_linear):
+    with float32_as_float64(modeling_kimi_linear):
         recurrent, _ = modeling_kimi_linear.recurrent_kimi_delta_attention(q, k, v, log_decay, beta, None, False)
     assert recurrent.dtype == DT and _rel(got, recurrent) < 1e-12
     # scalar decay given per channel is the scalar decay
@@ -329,7 +313,7 @@ def test_mamba2_reproduces_the_transformers_module(groups, conv_bias, length):
     G, no_token = mamba2_mixing(**rec)
     assert (no_token is None) == (not conv_bias)
     assert _rel(mod.out_proj(apply_channel_mixing(G, u, no_token)), out) < 200 * torch.finfo(torch.float32).eps
-    with _float32_lifted(modeling_mamba2):  # (b) its float32 casts promoted to float64: exact
+    with float32_as_float64(modeling_mamba2):  # (b) its float32 casts promoted to float64: exact
         out64, core64, gate64 = _record_norm_input(mod, x)
         rec64, u = _mamba_record(mod, x, core64, gate64)
     G64, no_token = mamba2_mixing(**rec64)
@@ -364,7 +348,7 @@ def test_silu_slope_and_gated_norm_scale_are_exact():
     norm = modeling_mamba2.Mamba2RMSNormGated(8, group_size=4, eps=1e-5).to(DT)
     with torch.no_grad():
         norm.weight.normal_()
-    with _float32_lifted(modeling_mamba2):
+    with float32_as_float64(modeling_mamba2):
         want = norm(core, gate)
     assert _rel(gated_rmsnorm_scale(core, gate, norm.weight, 1e-5, 4, norm_before_gate=False) * core, want) < 1e-14
 
