@@ -12,7 +12,6 @@ refused model type names its missing mechanism (``docs/frontier.md``).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import pytest
@@ -21,10 +20,8 @@ from captum.attr import TextTokenInput
 from transformers import CONFIG_MAPPING
 
 from captum_normattr import (
-    ALTIAttribution,
     ALTILogitAttribution,
     DecompXAttribution,
-    FFIntegratedDecomposition,
     GlobEncAttribution,
     UnsupportedModelError,
 )
@@ -34,15 +31,15 @@ from captum_normattr.arch.families.base import LLAMA
 from captum_normattr.arch.registry import REFUSED, refusal
 from captum_normattr.models.guard import ConsistencyError
 from captum_normattr.attr.llm import DecompositionLLMAttribution
-from captum_normattr.attr.routes import InformationFlowRoutes
 from captum_normattr.decompose.kinds.registry import LAYER_KINDS
 from captum_normattr.models.adapters import get_adapter
 from decoder_models import decoder_batch
 from llm_tiny import tiny_tokenizer
 from registry_state import described_as
-from zoo import build, real_next_token_logits
+from zoo import build
 from zoo_frontier import FAMILIES
 from map_checks import check_maps_complete
+from hybrid_checks import check_every_method_exact
 
 REGISTERED = [key for key, _ in frontier.BUILTIN]
 MOE = [key for key in REGISTERED if ARCHITECTURES[key].layer.ff.kind == "experts"]
@@ -101,59 +98,10 @@ def test_every_method_is_exact_padding_free_and_leaves_the_model(key):
     model = build(key, "lm")
     spec = get_adapter(model)
     methods = _methods(key)
-    state = copy.deepcopy(model.state_dict())
-    ids, mask = decoder_batch([6, 4], seed=3)
-    t = ids.shape[1]
-    logits = real_next_token_logits(model, ids, mask)
-
-    for name, cls in (("maps", GlobEncAttribution), ("alti", ALTIAttribution), ("ff", FFIntegratedDecomposition)):
-        assert name in methods
-        attr = cls(model, strict=True)
-        res = attr.decompose(ids, additional_forward_args=(mask,))
-        err = res.extras.get("completeness_error")
-        if err is not None:
-            assert float(err.max()) < 1e-10 * max(1.0, float(res.layer_maps.abs().max())), name
-        alone = attr.decompose(ids[1:, t - 4:])
-        torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0,
-                                   atol=1e-10 * float(res.scores.abs().max()))
-
-    assert "decompx" in methods
-    dx = DecompXAttribution(model, strict=True)
-    res = dx.decompose(ids, target=5, additional_forward_args=mask)
-    assert _rel(_capped(model, res.class_scores.sum(1) + res.bias_scores), logits[:, 5:6]) < 1e-10
-    alone = dx.decompose(ids[1:, t - 4:], target=5)
-    torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0,
-                               atol=1e-10 * float(res.scores.abs().max()))
-
-    assert "alti_logit" in methods
-    target = logits.argmax(-1)
-    al = ALTILogitAttribution(model, strict=True)
-    res = al.decompose(ids, target=target, additional_forward_args=(mask,))
-    expect = logits.gather(1, target[:, None])[:, 0]
-    assert _rel(_capped(model, res.scores.sum(-1) + res.no_token_total), expect) < 1e-10
+    assert {"maps", "alti", "ff", "decompx", "alti_logit"} <= set(methods)
+    res = check_every_method_exact(model, capped=lambda total: _capped(model, total), routes="routes" in methods)
     if spec.head.final_softcap:
         assert res.extras["explained_logit"] == "pre-cap logit"
-    alone = al.decompose(ids[1:, t - 4:], target=target[1:])
-    torch.testing.assert_close(res.scores[1, t - 4:], alone.scores[0], rtol=0,
-                               atol=1e-10 * float(res.scores.abs().max()))
-
-    routes = InformationFlowRoutes if "routes" in methods else None
-    if routes is not None:  # tau = 0: every node's incoming importances sum to 1; left padding changes nothing
-        single = ids[1:, t - 4:]
-        g = routes(model).attribute(single, threshold=0.0)
-        into = {}
-        for e in g.edges:
-            into[e["target"]] = into.get(e["target"], 0.0) + e["importance"]
-        assert into and all(abs(v - 1) < 1e-12 for v in into.values())
-        padded = routes(model).attribute(ids[1:], attention_mask=mask[1:], position=-1, threshold=0.01)
-        a = {(e["source"], e["target"], e["kind"], e["head"]): e["importance"]
-             for e in routes(model).attribute(single, threshold=0.01).edges}
-        b = {(e["source"], e["target"], e["kind"], e["head"]): e["importance"] for e in padded.edges}
-        assert set(a) == set(b) and max(abs(a[k] - b[k]) for k in a) < 1e-10
-    else:
-        with pytest.raises(UnsupportedModelError, match="routes"):
-            InformationFlowRoutes(model)
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("key,head", HEADS, ids=[f"{k}-{h}" for k, h in HEADS])
