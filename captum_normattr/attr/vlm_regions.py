@@ -56,6 +56,7 @@ __all__ = [
     "image_scores",
     "image_token_mask",
     "patches_to_pixels",
+    "result_scores",
     "two_way_pairs",
 ]
 
@@ -273,7 +274,8 @@ def patches_to_pixels(grid: Tensor, patch: Tuple[int, int], size: Optional[Tuple
     return out
 
 
-def _scores_of(result: Any) -> Tensor:
+def result_scores(result: Any) -> Tensor:
+    r"""The per-token scores of a result of the package (its ``scores``), or the scores tensor itself."""
     scores = getattr(result, "scores", result)
     if isinstance(scores, tuple) and len(scores) == 1:
         scores = scores[0]
@@ -296,7 +298,7 @@ def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: 
         :class:`ImageScores`.
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
-    scores = _scores_of(result)
+    scores = result_scores(result)
     return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
 
 
@@ -324,7 +326,7 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
         >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
-    scores = _scores_of(result)
+    scores = result_scores(result)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]
 
