@@ -29,6 +29,7 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
+Qwen2-VL's and Qwen2.5-VL's videos (frame groups of merged grids) are mapped by :mod:`captum_normattr.attr.vlm_video`.
 :func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
 image spans, PaliGemma's prefix: docs/vlm.md, "Two-way spans").
 

@@ -19,6 +19,7 @@ from captum_normattr.attr.explained_output import apply_final_softcap
 from captum_normattr.attr.vlm_regions import image_geometry, image_heatmaps
 from captum_normattr.models.adapters import get_adapter
 from map_checks import check_maps_complete
+from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_families import PALI_IMAGE, make_paligemma, paligemma_batch, paligemma_tokens
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
@@ -34,10 +35,6 @@ def _real(model, ids, mask, extra):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
                      **extra).logits[:, -1]
-
-
-def _target(cls, t):
-    return t if cls.uses_target else None
 
 
 def test_description_is_gemma2s_sandwich_layer(model):
@@ -76,29 +73,18 @@ def test_maps_complete(model, token_types):
 
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
 def test_padded_batch_equals_single_examples(model, cls):
+    r"""The causal forward (the two-way prefix's padding: ``tests/attr/test_vlm_two_way.py``)."""
     ids, mask, extra = paligemma_batch([5, 2], seed=4, token_types=False)
-    t = torch.tensor([6, 9])
-    attr = cls(model)
-    got = attr.attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
-    for b in range(2):
-        keep = mask[b].bool()
-        alone = attr.attribute(ids[b:b + 1, keep], target=_target(cls, t[b:b + 1]), additional_forward_args={
-            "attention_mask": mask[b:b + 1, keep], "pixel_values": extra["pixel_values"][b:b + 1]})
-        assert ((got[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
-        assert (got[b, ~keep] == 0).all()
+    check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]),
+                                lambda extra, b, keep: {"pixel_values": extra["pixel_values"][b:b + 1]})
 
 
 @pytest.mark.parametrize("token_types", [False, True], ids=["causal", "prefix"])
 def test_model_unchanged(model, token_types):
     ids, mask, extra = paligemma_batch([4, 3], seed=5, token_types=token_types)
-    out = _real(model, ids, mask, extra)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    hooks = [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-    DecompXAttribution(model).attribute(ids, target=torch.tensor([1, 2]),
-                                        additional_forward_args={"attention_mask": mask, **extra})
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert hooks == [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, lambda: DecompXAttribution(model).attribute(
+        ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
+        lambda: _real(model, ids, mask, extra))
 
 
 def test_transformers_eager_attention_to_its_float32_rounding():

@@ -16,6 +16,7 @@ from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttrib
 from captum_normattr.attr.explained_output import apply_final_softcap, final_softcap
 from captum_normattr.attr.vlm_regions import two_way_pairs
 from captum_normattr.models.adapters import get_adapter, vision_language
+from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_families import GEMMA_IMAGE, gemma3_batch, make_gemma3, make_paligemma, paligemma_batch
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
@@ -49,10 +50,6 @@ def _real(model, ids, mask, extra):
 def case(request):
     make, batch = FAMILIES[request.param]
     return request.param, make(seed=1), batch
-
-
-def _target(cls, t):
-    return t if cls.uses_target else None
 
 
 @pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
@@ -138,31 +135,20 @@ def test_one_layers_alti_map_equals_a_naive_reference(case):
         assert (maps[:, l] - ref).abs().max() < 1e-12, l
 
 
+def _single(extra, b, keep):
+    return {"pixel_values": extra["pixel_values"][b:b + 1], "token_type_ids": extra["token_type_ids"][b:b + 1, keep]}
+
+
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
 def test_padded_batch_equals_single_examples(case, cls):
     family, model, batch = case
     ids, mask, extra = batch([5, 2], seed=5)
-    t = torch.tensor([6, 9])
-    attr = cls(model)
-    got = attr.attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
-    for b in range(2):
-        keep = mask[b].bool()
-        alone = attr.attribute(ids[b:b + 1, keep], target=_target(cls, t[b:b + 1]), additional_forward_args={
-            "attention_mask": mask[b:b + 1, keep], "pixel_values": extra["pixel_values"][b:b + 1],
-            "token_type_ids": extra["token_type_ids"][b:b + 1, keep]})
-        assert ((got[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
-        assert (got[b, ~keep] == 0).all()
+    check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]), _single)
 
 
 def test_model_unchanged(case):
     family, model, batch = case
     ids, mask, extra = batch([4, 3], seed=6)
-    out = _real(model, ids, mask, extra)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    hooks = [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-    ALTILogitAttribution(model).attribute(ids, target=torch.tensor([1, 2]),
-                                          additional_forward_args={"attention_mask": mask, **extra})
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert hooks == [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, lambda: ALTILogitAttribution(model).attribute(
+        ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
+        lambda: _real(model, ids, mask, extra))

@@ -17,6 +17,7 @@ from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.vlm_regions import image_heatmaps
 from captum_normattr.attr.vlm_video import VideoGeometry, video_geometry, video_grid_scores, video_heatmaps, video_scores
 from map_checks import check_maps_complete
+from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_models import QWEN_IMAGE, make_llava, merged_embeddings
 from vlm_videos import MAKERS, mm_types, patchify_video, video_batch, video_row, video_single, video_token
 
@@ -26,10 +27,6 @@ METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAtt
 def _real(model, ids, mask, extra):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, **extra).logits[:, -1]
-
-
-def _target(cls, t):
-    return t if cls.uses_target else None
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))
@@ -77,34 +74,17 @@ def test_maps_complete(model):
 
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
 def test_padded_batch_equals_single_examples(model, cls):
+    r"""An image and a video per prompt (Qwen2.5-VL: a different ``second_per_grid_ts`` per example)."""
     ids, mask, extra, _ = video_batch(model, [5, 2], image=True, seed=4)
-    t = torch.tensor([6, 9])
-    attr = cls(model)
-    batch = attr.attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
-    for b in range(2):
-        keep = mask[b].bool()
-        alone = attr.attribute(ids[b:b + 1, keep], target=_target(cls, t[b:b + 1]),
-                               additional_forward_args={"attention_mask": mask[b:b + 1, keep],
-                                                        **video_single(extra, b, keep)})
-        assert ((batch[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
-        assert (batch[b, ~keep] == 0).all()
+    batch = check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]), video_single)
     assert batch[ids == video_token(model)].abs().sum() > 0
 
 
 def test_model_unchanged(model):
     ids, mask, extra, _ = video_batch(model, [4, 3], image=True, seed=5)
-    out = _real(model, ids, mask, extra)
-
-    def hooks():
-        return [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-
-    before, hooked, training = {k: v.clone() for k, v in model.state_dict().items()}, hooks(), model.training
-    ALTILogitAttribution(model).attribute(ids, target=torch.tensor([1, 2]),
-                                          additional_forward_args={"attention_mask": mask, **extra})
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert model.training == training and hooks() == hooked
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, lambda: DecompXAttribution(model).attribute(
+        ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
+        lambda: _real(model, ids, mask, extra))
 
 
 # ---- the mapping -------------------------------------------------------------------------------------------------

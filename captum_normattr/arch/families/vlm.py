@@ -22,11 +22,12 @@ a text model is only where things are:
   whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
-decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
+decoder and merged grid; its tower's window attention stays inside the tower; both also take videos,
+:attr:`VisionLanguage.video_token`), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
 Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
-patches).
+patches; PaliGemma 2's Gemma 2 decoder by its ``text_config.model_type``).
 
 Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
