@@ -67,6 +67,31 @@ def test_qwen2_5_vl_seconds_per_group_move_the_explained_logit():
     assert ((reals[0] - reals[1]).abs() / reals[0].abs().max()).max() > 1e-3
 
 
+
+@pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
+def test_one_pass_explains_every_generated_token(model, cls):
+    r"""A generation's explanation: the prompt with an image and a video, then three target tokens (typed 0, as
+    the model's ``generate`` types new tokens), every target explained in one pass (``explain_positions``): each
+    row complete against the model's own logit at its position, and each row's video tokens on their own map."""
+    from captum_normattr.attr.llm import explain_positions
+
+    ids, mask, extra, _ = video_batch(model, [4], image=True, seed=6)
+    targets = torch.tensor([7, 11, 13])
+    full = torch.cat([ids, targets[None]], 1)
+    extra = dict(extra, mm_token_type_ids=mm_types(model, full))
+    p = ids.shape[1]
+    positions = torch.arange(p - 1, p + 2)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=torch.ones_like(full), **extra).logits[0]
+    real = logits[positions, targets]
+    ex = explain_positions(cls(model), full[0], positions, targets, additional_forward_args=extra)
+    err = ((ex.scores.sum(-1) + ex.no_token - real).abs() / real.abs().max()).max()
+    assert err < 1e-10, float(err)
+    heat = video_heatmaps(ex.scores[None], full, model, extra["video_grid_thw"])[0]
+    assert heat.shape == (3, 2, 8, 12)  # (targets, frame groups, H, W)
+    grid = video_scores(ex.scores[None], full, model, extra["video_grid_thw"]).grids[0]
+    assert torch.equal(grid.reshape(3, -1), ex.scores[:, full[0] == video_token(model)])
+
 def test_maps_complete(model):
     ids, mask, extra, _ = video_batch(model, [3, 6], image=True, seed=3)
     check_maps_complete(model, ids, {"attention_mask": mask, **extra})
