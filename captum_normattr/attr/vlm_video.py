@@ -219,7 +219,8 @@ def video_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, video_grid_
     geometry = video_geometry(model, video_grid_thw)
     scores = result_scores(result)
     found = video_grid_scores(scores, video_token_mask(input_ids, geometry).to(scores.device), geometry)
-    maps = [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]
+    maps = [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i])
+            for i, g in enumerate(found.grids)]
     if frames:
         maps = [m.repeat_interleave(geometry.frames_per_group, dim=-3) for m in maps]
     return maps

@@ -1,5 +1,6 @@
 r"""Decoders whose attention is two-way over part of the sequence (issue 38): Gemma 3 with ``token_type_ids``
-(each image span two-way) and PaliGemma and PaliGemma 2 (its prefix two-way, the suffix causal); ``docs/vlm.md``, "Two-way spans".
+(each image span two-way) and PaliGemma and PaliGemma 2 (its prefix two-way, the suffix causal); ``docs/vlm.md``,
+"Two-way spans".
 
 On tiny float64 models (``tests/fixtures/vlm_families.py``): the two-way forward differs from the causal one, and
 ALTI-Logit and DecompX are complete against the two-way forward's own logit; ALTI's and GlobEnc's layer maps are

@@ -15,7 +15,13 @@ import torch
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.vlm_regions import image_heatmaps
-from captum_normattr.attr.vlm_video import VideoGeometry, video_geometry, video_grid_scores, video_heatmaps, video_scores
+from captum_normattr.attr.vlm_video import (
+    VideoGeometry,
+    video_geometry,
+    video_grid_scores,
+    video_heatmaps,
+    video_scores,
+)
 from map_checks import check_maps_complete
 from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_models import QWEN_IMAGE, make_llava, merged_embeddings
