@@ -29,6 +29,7 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
+Qwen2-VL's and Qwen2.5-VL's videos (frame groups of merged grids) are mapped by :mod:`captum_normattr.attr.vlm_video`.
 :func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
 image spans, PaliGemma's prefix: docs/vlm.md, "Two-way spans").
 
@@ -56,6 +57,7 @@ __all__ = [
     "image_scores",
     "image_token_mask",
     "patches_to_pixels",
+    "result_scores",
     "two_way_pairs",
 ]
 
@@ -273,7 +275,8 @@ def patches_to_pixels(grid: Tensor, patch: Tuple[int, int], size: Optional[Tuple
     return out
 
 
-def _scores_of(result: Any) -> Tensor:
+def result_scores(result: Any) -> Tensor:
+    r"""The per-token scores of a result of the package (its ``scores``), or the scores tensor itself."""
     scores = getattr(result, "scores", result)
     if isinstance(scores, tuple) and len(scores) == 1:
         scores = scores[0]
@@ -296,7 +299,7 @@ def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: 
         :class:`ImageScores`.
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
-    scores = _scores_of(result)
+    scores = result_scores(result)
     return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
 
 
@@ -324,7 +327,7 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
         >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
-    scores = _scores_of(result)
+    scores = result_scores(result)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]
 

@@ -14,6 +14,7 @@ import torch
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
 from captum_normattr.attr.vlm_regions import image_geometry, image_heatmaps, image_scores
 from captum_normattr.models.adapters import get_adapter, vision_language
+from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_families import CASES
 from vlm_models import merged_embeddings
 
@@ -28,10 +29,6 @@ def _real(model, ids, mask, extra):
         extra = dict(extra, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, **extra).logits[:, -1]
-
-
-def _target(cls, t):
-    return t if cls.uses_target else None
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -59,34 +56,16 @@ def test_complete_against_the_models_logit(case, cls):
 def test_padded_batch_equals_single_examples(case, cls):
     c, model = case
     ids, mask, extra = c.batch([5, 2], seed=3)
-    t = torch.tensor([6, 9])
-    attr = cls(model)
-    batch = attr.attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
-    for b in range(2):
-        keep = mask[b].bool()
-        alone = attr.attribute(ids[b:b + 1, keep], target=_target(cls, t[b:b + 1]),
-                               additional_forward_args={"attention_mask": mask[b:b + 1, keep],
-                                                        **c.single(extra, b, keep)})
-        assert ((batch[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
-        assert (batch[b, ~keep] == 0).all()
+    batch = check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]), c.single)
     assert batch[ids == c.image_token].abs().sum() > 0
 
 
 def test_model_unchanged(case):
     c, model = case
     ids, mask, extra = c.batch([4, 3], seed=4)
-    out = _real(model, ids, mask, extra)
-
-    def hooks():
-        return [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-
-    before, hooked, training = {k: v.clone() for k, v in model.state_dict().items()}, hooks(), model.training
-    ALTILogitAttribution(model).attribute(ids, target=torch.tensor([1, 2]),
-                                          additional_forward_args={"attention_mask": mask, **extra})
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert model.training == training and hooks() == hooked
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, lambda: ALTILogitAttribution(model).attribute(
+        ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
+        lambda: _real(model, ids, mask, extra))
 
 
 # ---- Qwen2.5-VL: Qwen2-VL's merged grid -----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 r"""Decoders whose attention is two-way over part of the sequence (issue 38): Gemma 3 with ``token_type_ids``
-(each image span two-way) and PaliGemma (its prefix two-way, the suffix causal); ``docs/vlm.md``, "Two-way spans".
+(each image span two-way) and PaliGemma and PaliGemma 2 (its prefix two-way, the suffix causal); ``docs/vlm.md``,
+"Two-way spans".
 
 On tiny float64 models (``tests/fixtures/vlm_families.py``): the two-way forward differs from the causal one, and
 ALTI-Logit and DecompX are complete against the two-way forward's own logit; ALTI's and GlobEnc's layer maps are
@@ -13,12 +14,15 @@ import pytest
 import torch
 
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
+from captum_normattr.attr.explained_output import apply_final_softcap, final_softcap
 from captum_normattr.attr.vlm_regions import two_way_pairs
-from captum_normattr.models.adapters import vision_language
+from captum_normattr.models.adapters import get_adapter, vision_language
+from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_families import GEMMA_IMAGE, gemma3_batch, make_gemma3, make_paligemma, paligemma_batch
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
-FAMILIES = {"gemma3": (make_gemma3, gemma3_batch), "paligemma": (make_paligemma, paligemma_batch)}
+FAMILIES = {"gemma3": (make_gemma3, gemma3_batch), "paligemma": (make_paligemma, paligemma_batch),
+            "paligemma2": (lambda **k: make_paligemma(text="gemma2", **k), paligemma_batch)}  # Gemma 2 decoder
 
 
 def _open_pairs(family, ids, mask, types):
@@ -49,10 +53,6 @@ def case(request):
     return request.param, make(seed=1), batch
 
 
-def _target(cls, t):
-    return t if cls.uses_target else None
-
-
 @pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
 def test_complete_against_the_two_way_forward(case, cls):
     family, model, batch = case
@@ -64,7 +64,8 @@ def test_complete_against_the_two_way_forward(case, cls):
     t = torch.tensor([5, 9])
     res = cls(model).decompose(ids, t, {"attention_mask": mask, **extra})
     rest = res.no_token_total if cls is ALTILogitAttribution else res.bias_scores[:, 0]
-    err = ((res.scores.sum(-1) + rest - real[[0, 1], t]).abs() / scale).max()
+    cap = final_softcap(model, get_adapter(model))  # PaliGemma 2: the scores explain the pre-cap logit
+    err = ((apply_final_softcap(res.scores.sum(-1) + rest, cap) - real[[0, 1], t]).abs() / scale).max()
     assert err < 1e-10, float(err)
     assert (res.scores[mask == 0] == 0).all()
 
@@ -108,7 +109,8 @@ def test_one_layers_alti_map_equals_a_naive_reference(case):
     def keep_h(l):
         return lambda module, args: got.__setitem__(("h", l), args[0])
 
-    after = "pre_feedforward_layernorm" if family == "gemma3" else "post_attention_layernorm"
+    sandwich = hasattr(layers[0], "pre_feedforward_layernorm")  # Gemma 2 and 3: h is the pre-FF norm's input
+    after = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     handles = [layer.register_forward_pre_hook(keep(l), with_kwargs=True) for l, layer in enumerate(layers)]
     handles += [getattr(layer, after).register_forward_pre_hook(keep_h(l)) for l, layer in enumerate(layers)]
     try:
@@ -122,39 +124,32 @@ def test_one_layers_alti_map_equals_a_naive_reference(case):
         window = getattr(layer.self_attn, "sliding_window", None)  # Gemma 3's sliding layers: AND(window, OR(causal,
         near = torch.ones_like(allowed[0]) if window is None else (  # two-way)): keys j > i - window
             torch.arange(ids.shape[1])[None, :] > torch.arange(ids.shape[1])[:, None] - window)
+        layer_mask = allowed & near
+        if window is not None and family == "paligemma2":  # transformers' PaliGemma 2 sliding layers: OR(the causal
+            prefix = _open_pairs(family, ids, mask, extra["token_type_ids"])  # window, the whole prefix both ways)
+            layer_mask = ((allowed & near) | prefix | prefix.transpose(1, 2)) & valid[:, None, :]
         with torch.no_grad():
-            ref, h = naive_layer_alti(layer, got[l][0], got[l][1], allowed & near, valid)
+            ref, h = naive_layer_alti(layer, got[l][0], got[l][1], layer_mask, valid)
         real_h = got[("h", l)]
         assert ((h - real_h)[valid].abs().max() / real_h[valid].abs().max()) < 1e-12, l
         assert (ref[..., torch.ones_like(ref[0], dtype=torch.bool).triu(1)] > 0).any()
         assert (maps[:, l] - ref).abs().max() < 1e-12, l
 
 
+def _single(extra, b, keep):
+    return {"pixel_values": extra["pixel_values"][b:b + 1], "token_type_ids": extra["token_type_ids"][b:b + 1, keep]}
+
+
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
 def test_padded_batch_equals_single_examples(case, cls):
     family, model, batch = case
     ids, mask, extra = batch([5, 2], seed=5)
-    t = torch.tensor([6, 9])
-    attr = cls(model)
-    got = attr.attribute(ids, target=_target(cls, t), additional_forward_args={"attention_mask": mask, **extra})
-    for b in range(2):
-        keep = mask[b].bool()
-        alone = attr.attribute(ids[b:b + 1, keep], target=_target(cls, t[b:b + 1]), additional_forward_args={
-            "attention_mask": mask[b:b + 1, keep], "pixel_values": extra["pixel_values"][b:b + 1],
-            "token_type_ids": extra["token_type_ids"][b:b + 1, keep]})
-        assert ((got[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
-        assert (got[b, ~keep] == 0).all()
+    check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]), _single)
 
 
 def test_model_unchanged(case):
     family, model, batch = case
     ids, mask, extra = batch([4, 3], seed=6)
-    out = _real(model, ids, mask, extra)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    hooks = [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-    ALTILogitAttribution(model).attribute(ids, target=torch.tensor([1, 2]),
-                                          additional_forward_args={"attention_mask": mask, **extra})
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert hooks == [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, lambda: ALTILogitAttribution(model).attribute(
+        ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
+        lambda: _real(model, ids, mask, extra))

@@ -22,11 +22,12 @@ a text model is only where things are:
   whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
-decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
+decoder and merged grid; its tower's window attention stays inside the tower; both also take videos,
+:attr:`VisionLanguage.video_token`), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
 Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
-patches).
+patches; PaliGemma 2's Gemma 2 decoder by its ``text_config.model_type``).
 
 Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
@@ -123,6 +124,9 @@ class VisionLanguage:
             them is decomposed without the causal shortcuts (full maps; docs/vlm.md, "Two-way spans").
         generated_type: the ``token_type_ids`` value of tokens appended after the prompt (targets, generated
             tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
+        video_token: config attributes that may hold the video token's id, in order; empty: the family takes no
+            videos. Videos lie on the ``"merged_grid"`` geometry frame group by frame group
+            (:mod:`captum_normattr.attr.vlm_video`: Qwen2-VL, Qwen2.5-VL).
         notes: for the docs.
     """
 
@@ -142,6 +146,7 @@ class VisionLanguage:
     refused: Tuple[Tuple[str, str], ...] = ()
     two_way: Optional[str] = None
     generated_type: int = 0
+    video_token: Tuple[str, ...] = ()
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -161,7 +166,9 @@ LLAVA = VisionLanguage(
 )
 
 QWEN2_VL = VisionLanguage(
-    family="Qwen2-VL", model_types=("qwen2_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    family="Qwen2-VL", model_types=("qwen2_vl",),
+    inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw"),
+    video_token=("video_token_id",),
     text_types=(("qwen2_vl_text", "qwen2"),), positions="model", geometry="merged_grid",
     text_families=("qwen2_vl_text",),
     notes="Qwen2's decoder layer with M-RoPE inside the attention (positions computed by the model); image "
@@ -169,7 +176,10 @@ QWEN2_VL = VisionLanguage(
 )
 
 QWEN2_5_VL = VisionLanguage(
-    family="Qwen2.5-VL", model_types=("qwen2_5_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    family="Qwen2.5-VL", model_types=("qwen2_5_vl",),
+    inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw",
+            "second_per_grid_ts"),
+    video_token=("video_token_id",),
     text_types=(("qwen2_5_vl_text", "qwen2"),), positions="model", geometry="merged_grid",
     text_families=("qwen2_5_vl_text",),
     notes="Qwen2-VL's decoder (Qwen2's layer with M-RoPE, positions computed by the model); the tower's window "
