@@ -50,8 +50,8 @@ from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
 
-__all__ = ["ALGORITHMS", "DECOMPX_COST_MODEL", "DecompXAttribution", "DecompXResult", "choose_decompx_algorithm",
-           "decompx_cost"]
+__all__ = ["ALGORITHMS", "DECOMPX_COST_MODEL", "DecompXAttribution", "DecompXResult", "InputCotangents",
+           "choose_decompx_algorithm", "decompx_cost"]
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 
@@ -219,6 +219,26 @@ class DecompXResult(LogitDecompositionResult):
     @property
     def num_layers(self) -> Optional[int]:
         return None if self.layer_part_norms is None else self.layer_part_norms.shape[1]
+
+
+@dataclass
+class InputCotangents:
+    r"""A decoder's explained logit as an affine function of its input embeddings (:meth:`DecompXAttribution.input_cotangents`).
+
+    ``logit = sum_k cotangent_k . embeddings_k + result.bias_scores[:, 0]`` per example (up to the
+    Gauss-Legendre quadrature of a gated FF, ``result.delta``).
+
+    Attributes:
+        cotangent: (B, T, D) g_k, the gradient of the frozen network's explained logit with respect
+            to the decoder's input embedding e_k (0 at pads and after the explained position).
+        embeddings: (B, T, D) e_k, the decoder's real input embeddings (the first layer's input).
+        result: the :class:`DecompXResult` of the same call (``scores`` = g_k . e_k on the real tokens,
+            ``bias_scores``, ``logits``, ``target``, ``explained_position``, ``delta``).
+    """
+
+    cotangent: Tensor
+    embeddings: Tensor
+    result: DecompXResult
 
 
 class DecompXAttribution(DecompositionAttribution):
@@ -502,6 +522,12 @@ class DecompXAttribution(DecompositionAttribution):
 
     def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool,
                  foil: Any = None) -> DecompXResult:
+        return self._computed(inputs, target, additional_forward_args, self._algorithm(layer_parts), target_only,
+                              foil)[0]
+
+    def _computed(self, inputs, target, additional_forward_args, algorithm: str, target_only: bool,
+                  foil: Any = None) -> Tuple[DecompXResult, DecompXReadout]:
+        r"""(the result, the readout that made it) of one call by ``algorithm``."""
         self.check_target(target, inputs)
         if foil is not None and not self.decoder:
             raise ValueError(
@@ -513,7 +539,6 @@ class DecompXAttribution(DecompositionAttribution):
         with torch.inference_mode(False):
             inputs, additional_forward_args = _ordinary_tensors((inputs, additional_forward_args))
             prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
-            algorithm = self._algorithm(layer_parts)
             dtype = compute_dtype(self.model)
             readout: DecompXReadout
             if self.vision:
@@ -525,7 +550,56 @@ class DecompXAttribution(DecompositionAttribution):
             fields = self._run(prepared, readout, algorithm)
             result = DecompXResult(method=self.get_name(), attention_mask=prepared.attention_mask,
                                    bias_mode=self.bias_mode, algorithm=algorithm, **fields)
-            return mark_non_finite(result, prepared.finite)
+            return mark_non_finite(result, prepared.finite), readout
+
+    def input_cotangents(
+        self,
+        inputs: Union[Tensor, Tuple[Tensor]],
+        target: Any = None,
+        additional_forward_args: Any = None,
+        foil: Any = None,
+    ) -> InputCotangents:
+        r"""A decoder's explained next-token logit as an affine function of its input embeddings: the cotangents.
+
+        With DecompX's nonlinear quantities frozen at their real values (attention probabilities,
+        norm scales, feed-forward slopes or gate integrals) the explained logit is affine in the
+        decoder's input embeddings e_k (the first layer's input),
+        ``F(e) = sum_k g_k . e_k + c``; the adjoint algorithm computes every g_k = dF/de_k in one
+        walk down the layers. Token k's DecompX score is g_k . e_k and c is the bias score, so
+        ``(cotangent * embeddings).sum(-1)`` is ``result.scores`` (pads 0) and
+        ``result.bias_scores[:, 0]`` is c. Whatever is written into e_k as a sum of parts (a
+        vision-language model's image-token embeddings, split over image patches by
+        :func:`~captum_normattr.attr.vlm_end_to_end.patch_contributions`) gets its exact share
+        ``g_k . part``.
+
+        Always the ``"adjoint"`` algorithm, whatever ``algorithm`` the method was built with.
+
+        Args:
+            inputs, target, additional_forward_args, foil: as in :meth:`decompose`.
+
+        Returns:
+            :class:`InputCotangents`.
+
+        Raises:
+            UnsupportedModelError: not a decoder (a classifier's logits: use :meth:`decompose`), a
+                spread bias mode, or layers DecompX's adjoint does not transpose.
+
+        Examples::
+
+            >>> dx = DecompXAttribution(lm)
+            >>> cot = dx.input_cotangents(ids, target=paris_id, additional_forward_args={"attention_mask": mask})
+            >>> scores = (cot.cotangent * cot.embeddings).sum(-1)   # == cot.result.scores on real tokens
+        """
+        if not self.decoder:
+            raise UnsupportedModelError(
+                "input_cotangents explains a decoder's next-token logit; this DecompXAttribution wraps a classifier "
+                "(decompose() gives its class scores)")
+        if self.bias_mode != "separate" or not self.kind.adjoint:
+            raise UnsupportedModelError(
+                f"input_cotangents runs DecompX's adjoint, which needs bias_mode='separate' and layers it transposes "
+                f"(got bias_mode={self.bias_mode!r}, {self.kind.name} layers)")
+        result, readout = self._computed(inputs, target, additional_forward_args, "adjoint", False, foil)
+        return InputCotangents(cotangent=readout.cotangent, embeddings=readout.embeddings, result=result)
 
     # --- the skeleton: one recorded pass, the parts forward or the adjoint down, the readout at the top ---------
     def _run(self, prepared: PreparedInputs, readout: DecompXReadout, algorithm: str) -> Dict[str, Any]:

@@ -16,7 +16,8 @@ the image patches (``docs/vlm_end_to_end.md``):
 2. the projector: each part through ``linear_1``, the activation frozen at its real per-unit slope
    (g(u) - g(0)) / u (DecompX's frozen elementwise feed-forward rule), ``linear_2``; its own biases
    (and g(0)) are a further no-token source;
-3. the language model: DecompX's adjoint gives the cotangent g_k (a (D,) vector) at every input
+3. the language model: DecompX's adjoint (:meth:`~captum_normattr.attr.decompx.DecompXAttribution.input_cotangents`)
+   gives the cotangent g_k (a (D,) vector) at every input
    embedding e_k, and token k's DecompX score is g_k . e_k ("separate" bias mode); an image token's
    embedding being the sum of its parts, each part's share is g_k . part.
 
@@ -37,12 +38,8 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec, Attention, FeedForward, Layer, Norm, ValueProjection
 from captum_normattr.attr.decompx import DecompXAttribution
-from captum_normattr.attr.decompx_readouts import NextTokenReadout
-from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.decompose.kinds.registry import layer_kind
-from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass
 from captum_normattr.decompose.methods.decompx.parts import activation_slopes, ff_coefficients
-from captum_normattr.decompose.methods.decompx.readout import frozen_next_token_logit
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import layer_modules, unwrap_model, value_projection, vision_language
@@ -314,20 +311,6 @@ def _projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features
     return out, out_bias, const.expand_as(out_bias)
 
 
-class _CotangentReadout(NextTokenReadout):
-    r"""The next-token readout that keeps the adjoint's cotangent g (B, T, D) at the decoder's input."""
-
-    def adjoint(self, adj: AdjointPass, frozen_at) -> None:
-        e = adj.embeddings
-        ar = self.ar
-        row = torch.searchsorted(adj.last_rows, self.pos)
-        f_in = self.f_in[ar, self.pos]
-        (g,) = adj.backward(frozen_at, lambda y: [frozen_next_token_logit(
-            y[ar, row], self.fparams, f_in, self.out.direction, self.out.bias)])
-        self.cotangent, self.embeddings = g.detach(), e.detach()
-        self.scores, self.bias_score = (g * e).sum(-1).detach(), adj.constants[0]
-
-
 def _relative(a: Tensor, b: Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
@@ -399,15 +382,11 @@ def patch_contributions(
 
     handle = base.multi_modal_projector.register_forward_pre_hook(projector_hook)
     try:
-        with torch.inference_mode(False):
-            # the adjoint differentiates the frozen layers: inference tensors (torch.inference_mode) are cloned
-            ids, mask, px = (t.clone() if t.is_inference() else t for t in (input_ids, mask, pixel_values))
-            prepared = prepare_inputs(attr.model, attr.adapter, ids, {"attention_mask": mask, "pixel_values": px})
-            readout = _CotangentReadout(attr, prepared, target, dtype, foil)
-            fields = attr._run(prepared, readout, "adjoint")
+        cot = attr.input_cotangents(input_ids, target, {"attention_mask": mask, "pixel_values": pixel_values}, foil)
     finally:
         handle.remove()
-    g, e = readout.cotangent, readout.embeddings
+    g, e, dx = cot.cotangent, cot.embeddings, cot.result
+    ids = input_ids
     checks = {"features": _relative(tp.features, real_features["x"].to(dtype))}
 
     token_id = next(getattr(model.config, n) for n in ("image_token_id", "image_token_index")
@@ -434,16 +413,16 @@ def patch_contributions(
     no_token: Dict[str, Tensor] = {}
     for j, name in enumerate(names[p:]):
         no_token[name] = torch.zeros(b, dtype=dtype, device=g.device).index_add_(0, example, per_image[:, p + j])
-    no_token["language_model_biases"] = readout.bias_score
-    scores = fields["scores"]
+    no_token["language_model_biases"] = dx.bias_scores[:, 0]
+    scores = dx.scores
     text = torch.where(image, torch.zeros_like(scores), scores)
     image_scores = torch.where(image, scores, torch.zeros_like(scores))
     patch = per_image[:, :p].reshape(n_images, rows, cols)
     total = torch.zeros(b, dtype=dtype, device=g.device).index_add_(0, example, patch.flatten(1).sum(1))
     total = total + text.sum(1) + sum(no_token.values())
-    logit = readout.logit
+    logit = dx.logits[:, 0]
     return PatchContributions(
         patch_scores=patch, image_example=example, text_scores=text, image_token_scores=image_scores,
         token_sources=sources, source_names=names, no_token=no_token, logit=logit, delta=(total - logit).abs(),
-        target=fields["target"], explained_position=fields["explained_position"], checks=checks,
+        target=dx.target, explained_position=dx.explained_position, checks=checks,
     )
