@@ -46,7 +46,8 @@ from captum_normattr.models.adapters import layer_modules, unwrap_model, value_p
 from captum_normattr.models.capture.session import recording
 from captum_normattr.models.engine import compute_dtype
 
-__all__ = ["TOWERS", "PatchContributions", "TowerParts", "patch_contributions", "projector_parts", "tower_parts"]
+__all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "patch_contributions", "projector_parts",
+           "tower_parts"]
 
 #: The vision towers decomposed end to end: ``config.model_type`` -> the tower's layer description
 #: (both are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``).
@@ -134,9 +135,9 @@ def _tower_and_description(model: nn.Module) -> Tuple[nn.Module, nn.Module, Arch
     description = vision_language(model)
     if description is None or description.family != "LLaVA":
         raise ValueError(
-            f"end-to-end patch contributions are implemented for LLaVA (LlavaForConditionalGeneration) only; "
-            f"{type(model).__name__} is not one (docs/vlm_end_to_end.md says which families stop at the language "
-            "model's input and why)")
+            f"patch_contributions carries LLaVA (LlavaForConditionalGeneration) to the patches; {type(model).__name__} "
+            "is not one. Qwen2-VL and Qwen2.5-VL: vlm_end_to_end_qwen.merged_patch_contributions (their images come "
+            "with image_grid_thw); docs/vlm_end_to_end.md says which families stop at the language model's input and why")
     base = model.model
     tower = base.vision_tower
     kind = getattr(getattr(tower, "config", None), "model_type", None)
@@ -299,12 +300,33 @@ def projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features:
 
 
 def _projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    return frozen_mlp_parts(projector.linear_1, projector.act, projector.linear_2, parts, bias, features)
+
+
+def frozen_mlp_parts(linear_1: nn.Linear, act: Any, linear_2: nn.Linear, parts: Tensor, bias: Tensor,
+                     features: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""Parts through Linear -> activation -> Linear, the activation frozen at its real per-unit slope.
+
+    With u = f W_1 + b_1 the real pre-activation of input f and s = (g(u) - g(0)) / u per unit
+    (DecompX's frozen elementwise feed-forward rule), part k maps to ((part_k W_1) * s) W_2, the
+    bias part to ((bias W_1) * s) W_2, and the block's own constant is (b_1 * s + g(0)) W_2 + b_2.
+    LLaVA's projector (:func:`projector_parts`) and Qwen2-VL's patch merger
+    (:mod:`captum_normattr.attr.vlm_end_to_end_qwen`) are such blocks.
+
+    Args:
+        linear_1, act, linear_2: the block's modules (``act``: an elementwise activation).
+        parts: (..., S, D_in) the parts of each input; bias: (..., D_in) the bias part.
+        features: (..., D_in) the real inputs (the slopes' point).
+
+    Returns:
+        (parts (..., S, D_out), the bias part carried through (..., D_out), the block's constant (..., D_out)).
+    """
     dtype = parts.dtype
-    w1, b1 = projector.linear_1.weight.to(dtype), projector.linear_1.bias
-    w2, b2 = projector.linear_2.weight.to(dtype), projector.linear_2.bias
+    w1, b1 = linear_1.weight.to(dtype), linear_1.bias
+    w2, b2 = linear_2.weight.to(dtype), linear_2.bias
     u = features @ w1.T + (0 if b1 is None else b1.to(dtype))
-    slope = activation_slopes(u, projector.act)
-    g0 = projector.act(torch.zeros((), dtype=dtype, device=u.device))
+    slope = activation_slopes(u, act)
+    g0 = act(torch.zeros((), dtype=dtype, device=u.device))
     out = ((parts @ w1.T) * slope.unsqueeze(-2)) @ w2.T
     out_bias = ((bias @ w1.T) * slope) @ w2.T
     const = ((0 if b1 is None else b1.to(dtype)) * slope + g0) @ w2.T + (0 if b2 is None else b2.to(dtype))
