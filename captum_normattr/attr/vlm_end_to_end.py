@@ -25,7 +25,9 @@ Everything is exact: patch scores + text-token scores + every no-token term == t
 (up to the Gauss-Legendre quadrature of a gated decoder FF, as for DecompX itself).
 
 Towers: CLIP (``clip_vision_model``) and SigLIP (``siglip_vision_model``) vision models, whose layers
-are pre-LN ViT layers. Others are refused (:data:`TOWERS`).
+are pre-LN ViT layers. Others are refused (:data:`TOWERS`). Qwen2-VL and Qwen2.5-VL (a packed tower and a
+patch merger) go end to end by :func:`captum_normattr.attr.vlm_end_to_end_qwen.merged_patch_contributions`,
+which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`).
 """
 from __future__ import annotations
 

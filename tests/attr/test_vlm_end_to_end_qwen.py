@@ -29,6 +29,13 @@ def _run(model, ids, mask, extra, **kw):
                                       mm_token_type_ids=extra["mm_token_type_ids"], **kw)
 
 
+def _explained(kind: str):
+    r"""(the model, the ROWS batch, its end-to-end result)."""
+    model = make_qwen(kind)
+    inputs = qwen_batch(ROWS)
+    return model, inputs, _run(model, *inputs)
+
+
 def _total(res) -> torch.Tensor:
     b = res.logit.shape[0]
     patches = torch.zeros(b, dtype=res.logit.dtype)
@@ -57,9 +64,7 @@ def _single(ids, mask, extra, b: int):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_patch_scores_complete_against_the_model_logit(kind):
-    model = make_qwen(kind)
-    ids, mask, extra = qwen_batch(ROWS)
-    res = _run(model, ids, mask, extra)
+    model, (ids, mask, extra), res = _explained(kind)
     scale = _scale(res)
     position = res.explained_position
     own = own_logit(model, ids, mask, extra, res.target, position)
@@ -81,9 +86,7 @@ def test_patch_scores_complete_against_the_model_logit(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_image_token_rows_sum_to_decompx_scores(kind):
-    model = make_qwen(kind)
-    ids, mask, extra = qwen_batch(ROWS)
-    res = _run(model, ids, mask, extra)
+    model, (ids, mask, extra), res = _explained(kind)
     dx = DecompXAttribution(model).decompose(ids, target=res.target, additional_forward_args={"attention_mask": mask,
                                                                                                **extra})
     scale = float(dx.scores.abs().sum(-1).max().clamp(min=1.0))
@@ -96,9 +99,7 @@ def test_image_token_rows_sum_to_decompx_scores(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_left_padded_batch_equals_single_examples(kind):
-    model = make_qwen(kind)
-    ids, mask, extra = qwen_batch(ROWS)
-    res = _run(model, ids, mask, extra)
+    model, (ids, mask, extra), res = _explained(kind)
     scale = _scale(res)
     image = 0
     for b in range(ids.shape[0]):
@@ -205,3 +206,14 @@ def test_refusals():
     llava = make_mixing_llava("clip")
     with pytest.raises(UnsupportedModelError, match="Qwen2-VL"):
         merged_patch_contributions(llava, ids, extra["pixel_values"], extra["image_grid_thw"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_model_with_transformers_own_norms_completes_to_its_rounding(kind):
+    model = make_qwen(kind, exact_tower_norms=False).float()
+    ids, mask, extra = qwen_batch(ROWS)
+    extra["pixel_values"] = extra["pixel_values"].float()
+    res = _run(model, ids, mask, extra)
+    assert res.patch_scores[0].dtype == torch.float32
+    assert res.delta.max() <= 1e-5 * _scale(res)
+    assert max(res.checks.values()) <= 1e-5
