@@ -217,3 +217,21 @@ def test_float32_model_with_transformers_own_norms_completes_to_its_rounding(kin
     assert res.patch_scores[0].dtype == torch.float32
     assert res.delta.max() <= 1e-5 * _scale(res)
     assert max(res.checks.values()) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eager_attention_gives_the_same_decomposition(kind):
+    # the tower's eager attention runs (inside the package's recording) with a float64 softmax per segment: the
+    # rebuilt probabilities are the same; the model's own eager softmax is float32, so its logit differs by ~1e-8
+    model = make_qwen(kind)
+    ids, mask, extra = qwen_batch(ROWS[1:])
+    sdpa = _run(model, ids, mask, extra)
+    model.set_attn_implementation("eager")
+    assert model.model.visual.config._attn_implementation == "eager"
+    res = _run(model, ids, mask, extra)
+    scale = _scale(res)
+    assert max(res.checks.values()) <= 1e-12 and res.delta.max() <= 1e-10 * scale
+    for a, b in zip(res.patch_scores, sdpa.patch_scores):
+        assert (a - b).abs().max() <= 1e-10 * scale
+    own = own_logit(model, ids, mask, extra, res.target, res.explained_position)
+    assert (res.logit - own).abs().max() <= 1e-6 * scale
