@@ -22,6 +22,7 @@ from captum_normattr.attr.decompx_readouts import (
     ClassifierReadout,
     DecompXReadout,
     ImageClassifierReadout,
+    InputCotangents,
     NextTokenReadout,
     PositionsReadout,
 )
@@ -219,26 +220,6 @@ class DecompXResult(LogitDecompositionResult):
     @property
     def num_layers(self) -> Optional[int]:
         return None if self.layer_part_norms is None else self.layer_part_norms.shape[1]
-
-
-@dataclass
-class InputCotangents:
-    r"""A decoder's explained logit as an affine function of its input embeddings (:meth:`DecompXAttribution.input_cotangents`).
-
-    ``logit = sum_k cotangent_k . embeddings_k + result.bias_scores[:, 0]`` per example (up to the
-    Gauss-Legendre quadrature of a gated FF, ``result.delta``).
-
-    Attributes:
-        cotangent: (B, T, D) g_k, the gradient of the frozen network's explained logit with respect
-            to the decoder's input embedding e_k (0 at pads and after the explained position).
-        embeddings: (B, T, D) e_k, the decoder's real input embeddings (the first layer's input).
-        result: the :class:`DecompXResult` of the same call (``scores`` = g_k . e_k on the real tokens,
-            ``bias_scores``, ``logits``, ``target``, ``explained_position``, ``delta``).
-    """
-
-    cotangent: Tensor
-    embeddings: Tensor
-    result: DecompXResult
 
 
 class DecompXAttribution(DecompositionAttribution):
@@ -561,34 +542,26 @@ class DecompXAttribution(DecompositionAttribution):
     ) -> InputCotangents:
         r"""A decoder's explained next-token logit as an affine function of its input embeddings: the cotangents.
 
-        With DecompX's nonlinear quantities frozen at their real values (attention probabilities,
-        norm scales, feed-forward slopes or gate integrals) the explained logit is affine in the
-        decoder's input embeddings e_k (the first layer's input),
-        ``F(e) = sum_k g_k . e_k + c``; the adjoint algorithm computes every g_k = dF/de_k in one
-        walk down the layers. Token k's DecompX score is g_k . e_k and c is the bias score, so
-        ``(cotangent * embeddings).sum(-1)`` is ``result.scores`` (pads 0) and
-        ``result.bias_scores[:, 0]`` is c. Whatever is written into e_k as a sum of parts (a
-        vision-language model's image-token embeddings, split over image patches by
-        :func:`~captum_normattr.attr.vlm_end_to_end.patch_contributions`) gets its exact share
-        ``g_k . part``.
-
-        Always the ``"adjoint"`` algorithm, whatever ``algorithm`` the method was built with.
+        With DecompX's nonlinear quantities frozen at their real values the explained logit is affine in
+        the decoder's input embeddings e_k, ``F(e) = sum_k g_k . e_k + c``; the adjoint computes every
+        g_k = dF/de_k in one walk down the layers (always the ``"adjoint"`` algorithm). Token k's score is
+        g_k . e_k and c the bias score, so whatever is written into e_k as a sum of parts gets its exact
+        share g_k . part (a vision-language model's image tokens split over image patches:
+        :mod:`captum_normattr.attr.vlm_end_to_end`).
 
         Args:
             inputs, target, additional_forward_args, foil: as in :meth:`decompose`.
 
         Returns:
-            :class:`InputCotangents`.
+            :class:`~captum_normattr.attr.decompx_readouts.InputCotangents`.
 
         Raises:
-            UnsupportedModelError: not a decoder (a classifier's logits: use :meth:`decompose`), a
-                spread bias mode, or layers DecompX's adjoint does not transpose.
+            UnsupportedModelError: not a decoder, a spread bias mode, or layers the adjoint does not transpose.
 
         Examples::
 
-            >>> dx = DecompXAttribution(lm)
-            >>> cot = dx.input_cotangents(ids, target=paris_id, additional_forward_args={"attention_mask": mask})
-            >>> scores = (cot.cotangent * cot.embeddings).sum(-1)   # == cot.result.scores on real tokens
+            >>> cot = DecompXAttribution(lm).input_cotangents(ids, target=paris_id)
+            >>> (cot.cotangent * cot.embeddings).sum(-1)   # == cot.result.scores on the real tokens
         """
         if not self.decoder:
             raise UnsupportedModelError(

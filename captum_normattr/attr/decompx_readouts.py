@@ -20,7 +20,7 @@ model's own output), and turns the adjoint's or the parts' result into the resul
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "ClassifierReadout",
     "DecompXReadout",
     "ImageClassifierReadout",
+    "InputCotangents",
     "NextTokenReadout",
     "PositionsReadout",
     "stack_layers",
@@ -71,6 +72,28 @@ def _layer_outputs(res: Optional[PropagatedParts]) -> Dict[str, Optional[Tensor]
         "layer_bias_norms": None if res is None else res.layer_bias_norms,
         "layer_errors": None if res is None else res.layer_errors,
     }
+
+
+@dataclass
+class InputCotangents:
+    r"""A decoder's explained logit as an affine function of its input embeddings.
+
+    What :meth:`~captum_normattr.DecompXAttribution.input_cotangents` returns.
+
+    ``logit = sum_k cotangent_k . embeddings_k + result.bias_scores[:, 0]`` per example (up to the
+    Gauss-Legendre quadrature of a gated FF, ``result.delta``).
+
+    Attributes:
+        cotangent: (B, T, D) g_k, the gradient of the frozen network's explained logit with respect
+            to the decoder's input embedding e_k (0 at pads and after the explained position).
+        embeddings: (B, T, D) e_k, the decoder's real input embeddings (the first layer's input).
+        result: the :class:`~captum_normattr.attr.decompx.DecompXResult` of the same call (``scores`` =
+            g_k . e_k on the real tokens, ``bias_scores``, ``logits``, ``target``, ``explained_position``, ``delta``).
+    """
+
+    cotangent: Tensor
+    embeddings: Tensor
+    result: Any
 
 
 class DecompXReadout:

@@ -63,7 +63,7 @@ _CHECK = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 1e-2, torch.b
 
 @dataclass
 class MergedPatchContributions:
-    r"""The explained logit of a Qwen2-VL / Qwen2.5-VL model shared out over image patches, text tokens and no-token terms.
+    r"""A Qwen2-VL / Qwen2.5-VL model's explained logit shared out over image patches, text tokens and no-token terms.
 
     ``sum(p.sum() for p in patch_scores) + text_scores.sum() + sum(no_token.values())`` equals ``logit`` (per
     example: each image's patches count for :attr:`image_example`; :attr:`delta`).
@@ -130,8 +130,9 @@ def patch_cells(grid_thw: Tensor, merge: int) -> List[Tuple[Tensor, Tensor, Tens
             raise ValueError(f"a {h} x {w} patch grid is not made of {merge} x {merge} blocks")
         shape = (t, h // merge, w // merge, merge, merge)
         ft = torch.arange(t).view(t, 1, 1, 1, 1).expand(shape)
-        rr = (torch.arange(h // merge).view(1, -1, 1, 1, 1) * merge + torch.arange(merge).view(1, 1, 1, -1, 1)).expand(shape)
-        cc = (torch.arange(w // merge).view(1, 1, -1, 1, 1) * merge + torch.arange(merge).view(1, 1, 1, 1, -1)).expand(shape)
+        inner = torch.arange(merge)
+        rr = (torch.arange(h // merge).view(1, -1, 1, 1, 1) * merge + inner.view(1, 1, 1, -1, 1)).expand(shape)
+        cc = (torch.arange(w // merge).view(1, 1, -1, 1, 1) * merge + inner.view(1, 1, 1, 1, -1)).expand(shape)
         cells.append((ft.reshape(-1), rr.reshape(-1), cc.reshape(-1)))
     return cells
 
@@ -300,9 +301,10 @@ def _image_parts(tower: nn.Module, tape: Dict[Any, Any], order: Tensor, start: i
     kind = layer_kind("pre_ln")
     for l, blk in enumerate(tower.blocks):
         x, cu, (cos, sin) = tape[("in", l)]
-        layer, w_v, b_v, attn_check = _block_tensors(blk, l, x[start:end].to(dtype), _segments(cu, start, end), cos[start:end],
-                                         sin[start:end], tape[("attn", l)][start:end].to(dtype),
-                                         tape[("out", l)][start:end].to(dtype), dtype, rotary)
+        rows = slice(start, end)
+        layer, w_v, b_v, attn_check = _block_tensors(
+            blk, l, x[rows].to(dtype), _segments(cu, start, end), cos[rows], sin[rows],
+            tape[("attn", l)][rows].to(dtype), tape[("out", l)][rows].to(dtype), dtype, rotary)
         checks["attention"] = max(checks.get("attention", 0.0), attn_check)
         coefs = ff_coefficients(layer, nodes)
         if "quadrature_error" in coefs:
@@ -451,9 +453,9 @@ def merged_patch_contributions(
         if bool((example_of_token[row:row + out.shape[0]] != ex).any()):
             raise ValueError("an image's tokens are split over two examples")
         row += out.shape[0]
-        src = torch.cat([torch.einsum("gsd,gd->gs", out[:, :-1], gi),
-                         (gi * out_bias).sum(-1, keepdim=True),
-                         torch.einsum("gd,gd->g", out[:, -1], gi).unsqueeze(-1) + (gi * const).sum(-1, keepdim=True)], -1)
+        merger_part = torch.einsum("gd,gd->g", out[:, -1], gi) + (gi * const).sum(-1)  # its norm shift + constant
+        src = torch.cat([torch.einsum("gsd,gd->gs", out[:, :-1], gi), (gi * out_bias).sum(-1, keepdim=True),
+                         merger_part.unsqueeze(-1)], -1)
         token_sources.append(src)
         scores = src[:, :-2].sum(0)
         grid_scores = scores.new_zeros(int(t_), int(h_), int(w_))

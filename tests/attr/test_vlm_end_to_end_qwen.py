@@ -57,8 +57,8 @@ def _single(ids, mask, extra, b: int):
     start = sum(sizes[:first])
     stop = start + sum(sizes[first:first + counts[b]])
     keep = mask[b] > 0
-    one = {"pixel_values": extra["pixel_values"][start:stop], "image_grid_thw": extra["image_grid_thw"][first:first + counts[b]],
-           "mm_token_type_ids": extra["mm_token_type_ids"][b:b + 1, keep]}
+    one = {"pixel_values": extra["pixel_values"][start:stop],
+           "image_grid_thw": extra["image_grid_thw"][first:first + counts[b]], "mm_token_type_ids": extra["mm_token_type_ids"][b:b + 1, keep]}
     return ids[b:b + 1, keep], mask[b:b + 1, keep], one
 
 
