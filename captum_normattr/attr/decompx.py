@@ -22,6 +22,7 @@ from captum_normattr.attr.decompx_readouts import (
     ClassifierReadout,
     DecompXReadout,
     ImageClassifierReadout,
+    InputCotangents,
     NextTokenReadout,
     PositionsReadout,
 )
@@ -50,8 +51,8 @@ from captum_normattr.models.weights import tensors_to
 from captum_normattr.options import check_explained_position, check_memory_budget, check_positive_int
 from captum_normattr.result import LogitDecompositionResult
 
-__all__ = ["ALGORITHMS", "DECOMPX_COST_MODEL", "DecompXAttribution", "DecompXResult", "choose_decompx_algorithm",
-           "decompx_cost"]
+__all__ = ["ALGORITHMS", "DECOMPX_COST_MODEL", "DecompXAttribution", "DecompXResult", "InputCotangents",
+           "choose_decompx_algorithm", "decompx_cost"]
 
 ALGORITHMS: Tuple[str, ...] = ("auto", "adjoint", "forward")
 
@@ -502,6 +503,12 @@ class DecompXAttribution(DecompositionAttribution):
 
     def _compute(self, inputs, target, additional_forward_args, layer_parts: bool, target_only: bool,
                  foil: Any = None) -> DecompXResult:
+        return self._computed(inputs, target, additional_forward_args, self._algorithm(layer_parts), target_only,
+                              foil)[0]
+
+    def _computed(self, inputs, target, additional_forward_args, algorithm: str, target_only: bool,
+                  foil: Any = None) -> Tuple[DecompXResult, DecompXReadout]:
+        r"""(the result, the readout that made it) of one call by ``algorithm``."""
         self.check_target(target, inputs)
         if foil is not None and not self.decoder:
             raise ValueError(
@@ -513,7 +520,6 @@ class DecompXAttribution(DecompositionAttribution):
         with torch.inference_mode(False):
             inputs, additional_forward_args = _ordinary_tensors((inputs, additional_forward_args))
             prepared = prepare_inputs(self.model, self.adapter, inputs, additional_forward_args)
-            algorithm = self._algorithm(layer_parts)
             dtype = compute_dtype(self.model)
             readout: DecompXReadout
             if self.vision:
@@ -525,7 +531,48 @@ class DecompXAttribution(DecompositionAttribution):
             fields = self._run(prepared, readout, algorithm)
             result = DecompXResult(method=self.get_name(), attention_mask=prepared.attention_mask,
                                    bias_mode=self.bias_mode, algorithm=algorithm, **fields)
-            return mark_non_finite(result, prepared.finite)
+            return mark_non_finite(result, prepared.finite), readout
+
+    def input_cotangents(
+        self,
+        inputs: Union[Tensor, Tuple[Tensor]],
+        target: Any = None,
+        additional_forward_args: Any = None,
+        foil: Any = None,
+    ) -> InputCotangents:
+        r"""A decoder's explained next-token logit as an affine function of its input embeddings: the cotangents.
+
+        With DecompX's nonlinear quantities frozen at their real values the explained logit is affine in
+        the decoder's input embeddings e_k, ``F(e) = sum_k g_k . e_k + c``; the adjoint computes every
+        g_k = dF/de_k in one walk down the layers (always the ``"adjoint"`` algorithm). Token k's score is
+        g_k . e_k and c the bias score, so whatever is written into e_k as a sum of parts gets its exact
+        share g_k . part (a vision-language model's image tokens split over image patches:
+        :mod:`captum_normattr.attr.vlm_end_to_end`).
+
+        Args:
+            inputs, target, additional_forward_args, foil: as in :meth:`decompose`.
+
+        Returns:
+            :class:`~captum_normattr.attr.decompx_readouts.InputCotangents`.
+
+        Raises:
+            UnsupportedModelError: not a decoder, a spread bias mode, or layers the adjoint does not transpose.
+
+        Examples::
+
+            >>> cot = DecompXAttribution(lm).input_cotangents(ids, target=paris_id)
+            >>> (cot.cotangent * cot.embeddings).sum(-1)   # == cot.result.scores on the real tokens
+        """
+        if not self.decoder:
+            raise UnsupportedModelError(
+                "input_cotangents explains a decoder's next-token logit; this DecompXAttribution wraps a classifier "
+                "(decompose() gives its class scores)")
+        if self.bias_mode != "separate" or not self.kind.adjoint:
+            raise UnsupportedModelError(
+                f"input_cotangents runs DecompX's adjoint, which needs bias_mode='separate' and layers it transposes "
+                f"(got bias_mode={self.bias_mode!r}, {self.kind.name} layers)")
+        result, readout = self._computed(inputs, target, additional_forward_args, "adjoint", False, foil)
+        return InputCotangents(cotangent=readout.cotangent, embeddings=readout.embeddings, result=result)
 
     # --- the skeleton: one recorded pass, the parts forward or the adjoint down, the readout at the top ---------
     def _run(self, prepared: PreparedInputs, readout: DecompXReadout, algorithm: str) -> Dict[str, Any]:

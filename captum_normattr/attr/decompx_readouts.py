@@ -20,7 +20,7 @@ model's own output), and turns the adjoint's or the parts' result into the resul
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -31,7 +31,7 @@ from captum_normattr.attr.inputs import explained_positions
 from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
 from captum_normattr.decompose.methods.decompx.propagation import PropagatedParts
-from captum_normattr.decompose.methods.decompx.readout import adjoint_head_scores, adjoint_next_token_scores, head_scores, head_slope, logit_scores, mean_pool_weights, pool_frozen_rows, pool_head_parts
+from captum_normattr.decompose.methods.decompx.readout import adjoint_head_scores, adjoint_next_token_cotangent, head_scores, head_slope, logit_scores, mean_pool_weights, pool_frozen_rows, pool_head_parts
 from captum_normattr.decompose.methods.decompx.vision_head import adjoint_linear_head_scores, linear_head_scores
 from captum_normattr.decompose.primitives.multi_position import multi_logit_outputs
 from captum_normattr.decompose.records import LayerTensors
@@ -42,6 +42,7 @@ __all__ = [
     "ClassifierReadout",
     "DecompXReadout",
     "ImageClassifierReadout",
+    "InputCotangents",
     "NextTokenReadout",
     "PositionsReadout",
     "stack_layers",
@@ -71,6 +72,28 @@ def _layer_outputs(res: Optional[PropagatedParts]) -> Dict[str, Optional[Tensor]
         "layer_bias_norms": None if res is None else res.layer_bias_norms,
         "layer_errors": None if res is None else res.layer_errors,
     }
+
+
+@dataclass
+class InputCotangents:
+    r"""A decoder's explained logit as an affine function of its input embeddings.
+
+    What :meth:`~captum_normattr.DecompXAttribution.input_cotangents` returns.
+
+    ``logit = sum_k cotangent_k . embeddings_k + result.bias_scores[:, 0]`` per example (up to the
+    Gauss-Legendre quadrature of a gated FF, ``result.delta``).
+
+    Attributes:
+        cotangent: (B, T, D) g_k, the gradient of the frozen network's explained logit with respect
+            to the decoder's input embedding e_k (0 at pads and after the explained position).
+        embeddings: (B, T, D) e_k, the decoder's real input embeddings (the first layer's input).
+        result: the :class:`~captum_normattr.attr.decompx.DecompXResult` of the same call (``scores`` =
+            g_k . e_k on the real tokens, ``bias_scores``, ``logits``, ``target``, ``explained_position``, ``delta``).
+    """
+
+    cotangent: Tensor
+    embeddings: Tensor
+    result: Any
 
 
 class DecompXReadout:
@@ -266,6 +289,9 @@ class NextTokenReadout(DecompXReadout):
     def __init__(self, attr: Any, prepared: PreparedInputs, target: Any, dtype: torch.dtype, foil: Any = None) -> None:
         super().__init__(attr, prepared, target, dtype)
         self.foil = foil
+        #: after the adjoint: (B, T, D) the cotangent g of the explained logit at the decoder's input, and e there
+        self.cotangent: Optional[Tensor] = None
+        self.embeddings: Optional[Tensor] = None
         self.pos = explained_positions(attr.explained_position, self.valid)
         self.rows = torch.unique(self.pos)
         self.quadrature_tokens = self.valid.to(dtype)
@@ -285,8 +311,11 @@ class NextTokenReadout(DecompXReadout):
             model_out if self.top_model else None, self.kept, pos, self.out, self.f_at, self.logit, self.attr.strict)
 
     def adjoint(self, adj: AdjointPass, frozen_at: FrozenAt) -> None:
-        self.scores, self.bias_score = adjoint_next_token_scores(adj, frozen_at, self.fparams, self.f_in,
-                                                                 self.out.direction, self.out.bias, self.pos)
+        e = adj.embeddings
+        g, self.bias_score = adjoint_next_token_cotangent(adj, frozen_at, self.fparams, self.f_in, self.out.direction,
+                                                          self.out.bias, self.pos)
+        self.scores = (g * e).sum(-1).detach()
+        self.cotangent, self.embeddings = g, e.detach()  # what DecompXAttribution.input_cotangents returns
 
     def forward(self, res: PropagatedParts) -> None:
         ar, pos = self.ar, self.pos

@@ -16,7 +16,8 @@ the image patches (``docs/vlm_end_to_end.md``):
 2. the projector: each part through ``linear_1``, the activation frozen at its real per-unit slope
    (g(u) - g(0)) / u (DecompX's frozen elementwise feed-forward rule), ``linear_2``; its own biases
    (and g(0)) are a further no-token source;
-3. the language model: DecompX's adjoint gives the cotangent g_k (a (D,) vector) at every input
+3. the language model: DecompX's adjoint (:meth:`~captum_normattr.attr.decompx.DecompXAttribution.input_cotangents`)
+   gives the cotangent g_k (a (D,) vector) at every input
    embedding e_k, and token k's DecompX score is g_k . e_k ("separate" bias mode); an image token's
    embedding being the sum of its parts, each part's share is g_k . part.
 
@@ -24,7 +25,9 @@ Everything is exact: patch scores + text-token scores + every no-token term == t
 (up to the Gauss-Legendre quadrature of a gated decoder FF, as for DecompX itself).
 
 Towers: CLIP (``clip_vision_model``) and SigLIP (``siglip_vision_model``) vision models, whose layers
-are pre-LN ViT layers. Others are refused (:data:`TOWERS`).
+are pre-LN ViT layers. Others are refused (:data:`TOWERS`). Qwen2-VL and Qwen2.5-VL (a packed tower and a
+patch merger) go end to end by :func:`captum_normattr.attr.vlm_end_to_end_qwen.merged_patch_contributions`,
+which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`).
 """
 from __future__ import annotations
 
@@ -37,19 +40,16 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec, Attention, FeedForward, Layer, Norm, ValueProjection
 from captum_normattr.attr.decompx import DecompXAttribution
-from captum_normattr.attr.decompx_readouts import NextTokenReadout
-from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.decompose.kinds.registry import layer_kind
-from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass
 from captum_normattr.decompose.methods.decompx.parts import activation_slopes, ff_coefficients
-from captum_normattr.decompose.methods.decompx.readout import frozen_next_token_logit
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import layer_modules, unwrap_model, value_projection, vision_language
 from captum_normattr.models.capture.session import recording
 from captum_normattr.models.engine import compute_dtype
 
-__all__ = ["TOWERS", "PatchContributions", "TowerParts", "patch_contributions", "projector_parts", "tower_parts"]
+__all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "patch_contributions", "projector_parts",
+           "tower_parts"]
 
 #: The vision towers decomposed end to end: ``config.model_type`` -> the tower's layer description
 #: (both are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``).
@@ -137,9 +137,9 @@ def _tower_and_description(model: nn.Module) -> Tuple[nn.Module, nn.Module, Arch
     description = vision_language(model)
     if description is None or description.family != "LLaVA":
         raise ValueError(
-            f"end-to-end patch contributions are implemented for LLaVA (LlavaForConditionalGeneration) only; "
-            f"{type(model).__name__} is not one (docs/vlm_end_to_end.md says which families stop at the language "
-            "model's input and why)")
+            f"patch_contributions carries LLaVA (LlavaForConditionalGeneration) to the patches; {type(model).__name__} "
+            "is not one. Qwen2-VL and Qwen2.5-VL: vlm_end_to_end_qwen.merged_patch_contributions (their images come "
+            "with image_grid_thw); docs/vlm_end_to_end.md says which families stop at the language model's input and why")
     base = model.model
     tower = base.vision_tower
     kind = getattr(getattr(tower, "config", None), "model_type", None)
@@ -302,30 +302,37 @@ def projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features:
 
 
 def _projector_parts(projector: nn.Module, parts: Tensor, bias: Tensor, features: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    return frozen_mlp_parts(projector.linear_1, projector.act, projector.linear_2, parts, bias, features)
+
+
+def frozen_mlp_parts(linear_1: nn.Linear, act: Any, linear_2: nn.Linear, parts: Tensor, bias: Tensor,
+                     features: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""Parts through Linear -> activation -> Linear, the activation frozen at its real per-unit slope.
+
+    With u = f W_1 + b_1 the real pre-activation of input f and s = (g(u) - g(0)) / u per unit
+    (DecompX's frozen elementwise feed-forward rule), part k maps to ((part_k W_1) * s) W_2, the
+    bias part to ((bias W_1) * s) W_2, and the block's own constant is (b_1 * s + g(0)) W_2 + b_2.
+    LLaVA's projector (:func:`projector_parts`) and Qwen2-VL's patch merger
+    (:mod:`captum_normattr.attr.vlm_end_to_end_qwen`) are such blocks.
+
+    Args:
+        linear_1, act, linear_2: the block's modules (``act``: an elementwise activation).
+        parts: (..., S, D_in) the parts of each input; bias: (..., D_in) the bias part.
+        features: (..., D_in) the real inputs (the slopes' point).
+
+    Returns:
+        (parts (..., S, D_out), the bias part carried through (..., D_out), the block's constant (..., D_out)).
+    """
     dtype = parts.dtype
-    w1, b1 = projector.linear_1.weight.to(dtype), projector.linear_1.bias
-    w2, b2 = projector.linear_2.weight.to(dtype), projector.linear_2.bias
+    w1, b1 = linear_1.weight.to(dtype), linear_1.bias
+    w2, b2 = linear_2.weight.to(dtype), linear_2.bias
     u = features @ w1.T + (0 if b1 is None else b1.to(dtype))
-    slope = activation_slopes(u, projector.act)
-    g0 = projector.act(torch.zeros((), dtype=dtype, device=u.device))
+    slope = activation_slopes(u, act)
+    g0 = act(torch.zeros((), dtype=dtype, device=u.device))
     out = ((parts @ w1.T) * slope.unsqueeze(-2)) @ w2.T
     out_bias = ((bias @ w1.T) * slope) @ w2.T
     const = ((0 if b1 is None else b1.to(dtype)) * slope + g0) @ w2.T + (0 if b2 is None else b2.to(dtype))
     return out, out_bias, const.expand_as(out_bias)
-
-
-class _CotangentReadout(NextTokenReadout):
-    r"""The next-token readout that keeps the adjoint's cotangent g (B, T, D) at the decoder's input."""
-
-    def adjoint(self, adj: AdjointPass, frozen_at) -> None:
-        e = adj.embeddings
-        ar = self.ar
-        row = torch.searchsorted(adj.last_rows, self.pos)
-        f_in = self.f_in[ar, self.pos]
-        (g,) = adj.backward(frozen_at, lambda y: [frozen_next_token_logit(
-            y[ar, row], self.fparams, f_in, self.out.direction, self.out.bias)])
-        self.cotangent, self.embeddings = g.detach(), e.detach()
-        self.scores, self.bias_score = (g * e).sum(-1).detach(), adj.constants[0]
 
 
 def _relative(a: Tensor, b: Tensor) -> float:
@@ -399,15 +406,11 @@ def patch_contributions(
 
     handle = base.multi_modal_projector.register_forward_pre_hook(projector_hook)
     try:
-        with torch.inference_mode(False):
-            # the adjoint differentiates the frozen layers: inference tensors (torch.inference_mode) are cloned
-            ids, mask, px = (t.clone() if t.is_inference() else t for t in (input_ids, mask, pixel_values))
-            prepared = prepare_inputs(attr.model, attr.adapter, ids, {"attention_mask": mask, "pixel_values": px})
-            readout = _CotangentReadout(attr, prepared, target, dtype, foil)
-            fields = attr._run(prepared, readout, "adjoint")
+        cot = attr.input_cotangents(input_ids, target, {"attention_mask": mask, "pixel_values": pixel_values}, foil)
     finally:
         handle.remove()
-    g, e = readout.cotangent, readout.embeddings
+    g, e, dx = cot.cotangent, cot.embeddings, cot.result
+    ids = input_ids
     checks = {"features": _relative(tp.features, real_features["x"].to(dtype))}
 
     token_id = next(getattr(model.config, n) for n in ("image_token_id", "image_token_index")
@@ -434,16 +437,16 @@ def patch_contributions(
     no_token: Dict[str, Tensor] = {}
     for j, name in enumerate(names[p:]):
         no_token[name] = torch.zeros(b, dtype=dtype, device=g.device).index_add_(0, example, per_image[:, p + j])
-    no_token["language_model_biases"] = readout.bias_score
-    scores = fields["scores"]
+    no_token["language_model_biases"] = dx.bias_scores[:, 0]
+    scores = dx.scores
     text = torch.where(image, torch.zeros_like(scores), scores)
     image_scores = torch.where(image, scores, torch.zeros_like(scores))
     patch = per_image[:, :p].reshape(n_images, rows, cols)
     total = torch.zeros(b, dtype=dtype, device=g.device).index_add_(0, example, patch.flatten(1).sum(1))
     total = total + text.sum(1) + sum(no_token.values())
-    logit = readout.logit
+    logit = dx.logits[:, 0]
     return PatchContributions(
         patch_scores=patch, image_example=example, text_scores=text, image_token_scores=image_scores,
         token_sources=sources, source_names=names, no_token=no_token, logit=logit, delta=(total - logit).abs(),
-        target=fields["target"], explained_position=fields["explained_position"], checks=checks,
+        target=dx.target, explained_position=dx.explained_position, checks=checks,
     )

@@ -28,6 +28,7 @@ from captum_normattr.decompose.records import NormParams
 
 __all__ = [
     "adjoint_head_scores",
+    "adjoint_next_token_cotangent",
     "adjoint_next_token_scores",
     "frozen_head",
     "frozen_next_token_logit",
@@ -349,6 +350,37 @@ def frozen_next_token_logit(
     return out
 
 
+def adjoint_next_token_cotangent(
+    adj: AdjointPass,
+    frozen_at: Callable[[int, Tensor], FrozenStep],
+    final_params: NormParams,
+    final_input: Tensor,
+    direction: Tensor,
+    direction_bias: Optional[Tensor],
+    position: Tensor,
+) -> Tuple[Tensor, Tensor]:
+    r"""The cotangent of the explained next-token logit at the decoder's input, by a streamed adjoint pass.
+
+    With every nonlinear quantity frozen the logit is affine in the input embeddings,
+    F(e) = sum_k g_k . e_k + c; this returns g (the gradient of the frozen network) and c.
+    Token k's DecompX score ("separate" bias mode) is g_k . e_k (:func:`adjoint_next_token_scores`).
+
+    Args:
+        adj, frozen_at, final_params, final_input, direction, direction_bias, position: as in
+            :func:`adjoint_next_token_scores`.
+
+    Returns:
+        (g (B, T, D), c (B,)): the cotangent at every input embedding and the frozen network's constant.
+    """
+    ar = torch.arange(adj.embeddings.shape[0], device=adj.embeddings.device)
+    row_index = torch.searchsorted(adj.last_rows, position)
+    f_in = final_input[ar, position]
+    (g,) = adj.backward(
+        frozen_at, lambda y: [frozen_next_token_logit(y[ar, row_index], final_params, f_in, direction, direction_bias)]
+    )
+    return g.detach(), adj.constants[0]
+
+
 def adjoint_next_token_scores(
     adj: AdjointPass,
     frozen_at: Callable[[int, Tensor], FrozenStep],
@@ -371,11 +403,6 @@ def adjoint_next_token_scores(
         (scores (B, T), bias scores (B,)): the bias score is F(e) - sum of the scores.
     """
     e = adj.embeddings
-    ar = torch.arange(e.shape[0], device=e.device)
-    row_index = torch.searchsorted(adj.last_rows, position)
-    f_in = final_input[ar, position]
-    (g,) = adj.backward(
-        frozen_at, lambda y: [frozen_next_token_logit(y[ar, row_index], final_params, f_in, direction, direction_bias)]
-    )
-    return (g * e).sum(-1).detach(), adj.constants[0]
+    g, c = adjoint_next_token_cotangent(adj, frozen_at, final_params, final_input, direction, direction_bias, position)
+    return (g * e).sum(-1).detach(), c
 
