@@ -154,6 +154,14 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         s = _as_int(getattr(config, "scale_factor", None), "scale_factor")
         side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p // s
         return ImageGeometry(token, (p * s, p * s), ((side, side),))
+    if description.geometry == "tiled_grid":  # Llama 4: each tile's patches pixel-shuffled, 1/r x 1/r per token
+        ratio = float(getattr(vision, "pixel_shuffle_ratio", 0.0) or 0.0)
+        k = int(round(1.0 / ratio)) if ratio > 0 else 0
+        side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p
+        if k < 1 or abs(k * ratio - 1.0) > 1e-9 or side % k:
+            raise ValueError(f"pixel_shuffle_ratio {getattr(vision, 'pixel_shuffle_ratio', None)} does not shuffle "
+                             f"the {side} x {side} patch grid into whole blocks")
+        return ImageGeometry(token, (p * k, p * k), ((side // k, side // k),))  # tiles: attr.vlm_tiles
     if description.geometry == "merged_sizes":  # Mistral 3: each image's m x m patches merged into one token
         if image_sizes is None:
             raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's)")
