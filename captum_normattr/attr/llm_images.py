@@ -201,12 +201,14 @@ class ImageGenerationExplanation:
         output_tokens: the n targets as readable text.
         patch_attr: (n, rows, cols) the image tokens' scores on the patch grid (NaN: a patch
             without a token, e.g. the first patch that LLaVA's ``"default"`` strategy drops with
-            a SigLIP tower).
+            a SigLIP tower); an image cut into tiles (Idefics3 split, Llama 4): the tiles' tokens side
+            by side, (n, rows n, cols n), or the global view's without tiles (:mod:`~captum_normattr.attr.vlm_tiles`).
         leading: (n,) the tower's [CLS] feature's score where the image tokens keep it
             (LLaVA, ``"full"``, CLIP), else None; it lies on no pixel and is in no segment.
         segment_attr: (n, S) every segment's score (:func:`segment_scores`).
-        overlap: (S, rows x cols) the share of each patch's pixels in each segment.
-        box: the original image's box the grid covers (:func:`grid_box`).
+        overlap: (S, rows x cols) the share of each patch's pixels in each segment (tiles: the tiles'
+            tokens, then the global view's).
+        box: the original image's box the grid covers (:func:`grid_box`; tiles: the tiles' canvas).
         geometry: the model's :class:`~captum_normattr.attr.vlm_regions.ImageGeometry`.
         details: the :class:`~captum_normattr.attr.positions.PositionExplanation` (explained
             quantity, no-token terms, deltas, log-probabilities).
@@ -355,17 +357,24 @@ def decompose_image_input(
                                                 additional_forward_args=_forward_args(inputs, p, n, model))
     scores = details.scores
     found = grid_scores(scores.unsqueeze(0), image_mask.unsqueeze(0), geometry)
-    if len(found.grids) != 1:
-        raise ValueError(f"an ImageMaskInput holds one image; the processor's ids hold {len(found.grids)}")
-    patch = found.grids[0]
     image_hw = (inp.image.size[1], inp.image.size[0])
-    box = grid_box(image_hw, _resolve_layout(layout, geometry, model, inputs))
-    rows, cols = geometry.grid(0)
-    overlap = segment_overlap(inp.get_mask_list(), pixel_patches(image_hw, (rows, cols), box), rows * cols)
+    from captum_normattr.attr.vlm_tiles import image_input_tiles  # tiles plus a global view (vlm_tiles reads this module)
+
+    tiled = image_input_tiles(model, prompt, found.grids, image_hw, inp.get_mask_list(), llm.tokenizer, layout)
+    if tiled is not None:
+        patch, overlap, box, segment_attr, _ = tiled
+    else:
+        if len(found.grids) != 1:
+            raise ValueError(f"an ImageMaskInput holds one image; the processor's ids hold {len(found.grids)}")
+        patch = found.grids[0]
+        box = grid_box(image_hw, _resolve_layout(layout, geometry, model, inputs))
+        rows, cols = geometry.grid(0)
+        overlap = segment_overlap(inp.get_mask_list(), pixel_patches(image_hw, (rows, cols), box), rows * cols)
+        segment_attr = segment_scores(patch, overlap)
     return ImageGenerationExplanation(
         method=details.method, input_ids=ids, prompt_length=p, target_ids=target_ids, scores=scores,
         output_tokens=readable_tokens(llm.tokenizer, target_ids), patch_attr=patch,
-        leading=None if found.leading is None else found.leading[0], segment_attr=segment_scores(patch, overlap),
+        leading=None if found.leading is None else found.leading[0], segment_attr=segment_attr,
         overlap=overlap, box=box, geometry=geometry, details=details, inp=inp, image_token_mask=image_mask,
     )
 
