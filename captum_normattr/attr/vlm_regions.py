@@ -28,6 +28,11 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
+- ``"tiled_grid"`` (Llama 4): every tile (and the global view) is the tower's square (S / p) x (S / p) patch
+  grid, every 1/r x 1/r block (``vision_config.pixel_shuffle_ratio`` r) shuffled into one token, row by row; one
+  grid per sub-image here, the tiles stitched onto the image by :mod:`captum_normattr.attr.vlm_tiles` (as are
+  Idefics3's split images).
+
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
 :func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
 image spans, PaliGemma's prefix: docs/vlm.md, "Two-way spans").

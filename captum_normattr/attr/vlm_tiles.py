@@ -21,7 +21,7 @@ by row, then the global view). This module puts them back where they came from:
 - **One unit for both views: score per pixel.** A global-view token covers ``rows x cols`` times the pixels of a
   tile token, so the two views' token scores are not comparable pixel by pixel. Every map here spreads each token's
   score evenly over the image pixels whose centres lie in it (the rule of
-  :func:`~captum_normattr.attr.llm_images.pixel_patches`), so a map is a density: its sum over any region is the
+  :func:`~captum_normattr.attr.pixel_overlap.pixel_patches`), so a map is a density: its sum over any region is the
   region's share of the scores (the pixel-overlap rule of the ``ImageMaskInput`` segments), and over the whole image
   it is the sum of the image tokens' scores. ``combined = tiles + global_view``. A token with no pixel inside the
   image (wholly on Llama 4's padding) is on no pixel: its score is :attr:`TiledHeatmap.off_image`; a token that
@@ -39,7 +39,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from captum_normattr.attr.llm_images import pixel_patches, segment_overlap
+from captum_normattr.attr.pixel_overlap import pixel_patches, segment_overlap
 from captum_normattr.attr.vlm_regions import ImageGeometry, grid_scores, image_geometry, image_token_mask
 from captum_normattr.models.adapters import unwrap_model, vision_language
 

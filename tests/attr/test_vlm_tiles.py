@@ -95,6 +95,19 @@ def test_llama4_complete_against_the_models_logit(llama4, cls):
     assert (res.scores[mask == 0] == 0).all()
 
 
+def test_llama4_complete_with_the_query_temperature():
+    r"""With the NoPE layers' query temperature (it reads the absolute position, pads included: the model itself then
+    depends on the padding), ALTI-Logit is complete against the padded model's own logit."""
+    model, _ = make_llama4(seed=2, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5)
+    ids, mask, extra = llama4_batch([6, 2], seed=9)
+    t = torch.tensor([4, 11])
+    real = _real(model, ids, mask, extra)[[0, 1], t]
+    res = ALTILogitAttribution(model).decompose(ids, t, {"attention_mask": mask, **extra})
+    err = float(((res.scores.sum(-1) + res.no_token_total - real).abs() / real.abs().max()).max())
+    print(f"ALTI-Logit completeness with the query temperature: {err:.1e}")
+    assert err < 1e-10
+
+
 def test_llama4_maps_complete(llama4):
     model, _ = llama4
     ids, mask, extra = llama4_batch([4, 2], seed=5)

@@ -25,8 +25,9 @@ Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:d
 decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
-Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
-patches).
+Gemma 3 with images (:data:`GEMMA3`: pooled grids), PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
+patches) and Llama 4 with images (:data:`LLAMA4`: the Llama 4 text model, a whole ``*ForCausalLM`` under
+``language_model``, its head moved with it by :attr:`VisionLanguage.lm_head`; tiles of pixel-shuffled patches).
 
 Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
