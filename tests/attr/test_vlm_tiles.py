@@ -123,7 +123,9 @@ def test_llama4_scores_equal_the_text_model_on_the_merged_embeddings(llama4):
     t = torch.tensor([7])
     vlm = ALTILogitAttribution(model).decompose(ids, t, {"attention_mask": mask, **extra})
     text = ALTILogitAttribution(lm).decompose(x, t, {"attention_mask": mask})
-    assert _rel(text.scores, vlm.scores) < 1e-12
+    err = _rel(text.scores, vlm.scores)
+    print(f"text model vs model with images, ALTI-Logit scores: {err:.1e}")
+    assert err < 1e-12
 
 
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
@@ -520,3 +522,42 @@ def test_llama4_image_mask_input():
 
         decompose_image_input(DecompositionLLMAttribution(ALTILogitAttribution(model), vlm_tokenizer({})),
                               ImageMaskInput(image, mask=mask, processor_fn=fn), target, layout="stretch")
+
+
+def test_idefics3_processor_tiles_land_where_stitched():
+    r"""Through Idefics3's own image processor with splitting (a 24 x 48 image, already whole tiles: cut into 1 x 2
+    tiles plus the global view) and a tower without layers (each image token sees its own 2 x 2 patches): changing
+    one 8 x 8 pixel block of the image changes one tile token, and the stitched tile map lights that block of the
+    image exactly."""
+    np = pytest.importorskip("numpy")
+    from PIL import Image
+    from transformers import Idefics3ImageProcessor
+    from vlm_families import CASES, IDEFICS_SIZE
+    from vlm_models import merged_embeddings
+    from vlm_tiled import idefics3_split_ids, idefics3_tile_tokenizer
+
+    model = CASES["idefics3"].make(seed=5, layers=1, vision_layers=0)
+    ip = Idefics3ImageProcessor(do_image_splitting=True, size={"longest_edge": 2 * IDEFICS_SIZE},
+                                max_image_size={"longest_edge": IDEFICS_SIZE})
+    ids = torch.cat([torch.tensor([1]), idefics3_split_ids(1, 2), torch.tensor([7])])[None]
+    mask = torch.ones_like(ids)
+    tok = idefics3_tile_tokenizer()
+    base = (np.random.RandomState(3).rand(24, 48, 3) * 200).astype("uint8")
+
+    def embeddings(array):
+        got = ip(images=[[Image.fromarray(array)]], return_tensors="pt")
+        assert got["pixel_values"].shape[1] == 3
+        return merged_embeddings(model, ids, mask, got["pixel_values"].double(), decoder="text_model",
+                                 pixel_attention_mask=got["pixel_attention_mask"])
+
+    x0 = embeddings(base)
+    for r, c in ((0, 0), (1, 4), (2, 3), (1, 5)):
+        changed = base.copy()
+        changed[8 * r:8 * r + 8, 8 * c:8 * c + 8] += 40
+        change = (embeddings(changed) - x0).norm(dim=-1)
+        heat = tiled_heatmaps(change, ids, model, tokenizer=tok)[0]
+        expect = torch.zeros(24, 48, dtype=torch.bool)
+        expect[8 * r:8 * r + 8, 8 * c:8 * c + 8] = True
+        assert torch.equal(heat.tiles > 1e-9, expect), (r, c)
+        assert int((heat.tile_grid > 1e-9).sum()) == 1
+
