@@ -37,8 +37,10 @@ from captum.attr import LLMAttributionResult
 from captum.attr._utils.interpretable_input import ImageMaskInput
 from torch import Tensor
 
+from captum_normattr.attr.pixel_overlap import pixel_patches, segment_overlap
 from captum_normattr.attr.positions import LOG_PROB_NOT_ADDITIVE, QUANTITIES, PositionExplanation
 from captum_normattr.attr.vlm_regions import ImageGeometry, grid_scores, image_geometry, image_token_mask
+from captum_normattr.attr.vlm_tiles import image_input_tiles
 from captum_normattr.models.adapters import vision_language
 from captum_normattr.tokens import display_token, readable_tokens
 
@@ -91,53 +93,6 @@ def grid_box(image_hw: Tuple[int, int], layout: Layout = "stretch") -> Tuple[flo
     if len(box) != 4 or box[2] <= 0 or box[3] <= 0:
         raise ValueError(f"a layout box is (top, left, height, width) with positive height and width; got {layout!r}")
     return box  # type: ignore[return-value]
-
-
-def pixel_patches(image_hw: Tuple[int, int], grid: Tuple[int, int], box: Tuple[float, float, float, float]) -> Tensor:
-    r"""(H, W) long: the patch (row-major index over ``grid``) under every pixel's centre, -1 outside the box.
-
-    Args:
-        image_hw: (H, W) of the original image.
-        grid: (rows, cols) of the patch grid.
-        box: ``(top, left, height, width)`` that the grid covers (:func:`grid_box`).
-
-    Examples::
-
-        >>> pixel_patches((2, 4), (1, 2), (0, 0, 2, 4))
-        tensor([[0, 0, 1, 1],
-                [0, 0, 1, 1]])
-    """
-    h, w = int(image_hw[0]), int(image_hw[1])
-    rows, cols = int(grid[0]), int(grid[1])
-    top, left, bh, bw = box
-    y = (torch.arange(h, dtype=torch.float64) + 0.5 - top) / bh * rows
-    x = (torch.arange(w, dtype=torch.float64) + 0.5 - left) / bw * cols
-    r, c = torch.floor(y).long(), torch.floor(x).long()
-    r_in, c_in = (r >= 0) & (r < rows), (c >= 0) & (c < cols)
-    idx = r.unsqueeze(1) * cols + c.unsqueeze(0)
-    return torch.where(r_in.unsqueeze(1) & c_in.unsqueeze(0), idx, torch.full_like(idx, -1))
-
-
-def segment_overlap(masks: Sequence[Tensor], patch_of_pixel: Tensor, n_patches: int) -> Tensor:
-    r"""(S, n_patches) float64: the share of every patch's pixels that lie in every segment.
-
-    Args:
-        masks: S boolean (H, W) segment masks (Captum's ``ImageMaskInput.get_mask_list()``).
-        patch_of_pixel: (H, W) the patch under each pixel, -1 for none (:func:`pixel_patches`).
-        n_patches: rows x cols.
-
-    Returns:
-        (S, n_patches); a patch with no pixel (outside the image) has a zero column.
-    """
-    inside = patch_of_pixel >= 0
-    total = torch.bincount(patch_of_pixel[inside], minlength=n_patches).to(torch.float64)
-    out = torch.zeros(len(masks), n_patches, dtype=torch.float64)
-    for s, m in enumerate(masks):
-        m = torch.as_tensor(m).bool().cpu()
-        if m.shape != patch_of_pixel.shape:
-            raise ValueError(f"segment mask {s} has shape {tuple(m.shape)}; the image is {tuple(patch_of_pixel.shape)}")
-        out[s] = torch.bincount(patch_of_pixel[m & inside], minlength=n_patches).to(torch.float64)
-    return out / total.clamp_min(1.0)
 
 
 def segment_scores(patch_scores: Tensor, overlap: Tensor) -> Tensor:
@@ -201,12 +156,14 @@ class ImageGenerationExplanation:
         output_tokens: the n targets as readable text.
         patch_attr: (n, rows, cols) the image tokens' scores on the patch grid (NaN: a patch
             without a token, e.g. the first patch that LLaVA's ``"default"`` strategy drops with
-            a SigLIP tower).
+            a SigLIP tower); an image cut into tiles (Idefics3 split, Llama 4): the tiles' tokens side
+            by side, (n, rows n, cols n), or the global view's without tiles (:mod:`~captum_normattr.attr.vlm_tiles`).
         leading: (n,) the tower's [CLS] feature's score where the image tokens keep it
             (LLaVA, ``"full"``, CLIP), else None; it lies on no pixel and is in no segment.
         segment_attr: (n, S) every segment's score (:func:`segment_scores`).
-        overlap: (S, rows x cols) the share of each patch's pixels in each segment.
-        box: the original image's box the grid covers (:func:`grid_box`).
+        overlap: (S, rows x cols) the share of each patch's pixels in each segment (tiles: the tiles'
+            tokens, then the global view's).
+        box: the original image's box the grid covers (:func:`grid_box`; tiles: the tiles' canvas).
         geometry: the model's :class:`~captum_normattr.attr.vlm_regions.ImageGeometry`.
         details: the :class:`~captum_normattr.attr.positions.PositionExplanation` (explained
             quantity, no-token terms, deltas, log-probabilities).
@@ -355,17 +312,22 @@ def decompose_image_input(
                                                 additional_forward_args=_forward_args(inputs, p, n, model))
     scores = details.scores
     found = grid_scores(scores.unsqueeze(0), image_mask.unsqueeze(0), geometry)
-    if len(found.grids) != 1:
-        raise ValueError(f"an ImageMaskInput holds one image; the processor's ids hold {len(found.grids)}")
-    patch = found.grids[0]
     image_hw = (inp.image.size[1], inp.image.size[0])
-    box = grid_box(image_hw, _resolve_layout(layout, geometry, model, inputs))
-    rows, cols = geometry.grid(0)
-    overlap = segment_overlap(inp.get_mask_list(), pixel_patches(image_hw, (rows, cols), box), rows * cols)
+    tiled = image_input_tiles(model, prompt, found.grids, image_hw, inp.get_mask_list(), llm.tokenizer, layout)
+    if tiled is not None:
+        patch, overlap, box, segment_attr, _ = tiled
+    else:
+        if len(found.grids) != 1:
+            raise ValueError(f"an ImageMaskInput holds one image; the processor's ids hold {len(found.grids)}")
+        patch = found.grids[0]
+        box = grid_box(image_hw, _resolve_layout(layout, geometry, model, inputs))
+        rows, cols = geometry.grid(0)
+        overlap = segment_overlap(inp.get_mask_list(), pixel_patches(image_hw, (rows, cols), box), rows * cols)
+        segment_attr = segment_scores(patch, overlap)
     return ImageGenerationExplanation(
         method=details.method, input_ids=ids, prompt_length=p, target_ids=target_ids, scores=scores,
         output_tokens=readable_tokens(llm.tokenizer, target_ids), patch_attr=patch,
-        leading=None if found.leading is None else found.leading[0], segment_attr=segment_scores(patch, overlap),
+        leading=None if found.leading is None else found.leading[0], segment_attr=segment_attr,
         overlap=overlap, box=box, geometry=geometry, details=details, inp=inp, image_token_mask=image_mask,
     )
 

@@ -28,6 +28,11 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
+- ``"tiled_grid"`` (Llama 4): every tile (and the global view) is the tower's square (S / p) x (S / p) patch
+  grid, every 1/r x 1/r block (``vision_config.pixel_shuffle_ratio`` r) shuffled into one token, row by row; one
+  grid per sub-image here, the tiles stitched onto the image by :mod:`captum_normattr.attr.vlm_tiles` (as are
+  Idefics3's split images).
+
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
 Qwen2-VL's and Qwen2.5-VL's videos (frame groups of merged grids) are mapped by :mod:`captum_normattr.attr.vlm_video`.
 :func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
@@ -156,6 +161,14 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         s = _as_int(getattr(config, "scale_factor", None), "scale_factor")
         side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p // s
         return ImageGeometry(token, (p * s, p * s), ((side, side),))
+    if description.geometry == "tiled_grid":  # Llama 4: each tile's patches pixel-shuffled, 1/r x 1/r per token
+        ratio = float(getattr(vision, "pixel_shuffle_ratio", 0.0) or 0.0)
+        k = int(round(1.0 / ratio)) if ratio > 0 else 0
+        side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p
+        if k < 1 or abs(k * ratio - 1.0) > 1e-9 or side % k:
+            raise ValueError(f"pixel_shuffle_ratio {getattr(vision, 'pixel_shuffle_ratio', None)} does not shuffle "
+                             f"the {side} x {side} patch grid into whole blocks")
+        return ImageGeometry(token, (p * k, p * k), ((side // k, side // k),))  # tiles: attr.vlm_tiles
     if description.geometry == "merged_sizes":  # Mistral 3: each image's m x m patches merged into one token
         if image_sizes is None:
             raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's)")

@@ -26,8 +26,10 @@ decoder and merged grid; its tower's window attention stays inside the tower; bo
 :attr:`VisionLanguage.video_token`), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
-Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
-patches; PaliGemma 2's Gemma 2 decoder by its ``text_config.model_type``).
+Gemma 3 with images (:data:`GEMMA3`: pooled grids), PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
+patches; PaliGemma 2's Gemma 2 decoder by its ``text_config.model_type``) and Llama 4 with images
+(:data:`LLAMA4`: the Llama 4 text model, a whole ``*ForCausalLM`` under ``language_model``, its head moved
+with it by :attr:`VisionLanguage.lm_head`; tiles of pixel-shuffled patches).
 
 Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
@@ -53,6 +55,7 @@ __all__ = [
     "GEMMA3",
     "GEOMETRIES",
     "IDEFICS3",
+    "LLAMA4",
     "LLAVA",
     "MISTRAL3",
     "PALIGEMMA",
@@ -80,7 +83,11 @@ __all__ = [
 #: (h / p / m) x (w / p / m) grid (the processor's row-break and end tokens are text tokens).
 #: ``"pooled_grid"``: Gemma 3's projector: the tower's square (S / p) x (S / p) patch grid average-pooled
 #: to a square sqrt(mm_tokens_per_image) x sqrt(mm_tokens_per_image) grid of tokens, row-major.
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid")
+#: ``"tiled_grid"``: Llama 4's tiles: every tile (and the global view) is the tower's square (S / p) x (S / p) patch
+#: grid pixel-shuffled (``vision_config.pixel_shuffle_ratio`` r: every 1/r x 1/r block one token), row-major over
+#: (S r / p) x (S r / p); the tiles' places on the image: :mod:`captum_normattr.attr.vlm_tiles`.
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid",
+                               "tiled_grid")
 
 #: How ``token_type_ids`` open the attention of a decoder above the diagonal (:attr:`VisionLanguage.two_way`):
 #: ``"image_spans"`` (Gemma 3): each maximal run of tokens of type 1 (an image's tokens) attends to itself two-way,
@@ -122,6 +129,8 @@ class VisionLanguage:
         two_way: how ``token_type_ids`` make the decoder's attention two-way over part of the sequence
             (:data:`TWO_WAY`), or None (the decoder is causal whatever the inputs). A call that carries
             them is decomposed without the causal shortcuts (full maps; docs/vlm.md, "Two-way spans").
+        lm_head: the LM head's path from the model with the head where it is not the text family's (Llama 4:
+            ``language_model.lm_head``, the head inside the language model), else None.
         generated_type: the ``token_type_ids`` value of tokens appended after the prompt (targets, generated
             tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
         video_token: config attributes that may hold the video token's id, in order; empty: the family takes no
@@ -147,6 +156,7 @@ class VisionLanguage:
     two_way: Optional[str] = None
     generated_type: int = 0
     video_token: Tuple[str, ...] = ()
+    lm_head: Optional[str] = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -219,9 +229,19 @@ PALIGEMMA = VisionLanguage(
           "(0 on the prefix: the image tokens and the prompt; 1 on the suffix) the prefix is attended two-way",
 )
 
+LLAMA4 = VisionLanguage(
+    family="Llama 4", model_types=("llama4",), language_model="language_model.model", lm_head="language_model.lm_head",
+    image_token=("image_token_id",), geometry="tiled_grid", text_families=("llama4_text",), strategy=None,
+    class_token_towers=(),
+    notes="the Llama 4 text model (Llama4ForCausalLM) as the model's language_model; a tower whose [CLS] is dropped, "
+          "each tile's patches pixel-shuffled (1/r x 1/r per token); image tokens on each tile's grid, the tiles "
+          "row by row, then the global view (attr.vlm_tiles stitches them)",
+)
+
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA) for t in d.model_types}
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA, LLAMA4)
+    for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
@@ -275,7 +295,8 @@ def vision_language_spec(description: VisionLanguage, text_spec: ArchitectureSpe
     lm = description.language_model
     head = text_spec.head
     norm = None if head.final_norm is None else replace(head.final_norm, path=_under(lm, head.final_norm.path))
-    head = replace(head, final_norm=norm, projection=_under(lm, head.projection))
+    head = replace(head, final_norm=norm, projection=_under(lm, head.projection),
+                   lm_head=description.lm_head or head.lm_head)
     return replace(text_spec, family=f"{description.family} ({text_spec.family})", model_types=description.model_types,
                    layers=f"{lm}.{text_spec.layers}", head=head, variants=(),
                    notes=f"{text_spec.family}'s decoder under {lm}; {description.notes}")
