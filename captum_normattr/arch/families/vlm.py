@@ -57,6 +57,9 @@ __all__ = [
     "PALIGEMMA",
     "QWEN2_VL",
     "QWEN2_5_VL",
+    "QWEN3_VL",
+    "QWEN3_VL_MOE",
+    "STREAM_ADDITIONS",
     "SMOLVLM",
     "TWO_WAY",
     "VISION_LANGUAGE",
@@ -86,6 +89,12 @@ GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "me
 #: the rest causally; ``"prefix"`` (PaliGemma): the tokens of type 0 (the image tokens and the prompt, the prefix)
 #: attend to one another two-way, the tokens of type 1 (the suffix) causally.
 TWO_WAY: Tuple[str, ...] = ("image_spans", "prefix")
+
+#: What the language model adds to the stream between its layers besides the layers' own outputs
+#: (:attr:`VisionLanguage.stream_additions`): ``"deepstack"`` (Qwen3-VL): after decoder layer l < n, the tower's
+#: l-th DeepStack feature of every image token is added to that token's stream (docs/vlm.md, "Qwen3-VL (DeepStack)";
+#: :mod:`captum_normattr.models.capture.deepstack`).
+STREAM_ADDITIONS: Tuple[str, ...] = ("deepstack",)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,9 @@ class VisionLanguage:
         two_way: how ``token_type_ids`` make the decoder's attention two-way over part of the sequence
             (:data:`TWO_WAY`), or None (the decoder is causal whatever the inputs). A call that carries
             them is decomposed without the causal shortcuts (full maps; docs/vlm.md, "Two-way spans").
+        stream_additions: token-own vectors the language model adds to the stream after some of its layers
+            (:data:`STREAM_ADDITIONS`), or None. Recorded per layer (``LayerTensors.own_after``) and given to each
+            image token as its own part; methods that cannot take them refuse the family.
         generated_type: the ``token_type_ids`` value of tokens appended after the prompt (targets, generated
             tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
         notes: for the docs.
@@ -141,6 +153,7 @@ class VisionLanguage:
     class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
     refused: Tuple[Tuple[str, str], ...] = ()
     two_way: Optional[str] = None
+    stream_additions: Optional[str] = None
     generated_type: int = 0
     notes: str = ""
 
@@ -151,6 +164,9 @@ class VisionLanguage:
             raise ValueError(f"VisionLanguage {self.family}: geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
         if self.two_way is not None and self.two_way not in TWO_WAY:
             raise ValueError(f"VisionLanguage {self.family}: two_way must be None or one of {TWO_WAY}, got {self.two_way!r}")
+        if self.stream_additions is not None and self.stream_additions not in STREAM_ADDITIONS:
+            raise ValueError(f"VisionLanguage {self.family}: stream_additions must be None or one of {STREAM_ADDITIONS}, "
+                             f"got {self.stream_additions!r}")
 
 
 LLAVA = VisionLanguage(
@@ -176,6 +192,19 @@ QWEN2_5_VL = VisionLanguage(
           "attention is the tower's own (its merged tokens are put back in the image's order); image tokens on the "
           "(h / p / m) x (w / p / m) grid of m x m merged patches",
 )
+
+QWEN3_VL = VisionLanguage(
+    family="Qwen3-VL", model_types=("qwen3_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    text_types=(("qwen3_vl_text", "qwen3"),), positions="model", geometry="merged_grid", stream_additions="deepstack",
+    text_families=("qwen3_vl_text",),
+    notes="Qwen3's decoder layer with M-RoPE inside the attention (positions computed by the model); DeepStack: after "
+          "decoder layer l the tower's l-th merged feature of each image token is added to that token's stream (its own "
+          "part); image tokens on the (h / p / m) x (w / p / m) grid of m x m merged patches",
+)
+
+QWEN3_VL_MOE = replace(QWEN3_VL, family="Qwen3-VL-MoE", model_types=("qwen3_vl_moe",),
+                       text_types=(("qwen3_vl_moe_text", "qwen3_moe"),), text_families=("qwen3_vl_moe_text",),
+                       notes="Qwen3-MoE's decoder layer (experts, routing held fixed); otherwise as Qwen3-VL")
 
 IDEFICS3 = VisionLanguage(
     family="Idefics3", model_types=("idefics3",), language_model="text_model",
@@ -211,7 +240,7 @@ PALIGEMMA = VisionLanguage(
 
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA) for t in d.model_types}
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
