@@ -7,7 +7,8 @@ DecompX complete against the model's own logit (at a text and at an image positi
 (the FF decomposition's whole layer against the stream after the addition), the recorded additions are the model's
 own and the next layer's real input is rebuilt from them, the checks fail without them, padded batches equal single
 examples, the model is unchanged, image tokens land on the merged grid, the Captum LLM API's image route, and the
-refusals (DecompX's adjoint, the routes).
+refusals (DecompX's adjoint, the routes). The multimodal Qwen3.5 and Qwen3.5-MoE (hybrid decoders on Qwen2-VL's
+route, no DeepStack) get the shared checks: completeness, the map methods, padded == single, the model unchanged.
 """
 from __future__ import annotations
 
@@ -34,16 +35,27 @@ from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.engine import streamed_forward
 from map_checks import check_maps_complete
 from vlm_models import QWEN_IMAGE
-from vlm_qwen3 import make_qwen3_vl, qwen3_vl_batch, qwen3_vl_single
+from vlm_qwen3 import make_qwen3_5, make_qwen3_vl, qwen3_vl_batch, qwen3_vl_single
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
-FAMILIES = {"qwen3_vl": ("Qwen3-VL (Qwen3)", False), "qwen3_vl_moe": ("Qwen3-VL-MoE (Qwen3-MoE)", True)}
+#: model type -> (the adapter's family, builder); the first two have DeepStack
+FAMILIES = {"qwen3_vl": ("Qwen3-VL (Qwen3)", lambda: make_qwen3_vl(seed=1)),
+            "qwen3_vl_moe": ("Qwen3-VL-MoE (Qwen3-MoE)", lambda: make_qwen3_vl(seed=1, moe=True)),
+            "qwen3_5": ("Qwen3.5 (Qwen3.5)", lambda: make_qwen3_5(seed=1)),
+            "qwen3_5_moe": ("Qwen3.5-MoE (Qwen3.5-MoE)", lambda: make_qwen3_5(seed=1, moe=True))}
+DEEPSTACK = ["qwen3_vl", "qwen3_vl_moe"]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
+def any_case(request):
+    family, make = FAMILIES[request.param]
+    return family, make()
+
+
+@pytest.fixture(scope="module", params=DEEPSTACK)
 def case(request):
-    family, moe = FAMILIES[request.param]
-    return family, make_qwen3_vl(seed=1, moe=moe)
+    family, make = FAMILIES[request.param]
+    return family, make()
 
 
 def _real(model, ids, mask, extra, position=-1):
@@ -76,8 +88,8 @@ def _layers(model, ids, mask, extra):
 
 
 @pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
-def test_complete_against_the_models_logit(case, cls):
-    family, model = case
+def test_complete_against_the_models_logit(any_case, cls):
+    family, model = any_case
     assert get_adapter(model).family == family
     ids, mask, extra = qwen3_vl_batch([3, 6], seed=2)
     t = torch.tensor([5, 9])
@@ -190,8 +202,8 @@ def test_globenc_n_res_holds_the_addition_in_the_own_part(case):
     assert (maps["N_RES"] - plain["N_RES"]).abs().max() > 1e-6
 
 
-def test_map_methods_complete(case):
-    _, model = case
+def test_map_methods_complete(any_case):
+    _, model = any_case
     ids, mask, extra = qwen3_vl_batch([3, 6], seed=6)
     check_maps_complete(model, ids, {"attention_mask": mask, **extra})
 
@@ -211,8 +223,8 @@ def test_ff_decomposition_whole_layer_against_the_stream_after_the_addition(case
 
 
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
-def test_padded_batch_equals_single_examples(case, cls):
-    _, model = case
+def test_padded_batch_equals_single_examples(any_case, cls):
+    _, model = any_case
     ids, mask, extra = qwen3_vl_batch([5, 2], seed=3)
     t = torch.tensor([6, 9])
     attr = cls(model)
@@ -228,8 +240,8 @@ def test_padded_batch_equals_single_examples(case, cls):
     assert batch[ids == QWEN_IMAGE].abs().sum() > 0
 
 
-def test_model_unchanged(case):
-    _, model = case
+def test_model_unchanged(any_case):
+    _, model = any_case
     ids, mask, extra = qwen3_vl_batch([4, 3], seed=4)
     out = _real(model, ids, mask, extra)
 

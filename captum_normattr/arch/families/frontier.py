@@ -255,13 +255,9 @@ BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
-_QWEN3_5 = ("the multimodal model (a vision tower and a projector before the text model); its text model "
-            "(%s, %s) is supported")
 _LLAMA4 = ("the multimodal Llama 4 (llama4: a vision tower and a projector before the text model); its text model "
            "(llama4_text, Llama4ForCausalLM) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
 REFUSED: Dict[str, Tuple[str, str]] = {
     "llama4": ("Llama 4", _LLAMA4),
-    "qwen3_5": ("Qwen3.5 (multimodal)", _QWEN3_5 % ("qwen3_5_text", "Qwen3_5ForCausalLM")),
-    "qwen3_5_moe": ("Qwen3.5-MoE (multimodal)", _QWEN3_5 % ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")),
-}
+}  # the multimodal Qwen3.5 (qwen3_5, qwen3_5_moe) is a vision-language family (arch.families.vlm, docs/vlm.md)

@@ -22,7 +22,9 @@ a text model is only where things are:
   whose layer is a described text family's is named by :attr:`VisionLanguage.text_types`.
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
-decoder and merged grid; its tower's window attention stays inside the tower), Idefics3 and SmolVLM
+decoder and merged grid; its tower's window attention stays inside the tower), Qwen3-VL and Qwen3-VL-MoE
+(:data:`QWEN3_VL`, :data:`QWEN3_VL_MOE`: Qwen3's decoders with DeepStack, :data:`STREAM_ADDITIONS`), the multimodal
+Qwen3.5 and Qwen3.5-MoE (:data:`QWEN3_5`, :data:`QWEN3_5_MOE`: the hybrid Qwen3.5 decoders on Qwen2-VL's route), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
 Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
@@ -57,6 +59,8 @@ __all__ = [
     "PALIGEMMA",
     "QWEN2_VL",
     "QWEN2_5_VL",
+    "QWEN3_5",
+    "QWEN3_5_MOE",
     "QWEN3_VL",
     "QWEN3_VL_MOE",
     "STREAM_ADDITIONS",
@@ -206,6 +210,14 @@ QWEN3_VL_MOE = replace(QWEN3_VL, family="Qwen3-VL-MoE", model_types=("qwen3_vl_m
                        text_types=(("qwen3_vl_moe_text", "qwen3_moe"),), text_families=("qwen3_vl_moe_text",),
                        notes="Qwen3-MoE's decoder layer (experts, routing held fixed); otherwise as Qwen3-VL")
 
+QWEN3_5 = replace(QWEN2_VL, family="Qwen3.5", model_types=("qwen3_5",), text_types=(), text_families=("qwen3_5_text",),
+                  notes="the hybrid Qwen3.5 decoder (Gated DeltaNet and gated attention layers; M-RoPE positions computed "
+                        "by the model); no DeepStack; image tokens on the (h / p / m) x (w / p / m) grid of m x m merged "
+                        "patches")
+
+QWEN3_5_MOE = replace(QWEN3_5, family="Qwen3.5-MoE", model_types=("qwen3_5_moe",), text_families=("qwen3_5_moe_text",),
+                      notes="the hybrid Qwen3.5-MoE decoder (experts, routing held fixed); otherwise as Qwen3.5")
+
 IDEFICS3 = VisionLanguage(
     family="Idefics3", model_types=("idefics3",), language_model="text_model",
     inputs=("pixel_values", "pixel_attention_mask"), image_token=("image_token_id",), geometry="shuffled_grid",
@@ -240,7 +252,7 @@ PALIGEMMA = VisionLanguage(
 
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA) for t in d.model_types}
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA) for t in d.model_types}
 
 
 def text_config(config: Any, description: VisionLanguage) -> Any:
