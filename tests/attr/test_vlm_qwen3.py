@@ -12,7 +12,6 @@ route, no DeepStack) get the shared checks: completeness, the map methods, padde
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,15 +26,15 @@ from captum_normattr import (
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.attr.routes import InformationFlowRoutes
-from captum_normattr.attr.vlm_regions import image_geometry, image_heatmaps
 from captum_normattr.decompose.kinds.pre_ln import own_after_view, residual_parts
 from captum_normattr.decompose.methods.alti import l1_contributions
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.engine import streamed_forward
 from map_checks import check_maps_complete
-from vlm_models import QWEN_IMAGE
-from vlm_qwen3 import make_qwen3_5, make_qwen3_vl, qwen3_vl_batch, qwen3_vl_single
+from vlm_families import check_merged_grid, qwen2_5_vl_single
+from vlm_models import QWEN_IMAGE, qwen2_vl_batch
+from vlm_qwen3 import make_qwen3_5, make_qwen3_vl
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
 #: model type -> (the adapter's family, builder); the first two have DeepStack
@@ -91,7 +90,7 @@ def _layers(model, ids, mask, extra):
 def test_complete_against_the_models_logit(any_case, cls):
     family, model = any_case
     assert get_adapter(model).family == family
-    ids, mask, extra = qwen3_vl_batch([3, 6], seed=2)
+    ids, mask, extra = qwen2_vl_batch([3, 6], seed=2)
     t = torch.tensor([5, 9])
     real = _real(model, ids, mask, extra)[[0, 1], t]
     res = cls(model).decompose(ids, t, {"attention_mask": mask, **extra})
@@ -107,7 +106,7 @@ def test_complete_at_an_image_position_and_not_without_the_additions(case, cls, 
     r"""Explained at an image token (where its own additions reach the final norm directly): complete; with the
     additions left out of the own parts (DecompX) or of the explained position's own term (ALTI-Logit), not."""
     _, model = case
-    ids, mask, extra = qwen3_vl_batch([4], seed=5)
+    ids, mask, extra = qwen2_vl_batch([4], seed=5)
     pos = int((ids[0] == QWEN_IMAGE).nonzero()[-1])
     t = torch.tensor([7])
     real = _real(model, ids, mask, extra, pos)[:, 7]
@@ -141,7 +140,7 @@ def test_the_recorded_additions_are_the_models_own(case):
     ``layer_out`` is the next layer's real input, bitwise; the ALTI parts with D_l in the own part (own_after_view)
     plus the feed-forward output rebuild that real input; the layers from n on record none."""
     _, model = case
-    ids, mask, extra = qwen3_vl_batch([3, 6], seed=3)
+    ids, mask, extra = qwen2_vl_batch([3, 6], seed=3)
     vmask, embeds = _deepstack_inputs(model, ids, mask, extra)
     assert torch.equal(vmask, ids == QWEN_IMAGE) and len(embeds) == 2
     layers = _layers(model, ids, mask, extra)
@@ -168,7 +167,7 @@ def test_alti_map_gives_the_addition_to_the_own_part(case):
     r"""ALTI's map of a layer with additions equals a reference written out from the parts h_{i<-j} with D_i added to
     part i of row i, against h_i + D_i; it differs from the map without them on the image rows only."""
     _, model = case
-    ids, mask, extra = qwen3_vl_batch([5], seed=4)
+    ids, mask, extra = qwen2_vl_batch([5], seed=4)
     layer = _layers(model, ids, mask, extra)[0]
     kind = pre_ln.PreLNKind()
     valid = mask.bool()
@@ -189,7 +188,7 @@ def test_globenc_n_res_holds_the_addition_in_the_own_part(case):
     r"""GlobEnc's ``N_RES`` map (attention + residual) of a layer with additions: the norms of the parts with D_i in
     part i of row i; ``N_RESLN`` (the feed-forward's input, which does not contain D) is the map without them."""
     _, model = case
-    ids, mask, extra = qwen3_vl_batch([5], seed=4)
+    ids, mask, extra = qwen2_vl_batch([5], seed=4)
     layer = _layers(model, ids, mask, extra)[0]
     kind, valid, t = pre_ln.PreLNKind(), mask.bool(), ids.shape[1]
     maps, ratios = kind.norm_maps(layer, valid, ("N_RESLN", "N_RES"))
@@ -204,7 +203,7 @@ def test_globenc_n_res_holds_the_addition_in_the_own_part(case):
 
 def test_map_methods_complete(any_case):
     _, model = any_case
-    ids, mask, extra = qwen3_vl_batch([3, 6], seed=6)
+    ids, mask, extra = qwen2_vl_batch([3, 6], seed=6)
     check_maps_complete(model, ids, {"attention_mask": mask, **extra})
 
 
@@ -212,7 +211,7 @@ def test_ff_decomposition_whole_layer_against_the_stream_after_the_addition(case
     r"""The FF decomposition's whole-layer scope (RES2) sums to the recorded layer output, which is the stream after
     the addition (the next layer's real input); without the additions in the own parts it does not."""
     _, model = case
-    ids, mask, extra = qwen3_vl_batch([3, 6], seed=6)
+    ids, mask, extra = qwen2_vl_batch([3, 6], seed=6)
     args = {"attention_mask": mask, **extra}
     scale = max(float(layer.layer_out[mask.bool()].abs().max()) for layer in _layers(model, ids, mask, extra))
     res = FFIntegratedDecomposition(model, strict=True).decompose(ids, additional_forward_args=args)
@@ -225,7 +224,7 @@ def test_ff_decomposition_whole_layer_against_the_stream_after_the_addition(case
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
 def test_padded_batch_equals_single_examples(any_case, cls):
     _, model = any_case
-    ids, mask, extra = qwen3_vl_batch([5, 2], seed=3)
+    ids, mask, extra = qwen2_vl_batch([5, 2], seed=3)
     t = torch.tensor([6, 9])
     attr = cls(model)
     tgt = (lambda x: x) if cls.uses_target else (lambda x: None)
@@ -234,7 +233,7 @@ def test_padded_batch_equals_single_examples(any_case, cls):
         keep = mask[b].bool()
         alone = attr.attribute(ids[b:b + 1, keep], target=tgt(t[b:b + 1]),
                                additional_forward_args={"attention_mask": mask[b:b + 1, keep],
-                                                        **qwen3_vl_single(extra, b, keep)})
+                                                        **qwen2_5_vl_single(extra, b, keep)})
         assert ((batch[b, keep] - alone[0]).abs().max() / alone.abs().max()) < 1e-10
         assert (batch[b, ~keep] == 0).all()
     assert batch[ids == QWEN_IMAGE].abs().sum() > 0
@@ -242,7 +241,7 @@ def test_padded_batch_equals_single_examples(any_case, cls):
 
 def test_model_unchanged(any_case):
     _, model = any_case
-    ids, mask, extra = qwen3_vl_batch([4, 3], seed=4)
+    ids, mask, extra = qwen2_vl_batch([4, 3], seed=4)
     out = _real(model, ids, mask, extra)
 
     def hooks():
@@ -269,17 +268,7 @@ def test_refusals(case):
 def test_regions_on_the_merged_grid():
     r"""Scores equal to the token index: merged token k of a (2, 3)-token image lands on pixel block (k // 3, k % 3)
     of 4 x 4 pixels (2-pixel patches, 2 x 2 merges), as for Qwen2-VL."""
-    model = make_qwen3_vl(seed=0, layers=1, deepstack=(0,))
-    thw = torch.tensor([[1, 4, 6]])
-    ids = torch.tensor([[1, 58] + [QWEN_IMAGE] * 6 + [59, 7]])
-    scores = torch.arange(ids.shape[1], dtype=torch.float64)[None]
-    g = image_geometry(model, image_grid_thw=thw)
-    assert g.patch == (4, 4) and g.grids == ((2, 3),)
-    heat = image_heatmaps(scores, ids, model, image_grid_thw=thw)[0]
-    assert heat.shape == (8, 12)
-    for k in range(6):
-        r, col = divmod(k, 3)
-        assert (heat[4 * r:4 * r + 4, 4 * col:4 * col + 4] == 2 + k).all()
+    check_merged_grid(make_qwen3_vl(seed=0, layers=1, deepstack=(0,)), QWEN_IMAGE)
 
 
 def test_image_mask_input_route_complete():
@@ -287,31 +276,14 @@ def test_image_mask_input_route_complete():
     patches): ALTI-Logit and DecompX complete against the model's own logits of the processor's inputs, and the
     segments share out the patch scores."""
     from captum.attr import ImageMaskInput
-    from PIL import Image
 
     from captum_normattr.attr.llm import DecompositionLLMAttribution
-    from vlm_processors import qwen2_vl_processor_fn, vlm_tokenizer
+    from vlm_processors import qwen_image_mask_case, qwen_target_logits, vlm_tokenizer
 
     model = make_qwen3_vl(seed=4)
-    image = Image.fromarray((np.random.RandomState(8).rand(12, 20, 3) * 255).astype("uint8"))
-    mask = torch.zeros(12, 20, dtype=torch.int32)
-    mask[:, 4:8] = 1
-    mask[:, 8:] = 2
-    proc = qwen2_vl_processor_fn([5, 6, 7])
-
-    def fn(im):
-        out = dict(proc(im))
-        out["pixel_values"] = out["pixel_values"].double()
-        return out
-
+    image, mask, fn = qwen_image_mask_case()
     target = torch.tensor([8, 9, 10])
-    inputs = fn(image)
-    ids = torch.cat([inputs["input_ids"], target[None]], 1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs["pixel_values"],
-                       image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(ids == QWEN_IMAGE).long()).logits[0]
-    p = inputs["input_ids"].shape[1]
-    real = logits[torch.arange(p - 1, p - 1 + 3), target]
+    real = qwen_target_logits(model, fn(image), target)
     for cls in (ALTILogitAttribution, DecompXAttribution):
         res = DecompositionLLMAttribution(cls(model), vlm_tokenizer({})).attribute(
             ImageMaskInput(image, mask=mask, processor_fn=fn), target=target)

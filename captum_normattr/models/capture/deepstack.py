@@ -66,6 +66,7 @@ class DeepStackCapture:
 
     Raises:
         ValueError: the text model's forward takes no such inputs (the description does not match the model).
+        UnsupportedModelError: the decoder's layers are not of the pre-LN kind (the one that takes the additions).
     """
 
     def __init__(self, recorder: Any, text_model: nn.Module) -> None:
@@ -76,6 +77,14 @@ class DeepStackCapture:
         if missing:
             raise ValueError(f"{type(text_model).__name__}.forward takes no {missing}: the DeepStack description "
                              "(Qwen3-VL's text model) does not match the model")
+        kind = getattr(recorder.kind, "name", None)
+        if kind != "pre_ln":  # the kind that gives the additions to the own parts (decompose.kinds.pre_ln)
+            from captum_normattr.arch.spec import UnsupportedModelError
+
+            raise UnsupportedModelError(
+                f"{recorder.adapter.family}: its language model adds DeepStack features between its layers, which the "
+                f"pre-LN layer kind gives to each token's own part; its layers are of the {kind!r} kind, which does "
+                "not take them (docs/vlm.md, \"Qwen3-VL (DeepStack)\")")
         self.recorder = recorder
         self.text_model = text_model
         self.mask: Optional[Tensor] = None
