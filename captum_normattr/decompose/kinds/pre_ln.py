@@ -30,6 +30,12 @@ norm follows the feed-forward residual. Asking for them raises a ValueError that
 the valid maps. Causal attention makes every map lower-triangular: entries (i, j > i)
 are exactly 0.
 
+A vector the model adds to token t's stream right after the layer, a function of token t alone
+(:attr:`LayerTensors.own_after`: Qwen3-VL's DeepStack features; docs/vlm.md, "Qwen3-VL (DeepStack)"), is token
+t's own part: DecompX's step adds it to part t of row t (:func:`add_own_after`), ALTI's map and ``N_RES`` hold it
+in the residual (:func:`own_after_view`), the ``RES2`` scope adds it to the own part; ``layer_out`` is the stream
+after it, which every part sums to.
+
 It is over 700 lines because the pre-LN kind is the one the parallel and sandwich kinds reuse: its maps, ALTI, FF scopes and DecompX step stay in one module.
 """
 from __future__ import annotations
