@@ -354,9 +354,12 @@ class ALTILogitAttribution(LayerDecompositionAttribution):
                 store.put(l, amap)
             # (B,) largest |parts + b_O - the block's real output| over the real tokens (the layer kind's)
             kept["errors"][l] = kind.example_completeness_error(layer, valid)
+            own = layer.own_after  # vectors the model adds after the layer, each its position's token's own (DeepStack)
             layer = kind.logit_form(layer)  # the same parts as a pre-LN record (the layer kind's frozen maps folded in)
             if l == 0:  # the embedding as the logit form carries it (a kind scaling the stream scales it too)
                 kept["embedding"] = layer.hidden_in[rows, positions]  # (B, n, D)
+            if own is not None:  # the explained position's own additions join its embedding (docs/vlm.md, DeepStack)
+                kept["embedding"] = kept["embedding"] + own[rows, positions]
             if late:
                 kept["updates"][:, l] = attention_update_at(layer, positions[:, 0])  # (B, T, D)
             else:

@@ -44,6 +44,7 @@ from captum_normattr.decompose.methods.decompx.propagation import PartsPropagati
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
+from captum_normattr.models.capture.deepstack import refuse_stream_additions, stream_additions
 from captum_normattr.models.capture.recorder import Recorder
 from captum_normattr.models.engine import compute_dtype, mark_non_finite, streamed_forward
 from captum_normattr.models.guard import ConsistencyGuard
@@ -355,6 +356,10 @@ class DecompXAttribution(DecompositionAttribution):
                 f"{self.adapter.family} has {self.kind.name} layers, which DecompX's adjoint does not transpose (a "
                 "layer reusing an earlier layer's values depends on that layer's input): use algorithm='forward' "
                 "(what 'auto' chooses for them)")
+        if algorithm == "adjoint":  # its walk down reruns each layer from its input: no additions between them
+            refuse_stream_additions(model, "DecompX's adjoint", "Use algorithm='forward' (what 'auto' chooses for it)")
+        #: the adjoint transposes the layers (not a kind that reuses earlier values, not a stream with additions)
+        self._adjoint = self.kind.adjoint and stream_additions(model) is None
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         # the explained output follows the model's head: an LM head gives next-token logits, a classification
         # head class logits (whatever the layer kind: a pre-LN *ForSequenceClassification is a classifier)
@@ -464,7 +469,7 @@ class DecompXAttribution(DecompositionAttribution):
                 h.remove()
 
     def _algorithm(self, layer_parts: bool) -> str:
-        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate" or not self.kind.adjoint
+        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate" or not self._adjoint
         return "forward" if forward else "adjoint"
 
     def decompose(

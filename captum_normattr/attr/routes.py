@@ -32,6 +32,7 @@ from captum_normattr.decompose.methods.routes import (
     prune_routes,
 )
 from captum_normattr.models.adapters import get_adapter, layer_modules
+from captum_normattr.models.capture.deepstack import refuse_stream_additions
 from captum_normattr.models.engine import streamed_forward
 from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
@@ -243,6 +244,8 @@ class InformationFlowRoutes:
                 f"the {family} family is bidirectional, with {layers} layers"
             )
         kind.require("routes", family)
+        refuse_stream_additions(model, "the information-flow routes", "ALTI-Logit, DecompX, ALTI and GlobEnc decompose "
+                                "them exactly")
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
     @log_usage()

@@ -128,6 +128,10 @@ class LayerTensors:
             (the per-layer-input kind: the per-layer input, the routing of its expert block, the
             layer module whose weights its step reads, the forward pass's shared value parts;
             :mod:`captum_normattr.decompose.kinds.sandwich_per_layer_input`); empty for the others.
+        own_after: (B, T, D) vectors the model adds to the stream right after this layer, each a function of the
+            token at its position alone (Qwen3-VL's DeepStack features on the image tokens; 0 elsewhere), or None.
+            :attr:`layer_out` already includes them (it is the stream the next layer reads); the pre-LN kind gives
+            the vector at position t to token t's own part (docs/vlm.md, "Qwen3-VL (DeepStack)").
     """
 
     hidden_in: Tensor
@@ -159,6 +163,7 @@ class LayerTensors:
     attn_branch_out: Optional[Tensor] = None
     ff_input_key: str = "ln2_out"
     extras: Dict[str, Any] = field(default_factory=dict)
+    own_after: Optional[Tensor] = None
 
     @property
     def ff_input(self) -> Tensor:

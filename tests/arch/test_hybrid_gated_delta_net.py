@@ -22,6 +22,7 @@ from captum_normattr import (
     UnsupportedModelError,
 )
 from captum_normattr.arch import ARCHITECTURES, lookup
+from captum_normattr.arch.families.vlm import VISION_LANGUAGE
 from captum_normattr.arch.families.hybrid import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, QWEN3_NEXT_DELTA_NET
 from captum_normattr.arch.registry import REFUSED, refusal
 from captum_normattr.arch.spec import Attention, ValueProjection
@@ -191,15 +192,16 @@ def test_delta_net_value_layout_reads_the_value_rows(key):
     assert _rel(lt.ln1_out @ w_v.to(lt.ln1_out.dtype), lt.values[..., 0].transpose(1, 2)) < 1e-12
 
 
-def test_families_are_registered_and_the_composites_refused_naming_the_text_model():
+def test_families_are_registered_and_the_composites_are_vision_language_families():
     for key, spec in SPECS.items():
         assert ARCHITECTURES[key] is spec and lookup(key) is spec and key not in REFUSED
         assert family_methods(spec) == ("GlobEnc", "ALTI", "FF", "DecompX", "ALTI-Logit")
         assert "Gated DeltaNet mixer layers" in spec.features()
         assert "attention output gated per channel" in spec.features()
         assert spec.mixer_summary() == "softmax attention (output gate) + Gated DeltaNet, per layer type"
-    assert "Qwen3_5ForCausalLM" in refusal("qwen3_5") and "qwen3_5_text" in refusal("qwen3_5")
-    assert "Qwen3_5MoeForCausalLM" in refusal("qwen3_5_moe")
+    # the multimodal wrappers are vision-language families around these decoders (tests/attr/test_vlm_qwen3.py)
+    assert refusal("qwen3_5") is None and VISION_LANGUAGE["qwen3_5"].text_families == ("qwen3_5_text",)
+    assert refusal("qwen3_5_moe") is None and VISION_LANGUAGE["qwen3_5_moe"].text_families == ("qwen3_5_moe_text",)
 
 
 @pytest.mark.parametrize("key", KEYS)

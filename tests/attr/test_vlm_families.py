@@ -15,7 +15,7 @@ from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttrib
 from captum_normattr.attr.vlm_regions import image_geometry, image_heatmaps, image_scores
 from captum_normattr.models.adapters import get_adapter, vision_language
 from vlm_checks import check_model_unchanged, check_padded_equals_singles
-from vlm_families import CASES
+from vlm_families import CASES, check_merged_grid
 from vlm_models import merged_embeddings
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
@@ -75,18 +75,7 @@ def test_qwen2_5_vl_regions_on_the_merged_grid():
     r"""Scores equal to the token index: merged token k of a (2, 3)-token image lands on pixel block
     (k // 3, k % 3) of 4 x 4 pixels (2-pixel patches, 2 x 2 merges)."""
     c = CASES["qwen2_5_vl"]
-    model = c.make(seed=0, layers=1)
-    thw = torch.tensor([[1, 4, 6]])
-    ids = torch.tensor([[1, 58] + [c.image_token] * 6 + [59, 7]])
-    scores = torch.arange(ids.shape[1], dtype=torch.float64)[None]
-    g = image_geometry(model, image_grid_thw=thw)
-    assert g.patch == (4, 4) and g.grids == ((2, 3),)
-    heat = image_heatmaps(scores, ids, model, image_grid_thw=thw)[0]
-    assert heat.shape == (8, 12)
-    for k in range(6):
-        r, col = divmod(k, 3)
-        assert (heat[4 * r:4 * r + 4, 4 * col:4 * col + 4] == 2 + k).all()
-    assert image_scores(scores, ids, model, image_grid_thw=thw).grids[0].flatten().tolist() == [2, 3, 4, 5, 6, 7]
+    check_merged_grid(c.make(seed=0, layers=1), c.image_token)
 
 
 def test_qwen2_5_vl_window_attention_keeps_the_image_order():
@@ -130,38 +119,19 @@ def test_qwen2_5_vl_image_mask_input():
     r"""Captum's ``ImageMaskInput`` through ``DecompositionLLMAttribution``: complete against the model's own logit on
     the processor's inputs plus the targets, segments equal to their whole merged tokens' sums (stretched grid)."""
     pytest.importorskip("PIL")
-    np = pytest.importorskip("numpy")
     from captum.attr._utils.interpretable_input import ImageMaskInput
-    from PIL import Image
-    from vlm_processors import qwen2_vl_processor_fn, vlm_tokenizer
+    from vlm_processors import qwen_image_mask_case, qwen_target_logits, vlm_tokenizer
 
     from captum_normattr.attr.llm import DecompositionLLMAttribution
 
-    c = CASES["qwen2_5_vl"]
-    model = c.make(seed=4)
-    image = Image.fromarray((np.random.RandomState(8).rand(12, 20, 3) * 255).astype("uint8"))
-    mask = torch.zeros(12, 20, dtype=torch.int32)
-    mask[:, 4:8] = 1  # merged-token column 1
-    mask[:, 8:] = 2
-    base = qwen2_vl_processor_fn([5, 6, 7])
-
-    def fn(im):
-        out = dict(base(im))
-        out["pixel_values"] = out["pixel_values"].double()
-        return out
-
+    model = CASES["qwen2_5_vl"].make(seed=4)
+    image, mask, fn = qwen_image_mask_case()
     target = torch.tensor([8, 9, 10])
     res = DecompositionLLMAttribution(ALTILogitAttribution(model), vlm_tokenizer({})).attribute(
         ImageMaskInput(image, mask=mask, processor_fn=fn), target=target)
     ex = res.explanation
     assert res.patch_attr.shape == (3, 3, 5) and ex.box == (0.0, 0.0, 12.0, 20.0)
-    inputs = fn(image)
-    full = torch.cat([inputs["input_ids"], target[None]], 1)
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=torch.ones_like(full), pixel_values=inputs["pixel_values"],
-                       image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(full == c.image_token).long()).logits[0]
-    p = inputs["input_ids"].shape[1]
-    real = logits[torch.arange(p - 1, p + 2), target]
+    real = qwen_target_logits(model, fn(image), target)
     assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
     assert torch.allclose(res.token_attr[:, 1], res.patch_attr[:, :, 1].sum(-1), rtol=1e-12, atol=1e-14)
 

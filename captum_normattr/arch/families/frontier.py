@@ -255,10 +255,7 @@ BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (
 )
 
 # --- refused: a mechanism no layer kind expresses yet ------------------------------------------
-_QWEN3_5 = ("the multimodal model (a vision tower and a projector before the text model); its text model "
-            "(%s, %s) is supported")
 #: ``config.model_type`` -> (family, the mechanism no layer kind expresses yet), for the error and the docs.
-REFUSED: Dict[str, Tuple[str, str]] = {
-    "qwen3_5": ("Qwen3.5 (multimodal)", _QWEN3_5 % ("qwen3_5_text", "Qwen3_5ForCausalLM")),
-    "qwen3_5_moe": ("Qwen3.5-MoE (multimodal)", _QWEN3_5 % ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")),
-}
+#: Empty: the multimodal Qwen3.5 (qwen3_5, qwen3_5_moe) and Llama 4 (llama4) are vision-language families
+#: (arch.families.vlm, docs/vlm.md).
+REFUSED: Dict[str, Tuple[str, str]] = {}

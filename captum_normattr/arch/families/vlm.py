@@ -23,7 +23,9 @@ a text model is only where things are:
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
 decoder and merged grid; its tower's window attention stays inside the tower; both also take videos,
-:attr:`VisionLanguage.video_token`), Idefics3 and SmolVLM
+:attr:`VisionLanguage.video_token`), Qwen3-VL and Qwen3-VL-MoE
+(:data:`QWEN3_VL`, :data:`QWEN3_VL_MOE`: Qwen3's decoders with DeepStack, :data:`STREAM_ADDITIONS`), the multimodal
+Qwen3.5 and Qwen3.5-MoE (:data:`QWEN3_5`, :data:`QWEN3_5_MOE`: the hybrid Qwen3.5 decoders on Qwen2-VL's route), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
 Gemma 3 with images (:data:`GEMMA3`: pooled grids), PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
@@ -61,6 +63,11 @@ __all__ = [
     "PALIGEMMA",
     "QWEN2_VL",
     "QWEN2_5_VL",
+    "QWEN3_5",
+    "QWEN3_5_MOE",
+    "QWEN3_VL",
+    "QWEN3_VL_MOE",
+    "STREAM_ADDITIONS",
     "SMOLVLM",
     "TWO_WAY",
     "VISION_LANGUAGE",
@@ -94,6 +101,12 @@ GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "me
 #: the rest causally; ``"prefix"`` (PaliGemma): the tokens of type 0 (the image tokens and the prompt, the prefix)
 #: attend to one another two-way, the tokens of type 1 (the suffix) causally.
 TWO_WAY: Tuple[str, ...] = ("image_spans", "prefix")
+
+#: What the language model adds to the stream between its layers besides the layers' own outputs
+#: (:attr:`VisionLanguage.stream_additions`): ``"deepstack"`` (Qwen3-VL): after decoder layer l < n, the tower's
+#: l-th DeepStack feature of every image token is added to that token's stream (docs/vlm.md, "Qwen3-VL (DeepStack)";
+#: :mod:`captum_normattr.models.capture.deepstack`).
+STREAM_ADDITIONS: Tuple[str, ...] = ("deepstack",)
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,9 @@ class VisionLanguage:
             them is decomposed without the causal shortcuts (full maps; docs/vlm.md, "Two-way spans").
         lm_head: the LM head's path from the model with the head where it is not the text family's (Llama 4:
             ``language_model.lm_head``, the head inside the language model), else None.
+        stream_additions: token-own vectors the language model adds to the stream after some of its layers
+            (:data:`STREAM_ADDITIONS`), or None. Recorded per layer (``LayerTensors.own_after``) and given to each
+            image token as its own part; methods that cannot take them refuse the family.
         generated_type: the ``token_type_ids`` value of tokens appended after the prompt (targets, generated
             tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
         video_token: config attributes that may hold the video token's id, in order; empty: the family takes no
@@ -154,6 +170,7 @@ class VisionLanguage:
     class_token_towers: Tuple[str, ...] = ("clip_vision_model",)
     refused: Tuple[Tuple[str, str], ...] = ()
     two_way: Optional[str] = None
+    stream_additions: Optional[str] = None
     generated_type: int = 0
     video_token: Tuple[str, ...] = ()
     lm_head: Optional[str] = None
@@ -166,6 +183,9 @@ class VisionLanguage:
             raise ValueError(f"VisionLanguage {self.family}: geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
         if self.two_way is not None and self.two_way not in TWO_WAY:
             raise ValueError(f"VisionLanguage {self.family}: two_way must be None or one of {TWO_WAY}, got {self.two_way!r}")
+        if self.stream_additions is not None and self.stream_additions not in STREAM_ADDITIONS:
+            raise ValueError(f"VisionLanguage {self.family}: stream_additions must be None or one of {STREAM_ADDITIONS}, "
+                             f"got {self.stream_additions!r}")
 
 
 LLAVA = VisionLanguage(
@@ -196,6 +216,27 @@ QWEN2_5_VL = VisionLanguage(
           "attention is the tower's own (its merged tokens are put back in the image's order); image tokens on the "
           "(h / p / m) x (w / p / m) grid of m x m merged patches",
 )
+
+QWEN3_VL = VisionLanguage(
+    family="Qwen3-VL", model_types=("qwen3_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    text_types=(("qwen3_vl_text", "qwen3"),), positions="model", geometry="merged_grid", stream_additions="deepstack",
+    text_families=("qwen3_vl_text",),
+    notes="Qwen3's decoder layer with M-RoPE inside the attention (positions computed by the model); DeepStack: after "
+          "decoder layer l the tower's l-th merged feature of each image token is added to that token's stream (its own "
+          "part); image tokens on the (h / p / m) x (w / p / m) grid of m x m merged patches",
+)
+
+QWEN3_VL_MOE = replace(QWEN3_VL, family="Qwen3-VL-MoE", model_types=("qwen3_vl_moe",),
+                       text_types=(("qwen3_vl_moe_text", "qwen3_moe"),), text_families=("qwen3_vl_moe_text",),
+                       notes="Qwen3-MoE's decoder layer (experts, routing held fixed); otherwise as Qwen3-VL")
+
+QWEN3_5 = replace(QWEN2_VL, family="Qwen3.5", model_types=("qwen3_5",), text_types=(), text_families=("qwen3_5_text",),
+                  notes="the hybrid Qwen3.5 decoder (Gated DeltaNet and gated attention layers; M-RoPE positions computed "
+                        "by the model); no DeepStack; image tokens on the (h / p / m) x (w / p / m) grid of m x m merged "
+                        "patches")
+
+QWEN3_5_MOE = replace(QWEN3_5, family="Qwen3.5-MoE", model_types=("qwen3_5_moe",), text_families=("qwen3_5_moe_text",),
+                      notes="the hybrid Qwen3.5-MoE decoder (experts, routing held fixed); otherwise as Qwen3.5")
 
 IDEFICS3 = VisionLanguage(
     family="Idefics3", model_types=("idefics3",), language_model="text_model",
@@ -240,7 +281,8 @@ LLAMA4 = VisionLanguage(
 
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
-    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, IDEFICS3, SMOLVLM, MISTRAL3, GEMMA3, PALIGEMMA, LLAMA4)
+    t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, IDEFICS3, SMOLVLM,
+                   MISTRAL3, GEMMA3, PALIGEMMA, LLAMA4)
     for t in d.model_types}
 
 

@@ -30,10 +30,17 @@ norm follows the feed-forward residual. Asking for them raises a ValueError that
 the valid maps. Causal attention makes every map lower-triangular: entries (i, j > i)
 are exactly 0.
 
+A vector the model adds to token t's stream right after the layer, a function of token t alone
+(:attr:`LayerTensors.own_after`: Qwen3-VL's DeepStack features; docs/vlm.md, "Qwen3-VL (DeepStack)"), is token
+t's own part: DecompX's step adds it to part t of row t (:func:`add_own_after`), ALTI's map and ``N_RES`` hold it
+in the residual (:func:`own_after_view`), the ``RES2`` scope adds it to the own part; ``layer_out`` is the stream
+after it, which every part sums to.
+
 It is over 700 lines because the pre-LN kind is the one the parallel and sandwich kinds reuse: its maps, ALTI, FF scopes and DecompX step stay in one module.
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -58,6 +65,8 @@ from captum_normattr.decompose.primitives.mixing import fixed_residual, pair_mas
 from captum_normattr.decompose.records import LayerTensors
 
 __all__ = [
+    "add_own_after",
+    "own_after_view",
     "PRE_LN_CAPTURE",
     "PRE_LN_DEFAULT_MAP",
     "PRE_LN_MAPS",
@@ -283,6 +292,51 @@ def residual_parts(layer: LayerTensors, rows: Optional[slice] = None, cols: Opti
     return parts
 
 
+def add_own_after(parts: Tensor, layer: LayerTensors, rows: Optional[object] = None) -> Tensor:
+    r"""Add the token-own vectors the model adds after the layer (:attr:`LayerTensors.own_after`) to the own parts.
+
+    The vector at position t is token t's own input (Qwen3-VL's DeepStack feature of image token t; docs/vlm.md,
+    "Qwen3-VL (DeepStack)"), so it joins part t of row t, as the residual x_t does.
+
+    Args:
+        parts: (B, R, K, D) parts of output rows ``rows`` over source tokens k < K, changed in place.
+        layer: the layer's tensors (nothing is added where ``own_after`` is None).
+        rows: the rows, a slice or an (R,) long tensor (None: all T).
+
+    Returns:
+        ``parts``.
+    """
+    own = layer.own_after
+    if own is None:
+        return parts
+    t = own.shape[1]
+    if rows is None:
+        rows = torch.arange(t, device=parts.device)
+    elif isinstance(rows, slice):
+        rows = torch.arange(rows.start or 0, t if rows.stop is None else rows.stop, device=parts.device)
+    rows = rows.to(parts.device)
+    r = torch.arange(rows.shape[0], device=parts.device)
+    parts[:, r, rows] += own[:, rows].to(parts.dtype)
+    return parts
+
+
+def own_after_view(layer: LayerTensors) -> LayerTensors:
+    r"""The layer with its token-own additions (:attr:`LayerTensors.own_after`) in the residual of its attention block.
+
+    ALTI's map and the ``N_RES`` map read the block's parts h_{i<-j} = [i = j] x_i + attention parts against the
+    block's output h_i. A vector D_t that the model adds to token t's stream after the layer is token t's own, like
+    the residual, so the view's residual is x_i + D_i and its block output h_i + D_i (the feed-forward, which the
+    maps leave out as position-wise, sits between them in the model). Without additions: ``layer`` itself.
+    """
+    if layer.own_after is None:
+        return layer
+    view = copy.copy(layer)
+    view.hidden_in = layer.hidden_in + layer.own_after
+    view.ln2_in = layer.ln2_in + layer.own_after
+    view.own_after = None
+    return view
+
+
 #: Component scopes of a pre-LN layer, in the order of the layer (docs/design.md, section 6, feed-forward).
 PRE_LN_SCOPES: Tuple[str, ...] = ("ATB", "LN2", "FF", "RES2")
 #: The real tensor each pre-LN scope's parts (plus bias part) sum to, a :class:`LayerTensors` field:
@@ -480,6 +534,7 @@ def pre_ln_component_scope_maps(
         maps["FF"][:, rows, :cols] = score("FF", ffp, rows)
         ff_err[:, rows] = (ffp.sum(2) + ff_b - layer.ff_out[:, rows]).abs().amax(-1)
         h.add_(ffp)
+        add_own_after(h, layer, rows)  # a token-own vector added after the layer (DeepStack): row i's own part
         maps["RES2"][:, rows, :cols] = score("RES2", h, rows)
         layer_err[:, rows] = (h.sum(2) + bias_o + ff_b - layer.layer_out[:, rows]).abs().amax(-1)
         del h, ffp
@@ -663,13 +718,24 @@ class PreLNKind(LayerKind):
         check_pre_ln_map(name)
 
     def norm_maps(self, layer, valid, names):
-        return pre_ln_layer_maps(layer, valid, names, layer.causal)
+        names = tuple(names)
+        if layer.own_after is None or "N_RES" not in names:
+            return pre_ln_layer_maps(layer, valid, names, layer.causal)
+        # N_RES holds the residual: the token-own additions after the layer join it (own_after_view); the others
+        # (the attention alone, the feed-forward's input) do not contain them
+        rest = tuple(n for n in names if n != "N_RES")
+        maps, ratios = pre_ln_layer_maps(layer, valid, rest, layer.causal) if rest else ({}, {})
+        res_maps, res_ratios = pre_ln_layer_maps(own_after_view(layer), valid, ("N_RES",), layer.causal)
+        maps.update(res_maps)
+        ratios.update(res_ratios)
+        return {n: maps[n] for n in names}, ratios
 
     def mixing_ratio_name(self, map_name):
         return map_name if map_name in PRE_LN_NORM_MAPS else None
 
     def alti_map(self, layer, valid, memory_budget_mb):
-        return pre_ln_alti_map(layer, valid, self.alti_chunk_rows(layer, memory_budget_mb), layer.causal)
+        view = own_after_view(layer)  # token-own additions after the layer (DeepStack) in the own part, as the residual
+        return pre_ln_alti_map(view, valid, self.alti_chunk_rows(layer, memory_budget_mb), layer.causal)
 
     def completeness_error(self, layer, valid):
         return pre_ln_completeness_error(layer, valid)
@@ -702,7 +768,9 @@ class PreLNKind(LayerKind):
 
     def decompx_step(self, parts, bias, layer, value_weight, value_bias, bias_mode="separate", rows=None,
                      memory_budget_mb=256.0, coefs=None):
-        return pre_ln_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows, memory_budget_mb, coefs)
+        out, out_bias = pre_ln_layer_parts(parts, bias, layer, value_weight, value_bias, bias_mode, rows,
+                                           memory_budget_mb, coefs)
+        return add_own_after(out, layer, rows), out_bias  # DeepStack: token t's own vector into its own part
 
     def frozen_layer(self, x, layer, value_weight, value_bias, with_bias, coefs, rows=None):
         return frozen_pre_ln_layer(x, layer, value_weight, value_bias, with_bias, coefs, rows)
@@ -711,5 +779,9 @@ class PreLNKind(LayerKind):
         return frozen_pre_ln_layer_vjp(g, layer, value_weight, coefs, rows, valid)
 
     def join_checks(self, layer):
+        stream = layer.ln2_in + layer.ff_out
+        if layer.own_after is not None:  # the layer output recorded after the model's token-own additions (DeepStack)
+            return {"layer output vs the residual stream plus the feed-forward output and the token-own additions":
+                    relative_difference(layer.layer_out, stream + layer.own_after, temporary=True)}
         return {"layer output vs the residual stream plus the feed-forward output": relative_difference(
-            layer.layer_out, layer.ln2_in + layer.ff_out, temporary=True)}
+            layer.layer_out, stream, temporary=True)}

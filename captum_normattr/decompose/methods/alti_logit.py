@@ -49,7 +49,7 @@ ALTI_MAP_CHECK = "ALTI map's first rows recomputed with the torch path"
 #: The fields of a :class:`~captum_normattr.decompose.records.LayerTensors` whose second axis is the token axis.
 _TOKEN_FIELDS = (
     "hidden_in", "ln1_in", "ln1_out", "ln2_in", "ln2_out", "ff_out", "layer_out", "context", "attn_post_in",
-    "attn_post_out", "ff_post_in", "ff_post_out", "attn_branch_out",
+    "attn_post_out", "ff_post_in", "ff_post_out", "attn_branch_out", "own_after",
 )
 
 

@@ -285,6 +285,7 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
         index=idx,
         source_dtype=rec["layer_out"].dtype,
         topology=a.topology,
+        own_after=tokens(rec.get("own_after")),  # a token-own addition after the layer (DeepStack), folded in layer_out
     )
     value = a.layer.attention.value
     if value is not None and value.layout == "latent":  # multi-head latent attention: fold the latent's norm scale

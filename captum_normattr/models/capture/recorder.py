@@ -34,8 +34,9 @@ from captum_normattr.decompose.kinds.single_branch import complete_record
 from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.records import LayerTensors, NormParams
 from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
-from captum_normattr.models.adapters import base_model, get_path, layer_adapters, layer_modules, value_states
+from captum_normattr.models.adapters import base_model, get_path, layer_adapters, layer_modules, value_states, vision_language
 from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, active_recorders
+from captum_normattr.models.capture.deepstack import DeepStackCapture
 from captum_normattr.models.capture.gated_delta_net import gated_attention_hooks, gated_delta_net_hooks
 from captum_normattr.models.capture.kimi_delta import kimi_delta_hooks
 from captum_normattr.models.capture.mamba2 import mamba2_hooks
@@ -189,6 +190,8 @@ class Recorder(AttentionRecords):
         self._ran = [False] * len(self.layers)
         self._rerunning = False
         self._last_out: Optional[Tuple[int, Tensor]] = None  # (index, raw output) of the last layer that ran
+        #: Qwen3-VL's DeepStack additions, folded into each layer's record (None for every other model)
+        self.deepstack: Optional[DeepStackCapture] = None
 
     # --- recording --------------------------------------------------------------
     def _keep(self, idx: int, key: str, t: Tensor) -> None:
@@ -356,7 +359,12 @@ class Recorder(AttentionRecords):
 
             return hook
 
+        description = vision_language(self.model)
+        if description is not None and description.stream_additions == "deepstack":
+            self.deepstack = DeepStackCapture(self, get_path(self.base, description.language_model))
         with LOCK:
+            if self.deepstack is not None:
+                handles.extend(self.deepstack.hooks())
             for i, layer in enumerate(self.layers):
                 la = self.layer_adapters[i]  # the layer's own mixer (hybrid models) as its attention branch
 
@@ -376,6 +384,8 @@ class Recorder(AttentionRecords):
                     if not self._mine():
                         return
                     self._keep(idx, "layer_out", _first_tensor(output))
+                    if self.deepstack is not None:  # the stream after the layer: its output plus the additions
+                        self.deepstack.fold(idx, self.records)
                     if a.final_norm is None and idx == len(self.layers) - 1 and not self._rerunning:
                         # no final norm (post-LN OPT): the LM head reads the last layer's output (an identity "norm")
                         out = self.records[idx]["layer_out"]
