@@ -18,24 +18,13 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.base import DecompositionAttribution, format_output
-from captum_normattr.attr.decompx_readouts import (
-    ClassifierReadout,
-    DecompXReadout,
-    ImageClassifierReadout,
-    InputCotangents,
-    NextTokenReadout,
-    PositionsReadout,
-)
+from captum_normattr.attr.decompx_readouts import (ClassifierReadout, DecompXReadout, ImageClassifierReadout,
+                                                   InputCotangents, NextTokenReadout, PositionsReadout)
 from captum_normattr.attr.explained_output import ClassLogit, ImageClassLogit, NextTokenLogit, explains_next_token
 from captum_normattr.attr.images import pixel_attributions
 from captum_normattr.attr.inputs import prepare_inputs
-from captum_normattr.attr.positions import (
-    PositionExplanation,
-    explained_directions,
-    position_log_probs,
-    position_request,
-    warn_non_finite,
-)
+from captum_normattr.attr.positions import (PositionExplanation, explained_directions, position_log_probs,
+                                            position_request, warn_non_finite)
 from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
@@ -352,14 +341,12 @@ class DecompXAttribution(DecompositionAttribution):
         self.kind = layer_kind(self.adapter.topology, self.adapter.family)
         self.kind.require("decompx", self.adapter.family)
         if algorithm == "adjoint" and not self.kind.adjoint:
-            raise UnsupportedModelError(
-                f"{self.adapter.family} has {self.kind.name} layers, which DecompX's adjoint does not transpose (a "
-                "layer reusing an earlier layer's values depends on that layer's input): use algorithm='forward' "
-                "(what 'auto' chooses for them)")
+            raise UnsupportedModelError(f"{self.adapter.family} has {self.kind.name} layers, which DecompX's adjoint "
+                                        "does not transpose (a layer reusing an earlier layer's values depends on that "
+                                        "layer's input): use algorithm='forward' (what 'auto' chooses for them)")
         if algorithm == "adjoint":  # its walk down reruns each layer from its input: no additions between them
             refuse_stream_additions(model, "DecompX's adjoint", "Use algorithm='forward' (what 'auto' chooses for it)")
-        #: the adjoint transposes the layers (not a kind that reuses earlier values, not a stream with additions)
-        self._adjoint = self.kind.adjoint and stream_additions(model) is None
+        self._adjoint = self.kind.adjoint and stream_additions(model) is None  # no reused values, no stream additions
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         # the explained output follows the model's head: an LM head gives next-token logits, a classification
         # head class logits (whatever the layer kind: a pre-LN *ForSequenceClassification is a classifier)
