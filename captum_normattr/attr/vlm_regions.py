@@ -28,6 +28,10 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
 
+- ``"anyres_tiles"`` (LLaVA-NeXT, LLaVA-OneVision): a base view then any-resolution tiles, unpadded, with a
+  newline token after every row, mapped onto the ORIGINAL image's pixels
+  (:mod:`captum_normattr.attr.vlm_anyres`).
+
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
 :func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
 image spans, PaliGemma's prefix: docs/vlm.md, "Two-way spans").
@@ -45,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.families.vlm import TWO_WAY
+from captum_normattr.attr.vlm_anyres import anyres_geometry, anyres_heatmaps, anyres_scores
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
 __all__ = [
@@ -123,7 +128,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
             processor gives them (the ``"merged_grid"`` geometry needs them).
 
     Returns:
-        :class:`ImageGeometry`.
+        :class:`ImageGeometry`; for LLaVA-NeXT / OneVision (``"anyres_tiles"``) an
+        :class:`~captum_normattr.attr.vlm_anyres.AnyresGeometry` (``image_sizes`` needed).
 
     Raises:
         ValueError: not a described vision-language model, or a config without the grid's numbers.
@@ -137,6 +143,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
     description = vision_language(model)
     if description is None:
         raise ValueError(f"{type(model).__name__} is not a vision-language model the package describes (docs/vlm.md)")
+    if description.geometry == "anyres_tiles":  # LLaVA-NeXT / OneVision: captum_normattr.attr.vlm_anyres
+        return anyres_geometry(model, image_sizes)  # type: ignore[return-value]
     config = model.config
     token = next((getattr(config, n) for n in description.image_token if getattr(config, n, None) is not None), None)
     vision = getattr(config, description.vision_config, None)
@@ -185,7 +193,7 @@ def image_token_mask(input_ids: Tensor, geometry: Union[ImageGeometry, int]) -> 
         input_ids: (B, T) token ids.
         geometry: an :class:`ImageGeometry`, or the image token's id.
     """
-    token = geometry.image_token_id if isinstance(geometry, ImageGeometry) else int(geometry)
+    token = int(getattr(geometry, "image_token_id", geometry))
     return input_ids == token
 
 
@@ -293,10 +301,13 @@ def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: 
         image_sizes, image_grid_thw: as in :func:`image_geometry`.
 
     Returns:
-        :class:`ImageScores`.
+        :class:`ImageScores`; for LLaVA-NeXT / OneVision an :class:`~captum_normattr.attr.vlm_anyres.AnyresScores`
+        (base grids, tile grids and newline scores apart).
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
     scores = _scores_of(result)
+    if not isinstance(geometry, ImageGeometry):  # any-resolution tiles: their base views, tiles and newlines apart
+        return anyres_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
 
 
@@ -315,7 +326,8 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
 
     Returns:
         One (..., H, W) tensor per image, in the model's order of images; NaN where no token
-        covers a pixel.
+        covers a pixel. LLaVA-NeXT / OneVision: over the original image's pixels (``image_sizes``), the base view's
+        and the tiles' scores summed (:func:`~captum_normattr.attr.vlm_anyres.anyres_heatmaps`; ``sizes`` unused).
 
     Examples::
 
@@ -324,6 +336,8 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
         >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
+    if not isinstance(geometry, ImageGeometry):  # any-resolution tiles: the sum of both views over the original image
+        return anyres_heatmaps(_scores_of(result), input_ids, model, image_sizes)
     scores = _scores_of(result)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]

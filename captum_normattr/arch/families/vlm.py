@@ -79,7 +79,10 @@ __all__ = [
 #: (h / p / m) x (w / p / m) grid (the processor's row-break and end tokens are text tokens).
 #: ``"pooled_grid"``: Gemma 3's projector: the tower's square (S / p) x (S / p) patch grid average-pooled
 #: to a square sqrt(mm_tokens_per_image) x sqrt(mm_tokens_per_image) grid of tokens, row-major.
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid")
+#: ``"anyres_tiles"``: LLaVA-NeXT / OneVision's base view then unpadded any-resolution tiles with a newline after every
+#: row (:mod:`captum_normattr.arch.families.vlm_anyres`, :mod:`captum_normattr.attr.vlm_anyres`).
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid",
+                               "anyres_tiles")
 
 #: How ``token_type_ids`` open the attention of a decoder above the diagonal (:attr:`VisionLanguage.two_way`):
 #: ``"image_spans"`` (Gemma 3): each maximal run of tokens of type 1 (an image's tokens) attends to itself two-way,
