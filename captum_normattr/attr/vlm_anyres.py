@@ -40,6 +40,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from captum_normattr.attr.image_tokens import split_images
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
 __all__ = [
@@ -257,35 +258,22 @@ def anyres_scores(scores: Tensor, image_mask: Tensor, geometry: AnyresGeometry) 
     Raises:
         ValueError: the image tokens do not split into the geometry's images.
     """
-    if image_mask.shape != (scores.shape[0], scores.shape[-1]):
-        raise ValueError(f"the image-token mask {tuple(image_mask.shape)} must be (B, T) of the scores "
-                         f"{tuple(scores.shape)}")
-    out = AnyresScores([], [], [], [], torch.zeros(0, dtype=torch.long), geometry.images)
-    example: List[int] = []
-    image = 0
-    for b in range(scores.shape[0]):
-        found = scores[b][..., image_mask[b].to(scores.device)]
-        start = 0
-        while start < found.shape[-1]:
-            if image >= len(geometry.images):
-                raise ValueError(f"example {b} has image tokens past the {len(geometry.images)} images of image_sizes")
-            im = geometry.images[image]
-            if start + im.tokens > found.shape[-1]:
-                raise ValueError(f"example {b} has {found.shape[-1] - start} image tokens left for image {image}, which "
-                                 f"needs {im.tokens}: the ids do not hold whole images of this model and image_sizes")
-            part = found[..., start:start + im.tokens]
-            n, (oh, ow) = im.side, im.grid
-            out.tokens.append(part)
-            out.base.append(part[..., :n * n].reshape(*part.shape[:-1], n, n))
-            rows = part[..., n * n:].reshape(*part.shape[:-1], oh, ow + 1) if im.tiled else None
-            out.tiles.append(None if rows is None else rows[..., :ow])
-            out.newline.append(part[..., -1:] if rows is None else rows[..., ow])
-            example.append(b)
-            start += im.tokens
-            image += 1
-    if image != len(geometry.images):
-        raise ValueError(f"the ids hold {image} images; image_sizes holds {len(geometry.images)}")
-    out.example = torch.tensor(example, dtype=torch.long)
+    def tokens(image: int) -> int:
+        if image >= len(geometry.images):
+            raise ValueError(f"the ids hold image tokens past the {len(geometry.images)} images of image_sizes")
+        return geometry.images[image].tokens
+
+    found = split_images(scores, image_mask, tokens, lambda image: f"image_sizes {geometry.images[image].size}")
+    out = AnyresScores([], [], [], [], torch.tensor([b for b, _ in found], dtype=torch.long), geometry.images)
+    for (_, part), im in zip(found, geometry.images):
+        n, (oh, ow) = im.side, im.grid
+        out.tokens.append(part)
+        out.base.append(part[..., :n * n].reshape(*part.shape[:-1], n, n))
+        rows = part[..., n * n:].reshape(*part.shape[:-1], oh, ow + 1) if im.tiled else None
+        out.tiles.append(None if rows is None else rows[..., :ow])
+        out.newline.append(part[..., -1:] if rows is None else rows[..., ow])
+    if len(found) != len(geometry.images):
+        raise ValueError(f"the ids hold {len(found)} images; image_sizes holds {len(geometry.images)}")
     return out
 
 

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.families.vlm import TWO_WAY
+from captum_normattr.attr.image_tokens import split_images
 from captum_normattr.attr.vlm_anyres import anyres_geometry, anyres_heatmaps, anyres_scores
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
@@ -219,35 +220,21 @@ def grid_scores(scores: Tensor, image_mask: Tensor, geometry: ImageGeometry) -> 
         tensor([[1., 2., 3.],
                 [4., 5., 6.]])
     """
-    if image_mask.shape != (scores.shape[0], scores.shape[-1]):
-        raise ValueError(f"the image-token mask {tuple(image_mask.shape)} must be (B, T) of the scores "
-                         f"{tuple(scores.shape)}")
     grids: List[Tensor] = []
     leading: List[Tensor] = []
     example: List[int] = []
-    image = 0
-    for b in range(scores.shape[0]):
-        found = scores[b][..., image_mask[b].to(scores.device)]
-        start = 0
-        while start < found.shape[-1]:
-            n = geometry.tokens(image)
-            if start + n > found.shape[-1]:
-                raise ValueError(
-                    f"example {b} has {found.shape[-1] - start} image tokens left for image {image}, which needs {n} "
-                    f"(grid {geometry.grid(image)}, [CLS] {geometry.class_token}, {geometry.dropped} dropped): "
-                    "the ids do not hold whole images of this model")
-            part = found[..., start:start + n]
-            rows, cols = geometry.grid(image)
-            full = torch.full((*part.shape[:-1], int(geometry.class_token) + rows * cols), float("nan"),
-                              dtype=part.dtype, device=part.device)
-            full[..., geometry.dropped:] = part  # the tower's sequence, dropped features as NaN
-            if geometry.class_token:
-                leading.append(full[..., 0])
-                full = full[..., 1:]
-            grids.append(full.reshape(*full.shape[:-1], rows, cols))
-            example.append(b)
-            start += n
-            image += 1
+    found = split_images(scores, image_mask, geometry.tokens, lambda image: (
+        f"grid {geometry.grid(image)}, [CLS] {geometry.class_token}, {geometry.dropped} dropped"))
+    for image, (b, part) in enumerate(found):
+        rows, cols = geometry.grid(image)
+        full = torch.full((*part.shape[:-1], int(geometry.class_token) + rows * cols), float("nan"),
+                          dtype=part.dtype, device=part.device)
+        full[..., geometry.dropped:] = part  # the tower's sequence, dropped features as NaN
+        if geometry.class_token:
+            leading.append(full[..., 0])
+            full = full[..., 1:]
+        grids.append(full.reshape(*full.shape[:-1], rows, cols))
+        example.append(b)
     kept_class = geometry.class_token and geometry.dropped == 0
     return ImageScores(grids, torch.stack(leading) if kept_class and leading else None,
                        torch.tensor(example, dtype=torch.long))
