@@ -120,6 +120,17 @@ def test_onevision_refuses_videos():
 # ---- the geometry against the model and the processor ---------------------------------------------------------
 
 
+def _processor(which: str, **kwargs):
+    r"""The family's own (PIL) image processor at the tiny tower's size."""
+    import transformers
+
+    if which == "next":
+        return transformers.LlavaNextImageProcessorPil(size={"shortest_edge": ANYRES_SIZE}, image_grid_pinpoints=PINPOINTS,
+                                                       crop_size={"height": ANYRES_SIZE, "width": ANYRES_SIZE}, **kwargs)
+    return transformers.LlavaOnevisionImageProcessorPil(size={"height": ANYRES_SIZE, "width": ANYRES_SIZE},
+                                                        image_grid_pinpoints=PINPOINTS, **kwargs)
+
+
 @pytest.mark.parametrize("which", ["next", "onevision"])
 def test_token_order_is_the_models_packing(which):
     r"""A tower whose attention output is zeroed (each patch feature its own patch's alone): changing patch (pr, pc)
@@ -153,24 +164,23 @@ def test_token_order_is_the_models_packing(which):
         assert moved == expect, (k, pr, pc)
 
 
+@pytest.mark.parametrize("which", ["next", "onevision"])
 @pytest.mark.parametrize("size", [(12, 20), (20, 6), (7, 7), (30, 11)])
-def test_canvas_placement_is_the_processors(size):
+def test_canvas_placement_is_the_processors(size, which):
     r"""The processor (nearest resampling, no normalisation) on an image whose pixels hold their own row and column:
     the canvas stitched back from its tiles holds the image exactly on rows [t, t + h') and columns [l, l + w') of
     the geometry, and canvas row t + c holds original row floor((c + 1/2) H / h') (columns likewise): the linear map
     between the original image and the canvas that the geometry carries pixel centres by."""
     np = pytest.importorskip("numpy")
     from PIL import Image
-    from transformers import LlavaNextImageProcessorPil
 
     h, w = size
     pixels = np.zeros((h, w, 3), dtype=np.uint8)
     pixels[..., 0] = np.arange(1, h + 1)[:, None]
     pixels[..., 1] = np.arange(1, w + 1)[None, :]
-    proc = LlavaNextImageProcessorPil(size={"shortest_edge": ANYRES_SIZE}, image_grid_pinpoints=PINPOINTS,
-                                      crop_size={"height": ANYRES_SIZE, "width": ANYRES_SIZE}, resample=0,
-                                      do_rescale=False, do_normalize=False)
+    proc = _processor(which, resample=0, do_rescale=False, do_normalize=False)
     out = proc(images=Image.fromarray(pixels), return_tensors="pt")
+    assert out["image_sizes"].tolist() == [list(size)]
     im = anyres_layout(size, PINPOINTS, ANYRES_SIZE, 2)
     bh, bw = im.canvas
     ty, tx = bh // ANYRES_SIZE, bw // ANYRES_SIZE
@@ -263,22 +273,20 @@ def test_several_images_untiled_with_batch_num_images():
 
 @pytest.mark.parametrize("which", ["next", "onevision"])
 def test_image_mask_input_segments_are_pixel_overlap_sums(which):
-    r"""Through LLaVA-NeXT's own (PIL) image processor, a 12 x 20 image and ragged segments: complete against the
+    r"""Through the family's own (PIL) image processor, a 12 x 20 image and ragged segments: complete against the
     model's own logit on the processor's inputs plus the targets; every segment's score is
     sum_t s_t |pixels of t in the segment| / |pixels of t| over the base and tile tokens (:func:`_naive_tokens`), the
     newline tokens in none; the (n, H, W) pixel shares sum to the segments."""
     np = pytest.importorskip("numpy")
     from captum.attr._utils.interpretable_input import ImageMaskInput
     from PIL import Image
-    from transformers import LlavaNextImageProcessorPil
     from vlm_processors import vlm_tokenizer
 
     from captum_normattr.attr.llm import DecompositionLLMAttribution
 
     model = make_llava_next(seed=4) if which == "next" else make_llava_onevision(seed=4)
     t0, l0, rh, rw, kept, out, _ = KNOWN[((12, 20), None if which == "next" else 1)]
-    proc = LlavaNextImageProcessorPil(size={"shortest_edge": ANYRES_SIZE}, image_grid_pinpoints=PINPOINTS,
-                                      crop_size={"height": ANYRES_SIZE, "width": ANYRES_SIZE})
+    proc = _processor(which)
     n_image = 16 + out[0] * (out[1] + 1)
     prompt = torch.tensor([[1] + [ANYRES_IMAGE] * n_image + [5, 6, 7]])
 
