@@ -29,6 +29,7 @@ from captum_normattr.arch.families import seq2seq as family_seq2seq
 
 from captum_normattr.arch.families import state_space as family_state_space
 from captum_normattr.arch.families.vlm import VISION_LANGUAGE
+from captum_normattr.arch.families.vlm_anyres import ANYRES_VISION_LANGUAGE
 from captum_normattr.arch.families import base as family_base
 from captum_normattr.arch.families.base import BUILTIN
 from captum_normattr.arch.spec import ArchitectureSpec
@@ -57,6 +58,7 @@ ARCHITECTURES: Dict[str, ArchitectureSpec] = dict(
        for e in group.BUILTIN]
     + [e for e in BUILTIN if e[1].modality != "text"]
 )
+VISION_LANGUAGE.update(ANYRES_VISION_LANGUAGE)  # LLaVA-NeXT / OneVision (any-resolution tiles)
 #: The registered encoder-decoder (two-stack) descriptions by key, explained by ALTIPlusAttribution.
 ENCODER_DECODERS: Dict[str, ArchitectureSpec] = dict(family_seq2seq.BUILTIN)
 #: ``config.model_type`` -> (family, why it is not supported): the family groups' refusals

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from captum_normattr.attr.pixel_overlap import pixel_patches, segment_overlap
 from captum_normattr.attr.positions import LOG_PROB_NOT_ADDITIVE, QUANTITIES, PositionExplanation
+from captum_normattr.attr.vlm_anyres import anyres_image, anyres_scores, pixel_shares
 from captum_normattr.attr.vlm_regions import ImageGeometry, grid_scores, image_geometry, image_token_mask
 from captum_normattr.attr.vlm_tiles import image_input_tiles
 from captum_normattr.models.adapters import vision_language
@@ -162,9 +163,12 @@ class ImageGenerationExplanation:
             (LLaVA, ``"full"``, CLIP), else None; it lies on no pixel and is in no segment.
         segment_attr: (n, S) every segment's score (:func:`segment_scores`).
         overlap: (S, rows x cols) the share of each patch's pixels in each segment (tiles: the tiles'
-            tokens, then the global view's).
+            tokens, then the global view's; any-resolution tiles: (S, the image's tokens),
+            :func:`~captum_normattr.attr.vlm_anyres.anyres_image`).
         box: the original image's box the grid covers (:func:`grid_box`; tiles: the tiles' canvas).
-        geometry: the model's :class:`~captum_normattr.attr.vlm_regions.ImageGeometry`.
+        geometry: the model's :class:`~captum_normattr.attr.vlm_regions.ImageGeometry` (LLaVA-NeXT / OneVision:
+            :class:`~captum_normattr.attr.vlm_anyres.AnyresGeometry`, whose ``patch_attr`` is (n, H, W) over the
+            original image's pixels: every token's score shared out over the pixels it covers, both views summed).
         details: the :class:`~captum_normattr.attr.positions.PositionExplanation` (explained
             quantity, no-token terms, deltas, log-probabilities).
         inp: the ``ImageMaskInput``.
@@ -311,24 +315,32 @@ def decompose_image_input(
     details = llm.attr_method.explain_positions(ids, torch.arange(p - 1, p - 1 + n), target_ids, q, fl,
                                                 additional_forward_args=_forward_args(inputs, p, n, model))
     scores = details.scores
-    found = grid_scores(scores.unsqueeze(0), image_mask.unsqueeze(0), geometry)
     image_hw = (inp.image.size[1], inp.image.size[0])
-    tiled = image_input_tiles(model, prompt, found.grids, image_hw, inp.get_mask_list(), llm.tokenizer, layout)
-    if tiled is not None:
-        patch, overlap, box, segment_attr, _ = tiled
-    else:
-        if len(found.grids) != 1:
-            raise ValueError(f"an ImageMaskInput holds one image; the processor's ids hold {len(found.grids)}")
-        patch = found.grids[0]
-        box = grid_box(image_hw, _resolve_layout(layout, geometry, model, inputs))
-        rows, cols = geometry.grid(0)
-        overlap = segment_overlap(inp.get_mask_list(), pixel_patches(image_hw, (rows, cols), box), rows * cols)
-        segment_attr = segment_scores(patch, overlap)
+    if isinstance(geometry, ImageGeometry):
+        found = grid_scores(scores.unsqueeze(0), image_mask.unsqueeze(0), geometry)
+        leading = None if found.leading is None else found.leading[0]
+        tiled = image_input_tiles(model, prompt, found.grids, image_hw, inp.get_mask_list(), llm.tokenizer, layout)
+        if tiled is not None:  # tiles and a global view (Idefics3 split, Llama 4): stitched onto the image
+            patch, overlap, box, segment_attr, _ = tiled
+        else:
+            if len(found.grids) != 1:
+                raise ValueError(f"an ImageMaskInput holds one image; the processor's ids hold {len(found.grids)}")
+            patch = found.grids[0]
+            box = grid_box(image_hw, _resolve_layout(layout, geometry, model, inputs))
+            rows, cols = geometry.grid(0)
+            overlap = segment_overlap(inp.get_mask_list(), pixel_patches(image_hw, (rows, cols), box), rows * cols)
+            segment_attr = segment_scores(patch, overlap)
+    else:  # any-resolution tiles (LLaVA-NeXT / OneVision): placed over the original image by the geometry itself
+        image = anyres_image(geometry, image_hw, layout)
+        values = anyres_scores(scores.unsqueeze(0), image_mask.unsqueeze(0), geometry).tokens[0]
+        overlap = sum(segment_overlap(inp.get_mask_list(), index, image.tokens) for index in image.pixel_tokens())
+        patch, segment_attr = pixel_shares(values, image), segment_scores(values.unsqueeze(-2), overlap)
+        leading, box = None, (0.0, 0.0, float(image_hw[0]), float(image_hw[1]))
     return ImageGenerationExplanation(
         method=details.method, input_ids=ids, prompt_length=p, target_ids=target_ids, scores=scores,
-        output_tokens=readable_tokens(llm.tokenizer, target_ids), patch_attr=patch,
-        leading=None if found.leading is None else found.leading[0], segment_attr=segment_attr,
-        overlap=overlap, box=box, geometry=geometry, details=details, inp=inp, image_token_mask=image_mask,
+        output_tokens=readable_tokens(llm.tokenizer, target_ids), patch_attr=patch, leading=leading,
+        segment_attr=segment_attr, overlap=overlap, box=box, geometry=geometry, details=details, inp=inp,
+        image_token_mask=image_mask,
     )
 
 

@@ -27,11 +27,13 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
   (h / p / m) x (w / p / m); the row-break and image-end tokens between rows are text tokens.
 - ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
-
 - ``"tiled_grid"`` (Llama 4): every tile (and the global view) is the tower's square (S / p) x (S / p) patch
   grid, every 1/r x 1/r block (``vision_config.pixel_shuffle_ratio`` r) shuffled into one token, row by row; one
   grid per sub-image here, the tiles stitched onto the image by :mod:`captum_normattr.attr.vlm_tiles` (as are
   Idefics3's split images).
+- ``"anyres_tiles"`` (LLaVA-NeXT, LLaVA-OneVision): a base view then any-resolution tiles, unpadded, with a
+  newline token after every row, mapped onto the ORIGINAL image's pixels
+  (:mod:`captum_normattr.attr.vlm_anyres`).
 
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
 Qwen2-VL's and Qwen2.5-VL's videos (frame groups of merged grids) are mapped by :mod:`captum_normattr.attr.vlm_video`.
@@ -51,6 +53,8 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.families.vlm import TWO_WAY
+from captum_normattr.attr.image_tokens import split_images
+from captum_normattr.attr.vlm_anyres import anyres_geometry, anyres_heatmaps, anyres_scores
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
 __all__ = [
@@ -130,7 +134,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
             processor gives them (the ``"merged_grid"`` geometry needs them).
 
     Returns:
-        :class:`ImageGeometry`.
+        :class:`ImageGeometry`; for LLaVA-NeXT / OneVision (``"anyres_tiles"``) an
+        :class:`~captum_normattr.attr.vlm_anyres.AnyresGeometry` (``image_sizes`` needed).
 
     Raises:
         ValueError: not a described vision-language model, or a config without the grid's numbers.
@@ -144,6 +149,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
     description = vision_language(model)
     if description is None:
         raise ValueError(f"{type(model).__name__} is not a vision-language model the package describes (docs/vlm.md)")
+    if description.geometry == "anyres_tiles":  # LLaVA-NeXT / OneVision: captum_normattr.attr.vlm_anyres
+        return anyres_geometry(model, image_sizes)  # type: ignore[return-value]
     config = model.config
     token = next((getattr(config, n) for n in description.image_token if getattr(config, n, None) is not None), None)
     vision = getattr(config, description.vision_config, None)
@@ -200,7 +207,7 @@ def image_token_mask(input_ids: Tensor, geometry: Union[ImageGeometry, int]) -> 
         input_ids: (B, T) token ids.
         geometry: an :class:`ImageGeometry`, or the image token's id.
     """
-    token = geometry.image_token_id if isinstance(geometry, ImageGeometry) else int(geometry)
+    token = int(getattr(geometry, "image_token_id", geometry))
     return input_ids == token
 
 
@@ -226,35 +233,21 @@ def grid_scores(scores: Tensor, image_mask: Tensor, geometry: ImageGeometry) -> 
         tensor([[1., 2., 3.],
                 [4., 5., 6.]])
     """
-    if image_mask.shape != (scores.shape[0], scores.shape[-1]):
-        raise ValueError(f"the image-token mask {tuple(image_mask.shape)} must be (B, T) of the scores "
-                         f"{tuple(scores.shape)}")
     grids: List[Tensor] = []
     leading: List[Tensor] = []
     example: List[int] = []
-    image = 0
-    for b in range(scores.shape[0]):
-        found = scores[b][..., image_mask[b].to(scores.device)]
-        start = 0
-        while start < found.shape[-1]:
-            n = geometry.tokens(image)
-            if start + n > found.shape[-1]:
-                raise ValueError(
-                    f"example {b} has {found.shape[-1] - start} image tokens left for image {image}, which needs {n} "
-                    f"(grid {geometry.grid(image)}, [CLS] {geometry.class_token}, {geometry.dropped} dropped): "
-                    "the ids do not hold whole images of this model")
-            part = found[..., start:start + n]
-            rows, cols = geometry.grid(image)
-            full = torch.full((*part.shape[:-1], int(geometry.class_token) + rows * cols), float("nan"),
-                              dtype=part.dtype, device=part.device)
-            full[..., geometry.dropped:] = part  # the tower's sequence, dropped features as NaN
-            if geometry.class_token:
-                leading.append(full[..., 0])
-                full = full[..., 1:]
-            grids.append(full.reshape(*full.shape[:-1], rows, cols))
-            example.append(b)
-            start += n
-            image += 1
+    found = split_images(scores, image_mask, geometry.tokens, lambda image: (
+        f"grid {geometry.grid(image)}, [CLS] {geometry.class_token}, {geometry.dropped} dropped"))
+    for image, (b, part) in enumerate(found):
+        rows, cols = geometry.grid(image)
+        full = torch.full((*part.shape[:-1], int(geometry.class_token) + rows * cols), float("nan"),
+                          dtype=part.dtype, device=part.device)
+        full[..., geometry.dropped:] = part  # the tower's sequence, dropped features as NaN
+        if geometry.class_token:
+            leading.append(full[..., 0])
+            full = full[..., 1:]
+        grids.append(full.reshape(*full.shape[:-1], rows, cols))
+        example.append(b)
     kept_class = geometry.class_token and geometry.dropped == 0
     return ImageScores(grids, torch.stack(leading) if kept_class and leading else None,
                        torch.tensor(example, dtype=torch.long))
@@ -309,10 +302,13 @@ def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: 
         image_sizes, image_grid_thw: as in :func:`image_geometry`.
 
     Returns:
-        :class:`ImageScores`.
+        :class:`ImageScores`; for LLaVA-NeXT / OneVision an :class:`~captum_normattr.attr.vlm_anyres.AnyresScores`
+        (base grids, tile grids and newline scores apart).
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
     scores = result_scores(result)
+    if not isinstance(geometry, ImageGeometry):  # any-resolution tiles: their base views, tiles and newlines apart
+        return anyres_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
 
 
@@ -331,7 +327,8 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
 
     Returns:
         One (..., H, W) tensor per image, in the model's order of images; NaN where no token
-        covers a pixel.
+        covers a pixel. LLaVA-NeXT / OneVision: over the original image's pixels (``image_sizes``), the base view's
+        and the tiles' scores summed (:func:`~captum_normattr.attr.vlm_anyres.anyres_heatmaps`; ``sizes`` unused).
 
     Examples::
 
@@ -341,6 +338,8 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
     """
     geometry = image_geometry(model, image_sizes, image_grid_thw)
     scores = result_scores(result)
+    if not isinstance(geometry, ImageGeometry):  # any-resolution tiles: the sum of both views over the original image
+        return anyres_heatmaps(scores, input_ids, model, image_sizes)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]
 

@@ -93,8 +93,10 @@ __all__ = [
 #: ``"tiled_grid"``: Llama 4's tiles: every tile (and the global view) is the tower's square (S / p) x (S / p) patch
 #: grid pixel-shuffled (``vision_config.pixel_shuffle_ratio`` r: every 1/r x 1/r block one token), row-major over
 #: (S r / p) x (S r / p); the tiles' places on the image: :mod:`captum_normattr.attr.vlm_tiles`.
+#: ``"anyres_tiles"``: LLaVA-NeXT / OneVision's base view then unpadded any-resolution tiles with a newline after every
+#: row (:mod:`captum_normattr.arch.families.vlm_anyres`, :mod:`captum_normattr.attr.vlm_anyres`).
 GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid",
-                               "tiled_grid")
+                               "tiled_grid", "anyres_tiles")
 
 #: How ``token_type_ids`` open the attention of a decoder above the diagonal (:attr:`VisionLanguage.two_way`):
 #: ``"image_spans"`` (Gemma 3): each maximal run of tokens of type 1 (an image's tokens) attends to itself two-way,
