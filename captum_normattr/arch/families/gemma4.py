@@ -9,8 +9,8 @@ feed-forward. The attention block is recorded as a sandwich layer's; the layer k
 (:mod:`captum_normattr.decompose.kinds.sandwich_per_layer_input`) adds the rest
 (``docs/frontier.md``, "Gemma 4"). DecompX, ALTI-Logit, GlobEnc, ALTI and the FF component scopes
 (FFIntegratedDecomposition; the whole-layer scope with the per-layer-input branch as each token's own
-part and the layer scalar on every part) decompose it exactly; the routes are not implemented for its
-kind and are refused.
+part and the layer scalar on every part) decompose it exactly, and the routes run on it (a layer reusing
+keys and values has its head edges from the input of the layer that computed them).
 
 ``BUILTIN`` lists the description by registry key; :mod:`captum_normattr.arch.registry` registers it.
 ``REFUSED`` keeps the multimodal ``gemma4`` refused, with a pointer to its text model.
@@ -46,7 +46,7 @@ GEMMA4_TEXT = ArchitectureSpec(
     notes="sandwich layers with gain-w RMSNorms plus per-layer inputs (a third residual branch to each token's own "
           "part), a layer scalar, per-head value norms, shared keys/values, keys as values and experts beside the "
           "dense FF (enable_moe_block, routing held fixed); sliding-window and global layers recorded; DecompX runs "
-          "its forward propagation; routes refused",
+          "its forward propagation; routes with a shared value's head edges from the layer that computed it",
 )
 
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("gemma4_text", GEMMA4_TEXT),)
