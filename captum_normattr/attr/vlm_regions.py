@@ -27,6 +27,10 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
   (h / p / m) x (w / p / m); the row-break and image-end tokens between rows are text tokens.
 - ``"pooled_grid"`` (Gemma 3): the tower's square (S / p) x (S / p) patch grid average-pooled to
   n x n tokens (n^2 = ``mm_tokens_per_image``), row by row, each token S / n x S / n pixels.
+- ``"pooled_sizes"`` (Gemma 4): each image's ``image_sizes`` (h, w) of the processor's resized image
+  (:func:`~captum_normattr.arch.families.vlm_gemma4.gemma4_image_sizes` reads them from ``image_position_ids``),
+  every k x k block of its (h / p) x (w / p) patches (``vision_config.pooling_kernel_size``) pooled into one
+  token, row by row over (h / p / k) x (w / p / k).
 
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
 :func:`two_way_pairs` says which pairs above the diagonal a call's ``token_type_ids`` open (Gemma 3's
@@ -154,10 +158,13 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         s = _as_int(getattr(config, "scale_factor", None), "scale_factor")
         side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p // s
         return ImageGeometry(token, (p * s, p * s), ((side, side),))
-    if description.geometry == "merged_sizes":  # Mistral 3: each image's m x m patches merged into one token
-        if image_sizes is None:
-            raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's)")
-        m = _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size")
+    if description.geometry in ("merged_sizes", "pooled_sizes"):  # Mistral 3 (merged), Gemma 4 (pooled): m x m
+        if image_sizes is None:  # patches per token, row by row over each image's grid
+            raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's; "
+                             "Gemma 4: gemma4_image_sizes(image_position_ids, patch_size))")
+        m = (_as_int(getattr(vision, "pooling_kernel_size", None), f"{description.vision_config}.pooling_kernel_size")
+             if description.geometry == "pooled_sizes" else
+             _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size"))
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
         return ImageGeometry(token, (p * m, p * m), tuple((int(h) // (p * m), int(w) // (p * m)) for h, w in sizes))
     if description.geometry == "pooled_grid":  # Gemma 3: the patch grid average-pooled to a square token grid

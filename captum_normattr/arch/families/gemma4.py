@@ -13,7 +13,8 @@ part and the layer scalar on every part) decompose it exactly, and the routes ru
 keys and values has its head edges from the input of the layer that computed them).
 
 ``BUILTIN`` lists the description by registry key; :mod:`captum_normattr.arch.registry` registers it.
-``REFUSED`` keeps the multimodal ``gemma4`` refused, with a pointer to its text model.
+The multimodal ``gemma4`` (``Gemma4ForConditionalGeneration``) is a vision-language model
+(:mod:`captum_normattr.arch.families.vlm_gemma4`); ``REFUSED`` is empty.
 """
 from __future__ import annotations
 
@@ -52,8 +53,4 @@ GEMMA4_TEXT = ArchitectureSpec(
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("gemma4_text", GEMMA4_TEXT),)
 
 #: ``config.model_type`` -> (family, why it is not supported)
-REFUSED: Dict[str, Tuple[str, str]] = {
-    "gemma4": ("Gemma 4 (multimodal)", "the multimodal model (a vision and an audio tower before the text model, "
-                                       "Gemma4ForConditionalGeneration); its text model (gemma4_text, "
-                                       "Gemma4ForCausalLM, Gemma4TextModel) is supported"),
-}
+REFUSED: Dict[str, Tuple[str, str]] = {}  # the multimodal ``gemma4``: a vision-language model (vlm_gemma4.py)

@@ -27,6 +27,8 @@ decoder and merged grid; its tower's window attention stays inside the tower), I
 Mistral 3 (:data:`MISTRAL3`: a Mistral decoder, a Pixtral tower whose patches are merged per image),
 Gemma 3 with images (:data:`GEMMA3`: pooled grids) and PaliGemma (:data:`PALIGEMMA`: a Gemma decoder, SigLIP
 patches).
+Gemma 4 with images (:data:`GEMMA4`, :mod:`captum_normattr.arch.families.vlm_gemma4`: variable-resolution pooled
+grids, image spans two-way on the sliding-window layers).
 
 Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
@@ -50,6 +52,7 @@ from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
     "GEMMA3",
+    "GEMMA4",
     "GEOMETRIES",
     "IDEFICS3",
     "LLAVA",
@@ -79,7 +82,11 @@ __all__ = [
 #: (h / p / m) x (w / p / m) grid (the processor's row-break and end tokens are text tokens).
 #: ``"pooled_grid"``: Gemma 3's projector: the tower's square (S / p) x (S / p) patch grid average-pooled
 #: to a square sqrt(mm_tokens_per_image) x sqrt(mm_tokens_per_image) grid of tokens, row-major.
-GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid")
+#: ``"pooled_sizes"``: Gemma 4's tower: each image's ``image_sizes`` (h, w) in pixels (the processor's resized image,
+#: :func:`~captum_normattr.arch.families.vlm_gemma4.gemma4_image_sizes`), every ``vision_config.pooling_kernel_size``
+#: k x k block of its (h / p) x (w / p) patches average-pooled into one token, row-major over (h / p / k) x (w / p / k).
+GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid",
+                               "pooled_sizes")
 
 #: How ``token_type_ids`` open the attention of a decoder above the diagonal (:attr:`VisionLanguage.two_way`):
 #: ``"image_spans"`` (Gemma 3): each maximal run of tokens of type 1 (an image's tokens) attends to itself two-way,
@@ -123,6 +130,10 @@ class VisionLanguage:
             them is decomposed without the causal shortcuts (full maps; docs/vlm.md, "Two-way spans").
         generated_type: the ``token_type_ids`` value of tokens appended after the prompt (targets, generated
             tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
+        two_way_input: the model input carrying the token types of :attr:`two_way` (``"token_type_ids"``;
+            Gemma 4: ``"mm_token_type_ids"``, one of :attr:`inputs`).
+        two_way_config: (decoder config attribute, value): the types open the attention only where the decoder's
+            config has that value (Gemma 4: ``("use_bidirectional_attention", "vision")``); None: always.
         notes: for the docs.
     """
 
@@ -142,6 +153,8 @@ class VisionLanguage:
     refused: Tuple[Tuple[str, str], ...] = ()
     two_way: Optional[str] = None
     generated_type: int = 0
+    two_way_input: str = "token_type_ids"
+    two_way_config: Optional[Tuple[str, Any]] = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -270,3 +283,9 @@ def vision_language_spec(description: VisionLanguage, text_spec: ArchitectureSpe
                    layers=f"{lm}.{text_spec.layers}", head=head, variants=(),
                    notes=f"{text_spec.family}'s decoder under {lm}; {description.notes}")
 
+
+
+# descriptions kept in modules of their own (they import VisionLanguage from here)
+from captum_normattr.arch.families.vlm_gemma4 import GEMMA4  # noqa: E402
+
+VISION_LANGUAGE.update({t: GEMMA4 for t in GEMMA4.model_types})
