@@ -1,4 +1,4 @@
-r"""Gemma 4 with images (``Gemma4ForConditionalGeneration``, ``model_type`` ``"gemma4"``), described as data.
+r"""Gemma 4 with images (``Gemma4ForConditionalGeneration``, ``model_type`` ``"gemma4"``): what its description says, and why.
 
 What the model does with an image (transformers' ``Gemma4Model.forward``) and what the description says:
 
@@ -31,31 +31,15 @@ What the model does with an image (transformers' ``Gemma4Model.forward``) and wh
   and video (``pixel_values_videos``) inputs are refused: their soft tokens would be per-token inputs too,
   but neither their token types nor their geometry are checked by the package yet.
 
-:data:`GEMMA4` is registered in :data:`~captum_normattr.arch.families.vlm.VISION_LANGUAGE`.
+:data:`~captum_normattr.arch.families.vlm.GEMMA4` is the description (data, with the others in
+:mod:`captum_normattr.arch.families.vlm`); this module holds what it needs beyond data.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from captum_normattr.arch.families.vlm import VisionLanguage
-
-__all__ = ["GEMMA4", "gemma4_image_sizes"]
-
-_NOT_YET = "Gemma 4's {} soft tokens are not checked by the package yet; explain the text and images alone"
-
-GEMMA4 = VisionLanguage(
-    family="Gemma 4", model_types=("gemma4",), geometry="pooled_sizes", text_families=("gemma4_text",),
-    inputs=("pixel_values", "image_position_ids", "mm_token_type_ids"), image_token=("image_token_id",),
-    two_way="image_spans", two_way_input="mm_token_type_ids",
-    two_way_config=("use_bidirectional_attention", "vision"), strategy=None,
-    refused=(("input_features", _NOT_YET.format("audio")), ("input_features_mask", _NOT_YET.format("audio")),
-             ("pixel_values_videos", _NOT_YET.format("video"))),
-    notes="variable-resolution tower, k x k patches average-pooled by position into one soft token; image tokens "
-          "row by row over each resized image's (h / p / k) x (w / p / k) grid; with mm_token_type_ids and "
-          "use_bidirectional_attention='vision' each image span is two-way on the sliding-window layers only; "
-          "audio and video inputs refused",
-)
+__all__ = ["gemma4_image_sizes"]
 
 
 def gemma4_image_sizes(image_position_ids: Tensor, patch_size: int) -> Tensor:
