@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_normattr.arch.families.vlm import TWO_WAY
+from captum_normattr.arch.families.vlm_gemma4 import gemma4_image_sizes
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
 __all__ = [
@@ -115,7 +116,7 @@ def _as_int(value: Any, what: str) -> int:
 
 
 def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
-                   image_grid_thw: Optional[Tensor] = None) -> ImageGeometry:
+                   image_grid_thw: Optional[Tensor] = None, image_position_ids: Optional[Tensor] = None) -> ImageGeometry:
     r"""The image-token geometry of a vision-language model, from its config and its family's description.
 
     Args:
@@ -125,6 +126,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
             square ``vision_config.image_size``.
         image_grid_thw: (n_images, 3) Qwen2-VL's patches per image (frames, rows, columns), as the
             processor gives them (the ``"merged_grid"`` geometry needs them).
+        image_position_ids: (n_images, max_patches, 2) Gemma 4's patch positions, as the processor gives them
+            (the ``"pooled_sizes"`` geometry reads each image's size from them where ``image_sizes`` is None).
 
     Returns:
         :class:`ImageGeometry`.
@@ -158,10 +161,12 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
         s = _as_int(getattr(config, "scale_factor", None), "scale_factor")
         side = _as_int(getattr(vision, "image_size", None), f"{description.vision_config}.image_size") // p // s
         return ImageGeometry(token, (p * s, p * s), ((side, side),))
+    if description.geometry == "pooled_sizes" and image_sizes is None and image_position_ids is not None:
+        image_sizes = gemma4_image_sizes(image_position_ids, p)
     if description.geometry in ("merged_sizes", "pooled_sizes"):  # Mistral 3 (merged), Gemma 4 (pooled): m x m
         if image_sizes is None:  # patches per token, row by row over each image's grid
             raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's; "
-                             "Gemma 4: gemma4_image_sizes(image_position_ids, patch_size))")
+                             "Gemma 4: image_position_ids)")
         m = (_as_int(getattr(vision, "pooling_kernel_size", None), f"{description.vision_config}.pooling_kernel_size")
              if description.geometry == "pooled_sizes" else
              _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size"))
@@ -290,33 +295,34 @@ def _scores_of(result: Any) -> Tensor:
 
 
 def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
-                 image_grid_thw: Optional[Tensor] = None) -> ImageScores:
+                 image_grid_thw: Optional[Tensor] = None, image_position_ids: Optional[Tensor] = None) -> ImageScores:
     r"""The image tokens' scores of a result, one patch grid per image.
 
     Args:
         result: a result of the package (its ``scores`` (B, T) or (B, ..., T)) or the scores themselves.
         input_ids: (B, T) the token ids the result explains.
         model: the vision-language model.
-        image_sizes, image_grid_thw: as in :func:`image_geometry`.
+        image_sizes, image_grid_thw, image_position_ids: as in :func:`image_geometry`.
 
     Returns:
         :class:`ImageScores`.
     """
-    geometry = image_geometry(model, image_sizes, image_grid_thw)
+    geometry = image_geometry(model, image_sizes, image_grid_thw, image_position_ids)
     scores = _scores_of(result)
     return grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
 
 
 def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
                    sizes: Optional[Sequence[Tuple[int, int]]] = None,
-                   image_grid_thw: Optional[Tensor] = None) -> List[Tensor]:
+                   image_grid_thw: Optional[Tensor] = None, image_position_ids: Optional[Tensor] = None
+                   ) -> List[Tensor]:
     r"""Heat maps over the images' pixels: every image token's score spread over its patch.
 
     Args:
         result: a result (its ``scores``) or per-token scores, (B, T) or (B, ..., T).
         input_ids: (B, T) token ids.
         model: the vision-language model (:mod:`captum_normattr.arch.families.vlm`).
-        image_sizes, image_grid_thw: as in :func:`image_geometry`.
+        image_sizes, image_grid_thw, image_position_ids: as in :func:`image_geometry`.
         sizes: (H, W) per image, when the images are larger than their whole patches; default
             each grid's extent (the tower's input size).
 
@@ -330,7 +336,7 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
         ...     additional_forward_args={"attention_mask": mask, "pixel_values": pixels})
         >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
     """
-    geometry = image_geometry(model, image_sizes, image_grid_thw)
+    geometry = image_geometry(model, image_sizes, image_grid_thw, image_position_ids)
     scores = _scores_of(result)
     found = grid_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
     return [patches_to_pixels(g, geometry.patch, None if sizes is None else sizes[i]) for i, g in enumerate(found.grids)]

@@ -11,7 +11,9 @@ tiny Gemma 4 text model, with and without experts; two examples with images of d
   sum to the model's real tensors;
 - a left-padded batch equals its examples alone; the model is left as found;
 - the image tokens lie on the grid the model's own pooler makes (checked by pooling the patches' positions with
-  it) and the heat maps cover each resized image; audio and video inputs are refused naming why.
+  it) and the heat maps cover each resized image; audio and video inputs are refused naming why;
+- Captum's ``ImageMaskInput`` through Gemma 4's own image processor is complete and shares the image tokens'
+  scores out over the segments.
 """
 from __future__ import annotations
 
@@ -148,7 +150,9 @@ def test_image_tokens_lie_on_the_grid_of_the_models_own_pooler():
     heat = image_heatmaps(scores, ids, model, image_sizes=sizes)
     assert [tuple(hm.shape) for hm in heat] == list(SIZES)
     assert heat[1][8:16, 16:24].unique().tolist() == [grids[1][1, 2].item()]
-    with pytest.raises(ValueError, match="gemma4_image_sizes"):
+    by_positions = image_scores(scores, ids, model, image_position_ids=positions).grids  # the sizes read from them
+    assert all(torch.equal(a, b) for a, b in zip(by_positions, grids))
+    with pytest.raises(ValueError, match="image_position_ids"):
         image_scores(scores, ids, model)
 
 
@@ -159,3 +163,49 @@ def test_audio_and_video_inputs_are_refused_naming_why():
         with pytest.raises(UnsupportedModelError, match=f"Gemma 4 with {name}.*not checked"):
             ALTILogitAttribution(model).decompose(ids, torch.tensor([3]),
                                                   {"attention_mask": mask, **extra, name: torch.zeros(1, 2)})
+
+
+def test_image_mask_input_through_gemma4s_own_image_processor():
+    r"""Captum's ``ImageMaskInput`` through ``DecompositionLLMAttribution``, the image resized and patchified by
+    ``Gemma4ImageProcessorPil`` itself (a 12 x 30 image, at most 70 tokens: resized to 40 x 104, a 5 x 13 token grid),
+    the processor's ``mm_token_type_ids`` extended over the targets as text: complete against the model's own
+    two-way logit, and the segments' scores sum to the image tokens' (every token shared out over the segments)."""
+    np = pytest.importorskip("numpy")
+    from PIL import Image
+    from captum.attr._utils.interpretable_input import ImageMaskInput
+    from transformers import Gemma4ImageProcessorPil
+    from vlm_gemma4 import BOI, EOI
+    from vlm_processors import vlm_tokenizer
+
+    from captum_normattr.attr.llm import DecompositionLLMAttribution
+
+    model = make_gemma4_vlm(seed=3, max_position_embeddings=128)
+    processor = Gemma4ImageProcessorPil(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70)
+
+    def fn(image):
+        px = processor(images=image, return_tensors="pt")
+        n = int(px["num_soft_tokens_per_image"][0])
+        ids = torch.cat([torch.tensor([1, BOI]), torch.full((n,), IMAGE), torch.tensor([EOI, 5, 6, 7])])[None]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": px["pixel_values"].double(),
+                "image_position_ids": px["image_position_ids"], "mm_token_type_ids": (ids == IMAGE).long()}
+
+    image = Image.fromarray((np.random.RandomState(8).rand(12, 30, 3) * 255).astype("uint8"))
+    mask = torch.zeros(12, 30, dtype=torch.int32)
+    mask[:, 10:20], mask[:, 20:] = 1, 2
+    target = torch.tensor([8, 9, 10])
+    res = DecompositionLLMAttribution(ALTILogitAttribution(model), vlm_tokenizer({})).attribute(
+        ImageMaskInput(image, mask=mask, processor_fn=fn), target=target)
+    ex = res.explanation
+    inputs = fn(image)
+    full = torch.cat([inputs["input_ids"], target[None]], 1)
+    extra = {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"],
+             "mm_token_type_ids": (full == IMAGE).long(), "position_ids": torch.arange(full.shape[1])[None]}
+    p = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        real = model(input_ids=full, attention_mask=torch.ones_like(full), **extra).logits[0]
+    real = real[torch.arange(p - 1, p - 1 + 3), target]
+    assert res.patch_attr.shape[:3] == (3, 5, 13) and ex.box == (0.0, 0.0, 12.0, 30.0)  # the grid stretched over it
+    assert float(((ex.scores.sum(-1) + ex.details.no_token - real).abs() / real.abs().max()).max()) < 1e-10
+    image_total = ex.scores[:, full[0] == IMAGE].sum(-1)
+    assert torch.allclose(res.token_attr[:, :3].sum(-1), image_total, rtol=1e-10, atol=1e-12), (
+        res.token_attr, image_total)

@@ -22,9 +22,9 @@ What the model does with an image (transformers' ``Gemma4Model.forward``) and wh
 - **Geometry** (``"pooled_sizes"``): the processor resizes each image, keeping its aspect ratio, to
   h x w pixels with h and w multiples of p k (variable resolution, at most ``max_soft_tokens`` tokens);
   the tokens lie row by row over its (h / p / k) x (w / p / k) grid, each covering p k x p k pixels of the
-  resized image. :func:`gemma4_image_sizes` reads (h, w) from ``image_position_ids``; pass them as
-  ``image_sizes`` to :func:`~captum_normattr.attr.vlm_regions.image_scores` and
-  :func:`~captum_normattr.attr.vlm_regions.image_heatmaps`. The heat maps are over the resized image
+  resized image. :func:`gemma4_image_sizes` reads (h, w) from ``image_position_ids``, which
+  :func:`~captum_normattr.attr.vlm_regions.image_scores`, :func:`~captum_normattr.attr.vlm_regions.image_heatmaps`
+  and the ``ImageMaskInput`` route take as they are. The heat maps are over the resized image
   (the processor's resize is a plain aspect-preserving one: scale them by the original size over
   (h, w) to lay them over the original).
 - **Refused inputs.** Audio (``input_features``, ``input_features_mask``: the audio tower's soft tokens)
@@ -57,8 +57,8 @@ def gemma4_image_sizes(image_position_ids: Tensor, patch_size: int) -> Tensor:
 
     Examples::
 
-        >>> sizes = gemma4_image_sizes(inputs["image_position_ids"], model.config.vision_config.patch_size)
-        >>> heat = image_heatmaps(result, ids, model, image_sizes=sizes)
+        >>> gemma4_image_sizes(inputs["image_position_ids"], model.config.vision_config.patch_size)
+        tensor([[ 40, 104]])
     """
     pos = torch.as_tensor(image_position_ids)
     if pos.dim() != 3 or pos.shape[-1] != 2:
