@@ -30,9 +30,11 @@ patches).
 Gemma 4 with images (:data:`GEMMA4`, :mod:`captum_normattr.arch.families.vlm_gemma4`: variable-resolution pooled
 grids, image spans two-way on the sliding-window layers).
 
-Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
+Three of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
-PaliGemma over its prefix (the image tokens and the prompt), the suffix causal. Such a call's attention maps
+PaliGemma over its prefix (the image tokens and the prompt), the suffix causal, and Gemma 4 within each
+image span on its sliding-window layers (its types are ``mm_token_type_ids``:
+:attr:`VisionLanguage.two_way_input`). Such a call's attention maps
 are not lower triangular, so the package decomposes it as a stack without the causal shortcuts (full maps,
 no triangular storage or row blocks): the recorded probabilities carry the model's own mask, so every entry
 above the diagonal that the mask opens is kept, and every other one is exactly 0 (docs/vlm.md,
@@ -224,7 +226,8 @@ PALIGEMMA = VisionLanguage(
 
 _NOT_YET = "Gemma 4's {} soft tokens are not checked by the package yet; explain the text and images alone"
 
-#: Gemma 4 with images: why each field is what it is, and the geometry's helper, in :mod:`~captum_normattr.arch.families.vlm_gemma4`
+#: Gemma 4 with images (why each field is what it is, and the geometry's helper:
+#: :mod:`~captum_normattr.arch.families.vlm_gemma4`)
 GEMMA4 = VisionLanguage(
     family="Gemma 4", model_types=("gemma4",), geometry="pooled_sizes", text_families=("gemma4_text",),
     inputs=("pixel_values", "image_position_ids", "mm_token_type_ids"), image_token=("image_token_id",),
@@ -299,5 +302,3 @@ def vision_language_spec(description: VisionLanguage, text_spec: ArchitectureSpe
     return replace(text_spec, family=f"{description.family} ({text_spec.family})", model_types=description.model_types,
                    layers=f"{lm}.{text_spec.layers}", head=head, variants=(),
                    notes=f"{text_spec.family}'s decoder under {lm}; {description.notes}")
-
-
