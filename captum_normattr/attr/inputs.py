@@ -272,7 +272,11 @@ def prepare_inputs(
         finite = (torch.isfinite(embeds) | ~mask.bool()[..., None]).flatten(1).all(1)
     further = {k: v.to(device=device) for k, v in given.items() if k not in FORWARD_KEYWORDS and v is not None}
     description = vision_language(model)
-    two_way = description is not None and description.two_way is not None and token_types is not None
+    two_way = description is not None and description.two_way is not None and (
+        token_types if description.two_way_input == "token_type_ids" else further.get(description.two_way_input)
+    ) is not None
+    if two_way and description.two_way_config is not None:  # the types open the attention only under this config
+        two_way = getattr(config, description.two_way_config[0], None) == description.two_way_config[1]
     return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite,
                           position_ids, further, description is not None and description.positions == "model", two_way)
 

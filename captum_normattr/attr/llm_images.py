@@ -291,7 +291,8 @@ def decompose_image_input(
     try:
         geometry = None
         inputs = image_model_inputs(inp)
-        geometry = image_geometry(model, inputs.get("image_sizes"), inputs.get("image_grid_thw"))
+        geometry = image_geometry(model, inputs.get("image_sizes"), inputs.get("image_grid_thw"),
+                                  inputs.get("image_position_ids"))
     except ValueError as err:
         if geometry is None:
             raise ValueError(f"an ImageMaskInput needs a vision-language model the package describes: {err}") from None

@@ -26,9 +26,9 @@ from captum_normattr.decompose.methods.routes import (
     GRANULARITIES,
     ROUTES_MEMORY_BUDGET_MB,
     attention_edge_importances,
-    ff_edge_importances,
     head_importance_totals,
     node_id,
+    output_edge_importances,
     prune_routes,
 )
 from captum_normattr.models.adapters import get_adapter, layer_modules
@@ -55,13 +55,17 @@ class RouteGraph:
         tokens: the T real tokens as strings (or None).
         nodes: dicts ``id``, ``kind`` (``"x"`` residual stream before layer ``layer``, ``x{L}``
             the final state; ``"m"`` after the attention of layer ``layer``; ``"f"`` the FF
-            block of ``layer``), ``layer``, ``position``.
+            block of ``layer``; ``"p"`` token ``position``'s per-layer input to ``layer``, a leaf,
+            Gemma 4 only), ``layer``, ``position``.
         edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"ff"``;
             ``"attention"`` with ``granularity="token"``: one edge per source, heads summed, the
             per-head parts in ``head_importances``), ``layer``, ``head`` (head edges only, else
             None), ``source_position``, ``target_position``, ``importance`` (in [0, 1]; the
             edges into a node sum to at most 1). An FF edge goes from ``m{l}_{i}`` through the
-            FF node ``f{l}_{i}`` to ``x{l+1}_{i}``.
+            FF node ``f{l}_{i}`` to ``x{l+1}_{i}``; a ``"per_layer_input"`` edge (Gemma 4) from
+            ``p{l}_{i}`` to ``x{l+1}_{i}``. A head edge of a layer that reuses an earlier layer's
+            keys and values (Gemma 4's ``num_kv_shared_layers``) comes from that earlier layer's
+            input node ``x{l'}_{j}`` (its ``layer`` is the head's layer l).
         meta: dtype, model family, rows computed per layer.
     """
 
@@ -125,15 +129,16 @@ class RouteGraph:
 
         Top-down, flow(x_{L,i}) = 1 and every kept edge passes flow(target) x importance to its
         source (an FF edge to the state before the FF block); the result is the flow reaching
-        each embedding node x_{0,j}. With threshold 0 it sums to 1 (the importances into each
+        each embedding node x_{0,j}, plus (Gemma 4) the flow reaching token j's per-layer-input
+        leaves p_{l,j}. With threshold 0 it sums to 1 (the importances into each
         node sum to 1); pruning loses the flow of the edges below the threshold.
         """
         n = int(self.meta.get("seq_len", 1 + max([nd["position"] for nd in self.nodes], default=self.position)))
         flow = self._node_flows()
         out = torch.zeros(n, dtype=torch.float64)
         for nd in self.nodes:
-            if nd["kind"] == "x" and nd["layer"] == 0:
-                out[nd["position"]] = flow.get(nd["id"], 0.0)
+            if (nd["kind"] == "x" and nd["layer"] == 0) or nd["kind"] == "p":  # a per-layer input: its token's
+                out[nd["position"]] += flow.get(nd["id"], 0.0)
         return out
 
     # --- exports ------------------------------------------------------------------
@@ -236,7 +241,7 @@ class InformationFlowRoutes:
         self.model = model
         self.adapter = get_adapter(model)
         family = self.adapter.family
-        kind = layer_kind(self.adapter.topology)
+        kind = self.kind = layer_kind(self.adapter.topology)
         if not self.adapter.causal:
             layers = self.adapter.features()[0]  # the topology, readable ("post-LN", "pre-LN", ...)
             raise NotImplementedError(
@@ -304,14 +309,20 @@ class InformationFlowRoutes:
         n_layers = len(layer_modules(self.model, self.adapter))
         checkpoints: List[Optional[Tensor]] = []
         ff_imp: List[Tensor] = []
+        output_kinds: List[Tuple[str, ...]] = []
+        value_layers: List[int] = []
         top: Dict[str, Any] = {}
+        kind = self.kind
         budget = self.memory_budget_mb
 
         def on_layer(layer: LayerTensors) -> None:
             layer = tensors_to(layer, valid.device)
             checkpoints.append(layer.hidden_in)
-            ff = ff_edge_importances(layer.ln2_in[0], layer.ff_out[0], layer.layer_out[0])
+            parts, kinds = kind.route_output_edges(layer)
+            ff = output_edge_importances(parts[0], layer.layer_out[0])
             ff_imp.append(ff * valid[0, :, None].to(ff.dtype))
+            output_kinds.append(kinds)
+            value_layers.append(kind.route_value_layer(layer))
             top["heads"] = max(top.get("heads", 0), layer.num_heads)  # hybrid models: the largest head count
             top["dtype"] = str(layer.hidden_in.dtype).replace("torch.", "")
             if layer.index == n_layers - 1:  # the top layer is needed first: keep it, no rerun
@@ -330,10 +341,12 @@ class InformationFlowRoutes:
                     guard.check_rerun(layer, checkpoints[l + 1])
                 if l + 1 < n_layers:
                     checkpoints[l + 1] = None  # walked top-down: no longer needed
+                layer = kind.route_form(layer)
                 projected = project_values(layer.values[:1], layer.head_out_weight())
                 return attention_edge_importances(layer, rows.to(valid.device), valid, 0, budget, projected)
 
-            pruned = prune_routes(n_layers, pos, threshold, lambda l: ff_imp[l], attention, granularity)
+            pruned = prune_routes(n_layers, pos, threshold, lambda l: ff_imp[l], attention, granularity,
+                                  output_edges=lambda l: output_kinds[l], value_layer=lambda l: value_layers[l])
         top.pop("layer", None)
         # positions over the real tokens
         for n in pruned.nodes:

@@ -34,6 +34,10 @@ The geometry is the family's description's (:class:`~captum_normattr.arch.famili
 - ``"anyres_tiles"`` (LLaVA-NeXT, LLaVA-OneVision): a base view then any-resolution tiles, unpadded, with a
   newline token after every row, mapped onto the ORIGINAL image's pixels
   (:mod:`captum_normattr.attr.vlm_anyres`).
+- ``"pooled_sizes"`` (Gemma 4): each image's ``image_sizes`` (h, w) of the processor's resized image
+  (:func:`~captum_normattr.arch.families.vlm_gemma4.gemma4_image_sizes` reads them from ``image_position_ids``),
+  every k x k block of its (h / p) x (w / p) patches (``vision_config.pooling_kernel_size``) pooled into one
+  token, row by row over (h / p / k) x (w / p / k).
 
 PaliGemma's is ``"patch_grid"`` with a SigLIP tower and no feature strategy: every patch is a token.
 Qwen2-VL's and Qwen2.5-VL's videos (frame groups of merged grids) are mapped by :mod:`captum_normattr.attr.vlm_video`.
@@ -55,6 +59,7 @@ from torch import Tensor, nn
 from captum_normattr.arch.families.vlm import TWO_WAY
 from captum_normattr.attr.image_tokens import split_images
 from captum_normattr.attr.vlm_anyres import anyres_geometry, anyres_heatmaps, anyres_scores
+from captum_normattr.arch.families.vlm_gemma4 import gemma4_image_sizes
 from captum_normattr.models.adapters import unwrap_model, vision_language
 
 __all__ = [
@@ -122,7 +127,7 @@ def _as_int(value: Any, what: str) -> int:
 
 
 def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
-                   image_grid_thw: Optional[Tensor] = None) -> ImageGeometry:
+                   image_grid_thw: Optional[Tensor] = None, image_position_ids: Optional[Tensor] = None) -> ImageGeometry:
     r"""The image-token geometry of a vision-language model, from its config and its family's description.
 
     Args:
@@ -132,6 +137,8 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
             square ``vision_config.image_size``.
         image_grid_thw: (n_images, 3) Qwen2-VL's patches per image (frames, rows, columns), as the
             processor gives them (the ``"merged_grid"`` geometry needs them).
+        image_position_ids: (n_images, max_patches, 2) Gemma 4's patch positions, as the processor gives them
+            (the ``"pooled_sizes"`` geometry reads each image's size from them where ``image_sizes`` is None).
 
     Returns:
         :class:`ImageGeometry`; for LLaVA-NeXT / OneVision (``"anyres_tiles"``) an
@@ -176,10 +183,15 @@ def image_geometry(model: nn.Module, image_sizes: Optional[Tensor] = None,
             raise ValueError(f"pixel_shuffle_ratio {getattr(vision, 'pixel_shuffle_ratio', None)} does not shuffle "
                              f"the {side} x {side} patch grid into whole blocks")
         return ImageGeometry(token, (p * k, p * k), ((side // k, side // k),))  # tiles: attr.vlm_tiles
-    if description.geometry == "merged_sizes":  # Mistral 3: each image's m x m patches merged into one token
-        if image_sizes is None:
-            raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's)")
-        m = _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size")
+    if description.geometry == "pooled_sizes" and image_sizes is None and image_position_ids is not None:
+        image_sizes = gemma4_image_sizes(image_position_ids, p)
+    if description.geometry in ("merged_sizes", "pooled_sizes"):  # Mistral 3 (merged), Gemma 4 (pooled): m x m
+        if image_sizes is None:  # patches per token, row by row over each image's grid
+            raise ValueError(f"{description.family}'s image grids are per image: pass image_sizes (the processor's; "
+                             "Gemma 4: image_position_ids)")
+        m = (_as_int(getattr(vision, "pooling_kernel_size", None), f"{description.vision_config}.pooling_kernel_size")
+             if description.geometry == "pooled_sizes" else
+             _as_int(getattr(config, "spatial_merge_size", None), "spatial_merge_size"))
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
         return ImageGeometry(token, (p * m, p * m), tuple((int(h) // (p * m), int(w) // (p * m)) for h, w in sizes))
     if description.geometry == "pooled_grid":  # Gemma 3: the patch grid average-pooled to a square token grid
@@ -292,20 +304,20 @@ def result_scores(result: Any) -> Tensor:
 
 
 def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
-                 image_grid_thw: Optional[Tensor] = None) -> ImageScores:
+                 image_grid_thw: Optional[Tensor] = None, image_position_ids: Optional[Tensor] = None) -> ImageScores:
     r"""The image tokens' scores of a result, one patch grid per image.
 
     Args:
         result: a result of the package (its ``scores`` (B, T) or (B, ..., T)) or the scores themselves.
         input_ids: (B, T) the token ids the result explains.
         model: the vision-language model.
-        image_sizes, image_grid_thw: as in :func:`image_geometry`.
+        image_sizes, image_grid_thw, image_position_ids: as in :func:`image_geometry`.
 
     Returns:
         :class:`ImageScores`; for LLaVA-NeXT / OneVision an :class:`~captum_normattr.attr.vlm_anyres.AnyresScores`
         (base grids, tile grids and newline scores apart).
     """
-    geometry = image_geometry(model, image_sizes, image_grid_thw)
+    geometry = image_geometry(model, image_sizes, image_grid_thw, image_position_ids)
     scores = result_scores(result)
     if not isinstance(geometry, ImageGeometry):  # any-resolution tiles: their base views, tiles and newlines apart
         return anyres_scores(scores, image_token_mask(input_ids, geometry).to(scores.device), geometry)
@@ -314,14 +326,15 @@ def image_scores(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: 
 
 def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes: Optional[Tensor] = None,
                    sizes: Optional[Sequence[Tuple[int, int]]] = None,
-                   image_grid_thw: Optional[Tensor] = None) -> List[Tensor]:
+                   image_grid_thw: Optional[Tensor] = None, image_position_ids: Optional[Tensor] = None
+                   ) -> List[Tensor]:
     r"""Heat maps over the images' pixels: every image token's score spread over its patch.
 
     Args:
         result: a result (its ``scores``) or per-token scores, (B, T) or (B, ..., T).
         input_ids: (B, T) token ids.
         model: the vision-language model (:mod:`captum_normattr.arch.families.vlm`).
-        image_sizes, image_grid_thw: as in :func:`image_geometry`.
+        image_sizes, image_grid_thw, image_position_ids: as in :func:`image_geometry`.
         sizes: (H, W) per image, when the images are larger than their whole patches; default
             each grid's extent (the tower's input size).
 
@@ -336,7 +349,7 @@ def image_heatmaps(result: Any, input_ids: Tensor, model: nn.Module, image_sizes
         ...     additional_forward_args={"attention_mask": mask, "pixel_values": pixels})
         >>> heat = image_heatmaps(res, ids, llava)[0]  # (336, 336) for LLaVA 1.5
     """
-    geometry = image_geometry(model, image_sizes, image_grid_thw)
+    geometry = image_geometry(model, image_sizes, image_grid_thw, image_position_ids)
     scores = result_scores(result)
     if not isinstance(geometry, ImageGeometry):  # any-resolution tiles: the sum of both views over the original image
         return anyres_heatmaps(scores, input_ids, model, image_sizes)

@@ -604,7 +604,8 @@ if (G) {
   G.edges.forEach(function(e){
     var sp = e.source_position, tp = e.target_position;
     var sk = e.source.charAt(0), tk = e.target.charAt(0);
-    var sl = e.layer, tl = tk === "x" ? e.layer + 1 : e.layer;
+    var layerOf = function(id){ return Number(id.slice(1).split("_")[0]); };  // a shared-value head edge skips layers
+    var sl = layerOf(e.source), tl = layerOf(e.target);
     var x1 = xOf(sp), y1 = yOf(sk, sl), x2 = xOf(tp), y2 = yOf(tk, tl);
     var colr = e.kind === "head" ? "hsl(" + Math.round(360 * e.head / H) + ",70%,45%)" : (e.kind === "ff" ? "#e08a00" : (e.kind === "attention" ? "#2457c5" : "#888"));
     if (e.kind === "ff") { x1 += 12; x2 += 12; }

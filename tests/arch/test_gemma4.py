@@ -42,9 +42,11 @@ def _tiny(cls=Gemma4ForCausalLM, **overrides):
     return model
 
 
-def test_the_multimodal_type_names_its_towers_and_the_text_model():
-    why = refusal("gemma4")
-    assert "vision" in why and "gemma4_text" in why and "Gemma4ForCausalLM" in why and "is supported" in why
+def test_the_multimodal_type_is_a_vision_language_model_not_a_refusal():
+    from captum_normattr.arch.registry import VISION_LANGUAGE
+
+    assert refusal("gemma4") is None  # Gemma4ForConditionalGeneration: tests/attr/test_vlm_gemma4.py
+    assert VISION_LANGUAGE["gemma4"].family == "Gemma 4" and "gemma4_text" in VISION_LANGUAGE["gemma4"].text_families
 
 
 def test_the_per_layer_input_is_a_function_of_the_token_alone():

@@ -9,11 +9,12 @@ feed-forward. The attention block is recorded as a sandwich layer's; the layer k
 (:mod:`captum_normattr.decompose.kinds.sandwich_per_layer_input`) adds the rest
 (``docs/frontier.md``, "Gemma 4"). DecompX, ALTI-Logit, GlobEnc, ALTI and the FF component scopes
 (FFIntegratedDecomposition; the whole-layer scope with the per-layer-input branch as each token's own
-part and the layer scalar on every part) decompose it exactly; the routes are not implemented for its
-kind and are refused.
+part and the layer scalar on every part) decompose it exactly, and the routes run on it (a layer reusing
+keys and values has its head edges from the input of the layer that computed them).
 
 ``BUILTIN`` lists the description by registry key; :mod:`captum_normattr.arch.registry` registers it.
-``REFUSED`` keeps the multimodal ``gemma4`` refused, with a pointer to its text model.
+The multimodal ``gemma4`` (``Gemma4ForConditionalGeneration``) is a vision-language model
+(:mod:`captum_normattr.arch.families.vlm_gemma4`); ``REFUSED`` is empty.
 """
 from __future__ import annotations
 
@@ -46,14 +47,10 @@ GEMMA4_TEXT = ArchitectureSpec(
     notes="sandwich layers with gain-w RMSNorms plus per-layer inputs (a third residual branch to each token's own "
           "part), a layer scalar, per-head value norms, shared keys/values, keys as values and experts beside the "
           "dense FF (enable_moe_block, routing held fixed); sliding-window and global layers recorded; DecompX runs "
-          "its forward propagation; routes refused",
+          "its forward propagation; routes with a shared value's head edges from the layer that computed it",
 )
 
 BUILTIN: Tuple[Tuple[str, ArchitectureSpec], ...] = (("gemma4_text", GEMMA4_TEXT),)
 
 #: ``config.model_type`` -> (family, why it is not supported)
-REFUSED: Dict[str, Tuple[str, str]] = {
-    "gemma4": ("Gemma 4 (multimodal)", "the multimodal model (a vision and an audio tower before the text model, "
-                                       "Gemma4ForConditionalGeneration); its text model (gemma4_text, "
-                                       "Gemma4ForCausalLM, Gemma4TextModel) is supported"),
-}
+REFUSED: Dict[str, Tuple[str, str]] = {}  # the multimodal ``gemma4``: a vision-language model (vlm_gemma4.py)

@@ -32,10 +32,14 @@ Gemma 3 with images (:data:`GEMMA3`: pooled grids), PaliGemma (:data:`PALIGEMMA`
 patches; PaliGemma 2's Gemma 2 decoder by its ``text_config.model_type``) and Llama 4 with images
 (:data:`LLAMA4`: the Llama 4 text model, a whole ``*ForCausalLM`` under ``language_model``, its head moved
 with it by :attr:`VisionLanguage.lm_head`; tiles of pixel-shuffled patches).
+Gemma 4 with images (:data:`GEMMA4`, :mod:`captum_normattr.arch.families.vlm_gemma4`: variable-resolution pooled
+grids, image spans two-way on the sliding-window layers).
 
-Two of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
+Three of them attend two-way over part of the sequence when the call carries ``token_type_ids`` (their
 processors return them; :attr:`VisionLanguage.two_way`, :data:`TWO_WAY`): Gemma 3 within each image span,
-PaliGemma over its prefix (the image tokens and the prompt), the suffix causal. Such a call's attention maps
+PaliGemma over its prefix (the image tokens and the prompt), the suffix causal, and Gemma 4 within each
+image span on its sliding-window layers (its types are ``mm_token_type_ids``:
+:attr:`VisionLanguage.two_way_input`). Such a call's attention maps
 are not lower triangular, so the package decomposes it as a stack without the causal shortcuts (full maps,
 no triangular storage or row blocks): the recorded probabilities carry the model's own mask, so every entry
 above the diagonal that the mask opens is kept, and every other one is exactly 0 (docs/vlm.md,
@@ -55,6 +59,7 @@ from captum_normattr.arch.spec import ArchitectureSpec
 
 __all__ = [
     "GEMMA3",
+    "GEMMA4",
     "GEOMETRIES",
     "IDEFICS3",
     "LLAMA4",
@@ -95,8 +100,11 @@ __all__ = [
 #: (S r / p) x (S r / p); the tiles' places on the image: :mod:`captum_normattr.attr.vlm_tiles`.
 #: ``"anyres_tiles"``: LLaVA-NeXT / OneVision's base view then unpadded any-resolution tiles with a newline after every
 #: row (:mod:`captum_normattr.arch.families.vlm_anyres`, :mod:`captum_normattr.attr.vlm_anyres`).
+#: ``"pooled_sizes"``: Gemma 4's tower: each image's ``image_sizes`` (h, w) in pixels (the processor's resized image,
+#: :func:`~captum_normattr.arch.families.vlm_gemma4.gemma4_image_sizes`), every ``vision_config.pooling_kernel_size``
+#: k x k block of its (h / p) x (w / p) patches average-pooled into one token, row-major over (h / p / k) x (w / p / k).
 GEOMETRIES: Tuple[str, ...] = ("patch_grid", "merged_grid", "shuffled_grid", "merged_sizes", "pooled_grid",
-                               "tiled_grid", "anyres_tiles")
+                               "tiled_grid", "anyres_tiles", "pooled_sizes")
 
 #: How ``token_type_ids`` open the attention of a decoder above the diagonal (:attr:`VisionLanguage.two_way`):
 #: ``"image_spans"`` (Gemma 3): each maximal run of tokens of type 1 (an image's tokens) attends to itself two-way,
@@ -154,6 +162,10 @@ class VisionLanguage:
         video_token: config attributes that may hold the video token's id, in order; empty: the family takes no
             videos. Videos lie on the ``"merged_grid"`` geometry frame group by frame group
             (:mod:`captum_normattr.attr.vlm_video`: Qwen2-VL, Qwen2.5-VL).
+        two_way_input: the model input carrying the token types of :attr:`two_way` (``"token_type_ids"``;
+            Gemma 4: ``"mm_token_type_ids"``, one of :attr:`inputs`).
+        two_way_config: (decoder config attribute, value): the types open the attention only where the decoder's
+            config has that value (Gemma 4: ``("use_bidirectional_attention", "vision")``); None: always.
         notes: for the docs.
     """
 
@@ -176,6 +188,8 @@ class VisionLanguage:
     generated_type: int = 0
     video_token: Tuple[str, ...] = ()
     lm_head: Optional[str] = None
+    two_way_input: str = "token_type_ids"
+    two_way_config: Optional[Tuple[str, Any]] = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -279,12 +293,27 @@ LLAMA4 = VisionLanguage(
     notes="the Llama 4 text model (Llama4ForCausalLM) as the model's language_model; a tower whose [CLS] is dropped, "
           "each tile's patches pixel-shuffled (1/r x 1/r per token); image tokens on each tile's grid, the tiles "
           "row by row, then the global view (attr.vlm_tiles stitches them)",
+_NOT_YET = "Gemma 4's {} soft tokens are not checked by the package yet; explain the text and images alone"
+
+#: Gemma 4 with images (why each field is what it is, and the geometry's helper:
+#: :mod:`~captum_normattr.arch.families.vlm_gemma4`)
+GEMMA4 = VisionLanguage(
+    family="Gemma 4", model_types=("gemma4",), geometry="pooled_sizes", text_families=("gemma4_text",),
+    inputs=("pixel_values", "image_position_ids", "mm_token_type_ids"), image_token=("image_token_id",),
+    two_way="image_spans", two_way_input="mm_token_type_ids",
+    two_way_config=("use_bidirectional_attention", "vision"), strategy=None,
+    refused=(("input_features", _NOT_YET.format("audio")), ("input_features_mask", _NOT_YET.format("audio")),
+             ("pixel_values_videos", _NOT_YET.format("video"))),
+    notes="variable-resolution tower, k x k patches average-pooled by position into one soft token; image tokens "
+          "row by row over each resized image's (h / p / k) x (w / p / k) grid; with mm_token_type_ids and "
+          "use_bidirectional_attention='vision' each image span is two-way on the sliding-window layers only; "
+          "audio and video inputs refused",
 )
 
 #: ``config.model_type`` -> the vision-language description.
 VISION_LANGUAGE: Dict[str, VisionLanguage] = {
     t: d for d in (LLAVA, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, IDEFICS3, SMOLVLM,
-                   MISTRAL3, GEMMA3, PALIGEMMA, LLAMA4)
+                   MISTRAL3, GEMMA3, PALIGEMMA, LLAMA4, GEMMA4)
     for t in d.model_types}
 
 
@@ -344,4 +373,3 @@ def vision_language_spec(description: VisionLanguage, text_spec: ArchitectureSpe
     return replace(text_spec, family=f"{description.family} ({text_spec.family})", model_types=description.model_types,
                    layers=f"{lm}.{text_spec.layers}", head=head, variants=(),
                    notes=f"{text_spec.family}'s decoder under {lm}; {description.notes}")
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from captum_normattr.arch.spec import UnsupportedModelError
@@ -174,6 +175,27 @@ class LayerKind:
     def alti_chunk_rows(self, layer: LayerTensors, memory_budget_mb: float) -> int:
         b, t, d = layer.hidden_in.shape
         return rows_for_budget(b, t, d, layer.hidden_in.element_size(), memory_budget_mb, causal=layer.causal)
+
+    # --- routes (docs/routes.md) ---------------------------------------------------------
+    def route_form(self, layer: LayerTensors) -> LayerTensors:
+        r"""The pre-LN record whose attention parts alpha^h_ij f^h_j are the head edges into m_{l,i} = ``ln2_in``.
+
+        A pre-LN layer is itself; a kind with a norm after the attention folds it in.
+        """
+        return layer
+
+    def route_output_edges(self, layer: LayerTensors) -> Tuple[Tensor, Tuple[str, ...]]:
+        r"""The edges into the layer output x_{l+1,i}: their vectors (B, T, E, D), summing to ``layer_out``,
+        and their kinds (:func:`~captum_normattr.decompose.methods.routes.prune_routes`'s ``output_edges``).
+
+        A pre-LN layer: the residual h_i and the FF output.
+        """
+        return torch.stack([layer.ln2_in, layer.ff_out], -2), ("residual", "ff")
+
+    def route_value_layer(self, layer: LayerTensors) -> int:
+        r"""The layer whose input the values of this layer's attention are computed from (itself, unless it
+        reuses an earlier layer's keys and values)."""
+        return layer.index
 
     # --- DecompX (docs/design.md, section 8) -----------------------------------------
     def decompx_step(

@@ -41,7 +41,20 @@ its real per-token scale and the feed-forward blocks decomposed by the gated rul
 with B_i = N_ple((act(z_i W_gate) * e_i) W_proj) the real per-layer-input branch, token i's OWN part (its
 gate frozen at its real value, e_i a function of token i alone; as in DecompX's step), and the layer
 scalar c multiplying every part. RES2 is the whole layer (the default scope). There is no bias part
-(Gemma 4 has no biases). The routes are not implemented for this kind and are refused.
+(Gemma 4 has no biases).
+
+Routes (:mod:`captum_normattr.decompose.methods.routes`, docs/routes.md), every edge vector a real
+tensor's additive piece:
+
+- into m_{l,i} = h_i: the residual x_i and, per head h and source j, N_pa's frozen part
+  gamma_pa * alpha^h_ij v^h_j W_O^h / r_pa,i (:meth:`SandwichPerLayerInputKind.route_form`, the
+  sandwich kind's pre-LN form; v^h_j the values the attention read, normalised per head by v_norm);
+- into x_{l+1,i} = y_i: c h_i (residual, from m_{l,i}), c N_pf(FF)_i (the feed-forward branch with its
+  experts, from m_{l,i} through the FF node) and c B_i (the per-layer-input branch, from the leaf p_{l,i}:
+  token i's own, as in DecompX's step; its gate reads z_i, but its content e_i is token i's alone);
+- a layer that reuses an earlier layer's keys and values (``num_kv_shared_layers``) reads values computed
+  from the input of the last storing layer l' of its attention type: its head edges come from x_{l',j}
+  (:meth:`SandwichPerLayerInputKind.route_value_layer`), skipping the layers between.
 """
 from __future__ import annotations
 
@@ -178,7 +191,7 @@ class SandwichPerLayerInputKind(SandwichKind):
     r"""Gemma 4's layers: the sandwich kind's attention block, its own logit form and DecompX step (module docstring)."""
 
     name = "sandwich_per_layer_input"
-    methods = frozenset({"maps", "alti", "ff", "decompx", "alti_logit"})
+    methods = frozenset({"maps", "alti", "ff", "decompx", "alti_logit", "routes"})
     capture = PER_LAYER_INPUT_CAPTURE
     #: DecompX's adjoint needs a transpose per layer; a layer reusing another layer's values has none
     adjoint = False
@@ -189,14 +202,40 @@ class SandwichPerLayerInputKind(SandwichKind):
         r"""Raise :class:`UnsupportedModelError` for a method this kind does not decompose, naming why and what does."""
         if method in self.methods:
             return
-        what = {"routes": ("the information-flow routes", "they are implemented for pre-LN layers only")}.get(
-            method, (f"the {method!r} decomposition", "it is not defined for this layer kind"))
         raise UnsupportedModelError(
-            f"{family} has {self.name} layers: {what[0]} are not implemented for them ({what[1]}). "
-            "DecompXAttribution, ALTILogitAttribution, GlobEncAttribution, ALTIAttribution and "
-            "FFIntegratedDecomposition (and the LLM API, "
+            f"{family} has {self.name} layers: the {method!r} decomposition is not implemented for them (it is "
+            "not defined for this layer kind). DecompXAttribution, ALTILogitAttribution, GlobEncAttribution, "
+            "ALTIAttribution, FFIntegratedDecomposition, InformationFlowRoutes (and the LLM API, "
             "DecompositionLLMAttribution, with any of them) decompose these layers exactly; see docs/frontier.md, "
             "\"Gemma 4\"")
+
+    def route_form(self, layer):
+        r"""The sandwich kind's pre-LN form: N_pa's scale 1 / r_pa,i on the probabilities' rows, its gain on W_O."""
+        return pre_ln_form(layer)
+
+    def route_output_edges(self, layer):
+        r"""c h_i (``"residual"``), c N_pf(FF)_i (``"ff"``) and, with per-layer inputs, c B_i (``"per_layer_input"``)."""
+        module = _extra(layer, "module")
+        c = module.layer_scalar.detach().to(device=layer.hidden_in.device, dtype=layer.hidden_in.dtype)
+        parts, kinds = [layer.ln2_in * c, layer.ff_post_out * c], ("residual", "ff")
+        if getattr(module, "hidden_size_per_layer_input", 0):
+            z = layer.ln2_in + layer.ff_post_out
+            parts.append(per_layer_input_branch(module, z, _extra(layer, "per_layer_input")) * c)
+            kinds += ("per_layer_input",)
+        return torch.stack(parts, -2), kinds
+
+    def route_value_layer(self, layer):
+        r"""The last storing layer of the layer's attention type where it reuses keys and values, else the layer."""
+        attention = _extra(layer, "module").self_attn
+        if not attention.is_kv_shared_layer:
+            return layer.index
+        config = attention.config
+        types, modes = config.layer_types, config.kv_sharing_modes
+        stores = [k for k in range(layer.index) if types[k] == attention.layer_type and modes[k] == "store"]
+        if not stores:
+            raise UnsupportedModelError(f"layer {layer.index} reuses keys and values that no earlier layer of the "
+                                        "model computes (every layer shares them): there is no route to their source")
+        return stores[-1]
 
     def scope_maps(self, layer, valid, options):
         r"""The FF component scopes of :func:`per_layer_input_scope_maps`."""

@@ -34,6 +34,7 @@ from captum_normattr.decompose.records import LayerTensors
 __all__ = [
     "EDGE_KINDS",
     "GRANULARITIES",
+    "OUTPUT_EDGES",
     "PrunedRoutes",
     "ROUTES_COMPILE_AFTER_SECONDS",
     "ROUTES_MEMORY_BUDGET_MB",
@@ -43,6 +44,7 @@ __all__ = [
     "head_importance_totals",
     "head_part_distances",
     "node_id",
+    "output_edge_importances",
     "proximity",
     "prune_routes",
 ]
@@ -56,7 +58,9 @@ _EAGER_SECONDS = [0.0]
 #: Bytes of one tile of the eager per-head distance kernel (one row, all heads, a block of sources).
 ROUTES_TILE_BYTES = 2**20
 #: Edge kinds of a route graph.
-EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "attention", "ff")
+EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "attention", "ff", "per_layer_input")
+#: The edges into a layer output x_{l+1,i} of a pre-LN layer (:func:`ff_edge_importances`'s columns).
+OUTPUT_EDGES: Tuple[str, ...] = ("residual", "ff")
 
 
 def proximity(parts: Tensor, total: Tensor) -> Tensor:
@@ -83,6 +87,23 @@ def _normalise(*proxes: Tensor) -> Tuple[Tensor, ...]:
     return tuple(out)
 
 
+def output_edge_importances(parts: Tensor, layer_out: Tensor) -> Tensor:
+    r"""Importances of the E edges into every layer output x_{l+1,i}, from their vectors.
+
+    Args:
+        parts: (..., T, E) D-vectors, (..., T, E, D): the pieces of the layer output, in the order of the
+            layer kind's :meth:`~captum_normattr.decompose.kinds.base.LayerKind.route_output_edges`
+            (a pre-LN layer: the residual h_i and the FF output).
+        layer_out: (..., T, D) the real layer output (their sum).
+
+    Returns:
+        (..., T, E); each row sums to 1 (or is 0).
+    """
+    prox = proximity(parts, layer_out)  # (..., T, E)
+    s = prox.sum(-1, keepdim=True)
+    return torch.where(s > 0, prox / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(prox))
+
+
 def ff_edge_importances(mid: Tensor, ff_out: Tensor, layer_out: Tensor) -> Tensor:
     r"""Importances of the two edges into every layer output x_{l+1,i}: residual h_i and FF block.
 
@@ -94,9 +115,7 @@ def ff_edge_importances(mid: Tensor, ff_out: Tensor, layer_out: Tensor) -> Tenso
     Returns:
         (..., T, 2): [..., i, 0] residual, [..., i, 1] FF; each row sums to 1 (or is 0).
     """
-    prox = proximity(torch.stack([mid, ff_out], -2), layer_out)  # (..., T, 2)
-    s = prox.sum(-1, keepdim=True)
-    return torch.where(s > 0, prox / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(prox))
+    return output_edge_importances(torch.stack([mid, ff_out], -2), layer_out)
 
 
 def attention_edge_importances(
@@ -221,7 +240,8 @@ def head_part_distances(alpha: Tensor, projected: Tensor, y: Tensor) -> Tensor:
 
 def node_id(kind: str, layer: int, position: int) -> str:
     r"""Node name: ``x{l}_{i}`` (input of layer l; ``x{L}_{i}`` the final state), ``m{l}_{i}``
-    (after the attention of layer l) or ``f{l}_{i}`` (the FF block of layer l)."""
+    (after the attention of layer l), ``f{l}_{i}`` (the FF block of layer l) or ``p{l}_{i}``
+    (token i's per-layer input to layer l, Gemma 4's per-layer-input branch: a leaf whose flow is token i's)."""
     return f"{kind}{layer}_{position}"
 
 
@@ -230,9 +250,9 @@ class PrunedRoutes:
     r"""The nodes and edges kept by :func:`prune_routes`.
 
     Attributes:
-        nodes: dicts ``id``, ``kind`` (``"x"``, ``"m"`` or ``"f"``), ``layer``, ``position``.
-        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"attention"``, ``"ff"``),
-            ``layer``, ``head`` (None unless a head edge), ``source_position``,
+        nodes: dicts ``id``, ``kind`` (``"x"``, ``"m"``, ``"f"`` or ``"p"``), ``layer``, ``position``.
+        edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"attention"``, ``"ff"``,
+            ``"per_layer_input"``), ``layer``, ``head`` (None unless a head edge), ``source_position``,
             ``target_position``, ``importance``.
         rows_per_layer: number of after-attention rows whose head importances were computed.
     """
@@ -253,28 +273,37 @@ def prune_routes(
     ff_importances: Callable[[int], Tensor],
     attention_importances: Callable[[int, Tensor], Tuple[Tensor, Tensor]],
     granularity: str = "head",
+    output_edges: Callable[[int], Sequence[str]] = lambda l: OUTPUT_EDGES,
+    value_layer: Callable[[int], int] = lambda l: l,
 ) -> PrunedRoutes:
     r"""Top-down pruning: from the final state x_{L,i}, keep every incoming edge with importance >= tau.
 
     For l = L-1, ..., 0: for every kept output x_{l+1,k}, the residual edge (from m_{l,k}) and
     the FF edge (m_{l,k} -> FF node -> x_{l+1,k}) are kept where their importance is >= tau
-    (and > 0); a kept edge keeps its source. Then for every kept m_{l,k} the residual edge
-    from x_{l,k} and every head edge from x_{l,j} with importance >= tau are kept, keeping their
-    sources. A kept node whose incoming edges are all below tau ends its route.
+    (and > 0); a kept edge keeps its source (a per-layer-input edge's source is the leaf
+    p_{l,k}). Then for every kept m_{l,k} the residual edge from x_{l,k} and every head edge
+    from x_{l',j} with importance >= tau are kept, keeping their sources; l' = ``value_layer(l)``
+    is the layer whose input the values of layer l are computed from (l itself, or, where a layer
+    reuses an earlier layer's keys and values, that earlier layer: the edge skips the layers
+    between). A kept node whose incoming edges are all below tau ends its route.
 
     Args:
         num_layers: L.
         position: the explained position i.
         threshold: tau.
-        ff_importances: ``l -> (T, 2)`` residual and FF importance of every output of layer l
-            (:func:`ff_edge_importances`).
+        ff_importances: ``l -> (T, E)`` the importance of every edge into every output of layer l,
+            in the order of ``output_edges(l)`` (:func:`output_edge_importances`).
         attention_importances: ``(l, rows (K,)) -> (heads (K, H, T), residual (K,))`` for the
             after-attention states of layer l at ``rows`` (:func:`attention_edge_importances`);
-            called once per layer, top layer first, with the kept rows only.
+            called once per layer with kept rows, top layer first.
         granularity: ``"head"`` (default): one edge per head and source j (kind ``"head"``);
             ``"token"``: one edge per source j whose importance is the sum over heads (kind
             ``"attention"``, with the per-head importances in ``head_importances``), the
             token-level edges of the authors' tool.
+        output_edges: ``l -> `` the kinds of the edges into layer l's outputs: ``"residual"`` (from
+            m_{l,k}), ``"ff"`` (from m_{l,k} through the FF node f_{l,k}), ``"per_layer_input"``
+            (from the leaf p_{l,k}); default :data:`OUTPUT_EDGES`.
+        value_layer: ``l -> l'`` (see above); default the identity.
 
     Returns:
         :class:`PrunedRoutes`.
@@ -299,52 +328,62 @@ def prune_routes(
                           "source_position": sp, "target_position": tp, "importance": w})
 
     add_node("x", num_layers, position)
-    kept_x = [position]
+    # kept inputs x_{l,k} per layer l (a layer reusing an earlier layer's values keeps that layer's inputs)
+    kept_inputs: Dict[int, set] = {num_layers: {position}}
     out.rows_per_layer = [0] * num_layers
     for l in range(num_layers - 1, -1, -1):
+        kept_x = sorted(kept_inputs.pop(l + 1, ()))
+        if not kept_x:
+            if any(kept_inputs.values()):
+                continue
+            break
         ffi = ff_importances(l)
+        kinds = tuple(output_edges(l))
         kept_m = []
         for k in kept_x:
-            w_res, w_ff = float(ffi[k, 0]), float(ffi[k, 1])
-            if keep(w_res):
+            for e, kind in enumerate(kinds):
+                w = float(ffi[k, e])
+                if not keep(w):
+                    continue
+                if kind == "per_layer_input":  # token k's own per-layer input: a leaf
+                    add_node("p", l, k)
+                    add_edge(node_id("p", l, k), node_id("x", l + 1, k), kind, l, None, k, k, w)
+                    continue
                 add_node("m", l, k)
-                add_edge(node_id("m", l, k), node_id("x", l + 1, k), "residual", l, None, k, k, w_res)
-            if keep(w_ff):
-                add_node("m", l, k)
-                add_node("f", l, k)
-                add_edge(node_id("m", l, k), node_id("x", l + 1, k), "ff", l, None, k, k, w_ff)
-            if keep(w_res) or keep(w_ff):
+                if kind == "ff":
+                    add_node("f", l, k)
+                add_edge(node_id("m", l, k), node_id("x", l + 1, k), kind, l, None, k, k, w)
                 kept_m.append(k)
         kept_m = sorted(set(kept_m))
         out.rows_per_layer[l] = len(kept_m)
         if not kept_m:
-            break
+            continue
         rows = torch.tensor(kept_m, dtype=torch.long)
         heads, resid = attention_importances(l, rows)
         heads, resid = heads.cpu(), resid.cpu()
-        next_x = set()
+        src = int(value_layer(l))
+        if not 0 <= src <= l:
+            raise ValueError(f"layer {l} reads the values of layer {src}: a layer reads its own or an earlier layer's")
+        here, there = kept_inputs.setdefault(l, set()), kept_inputs.setdefault(src, set())
         for r, k in enumerate(kept_m):
             w = float(resid[r])
             if keep(w):
                 add_node("x", l, k)
-                next_x.add(k)
+                here.add(k)
                 add_edge(node_id("x", l, k), node_id("m", l, k), "residual", l, None, k, k, w)
             if granularity == "token":
                 tok = heads[r].sum(0)  # (T,)
                 for j in torch.nonzero((tok >= tau) & (tok > 0)).flatten().tolist():
-                    add_node("x", l, j)
-                    next_x.add(j)
-                    add_edge(node_id("x", l, j), node_id("m", l, k), "attention", l, None, j, k, float(tok[j]))
+                    add_node("x", src, j)
+                    there.add(j)
+                    add_edge(node_id("x", src, j), node_id("m", l, k), "attention", l, None, j, k, float(tok[j]))
                     out.edges[-1]["head_importances"] = [float(v) for v in heads[r, :, j]]
                 continue
             hs, js = torch.nonzero((heads[r] >= tau) & (heads[r] > 0), as_tuple=True)
             for h, j in zip(hs.tolist(), js.tolist()):
-                add_node("x", l, j)
-                next_x.add(j)
-                add_edge(node_id("x", l, j), node_id("m", l, k), "head", l, h, j, k, float(heads[r, h, j]))
-        kept_x = sorted(next_x)
-        if not kept_x:
-            break
+                add_node("x", src, j)
+                there.add(j)
+                add_edge(node_id("x", src, j), node_id("m", l, k), "head", l, h, j, k, float(heads[r, h, j]))
     return out
 
 

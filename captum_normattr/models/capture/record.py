@@ -300,7 +300,9 @@ def layer_record(adapter: ArchitectureSpec, kind: Any, layer: nn.Module, base: n
     post_norms = {k: norm_params(get_path(layer, described[k].path), described[k], dtype, device) for k in recipe.post_norms}
     kind.fill_record(tensors, extra, post_norms)
     if a.layer.per_layer_input is not None:  # Gemma 4: what its kind's step reads beyond the record
-        width = int(getattr(getattr(base, "config", None), a.layer.per_layer_input, 0) or 0)
+        config = getattr(base, "config", None)  # a vision-language model's: its decoder's (Gemma 4 with images)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        width = int(getattr(config, a.layer.per_layer_input, 0) or 0)
         tensors.extras = per_layer_input_extras(layer, list(get_path(base, a.layers)), idx, rec, cast, width)
     return tensors
 
