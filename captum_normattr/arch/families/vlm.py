@@ -293,6 +293,8 @@ LLAMA4 = VisionLanguage(
     notes="the Llama 4 text model (Llama4ForCausalLM) as the model's language_model; a tower whose [CLS] is dropped, "
           "each tile's patches pixel-shuffled (1/r x 1/r per token); image tokens on each tile's grid, the tiles "
           "row by row, then the global view (attr.vlm_tiles stitches them)",
+)
+
 _NOT_YET = "Gemma 4's {} soft tokens are not checked by the package yet; explain the text and images alone"
 
 #: Gemma 4 with images (why each field is what it is, and the geometry's helper:
