@@ -10,6 +10,7 @@ See docs/routes.md.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -31,8 +32,8 @@ from captum_normattr.decompose.methods.routes import (
     output_edge_importances,
     prune_routes,
 )
-from captum_normattr.models.adapters import get_adapter, layer_modules
-from captum_normattr.models.capture.deepstack import refuse_stream_additions
+from captum_normattr.models.adapters import get_adapter, layer_modules, vision_language
+from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.models.engine import streamed_forward
 from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
@@ -249,8 +250,6 @@ class InformationFlowRoutes:
                 f"the {family} family is bidirectional, with {layers} layers"
             )
         kind.require("routes", family)
-        refuse_stream_additions(model, "the information-flow routes", "ALTI-Logit, DecompX, ALTI and GlobEnc decompose "
-                                "them exactly")
         self.memory_budget_mb = check_memory_budget(memory_budget_mb)
 
     @log_usage()
@@ -263,6 +262,7 @@ class InformationFlowRoutes:
         tokens: Optional[Sequence[str]] = None,
         granularity: str = "head",
         position_ids: Optional[Tensor] = None,
+        additional_forward_args: Any = None,
     ) -> RouteGraph:
         r"""The pruned route graph of the prediction at ``position``.
 
@@ -278,13 +278,20 @@ class InformationFlowRoutes:
                 as such; kind ``"attention"``, per-head importances in ``head_importances``).
             position_ids: optional (1, T) position ids the model is called with (default: counted
                 from the first real token).
+            additional_forward_args: the model's further inputs, as for every other method
+                (:func:`~captum_normattr.attr.inputs.prepare_inputs`): by name, e.g. a vision-language
+                model's ``{"attention_mask": ..., "pixel_values": ..., "image_grid_thw": ...}`` (the
+                processor's outputs; docs/vlm.md), checked and refused with the same messages; or the
+                attention mask alone. A name given here and as ``attention_mask`` / ``position_ids`` too
+                is refused.
 
         Returns:
             :class:`RouteGraph`, positions counted over the real tokens (0 = first real token).
 
         Raises:
-            ValueError: for a batch of more than one example, a threshold outside [0, 1], or a
-                forward pass with NaN or infinite values.
+            ValueError: for a batch of more than one example, a threshold outside [0, 1], a model
+                input given twice, or a forward pass with NaN or infinite values.
+            UnsupportedModelError: a further input the model's description refuses (docs/vlm.md).
 
         The graph explains the final residual state at ``position`` (what every logit there is
         read from), so it does not depend on a target token.
@@ -295,8 +302,9 @@ class InformationFlowRoutes:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if input_ids.shape[0] != 1:
             raise ValueError(f"routes explain one example at a time; got a batch of {input_ids.shape[0]} (call once per example)")
-        extra = {"attention_mask": attention_mask, "position_ids": position_ids}
+        extra = _forward_args(additional_forward_args, attention_mask=attention_mask, position_ids=position_ids)
         prepared = prepare_inputs(self.model, self.adapter, input_ids, extra)
+        _require_images(self.model, prepared)
         valid = prepared.valid
         pos = int(explained_positions(position, valid)[0])
         real = torch.nonzero(valid[0]).flatten()
@@ -363,6 +371,48 @@ class InformationFlowRoutes:
         return RouteGraph(position=pos - first, threshold=float(threshold), num_layers=n_layers,
                           num_heads=int(top.get("heads", 0)), tokens=list(tokens) if tokens is not None else None,
                           nodes=pruned.nodes, edges=pruned.edges, meta=meta)
+
+
+def _require_images(model: nn.Module, prepared: PreparedInputs) -> None:
+    r"""Refuse token ids holding a vision-language model's image tokens without its ``pixel_values``.
+
+    The model would run its decoder on the image tokens' placeholder embeddings, and the graph would explain that
+    forward pass, not the one with the image.
+    """
+    description = vision_language(model)
+    if description is None or prepared.input_ids is None or prepared.extra_inputs.get("pixel_values") is not None:
+        return
+    config = model.config
+    token = next((getattr(config, n) for n in description.image_token if getattr(config, n, None) is not None), None)
+    if token is not None and bool((prepared.input_ids[prepared.valid] == int(token)).any()):
+        raise ValueError(f"the token ids hold {description.family}'s image tokens (id {int(token)}) but no pixel_values "
+                         "were given: pass the processor's outputs by name, additional_forward_args={'attention_mask': "
+                         "..., 'pixel_values': ..., ...} (docs/vlm.md), or the graph would explain the model without "
+                         "the image")
+
+
+def _forward_args(additional_forward_args: Any, **named: Optional[Tensor]) -> Any:
+    r"""``additional_forward_args`` with the inputs ``attribute`` takes by name (``attention_mask``, ``position_ids``)
+    joined to it by name; :func:`~captum_normattr.attr.inputs.prepare_inputs` then checks them all.
+
+    Raises:
+        ValueError: an input given both ways.
+    """
+    named = {k: v for k, v in named.items() if v is not None}
+    extra = additional_forward_args
+    if isinstance(extra, (tuple, list)) and len(extra) == 1 and isinstance(extra[0], Mapping):
+        extra = extra[0]  # a mapping wrapped as Captum wraps it
+    if not named:
+        return extra
+    if extra is None:
+        return named
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"{sorted(named)} given as arguments and additional_forward_args given positionally: pass the "
+                         "model inputs in one place (by name in additional_forward_args, or the mask as attention_mask)")
+    twice = sorted(k for k in named if extra.get(k) is not None)
+    if twice:
+        raise ValueError(f"{twice} given both as arguments and in additional_forward_args: pass each model input once")
+    return {**dict(extra), **named}
 
 
 def _shift(nid: str, first: int) -> str:

@@ -778,6 +778,13 @@ class PreLNKind(LayerKind):
     def frozen_layer_vjp(self, g, layer, value_weight, coefs, rows=None, valid=None):
         return frozen_pre_ln_layer_vjp(g, layer, value_weight, coefs, rows, valid)
 
+    def route_output_edges(self, layer):
+        parts, kinds = super().route_output_edges(layer)
+        if layer.own_after is None:
+            return parts, kinds
+        # DeepStack: token t's own vector, added after the layer, is an edge from the leaf p_{l,t} (docs/routes.md)
+        return torch.cat([parts, layer.own_after.unsqueeze(-2)], -2), kinds + ("own_addition",)
+
     def join_checks(self, layer):
         stream = layer.ln2_in + layer.ff_out
         if layer.own_after is not None:  # the layer output recorded after the model's token-own additions (DeepStack)

@@ -34,6 +34,7 @@ from captum_normattr.decompose.records import LayerTensors
 __all__ = [
     "EDGE_KINDS",
     "GRANULARITIES",
+    "LEAF_EDGES",
     "OUTPUT_EDGES",
     "PrunedRoutes",
     "ROUTES_COMPILE_AFTER_SECONDS",
@@ -58,7 +59,10 @@ _EAGER_SECONDS = [0.0]
 #: Bytes of one tile of the eager per-head distance kernel (one row, all heads, a block of sources).
 ROUTES_TILE_BYTES = 2**20
 #: Edge kinds of a route graph.
-EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "attention", "ff", "per_layer_input")
+EDGE_KINDS: Tuple[str, ...] = ("residual", "head", "attention", "ff", "per_layer_input", "own_addition")
+#: Edges into a layer output x_{l+1,i} that come from a leaf p_{l,i}, token i's own input to the layer: Gemma 4's
+#: per-layer input, and a vector the model adds to token i's stream after the layer (Qwen3-VL's DeepStack feature).
+LEAF_EDGES: Tuple[str, ...] = ("per_layer_input", "own_addition")
 #: The edges into a layer output x_{l+1,i} of a pre-LN layer (:func:`ff_edge_importances`'s columns).
 OUTPUT_EDGES: Tuple[str, ...] = ("residual", "ff")
 
@@ -241,7 +245,8 @@ def head_part_distances(alpha: Tensor, projected: Tensor, y: Tensor) -> Tensor:
 def node_id(kind: str, layer: int, position: int) -> str:
     r"""Node name: ``x{l}_{i}`` (input of layer l; ``x{L}_{i}`` the final state), ``m{l}_{i}``
     (after the attention of layer l), ``f{l}_{i}`` (the FF block of layer l) or ``p{l}_{i}``
-    (token i's per-layer input to layer l, Gemma 4's per-layer-input branch: a leaf whose flow is token i's)."""
+    (token i's own input to the output of layer l, a leaf whose flow is token i's: Gemma 4's per-layer-input branch,
+    Qwen3-VL's DeepStack addition)."""
     return f"{kind}{layer}_{position}"
 
 
@@ -252,7 +257,7 @@ class PrunedRoutes:
     Attributes:
         nodes: dicts ``id``, ``kind`` (``"x"``, ``"m"``, ``"f"`` or ``"p"``), ``layer``, ``position``.
         edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"attention"``, ``"ff"``,
-            ``"per_layer_input"``), ``layer``, ``head`` (None unless a head edge), ``source_position``,
+            ``"per_layer_input"``, ``"own_addition"``), ``layer``, ``head`` (None unless a head edge), ``source_position``,
             ``target_position``, ``importance``.
         rows_per_layer: number of after-attention rows whose head importances were computed.
     """
@@ -280,7 +285,7 @@ def prune_routes(
 
     For l = L-1, ..., 0: for every kept output x_{l+1,k}, the residual edge (from m_{l,k}) and
     the FF edge (m_{l,k} -> FF node -> x_{l+1,k}) are kept where their importance is >= tau
-    (and > 0); a kept edge keeps its source (a per-layer-input edge's source is the leaf
+    (and > 0); a kept edge keeps its source (a :data:`LEAF_EDGES` edge's source is the leaf
     p_{l,k}). Then for every kept m_{l,k} the residual edge from x_{l,k} and every head edge
     from x_{l',j} with importance >= tau are kept, keeping their sources; l' = ``value_layer(l)``
     is the layer whose input the values of layer l are computed from (l itself, or, where a layer
@@ -301,8 +306,8 @@ def prune_routes(
             ``"attention"``, with the per-head importances in ``head_importances``), the
             token-level edges of the authors' tool.
         output_edges: ``l -> `` the kinds of the edges into layer l's outputs: ``"residual"`` (from
-            m_{l,k}), ``"ff"`` (from m_{l,k} through the FF node f_{l,k}), ``"per_layer_input"``
-            (from the leaf p_{l,k}); default :data:`OUTPUT_EDGES`.
+            m_{l,k}), ``"ff"`` (from m_{l,k} through the FF node f_{l,k}), ``"per_layer_input"`` and
+            ``"own_addition"`` (from the leaf p_{l,k}, :data:`LEAF_EDGES`); default :data:`OUTPUT_EDGES`.
         value_layer: ``l -> l'`` (see above); default the identity.
 
     Returns:
@@ -345,7 +350,7 @@ def prune_routes(
                 w = float(ffi[k, e])
                 if not keep(w):
                     continue
-                if kind == "per_layer_input":  # token k's own per-layer input: a leaf
+                if kind in LEAF_EDGES:  # token k's own input to the layer's output: a leaf
                     add_node("p", l, k)
                     add_edge(node_id("p", l, k), node_id("x", l + 1, k), kind, l, None, k, k, w)
                     continue
