@@ -56,15 +56,16 @@ class RouteGraph:
         tokens: the T real tokens as strings (or None).
         nodes: dicts ``id``, ``kind`` (``"x"`` residual stream before layer ``layer``, ``x{L}``
             the final state; ``"m"`` after the attention of layer ``layer``; ``"f"`` the FF
-            block of ``layer``; ``"p"`` token ``position``'s per-layer input to ``layer``, a leaf,
-            Gemma 4 only), ``layer``, ``position``.
+            block of ``layer``; ``"p"`` token ``position``'s own input to the output of ``layer``, a leaf:
+            Gemma 4's per-layer input, Qwen3-VL's DeepStack addition), ``layer``, ``position``.
         edges: dicts ``source``, ``target``, ``kind`` (``"residual"``, ``"head"``, ``"ff"``;
             ``"attention"`` with ``granularity="token"``: one edge per source, heads summed, the
             per-head parts in ``head_importances``), ``layer``, ``head`` (head edges only, else
             None), ``source_position``, ``target_position``, ``importance`` (in [0, 1]; the
             edges into a node sum to at most 1). An FF edge goes from ``m{l}_{i}`` through the
             FF node ``f{l}_{i}`` to ``x{l+1}_{i}``; a ``"per_layer_input"`` edge (Gemma 4) from
-            ``p{l}_{i}`` to ``x{l+1}_{i}``. A head edge of a layer that reuses an earlier layer's
+            ``p{l}_{i}`` to ``x{l+1}_{i}``, and so does an ``"own_addition"`` edge (Qwen3-VL's DeepStack
+            feature added to image token i's stream after layer l). A head edge of a layer that reuses an earlier layer's
             keys and values (Gemma 4's ``num_kv_shared_layers``) comes from that earlier layer's
             input node ``x{l'}_{j}`` (its ``layer`` is the head's layer l).
         meta: dtype, model family, rows computed per layer.
@@ -130,8 +131,8 @@ class RouteGraph:
 
         Top-down, flow(x_{L,i}) = 1 and every kept edge passes flow(target) x importance to its
         source (an FF edge to the state before the FF block); the result is the flow reaching
-        each embedding node x_{0,j}, plus (Gemma 4) the flow reaching token j's per-layer-input
-        leaves p_{l,j}. With threshold 0 it sums to 1 (the importances into each
+        each embedding node x_{0,j}, plus the flow reaching token j's leaves p_{l,j} (Gemma 4's
+        per-layer inputs, Qwen3-VL's DeepStack additions). With threshold 0 it sums to 1 (the importances into each
         node sum to 1); pruning loses the flow of the edges below the threshold.
         """
         n = int(self.meta.get("seq_len", 1 + max([nd["position"] for nd in self.nodes], default=self.position)))
@@ -224,7 +225,8 @@ class InformationFlowRoutes:
     (T, T, H, D) tensor.
 
     Args:
-        model: a GPT-2 / Llama / Mistral / Qwen2 model (``*ForCausalLM`` or bare ``*Model``).
+        model: a GPT-2 / Llama / Mistral / Qwen2 model (``*ForCausalLM`` or bare ``*Model``), or a
+            vision-language model whose decoder's layer kind has routes (docs/routes.md, "Vision-language models").
         memory_budget_mb: sizes the chunks of kept rows processed together (their per-head
             parts, were they formed at once, would fit it; they never are).
 
@@ -233,6 +235,8 @@ class InformationFlowRoutes:
         >>> routes = InformationFlowRoutes(model)
         >>> g = routes.attribute(ids, attention_mask=mask, position=-1, threshold=0.04)
         >>> g.top_heads(3), g.to_json()["edges"][:2]
+        >>> g = InformationFlowRoutes(vlm).attribute(batch["input_ids"], additional_forward_args={
+        ...     "attention_mask": batch["attention_mask"], "pixel_values": batch["pixel_values"]})
         >>> nxg = g.to_networkx()
         >>> from captum_normattr.present.interactive import routes_report_html
         >>> html = routes_report_html(g)

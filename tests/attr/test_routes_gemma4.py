@@ -22,6 +22,7 @@ if not hasattr(transformers, "Gemma4TextConfig"):  # pragma: no cover - older tr
 
 from captum_normattr.attr.routes import InformationFlowRoutes  # noqa: E402
 from captum_normattr.present.interactive import routes_report_html  # noqa: E402
+from route_reference import LayerPieces, naive_prune  # noqa: E402
 from zoo_gemma4 import MOE, build_gemma4  # noqa: E402
 
 #: keywords of build_gemma4: experts on and off, keys and values shared or not, per-layer inputs or not
@@ -82,25 +83,20 @@ def _source_layer(config, l):
     return max(k for k in range(first_shared) if config.layer_types[k] == config.layer_types[l])
 
 
-def _prox(c, y):
-    return max(0.0, float(y.abs().sum() - (y - c).abs().sum()))
-
-
 @torch.no_grad()
 def naive_edges(model, ids, position, tau):
     r"""Every kept edge (source, target, kind, head) -> importance, and the worst completeness of the edge vectors."""
     rec, layers = _capture(model, ids)
     config = model.config
-    worst = 0.0
-    edges = {}
-    kept = {len(layers): {position}}
-    for l in range(len(layers) - 1, -1, -1):
+    worst = [0.0]
+
+    def pieces(l):
         r, layer = rec[l], layers[l]
         c = layer.layer_scalar.reshape(())
         out_parts = {"residual": c * r["h"], "ff": c * r["F"]}
         if "B" in r:
             out_parts["per_layer_input"] = c * r["B"]
-        worst = max(worst, _rel(sum(out_parts.values()), r["y"]))
+        worst[0] = max(worst[0], _rel(sum(out_parts.values()), r["y"]))
         # per-head parts into h_i: gamma_pa * alpha^h_ij v^h_j W_O^h / rms(a_i)
         src = _source_layer(config, l)
         v = rec[src]["v"]  # (T, H_kv, Dh)
@@ -110,31 +106,10 @@ def naive_edges(model, ids, position, tau):
         norm = layer.post_attention_layernorm
         scale = norm.weight / (r["a"].pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()  # (T, D)
         parts = r["probs"][:, :, :, None] * f[:, None, :, :] * scale[None, :, None, :]  # (H, T_i, T_j, D)
-        worst = max(worst, _rel(r["x"] + parts.sum((0, 2)), r["h"]))
-        kept_m = set()
-        for k in kept.pop(l + 1, set()):
-            proxes = {kind: _prox(p[k], r["y"][k]) for kind, p in out_parts.items()}
-            s = sum(proxes.values())
-            for kind, p in proxes.items():
-                w = p / s if s > 0 else 0.0
-                if w > 0 and w >= tau:
-                    source = f"p{l}_{k}" if kind == "per_layer_input" else f"m{l}_{k}"
-                    edges[(source, f"x{l + 1}_{k}", kind, None)] = w
-                    if kind != "per_layer_input":
-                        kept_m.add(k)
-        for k in sorted(kept_m):
-            y = r["h"][k]
-            prox = {("residual", None, k, l): _prox(r["x"][k], y)}
-            for h in range(n_heads):
-                for j in range(k + 1):
-                    prox[("head", h, j, src)] = _prox(parts[h, k, j], y)
-            s = sum(prox.values())
-            for (kind, h, j, sl), p in prox.items():
-                w = p / s if s > 0 else 0.0
-                if w > 0 and w >= tau:
-                    edges[(f"x{sl}_{j}", f"m{l}_{k}", kind, h)] = w
-                    kept.setdefault(sl, set()).add(j)
-    return edges, worst
+        worst[0] = max(worst[0], _rel(r["x"] + parts.sum((0, 2)), r["h"]))
+        return LayerPieces(out_parts, r["y"], r["x"], r["h"], parts, src)
+
+    return naive_prune(len(layers), position, tau, pieces), worst[0]
 
 
 def _edges(graph):

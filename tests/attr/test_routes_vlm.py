@@ -23,6 +23,7 @@ from captum_normattr import ALTILogitAttribution  # noqa: E402
 from captum_normattr.arch.spec import UnsupportedModelError  # noqa: E402
 from captum_normattr.attr.routes import InformationFlowRoutes  # noqa: E402
 from captum_normattr.models.adapters import get_adapter, layer_modules, vision_language  # noqa: E402
+from route_reference import LayerPieces, naive_prune  # noqa: E402
 from vlm_checks import check_model_unchanged  # noqa: E402
 from vlm_families import make_gemma3, make_paligemma, paligemma_batch  # noqa: E402
 from vlm_models import llava_batch, make_llava, make_qwen2_vl, qwen2_vl_batch  # noqa: E402
@@ -93,10 +94,6 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _prox(c, y):
-    return max(0.0, float(y.abs().sum() - (y - c).abs().sum()))
-
-
 @torch.no_grad()
 def naive_edges(model, ids, extra, ff_name, position, tau):
     r"""Every kept edge (source, target, kind, head) -> importance, from the model's own modules on its own forward
@@ -132,19 +129,17 @@ def naive_edges(model, ids, extra, ff_name, position, tau):
     finally:
         for h in hooks:
             h.remove()
-    n_layers = len(layers)
-    worst = 0.0
-    edges = {}
-    kept = {n_layers: {position}}
-    for l in range(n_layers - 1, -1, -1):
+    worst = [0.0]
+
+    def pieces(l):
         r, attention = rec[l], layers[l].self_attn
         out_parts = {"residual": r["h"], "ff": r["F"]}
-        total = rec[l + 1]["x"] if l + 1 < n_layers else r["y"]  # the stream the next layer reads
+        total = rec[l + 1]["x"] if l + 1 < len(layers) else r["y"]  # the stream the next layer reads
         if "embeds" in seen and l < len(seen["embeds"]):  # DeepStack: the model's own addition after layer l
             d = torch.zeros_like(r["h"])
             d[seen["mask"]] = seen["embeds"][l].to(d.dtype)
             out_parts["own_addition"] = d
-        worst = max(worst, _rel(sum(out_parts.values()), total))
+        worst[0] = max(worst[0], _rel(sum(out_parts.values()), total))
         probs = r["probs"]  # (H, T, T)
         n_heads, t = probs.shape[0], probs.shape[-1]
         wo = attention.o_proj.weight  # (D, H Dh)
@@ -153,31 +148,11 @@ def naive_edges(model, ids, extra, ff_name, position, tau):
         f = torch.stack([v[:, h // (n_heads // v.shape[1])] @ wo[:, h * dh:(h + 1) * dh].T for h in range(n_heads)])
         parts = probs[:, :, :, None] * f[:, None, :, :]  # (H, T_i, T_j, D): every source, two-way or causal
         bias = attention.o_proj.bias if attention.o_proj.bias is not None else 0.0
-        worst = max(worst, _rel(r["x"] + parts.sum((0, 2)) + bias, r["h"]))
-        kept_m = set()
-        for k in kept.pop(l + 1, set()):
-            proxes = {kind: _prox(p[k], total[k]) for kind, p in out_parts.items()}
-            s = sum(proxes.values())
-            for kind, p in proxes.items():
-                w = p / s if s > 0 else 0.0
-                if w > 0 and w >= tau:
-                    source = f"p{l}_{k}" if kind == "own_addition" else f"m{l}_{k}"
-                    edges[(source, f"x{l + 1}_{k}", kind, None)] = w
-                    if kind != "own_addition":
-                        kept_m.add(k)
-        for k in sorted(kept_m):
-            y = r["h"][k]
-            prox = {("residual", None, k): _prox(r["x"][k], y)}
-            for h in range(n_heads):
-                for j in range(t):
-                    prox[("head", h, j)] = _prox(parts[h, k, j], y)
-            s = sum(prox.values())
-            for (kind, h, j), p in prox.items():
-                w = p / s if s > 0 else 0.0
-                if w > 0 and w >= tau:
-                    edges[(f"x{l}_{j}", f"m{l}_{k}", kind, h)] = w
-                    kept.setdefault(l, set()).add(j)
-    return edges, worst
+        worst[0] = max(worst[0], _rel(r["x"] + parts.sum((0, 2)) + bias, r["h"]))
+        return LayerPieces(out_parts, total, r["x"], r["h"], parts, l)
+
+    edges = naive_prune(len(layers), position, tau, pieces)
+    return edges, worst[0]
 
 
 def _edges(graph):
@@ -291,7 +266,67 @@ def test_qwen2_vl_uses_the_models_own_m_rope_positions():
     assert max(abs(own.get(k, 0.0) - other.get(k, 0.0)) for k in set(own) | set(other)) > 1e-6
 
 
-def test_gemma3_is_refused_with_the_reason():
-    model = make_gemma3(seed=1)
+@pytest.mark.parametrize("make", [lambda: make_gemma3(seed=1), lambda: make_paligemma(seed=1, text="gemma2")],
+                         ids=["gemma3", "paligemma2"])
+def test_sandwich_decoders_are_refused_with_the_reason(make):
     with pytest.raises(UnsupportedModelError, match="sandwich layers.*'routes'"):
-        InformationFlowRoutes(model)
+        InformationFlowRoutes(make())
+
+
+# --- Gemma 4 with images: its own layer kind, two-way image spans on the sliding layers only -----------------------
+def _gemma4_single(extra, b, keep):
+    return {"pixel_values": extra["pixel_values"][b:b + 1], "image_position_ids": extra["image_position_ids"][b:b + 1],
+            "mm_token_type_ids": extra["mm_token_type_ids"][b:b + 1, keep]}
+
+
+def test_gemma4_two_way_image_spans_flow_padding_and_refusals():
+    if not hasattr(transformers, "Gemma4Config"):  # pragma: no cover - older transformers
+        pytest.skip("transformers has no Gemma 4")
+    from vlm_gemma4 import gemma4_vlm_batch, make_gemma4_vlm
+
+    model = make_gemma4_vlm(seed=1)
+    ids, mask, extra = gemma4_vlm_batch([(16, 16), (16, 16)], [4, 2], seed=3)
+    keep = mask[1].bool()
+    alone_ids, alone = ids[1:2, keep], _gemma4_single(extra, 1, keep)
+    routes = InformationFlowRoutes(model)
+    g = routes.attribute(alone_ids, additional_forward_args=alone, threshold=0.0)
+    into = {}
+    for e in g.edges:
+        into[e["target"]] = into.get(e["target"], 0.0) + e["importance"]
+    worst = max(abs(v - 1) for v in into.values())
+    assert worst < 1e-12 and abs(float(g.token_flow().sum()) - 1) < 1e-12
+    # the image span is attended two-way on the sliding layers only (mm_token_type_ids came through)
+    types = model.config.text_config.layer_types
+    later = {e["layer"] for e in g.edges if e["kind"] == "head" and e["source_position"] > e["target_position"]}
+    assert later and all(types[l] == "sliding_attention" for l in later)
+    causal = routes.attribute(alone_ids, additional_forward_args=dict(alone, mm_token_type_ids=None), threshold=0.0)
+    assert not any(e["source_position"] > e["target_position"] for e in causal.edges if e["kind"] == "head")
+    # another image, another graph; no image refused
+    other = routes.attribute(alone_ids, additional_forward_args=dict(alone, pixel_values=alone["pixel_values"].flip(-1)),
+                             threshold=0.0)
+    a, o = _edges(g), _edges(other)
+    assert max(abs(a.get(k, 0.0) - o.get(k, 0.0)) for k in set(a) | set(o)) > 1e-3
+    with pytest.raises(ValueError, match="no pixel_values"):
+        routes.attribute(alone_ids)
+    # padded == single, the model unchanged
+    padded_extra = dict(_gemma4_single(extra, 1, torch.ones_like(keep)), attention_mask=mask[1:2])
+
+    def run():
+        return InformationFlowRoutes(model, memory_budget_mb=1e-6).attribute(
+            ids[1:2], additional_forward_args=padded_extra, threshold=0.01)
+
+    p, s = _edges(run()), _edges(routes.attribute(alone_ids, additional_forward_args=alone, threshold=0.01))
+    assert set(p) == set(s) and len(s) > 5
+    err = max(abs(p[k] - s[k]) for k in s)
+    print(f"gemma4: padded vs single {err:.1e}, importances into a node {worst:.1e}")
+    assert err < 1e-10
+    check_model_unchanged(model, run, lambda: model(input_ids=ids[1:2], **padded_extra).logits)
+    # a refused input: the message every other method gives
+    messages = []
+    bad = dict(alone, pixel_values_videos=torch.zeros(1, 2))
+    for call in (lambda: routes.attribute(alone_ids, additional_forward_args=bad),
+                 lambda: ALTILogitAttribution(model).attribute(alone_ids, target=3, additional_forward_args=bad)):
+        with pytest.raises(UnsupportedModelError) as e:
+            call()
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and "pixel_values_videos" in messages[0]

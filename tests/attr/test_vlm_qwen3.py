@@ -7,7 +7,7 @@ DecompX complete against the model's own logit (at a text and at an image positi
 (the FF decomposition's whole layer against the stream after the addition), the recorded additions are the model's
 own and the next layer's real input is rebuilt from them, the checks fail without them, padded batches equal single
 examples, the model is unchanged, image tokens land on the merged grid, the Captum LLM API's image route, and the
-refusals (DecompX's adjoint, the routes). The multimodal Qwen3.5 and Qwen3.5-MoE (hybrid decoders on Qwen2-VL's
+refusals (DecompX's adjoint). The multimodal Qwen3.5 and Qwen3.5-MoE (hybrid decoders on Qwen2-VL's
 route, no DeepStack) get the shared checks: completeness, the map methods, padded == single, the model unchanged.
 """
 from __future__ import annotations
@@ -260,8 +260,7 @@ def test_refusals(case):
     _, model = case
     with pytest.raises(UnsupportedModelError, match="DeepStack"):
         DecompXAttribution(model, algorithm="adjoint")
-    with pytest.raises(UnsupportedModelError, match="routes"):
-        InformationFlowRoutes(model)
+    assert InformationFlowRoutes(model).kind.name == "pre_ln"  # routes take DeepStack (tests/attr/test_routes_vlm.py)
     assert DecompXAttribution(model)._algorithm(False) == "forward"  # what "auto" runs
 
 
