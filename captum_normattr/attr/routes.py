@@ -378,21 +378,26 @@ class InformationFlowRoutes:
 
 
 def _require_images(model: nn.Module, prepared: PreparedInputs) -> None:
-    r"""Refuse token ids holding a vision-language model's image tokens without its ``pixel_values``.
+    r"""Refuse token ids holding a vision-language model's image (or video) tokens without their ``pixel_values``
+    (``pixel_values_videos``).
 
-    The model would run its decoder on the image tokens' placeholder embeddings, and the graph would explain that
+    The model would run its decoder on the placeholder tokens' own embeddings, and the graph would explain that
     forward pass, not the one with the image.
     """
     description = vision_language(model)
-    if description is None or prepared.input_ids is None or prepared.extra_inputs.get("pixel_values") is not None:
+    if description is None or prepared.input_ids is None:
         return
     config = model.config
-    token = next((getattr(config, n) for n in description.image_token if getattr(config, n, None) is not None), None)
-    if token is not None and bool((prepared.input_ids[prepared.valid] == int(token)).any()):
-        raise ValueError(f"the token ids hold {description.family}'s image tokens (id {int(token)}) but no pixel_values "
-                         "were given: pass the processor's outputs by name, additional_forward_args={'attention_mask': "
-                         "..., 'pixel_values': ..., ...} (docs/vlm.md), or the graph would explain the model without "
-                         "the image")
+    for names, pixels, what in ((description.image_token, "pixel_values", "image"),
+                                (description.video_token, "pixel_values_videos", "video")):
+        if prepared.extra_inputs.get(pixels) is not None:
+            continue
+        token = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+        if token is not None and bool((prepared.input_ids[prepared.valid] == int(token)).any()):
+            raise ValueError(f"the token ids hold {description.family}'s {what} tokens (id {int(token)}) but no {pixels} "
+                             f"were given: pass the processor's outputs by name, additional_forward_args="
+                             f"{{'attention_mask': ..., '{pixels}': ..., ...}} (docs/vlm.md), or the graph would explain "
+                             f"the model without the {what}")
 
 
 def _forward_args(additional_forward_args: Any, **named: Optional[Tensor]) -> Any:

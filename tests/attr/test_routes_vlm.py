@@ -22,11 +22,12 @@ transformers = pytest.importorskip("transformers")
 from captum_normattr import ALTILogitAttribution  # noqa: E402
 from captum_normattr.arch.spec import UnsupportedModelError  # noqa: E402
 from captum_normattr.attr.routes import InformationFlowRoutes  # noqa: E402
+from captum_normattr.present.interactive import routes_report_html  # noqa: E402
 from captum_normattr.models.adapters import get_adapter, layer_modules, vision_language  # noqa: E402
 from route_reference import LayerPieces, naive_prune  # noqa: E402
 from vlm_checks import check_model_unchanged  # noqa: E402
 from vlm_families import make_gemma3, make_paligemma, paligemma_batch  # noqa: E402
-from vlm_models import llava_batch, make_llava, make_qwen2_vl, qwen2_vl_batch  # noqa: E402
+from vlm_models import QWEN_IMAGE, llava_batch, make_llava, make_qwen2_vl, qwen2_vl_batch  # noqa: E402
 from vlm_qwen3 import make_qwen3_vl  # noqa: E402
 from vlm_tiled import llama4_batch, make_llama4  # noqa: E402
 from zoo import EXACT_ATTENTION  # noqa: E402
@@ -38,7 +39,9 @@ def _llava(seed=0):
 
 
 def _qwen(seed=0):
-    return qwen2_vl_batch([5, 2], seed=seed)
+    ids, mask, extra = qwen2_vl_batch([5, 2], seed=seed)
+    ids[ids == QWEN_IMAGE - 3] = 5  # the random text holds no video token (refused without pixel_values_videos)
+    return ids, mask, extra
 
 
 def _pali(seed=0):
@@ -214,6 +217,7 @@ def test_threshold_zero_conserves_the_flow(case):
     assert worst < 1e-12 and abs(float(flow.sum()) - 1) < 1e-12 and (flow >= 0).all(), (name, worst)
     assert float(flow[sorted(_image_positions(model, ids))].sum()) > 0
     assert any(n["kind"] == "p" for n in g.nodes) == (name == "qwen3_vl_deepstack")
+    assert routes_report_html(g).startswith("<!DOCTYPE html>")  # the report draws the leaves' edges too
 
 
 def test_padded_equals_single_and_model_unchanged(case):
@@ -254,6 +258,15 @@ def test_a_bad_keyword_is_refused_as_by_the_other_methods(case):
     with pytest.raises(ValueError, match="both as arguments"):
         InformationFlowRoutes(model).attribute(ids, attention_mask=torch.ones_like(ids),
                                                additional_forward_args=dict(extra, attention_mask=torch.ones_like(ids)))
+
+
+def test_video_tokens_without_their_pixels_are_refused():
+    model = make_qwen2_vl(seed=2)
+    ids, extra = _single(_qwen, seed=5)
+    ids = torch.cat([ids, torch.full((1, 2), model.config.video_token_id)], 1)
+    extra = dict(extra, mm_token_type_ids=torch.cat([extra["mm_token_type_ids"], torch.full((1, 2), 2)], 1))
+    with pytest.raises(ValueError, match="no pixel_values_videos"):
+        InformationFlowRoutes(model).attribute(ids, additional_forward_args=extra)
 
 
 def test_qwen2_vl_uses_the_models_own_m_rope_positions():

@@ -41,7 +41,7 @@ def refuse_stream_additions(model: nn.Module, what: str, instead: str) -> None:
 
     Args:
         model: the model.
-        what: the refused computation (``"the information-flow routes"``).
+        what: the refused computation (``"DecompX's adjoint"``).
         instead: what runs instead.
     """
     from captum_normattr.arch.spec import UnsupportedModelError
