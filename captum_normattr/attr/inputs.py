@@ -24,6 +24,7 @@ __all__ = [
     "model_inputs",
     "positional_token_types",
     "prepare_inputs",
+    "require_images",
     "split_forward_args",
     "warn_if_padded",
 ]
@@ -277,8 +278,40 @@ def prepare_inputs(
     ) is not None
     if two_way and description.two_way_config is not None:  # the types open the attention only under this config
         two_way = getattr(config, description.two_way_config[0], None) == description.two_way_config[1]
+    if description is not None and ids is not None:
+        require_images(model, ids, mask.bool(), further)
     return PreparedInputs(ids, embeds, mask, token_types, is_tuple, adapter.causal, _takes_use_cache(model), finite,
                           position_ids, further, description is not None and description.positions == "model", two_way)
+
+
+def require_images(model: nn.Module, ids: Tensor, valid: Tensor, further: Dict[str, Any]) -> None:
+    r"""Refuse token ids holding a vision-language model's image (or video) tokens without their ``pixel_values``
+    (``pixel_values_videos``).
+
+    The model would run its decoder on the placeholder tokens' own embeddings, and every method would explain that
+    forward pass, not the one with the image: a silent wrong answer to the question the caller asked.
+
+    Args:
+        model: the vision-language model.
+        ids: (B, T) the token ids.
+        valid: (B, T) the real tokens (pads are not checked).
+        further: the model's further inputs by name, as given.
+
+    Raises:
+        ValueError: image (video) tokens and no ``pixel_values`` (``pixel_values_videos``).
+    """
+    description = vision_language(model)
+    config = model.config
+    for names, pixels, what in ((description.image_token, "pixel_values", "image"),
+                                (description.video_token, "pixel_values_videos", "video")):
+        if further.get(pixels) is not None:
+            continue
+        token = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+        if token is not None and bool((ids[valid] == int(token)).any()):
+            raise ValueError(f"the token ids hold {description.family}'s {what} tokens (id {int(token)}) but no {pixels} "
+                             f"were given: pass the processor's outputs by name, additional_forward_args="
+                             f"{{'attention_mask': ..., '{pixels}': ..., ...}} (docs/vlm.md), or the explanation would be "
+                             f"of the model without the {what}")
 
 
 def is_integer(t: Tensor) -> bool:

@@ -32,8 +32,7 @@ from captum_normattr.decompose.methods.routes import (
     output_edge_importances,
     prune_routes,
 )
-from captum_normattr.models.adapters import get_adapter, layer_modules, vision_language
-from captum_normattr.models.prepared import PreparedInputs
+from captum_normattr.models.adapters import get_adapter, layer_modules
 from captum_normattr.models.engine import streamed_forward
 from captum_normattr.models.guard import ConsistencyGuard
 from captum_normattr.models.weights import tensors_to
@@ -308,7 +307,6 @@ class InformationFlowRoutes:
             raise ValueError(f"routes explain one example at a time; got a batch of {input_ids.shape[0]} (call once per example)")
         extra = _forward_args(additional_forward_args, attention_mask=attention_mask, position_ids=position_ids)
         prepared = prepare_inputs(self.model, self.adapter, input_ids, extra)
-        _require_images(self.model, prepared)
         valid = prepared.valid
         pos = int(explained_positions(position, valid)[0])
         real = torch.nonzero(valid[0]).flatten()
@@ -375,29 +373,6 @@ class InformationFlowRoutes:
         return RouteGraph(position=pos - first, threshold=float(threshold), num_layers=n_layers,
                           num_heads=int(top.get("heads", 0)), tokens=list(tokens) if tokens is not None else None,
                           nodes=pruned.nodes, edges=pruned.edges, meta=meta)
-
-
-def _require_images(model: nn.Module, prepared: PreparedInputs) -> None:
-    r"""Refuse token ids holding a vision-language model's image (or video) tokens without their ``pixel_values``
-    (``pixel_values_videos``).
-
-    The model would run its decoder on the placeholder tokens' own embeddings, and the graph would explain that
-    forward pass, not the one with the image.
-    """
-    description = vision_language(model)
-    if description is None or prepared.input_ids is None:
-        return
-    config = model.config
-    for names, pixels, what in ((description.image_token, "pixel_values", "image"),
-                                (description.video_token, "pixel_values_videos", "video")):
-        if prepared.extra_inputs.get(pixels) is not None:
-            continue
-        token = next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
-        if token is not None and bool((prepared.input_ids[prepared.valid] == int(token)).any()):
-            raise ValueError(f"the token ids hold {description.family}'s {what} tokens (id {int(token)}) but no {pixels} "
-                             f"were given: pass the processor's outputs by name, additional_forward_args="
-                             f"{{'attention_mask': ..., '{pixels}': ..., ...}} (docs/vlm.md), or the graph would explain "
-                             f"the model without the {what}")
 
 
 def _forward_args(additional_forward_args: Any, **named: Optional[Tensor]) -> Any:

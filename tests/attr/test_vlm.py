@@ -162,6 +162,18 @@ def test_input_errors(llava):
         ALTILogitAttribution(text).attribute(ids % 50, target=1, additional_forward_args={"pixel_values": pixels})
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_image_tokens_without_pixel_values_are_refused(llava, method):
+    # the model would run its decoder on the placeholders' own embeddings: an explanation of the model without the
+    # image, which the caller did not ask for; every method refuses it (the routes too: tests/attr/test_routes_vlm.py)
+    ids, mask, pixels = llava_batch([3], seed=7)
+    target = 1 if method in (ALTILogitAttribution, DecompXAttribution) else None  # ALTI, GlobEnc: class-agnostic
+    with pytest.raises(ValueError, match="no pixel_values were given"):
+        method(llava).attribute(ids, target=target, additional_forward_args={"attention_mask": mask})
+    text_only = ids[:, (ids[0] != IMAGE_TOKEN)]  # the same prompt without the image tokens runs as text
+    method(llava).attribute(text_only, target=target)
+
+
 def test_unsupported_language_model_is_refused():
     from transformers import CLIPVisionConfig, CodeGenConfig, LlavaConfig, LlavaForConditionalGeneration
 
