@@ -234,7 +234,9 @@ QWEN2_5_VL = VisionLanguage(
 )
 
 QWEN3_VL = VisionLanguage(
-    family="Qwen3-VL", model_types=("qwen3_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    family="Qwen3-VL", model_types=("qwen3_vl",),
+    inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw"),
+    video_token=("video_token_id",),
     text_types=(("qwen3_vl_text", "qwen3"),), positions="model", geometry="merged_grid", stream_additions="deepstack",
     text_families=("qwen3_vl_text",),
     notes="Qwen3's decoder layer with M-RoPE inside the attention (positions computed by the model); DeepStack: after "
