@@ -83,7 +83,7 @@ class VideoScores:
 
 
 def _video_families() -> str:
-    return ", ".join(sorted({d.family for d in VISION_LANGUAGE.values() if d.video_token}))
+    return ", ".join(sorted({d.family for d in VISION_LANGUAGE.values() if d.video_token and d.geometry == "merged_grid"}))
 
 
 def video_geometry(model: nn.Module, video_grid_thw: Tensor) -> VideoGeometry:
@@ -115,6 +115,9 @@ def video_geometry(model: nn.Module, video_grid_thw: Tensor) -> VideoGeometry:
         name = type(model).__name__ if description is None else description.family
         raise UnsupportedModelError(f"captum_normattr maps video tokens of {_video_families()} only; {name} takes no "
                                     "videos the package describes (docs/vlm.md, 'Videos')")
+    if description.geometry != "merged_grid":  # LLaVA-OneVision: pooled frames and a newline
+        raise UnsupportedModelError(f"{description.family}'s video tokens are pooled frames, not frame groups of merged "
+                                    "patches: map them with captum_normattr.attr.vlm_video_pooled (docs/vlm.md, 'Videos')")
     config = model.config
     token = next((getattr(config, n) for n in description.video_token if getattr(config, n, None) is not None), None)
     if token is None:
