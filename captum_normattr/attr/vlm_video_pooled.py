@@ -119,8 +119,8 @@ def pooled_video_geometry(model: nn.Module, pixel_values_videos: Any) -> PooledV
     if description is None or not description.video_token or description.geometry not in POOLED_VIDEO_GEOMETRIES:
         name = type(model).__name__ if description is None else description.family
         raise UnsupportedModelError(f"captum_normattr.attr.vlm_video_pooled maps LLaVA-OneVision's video tokens only; "
-                                    f"{name}'s videos, where it takes them, are mapped by captum_normattr.attr.vlm_video "
-                                    "(docs/vlm.md, 'Videos')")
+                                    f"{name}'s videos, where it takes them, are mapped by "
+                                    "captum_normattr.attr.vlm_video (docs/vlm.md, 'Videos')")
     config = model.config
     token = next((getattr(config, n) for n in description.video_token if getattr(config, n, None) is not None), None)
     vision = getattr(config, description.vision_config, None)
@@ -130,13 +130,14 @@ def pooled_video_geometry(model: nn.Module, pixel_values_videos: Any) -> PooledV
                          "or patch_size")
     shape = tuple(pixel_values_videos.shape if isinstance(pixel_values_videos, Tensor) else pixel_values_videos)
     if len(shape) != 5 or shape[-1] != shape[-2] or shape[-1] != int(side):
-        raise ValueError(f"pixel_values_videos must be (videos, frames, channels, {side}, {side}) (the frames resized to "
-                         f"the tower's side); got {shape}")
+        raise ValueError(f"pixel_values_videos must be (videos, frames, channels, {side}, {side}) (the frames resized "
+                         f"to the tower's side); got {shape}")
     return PooledVideoGeometry(int(token), int(shape[0]), int(shape[1]), math.ceil(int(side) // int(patch) / 2),
                                int(side))
 
 
-def pooled_video_scores(result: Any, input_ids: Tensor, model: nn.Module, pixel_values_videos: Any) -> PooledVideoScores:
+def pooled_video_scores(result: Any, input_ids: Tensor, model: nn.Module,
+                        pixel_values_videos: Any) -> PooledVideoScores:
     r"""The video tokens' scores of a result: one (..., F, o, o) grid and one newline score per video.
 
     Args:

@@ -1,119 +1,35 @@
 r"""Videos in Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (issue 38; ``docs/vlm.md``, "Videos";
-``captum_normattr.attr.vlm_video``).
+``captum_normattr.attr.vlm_video``): what is their own.
 
 These processors write a video frame group by frame group, each group its own ``<vision_start> ... <vision_end>``
 span after its timestamp text, and the model splits ``video_grid_thw`` per group for its M-RoPE positions; Qwen3-VL's
-DeepStack adds the tower's intermediate features at the video positions as at the image positions. On tiny float64
-models (``tests/fixtures/vlm_videos_qwen3.py``), prompts with a video, and with an image and a video: ALTI-Logit and
-DecompX complete against the model's own logit; GlobEnc's, ALTI's and the FF decomposition's parts sum to the model's
-tensors; all four methods on a left-padded batch equal the single examples; the model is unchanged; the recorded
-DeepStack additions at the video positions are the tower's own video features; the video tokens map to (frame group,
-row, column) across the timestamp text (synthetic scores, and a tower whose tokens see their own patches only).
+DeepStack adds the tower's intermediate features at the video positions as at the image positions. The shared checks
+(ALTI-Logit and DecompX complete against the model's own logit, also one pass over three generated tokens; the map
+methods complete; padded == single for all four methods; the model unchanged) run on these four families in
+``test_vlm_video.py`` (``vlm_videos_qwen3.family_video_batch``). Here, on tiny float64 models: the recorded DeepStack
+additions at the video positions are the tower's own video features; the video tokens map to (frame group, row,
+column) across the timestamp text (synthetic scores, and a tower whose tokens see their own patches only, in the
+merged embeddings and in every DeepStack addition).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
 from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.attr.vlm_regions import image_heatmaps
 from captum_normattr.attr.vlm_video import video_geometry, video_heatmaps, video_scores
 from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.engine import streamed_forward
-from map_checks import check_maps_complete
-from vlm_checks import check_model_unchanged, check_padded_equals_singles
 from vlm_models import QWEN_END, QWEN_IMAGE, QWEN_START, merged_embeddings
-from vlm_videos import mm_types, patchify_video, video_single, video_token
+from vlm_videos import mm_types, patchify_video, video_token
+from vlm_qwen3 import deepstack_inputs
 from vlm_videos_qwen3 import MAKERS, STAMP, qwen3_video_batch, qwen3_video_row
 
-METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
 DEEPSTACK = ["qwen3_vl", "qwen3_vl_moe"]
 
 
-def _real(model, ids, mask, extra):
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, **extra).logits[:, -1]
-
-
-@pytest.fixture(scope="module", params=sorted(MAKERS))
-def model(request):
-    return MAKERS[request.param](seed=1)
-
-
-@pytest.mark.parametrize("image", [False, True], ids=["video", "image+video"])
-@pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
-def test_complete_against_the_models_logit(model, cls, image):
-    ids, mask, extra, _ = qwen3_video_batch(model, [3, 6], image=image, seed=2)
-    t = torch.tensor([5, 9])
-    real = _real(model, ids, mask, extra)[[0, 1], t]
-    res = cls(model).decompose(ids, t, {"attention_mask": mask, **extra})
-    rest = res.no_token_total if cls is ALTILogitAttribution else res.bias_scores[:, 0]
-    err = ((res.scores.sum(-1) + rest - real).abs() / real.abs().max()).max()
-    assert err < 1e-10, float(err)
-    assert res.scores[ids == video_token(model)].abs().sum() > 0  # the video tokens carry a share
-    if image:
-        assert res.scores[ids == QWEN_IMAGE].abs().sum() > 0
-    assert (res.scores[mask == 0] == 0).all()
-
-
-def test_maps_complete(model):
-    ids, mask, extra, _ = qwen3_video_batch(model, [3, 6], image=True, seed=3)
-    check_maps_complete(model, ids, {"attention_mask": mask, **extra})
-
-
-@pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
-def test_padded_batch_equals_single_examples(model, cls):
-    r"""An image and a video per prompt, the frame groups' spans and timestamps shifted by the padding."""
-    ids, mask, extra, _ = qwen3_video_batch(model, [5, 2], image=True, seed=4)
-    batch = check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]), video_single)
-    assert batch[ids == video_token(model)].abs().sum() > 0
-
-
-def test_model_unchanged(model):
-    ids, mask, extra, _ = qwen3_video_batch(model, [4, 3], image=True, seed=5)
-    check_model_unchanged(model, lambda: DecompXAttribution(model).attribute(
-        ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
-        lambda: _real(model, ids, mask, extra))
-
-
-def test_one_pass_explains_every_generated_token():
-    r"""Qwen3-VL, an image and a video, then three targets (typed 0) explained in one pass: each row complete against
-    the model's own logit at its position, each row's video tokens on their own (targets, groups, H, W) map."""
-    from captum_normattr.attr.llm import explain_positions
-
-    model = MAKERS["qwen3_vl"](seed=1)
-    ids, mask, extra, _ = qwen3_video_batch(model, [4], image=True, seed=6)
-    targets = torch.tensor([7, 11, 13])
-    full = torch.cat([ids, targets[None]], 1)
-    extra = dict(extra, mm_token_type_ids=mm_types(model, full))
-    p = ids.shape[1]
-    positions = torch.arange(p - 1, p + 2)
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=torch.ones_like(full), **extra).logits[0]
-    real = logits[positions, targets]
-    ex = explain_positions(ALTILogitAttribution(model), full[0], positions, targets, additional_forward_args=extra)
-    err = ((ex.scores.sum(-1) + ex.no_token - real).abs() / real.abs().max()).max()
-    assert err < 1e-10, float(err)
-    assert video_heatmaps(ex.scores[None], full, model, extra["video_grid_thw"])[0].shape == (3, 2, 8, 12)
-
-
 # ---- DeepStack at the video positions ----------------------------------------------------------------------------
-
-
-def _deepstack_inputs(model, ids, mask, extra):
-    r"""The text model's own DeepStack inputs of one call, read independently of the package."""
-    seen = {}
-
-    def hook(module, args, kwargs):
-        seen["mask"], seen["embeds"] = kwargs["visual_pos_masks"], [e.detach() for e in kwargs["deepstack_visual_embeds"]]
-
-    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        _real(model, ids, mask, extra)
-    finally:
-        handle.remove()
-    return seen["mask"], seen["embeds"]
 
 
 @pytest.mark.parametrize("name", DEEPSTACK)
@@ -124,7 +40,7 @@ def test_deepstack_additions_at_the_video_positions_are_the_towers_video_feature
     positions the image's; zero elsewhere; and each recorded layer output is the next layer's real input."""
     model = MAKERS[name](seed=1)
     ids, mask, extra, _ = qwen3_video_batch(model, [3, 6], image=image, seed=7)
-    vmask, embeds = _deepstack_inputs(model, ids, mask, extra)
+    vmask, embeds = deepstack_inputs(model, ids, mask, extra)
     video, pics = ids == video_token(model), ids == QWEN_IMAGE
     assert torch.equal(vmask, video | pics) and len(embeds) == 2
     with torch.no_grad():
@@ -210,8 +126,8 @@ def test_changed_frames_and_image_light_their_own_maps(name):
         now, base = inputs(fr, im), inputs(frames, image)
         out = [(merged_embeddings(model, ids, mask, **now) - merged_embeddings(model, ids, mask, **base)).norm(dim=-1)]
         if name in DEEPSTACK:
-            vmask, new = _deepstack_inputs(model, ids, mask, now)
-            _, old = _deepstack_inputs(model, ids, mask, base)
+            vmask, new = deepstack_inputs(model, ids, mask, now)
+            _, old = deepstack_inputs(model, ids, mask, base)
             for a, b in zip(new, old):
                 full = torch.zeros(ids.shape, dtype=torch.float64)
                 full[vmask] = (a - b).norm(dim=-1)
