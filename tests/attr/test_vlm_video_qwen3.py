@@ -155,3 +155,43 @@ def test_changed_frames_and_image_light_their_own_maps(name):
         for change in changes(frames, changed):
             assert torch.equal(image_heatmaps(change, ids, model, image_grid_thw=ithw)[0] > 1e-9, expect), (pr, pc)
             assert not (video_heatmaps(change, ids, model, vthw)[0] > 1e-9).any()
+
+
+# ---- the fixtures' layout against transformers' own processor (Qwen3.5 uses Qwen3-VL's) ------------------------
+
+
+def test_patchify_equals_the_video_processors():
+    r"""The fixtures' frames -> ``pixel_values_videos`` equals ``Qwen3VLVideoProcessor.patchify`` (the last frame
+    repeated to a whole frame group, the same patch order)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    video = torch.randn(1, 5, 3, 8, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got, t, h, w = Qwen3VLVideoProcessor.patchify(None, video, 2, 2, 2)  # a method that reads no state
+    mine, thw = patchify_video(video[0])
+    assert (t, h, w) == thw == (3, 4, 6) and torch.equal(got[0], mine)
+
+
+def test_the_processors_placeholder_is_the_fixtures_layout():
+    r"""``Qwen3VLProcessor.replace_video_token`` for ``video_grid_thw`` (3, 4, 6), 5 frames at 2 fps: per frame group
+    its timestamp text, then ``<vision_start>``, 6 video tokens, ``<vision_end>``: the layout of
+    :func:`qwen3_video_row`."""
+    import re
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    proc = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                           vision_start_token="<vs>", vision_end_token="<ve>", video_token="<v>",
+                           _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+    meta = SimpleNamespace(fps=2.0, frames_indices=list(range(5)))
+    text = Qwen3VLProcessor.replace_video_token(proc, {"video_grid_thw": torch.tensor([[3, 4, 6]]),
+                                                       "video_metadata": [meta]}, 0)
+    assert text == "".join(f"<{s:.1f} seconds><vs>{'<v>' * 6}<ve>" for s in (0.25, 1.25, 2.0))
+    kinds = re.findall(r"<\d+\.\d seconds>|<vs>|<ve>|<v>", text)
+    model = MAKERS["qwen3_vl"](seed=0, layers=1, deepstack=(0,))
+    row = qwen3_video_row(model, 0, 3, 6)[1:]
+    word = {QWEN_START: "<vs>", QWEN_END: "<ve>", video_token(model): "<v>"}
+    mine = [word.get(int(i), "t") for i in row]
+    theirs = ["t" if k.endswith("seconds>") else k for k in kinds]
+    # one timestamp text (STAMP ids in the fixture) per group, then the same markers and tokens
+    assert [k for i, k in enumerate(mine) if k != "t" or mine[i - 1] != "t"] == theirs
