@@ -1,4 +1,4 @@
-r"""Video-token scores mapped back to the video: Qwen2-VL's and Qwen2.5-VL's frame groups, rows and columns.
+r"""Video-token scores mapped back to the video: the Qwen families' frame groups, rows and columns.
 
 Qwen2-VL and Qwen2.5-VL take videos besides images (``pixel_values_videos``, ``video_grid_thw``; Qwen2.5-VL also
 ``second_per_grid_ts``, the seconds between two frame groups, which spaces the temporal M-RoPE positions). The
@@ -18,6 +18,12 @@ row by row over (h / m) x (w / m): token k of a video lies at
 covering frames tp g ... tp g + tp - 1 and (p m) x (p m) pixels. :func:`video_heatmaps` returns one
 (..., t, H, W) map per video (a frame group's score on its pixels), or with ``frames=True`` one
 (..., t tp, H, W) map (every frame of a group gets the group's score).
+
+Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE take the same inputs (no ``second_per_grid_ts``) but write a video
+frame group by frame group, each group its own ``<vision_start> ... <vision_end>`` span after its timestamp text; the
+model splits ``video_grid_thw`` per group for its M-RoPE positions. The video tokens, read in order across the spans,
+keep the order above, so the same maps hold (the timestamps are text tokens). LLaVA-OneVision's pooled frames are
+mapped by :mod:`captum_normattr.attr.vlm_video_pooled`.
 
 The videos are found in the order the model reads them (example by example, left to right), as
 ``video_grid_thw`` lists them. Images in the same prompt keep their own tokens and their own map
@@ -83,15 +89,16 @@ class VideoScores:
 
 
 def _video_families() -> str:
-    return ", ".join(sorted({d.family for d in VISION_LANGUAGE.values() if d.video_token}))
+    return ", ".join(sorted({d.family for d in VISION_LANGUAGE.values()
+                             if d.video_token and d.geometry == "merged_grid"}))
 
 
 def video_geometry(model: nn.Module, video_grid_thw: Tensor) -> VideoGeometry:
     r"""The video-token geometry of a vision-language model that takes videos.
 
     Args:
-        model: Qwen2-VL or Qwen2.5-VL (a description with :attr:`~captum_normattr.arch.families.vlm.VisionLanguage.
-            video_token`).
+        model: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) or Qwen3.5(-MoE) (a ``"merged_grid"`` description with
+            :attr:`~captum_normattr.arch.families.vlm.VisionLanguage.video_token`).
         video_grid_thw: (n_videos, 3) the processor's patches per video: frame groups t, patch rows h, patch
             columns w.
 
@@ -100,7 +107,8 @@ def video_geometry(model: nn.Module, video_grid_thw: Tensor) -> VideoGeometry:
         ``temporal_patch_size`` frames.
 
     Raises:
-        UnsupportedModelError: a model whose family takes no videos (naming those that do).
+        UnsupportedModelError: a model whose family takes no videos (naming those that do), or LLaVA-OneVision
+            (:mod:`captum_normattr.attr.vlm_video_pooled`).
         ValueError: a config without the numbers, or a grid the merge does not divide.
 
     Examples::
@@ -115,6 +123,10 @@ def video_geometry(model: nn.Module, video_grid_thw: Tensor) -> VideoGeometry:
         name = type(model).__name__ if description is None else description.family
         raise UnsupportedModelError(f"captum_normattr maps video tokens of {_video_families()} only; {name} takes no "
                                     "videos the package describes (docs/vlm.md, 'Videos')")
+    if description.geometry != "merged_grid":  # LLaVA-OneVision: pooled frames and a newline
+        raise UnsupportedModelError(f"{description.family}'s video tokens are pooled frames, not frame groups of "
+                                    "merged patches: map them with captum_normattr.attr.vlm_video_pooled "
+                                    "(docs/vlm.md, 'Videos')")
     config = model.config
     token = next((getattr(config, n) for n in description.video_token if getattr(config, n, None) is not None), None)
     if token is None:

@@ -31,7 +31,6 @@ from vlm_models import merged_embeddings
 from captum_normattr import ALTIAttribution, ALTILogitAttribution, DecompXAttribution, GlobEncAttribution
 from captum_normattr.attr.vlm_anyres import AnyresScores, anyres_geometry, anyres_heatmaps, anyres_layout
 from captum_normattr.attr.vlm_regions import image_heatmaps, image_scores
-from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.models.adapters import get_adapter
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
@@ -107,14 +106,6 @@ def test_model_unchanged(model):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not model.training and hooks() == hooked
     assert torch.equal(_real(model, ids, mask, extra), out)
-
-
-def test_onevision_refuses_videos():
-    m = make_llava_onevision(seed=0, layers=1)
-    ids, mask, extra = anyres_batch(m, [2], seed=0)
-    with pytest.raises(UnsupportedModelError, match="videos"):
-        ALTILogitAttribution(m).attribute(ids, target=torch.tensor([3]), additional_forward_args={
-            "attention_mask": mask, "pixel_values_videos": torch.zeros(1, 1, 3, ANYRES_SIZE, ANYRES_SIZE), **extra})
 
 
 # ---- the geometry against the model and the processor ---------------------------------------------------------

@@ -34,7 +34,7 @@ from captum_normattr.models.engine import streamed_forward
 from map_checks import check_maps_complete
 from vlm_families import check_merged_grid, qwen2_5_vl_single
 from vlm_models import QWEN_IMAGE, qwen2_vl_batch
-from vlm_qwen3 import make_qwen3_5, make_qwen3_vl
+from vlm_qwen3 import deepstack_inputs, make_qwen3_5, make_qwen3_vl
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
 #: model type -> (the adapter's family, builder); the first two have DeepStack
@@ -60,21 +60,6 @@ def case(request):
 def _real(model, ids, mask, extra, position=-1):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, **extra).logits[:, position]
-
-
-def _deepstack_inputs(model, ids, mask, extra):
-    r"""The model's own DeepStack inputs of one call, read independently of the package: (mask (B, T), [(n, D)])."""
-    seen = {}
-
-    def hook(module, args, kwargs):
-        seen["mask"], seen["embeds"] = kwargs["visual_pos_masks"], [e.detach() for e in kwargs["deepstack_visual_embeds"]]
-
-    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        _real(model, ids, mask, extra)
-    finally:
-        handle.remove()
-    return seen["mask"], seen["embeds"]
 
 
 def _layers(model, ids, mask, extra):
@@ -141,7 +126,7 @@ def test_the_recorded_additions_are_the_models_own(case):
     plus the feed-forward output rebuild that real input; the layers from n on record none."""
     _, model = case
     ids, mask, extra = qwen2_vl_batch([3, 6], seed=3)
-    vmask, embeds = _deepstack_inputs(model, ids, mask, extra)
+    vmask, embeds = deepstack_inputs(model, ids, mask, extra)
     assert torch.equal(vmask, ids == QWEN_IMAGE) and len(embeds) == 2
     layers = _layers(model, ids, mask, extra)
     assert len(layers) == 3

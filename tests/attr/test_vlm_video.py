@@ -1,6 +1,8 @@
 r"""Videos in Qwen2-VL and Qwen2.5-VL (issue 38; ``docs/vlm.md``, "Videos"; ``captum_normattr.attr.vlm_video``).
 
-On tiny float64 models (``tests/fixtures/vlm_videos.py``), prompts with a video, and with an image and a video:
+On tiny float64 models (``tests/fixtures/vlm_videos.py``; the shared checks also on Qwen3-VL, Qwen3-VL-MoE, Qwen3.5
+and Qwen3.5-MoE in their own frame-group layout, ``tests/fixtures/vlm_videos_qwen3.py``, whose own checks are in
+``test_vlm_video_qwen3.py``), prompts with a video, and with an image and a video:
 ALTI-Logit and DecompX token scores plus no-token terms equal the model's own logit (Qwen2.5-VL with
 ``second_per_grid_ts`` that moves it), GlobEnc's, ALTI's and the FF decomposition's parts sum to the model's
 tensors; all four methods on a left-padded batch equal the single examples; the model is unchanged. The mapping of
@@ -23,9 +25,20 @@ from captum_normattr.attr.vlm_video import (
     video_scores,
 )
 from map_checks import check_maps_complete
-from vlm_checks import check_model_unchanged, check_padded_equals_singles
+from vlm_checks import check_complete, check_model_unchanged, check_padded_equals_singles
 from vlm_models import QWEN_IMAGE, make_llava, merged_embeddings
-from vlm_videos import MAKERS, mm_types, patchify_video, video_batch, video_row, video_single, video_token
+from vlm_videos_qwen3 import MAKERS as QWEN3_MAKERS
+from vlm_videos_qwen3 import family_video_batch
+from vlm_videos import (
+    MAKERS,
+    check_one_pass,
+    mm_types,
+    patchify_video,
+    video_batch,
+    video_row,
+    video_single,
+    video_token,
+)
 
 METHODS = [ALTILogitAttribution, DecompXAttribution, ALTIAttribution, GlobEncAttribution]
 
@@ -35,26 +48,20 @@ def _real(model, ids, mask, extra):
         return model(input_ids=ids, attention_mask=mask, **extra).logits[:, -1]
 
 
-@pytest.fixture(scope="module", params=sorted(MAKERS))
+@pytest.fixture(scope="module", params=sorted(MAKERS) + sorted(QWEN3_MAKERS))
 def model(request):
-    return MAKERS[request.param](seed=1)
+    return {**MAKERS, **QWEN3_MAKERS}[request.param](seed=1)
 
 
 @pytest.mark.parametrize("image", [False, True], ids=["video", "image+video"])
 @pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
 def test_complete_against_the_models_logit(model, cls, image):
-    ids, mask, extra, _ = video_batch(model, [3, 6], image=image, seed=2)
+    ids, mask, extra, _ = family_video_batch(model, [3, 6], image=image, seed=2)
     t = torch.tensor([5, 9])
-    real = _real(model, ids, mask, extra)[[0, 1], t]
-    scale = real.abs().max()
-    res = cls(model).decompose(ids, t, {"attention_mask": mask, **extra})
-    rest = res.no_token_total if cls is ALTILogitAttribution else res.bias_scores[:, 0]
-    err = ((res.scores.sum(-1) + rest - real).abs() / scale).max()
-    assert err < 1e-10, float(err)
+    res = check_complete(cls(model), ids, mask, extra, t, _real(model, ids, mask, extra)[[0, 1], t])
     assert res.scores[ids == video_token(model)].abs().sum() > 0  # the video tokens carry a share
     if image:
         assert res.scores[ids == QWEN_IMAGE].abs().sum() > 0
-    assert (res.scores[mask == 0] == 0).all()
 
 
 def test_qwen2_5_vl_seconds_per_group_move_the_explained_logit():
@@ -76,43 +83,26 @@ def test_qwen2_5_vl_seconds_per_group_move_the_explained_logit():
 
 @pytest.mark.parametrize("cls", [ALTILogitAttribution, DecompXAttribution], ids=lambda c: c.__name__)
 def test_one_pass_explains_every_generated_token(model, cls):
-    r"""A generation's explanation: the prompt with an image and a video, then three target tokens (typed 0, as
-    the model's ``generate`` types new tokens), every target explained in one pass (``explain_positions``): each
-    row complete against the model's own logit at its position, and each row's video tokens on their own map."""
-    from captum_normattr.attr.llm import explain_positions
+    r"""A generation's explanation: the prompt with an image and a video, then three targets explained in one pass,
+    each row complete against the model's own logit, each row's video tokens on their own map (``check_one_pass``)."""
+    check_one_pass(model, cls, family_video_batch)
 
-    ids, mask, extra, _ = video_batch(model, [4], image=True, seed=6)
-    targets = torch.tensor([7, 11, 13])
-    full = torch.cat([ids, targets[None]], 1)
-    extra = dict(extra, mm_token_type_ids=mm_types(model, full))
-    p = ids.shape[1]
-    positions = torch.arange(p - 1, p + 2)
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=torch.ones_like(full), **extra).logits[0]
-    real = logits[positions, targets]
-    ex = explain_positions(cls(model), full[0], positions, targets, additional_forward_args=extra)
-    err = ((ex.scores.sum(-1) + ex.no_token - real).abs() / real.abs().max()).max()
-    assert err < 1e-10, float(err)
-    heat = video_heatmaps(ex.scores[None], full, model, extra["video_grid_thw"])[0]
-    assert heat.shape == (3, 2, 8, 12)  # (targets, frame groups, H, W)
-    grid = video_scores(ex.scores[None], full, model, extra["video_grid_thw"]).grids[0]
-    assert torch.equal(grid.reshape(3, -1), ex.scores[:, full[0] == video_token(model)])
 
 def test_maps_complete(model):
-    ids, mask, extra, _ = video_batch(model, [3, 6], image=True, seed=3)
+    ids, mask, extra, _ = family_video_batch(model, [3, 6], image=True, seed=3)
     check_maps_complete(model, ids, {"attention_mask": mask, **extra})
 
 
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.__name__)
 def test_padded_batch_equals_single_examples(model, cls):
     r"""An image and a video per prompt (Qwen2.5-VL: a different ``second_per_grid_ts`` per example)."""
-    ids, mask, extra, _ = video_batch(model, [5, 2], image=True, seed=4)
+    ids, mask, extra, _ = family_video_batch(model, [5, 2], image=True, seed=4)
     batch = check_padded_equals_singles(cls(model), ids, mask, extra, torch.tensor([6, 9]), video_single)
     assert batch[ids == video_token(model)].abs().sum() > 0
 
 
 def test_model_unchanged(model):
-    ids, mask, extra, _ = video_batch(model, [4, 3], image=True, seed=5)
+    ids, mask, extra, _ = family_video_batch(model, [4, 3], image=True, seed=5)
     check_model_unchanged(model, lambda: DecompXAttribution(model).attribute(
         ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra}),
         lambda: _real(model, ids, mask, extra))

@@ -23,7 +23,7 @@ a text model is only where things are:
 
 Described: LLaVA (:data:`LLAVA`), Qwen2-VL (:data:`QWEN2_VL`) and Qwen2.5-VL (:data:`QWEN2_5_VL`: Qwen2-VL's
 decoder and merged grid; its tower's window attention stays inside the tower; both also take videos,
-:attr:`VisionLanguage.video_token`), Qwen3-VL and Qwen3-VL-MoE
+:attr:`VisionLanguage.video_token`, as do the Qwen3 families below), Qwen3-VL and Qwen3-VL-MoE
 (:data:`QWEN3_VL`, :data:`QWEN3_VL_MOE`: Qwen3's decoders with DeepStack, :data:`STREAM_ADDITIONS`), the multimodal
 Qwen3.5 and Qwen3.5-MoE (:data:`QWEN3_5`, :data:`QWEN3_5_MOE`: the hybrid Qwen3.5 decoders on Qwen2-VL's route), Idefics3 and SmolVLM
 (:data:`IDEFICS3`, :data:`SMOLVLM`: a Llama decoder under ``model.text_model``, pixel-shuffled grids) and
@@ -161,7 +161,8 @@ class VisionLanguage:
             tokens), as the model's own ``generate`` extends them: 0 for Gemma 3 (text), 1 for PaliGemma (suffix).
         video_token: config attributes that may hold the video token's id, in order; empty: the family takes no
             videos. Videos lie on the ``"merged_grid"`` geometry frame group by frame group
-            (:mod:`captum_normattr.attr.vlm_video`: Qwen2-VL, Qwen2.5-VL).
+            (:mod:`captum_normattr.attr.vlm_video`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants),
+            LLaVA-OneVision's as pooled frames (:mod:`captum_normattr.attr.vlm_video_pooled`).
         two_way_input: the model input carrying the token types of :attr:`two_way` (``"token_type_ids"``;
             Gemma 4: ``"mm_token_type_ids"``, one of :attr:`inputs`).
         two_way_config: (decoder config attribute, value): the types open the attention only where the decoder's
@@ -234,7 +235,9 @@ QWEN2_5_VL = VisionLanguage(
 )
 
 QWEN3_VL = VisionLanguage(
-    family="Qwen3-VL", model_types=("qwen3_vl",), inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+    family="Qwen3-VL", model_types=("qwen3_vl",),
+    inputs=("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw"),
+    video_token=("video_token_id",),
     text_types=(("qwen3_vl_text", "qwen3"),), positions="model", geometry="merged_grid", stream_additions="deepstack",
     text_families=("qwen3_vl_text",),
     notes="Qwen3's decoder layer with M-RoPE inside the attention (positions computed by the model); DeepStack: after "

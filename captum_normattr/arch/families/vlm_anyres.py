@@ -9,7 +9,9 @@ into one big patch grid, unpadded to the image's aspect ratio (OneVision: biline
 ``vision_aspect_ratio``'s ``anyres_max_N``), with the learned ``image_newline`` vector after every row. The newline
 tokens are image tokens of the sequence (their id is the image token's) but map to no pixel.
 
-Videos (OneVision's ``pixel_values_videos``) are refused by name.
+OneVision's videos (``pixel_values_videos`` (V, F, 3, S, S)) are frames through the same tower, each frame's n x n
+patch grid bilinearly halved to ceil(n / 2) x ceil(n / 2) tokens (``apply_pooling``), the frames' tokens in order and
+one ``image_newline`` after the last (video geometry: :mod:`captum_normattr.attr.vlm_video_pooled`).
 """
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ LLAVA_NEXT = VisionLanguage(
 
 LLAVA_ONEVISION = VisionLanguage(
     family="LLaVA-OneVision", model_types=("llava_onevision",),
-    inputs=("pixel_values", "image_sizes", "batch_num_images"), geometry="anyres_tiles", text_families=("qwen2",),
-    refused=(("pixel_values_videos", "videos are not described (images only; docs/vlm.md)"),
-             ("image_sizes_videos", "videos are not described (images only; docs/vlm.md)")),
+    inputs=("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos", "image_sizes_videos"),
+    geometry="anyres_tiles", text_families=("qwen2",), video_token=("video_token_id", "video_token_index"),
     notes="SigLIP tower, MLP projector; LLaVA-NeXT's base view and unpadded tiles, the tile grid bilinearly "
-          "downscaled past anyres_max_N, an image_newline after every row; several images per prompt: base views only",
+          "downscaled past anyres_max_N, an image_newline after every row; several images per prompt: base views only; "
+          "videos: every frame's patch grid bilinearly halved, the frames in order, one image_newline at the end",
 )
 
 #: ``config.model_type`` -> description, merged into :data:`~captum_normattr.arch.registry.VISION_LANGUAGE`.
