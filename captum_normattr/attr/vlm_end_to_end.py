@@ -32,7 +32,7 @@ which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from captum.log import log_usage
@@ -48,8 +48,9 @@ from captum_normattr.models.adapters import layer_modules, unwrap_model, value_p
 from captum_normattr.models.capture.session import recording
 from captum_normattr.models.engine import compute_dtype
 
-__all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "patch_contributions", "projector_parts",
-           "tower_parts"]
+__all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "image_token_contributions",
+           "patch_contributions", "projector_parts", "relative_difference", "tower_description", "tower_parts",
+           "vision_tower_parts"]
 
 #: The vision towers decomposed end to end: ``config.model_type`` -> the tower's layer description
 #: (both are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``).
@@ -142,15 +143,31 @@ def _tower_and_description(model: nn.Module) -> Tuple[nn.Module, nn.Module, Arch
             "with image_grid_thw); docs/vlm_end_to_end.md says which families stop at the language model's input and why")
     base = model.model
     tower = base.vision_tower
+    spec = tower_description(tower)
+    if not isinstance(model.config.vision_feature_layer, (int, list, tuple)):
+        raise ValueError(f"unsupported vision_feature_layer {model.config.vision_feature_layer!r}")
+    return base, tower, spec
+
+
+def tower_description(tower: nn.Module) -> ArchitectureSpec:
+    r"""The layer description of a vision tower the package decomposes end to end (:data:`TOWERS`).
+
+    Args:
+        tower: a vision model (``CLIPVisionModel``, ``SiglipVisionModel``).
+
+    Returns:
+        its :class:`~captum_normattr.arch.spec.ArchitectureSpec`.
+
+    Raises:
+        ValueError: a tower that is not described, naming those that are.
+    """
     kind = getattr(getattr(tower, "config", None), "model_type", None)
     if kind not in TOWERS:
         raise ValueError(
             f"the vision tower {type(tower).__name__} ({kind!r}) is not one the package decomposes end to end; "
             f"decomposed towers: {sorted(TOWERS)} (docs/vlm_end_to_end.md). Its image tokens' scores at the "
             "language model's input are available from DecompXAttribution (docs/vlm.md)")
-    if not isinstance(model.config.vision_feature_layer, (int, list, tuple)):
-        raise ValueError(f"unsupported vision_feature_layer {model.config.vision_feature_layer!r}")
-    return base, tower, TOWERS[kind]
+    return TOWERS[kind]
 
 
 def _frozen_layernorm_parts(x_real: Tensor, norm: nn.LayerNorm, parts: Tensor) -> Tensor:
@@ -226,10 +243,37 @@ def tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float 
 
 def _tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float) -> TowerParts:
     model = unwrap_model(model)
-    _, tower, spec = _tower_and_description(model)
-    dtype = compute_dtype(model)
+    _, tower, _ = _tower_and_description(model)
     layers_wanted = model.config.vision_feature_layer
     layers_wanted = [layers_wanted] if isinstance(layers_wanted, int) else list(layers_wanted)
+    drop = int(model.config.vision_feature_select_strategy == "default")
+    return vision_tower_parts(tower, pixel_values, layers_wanted, compute_dtype(model), drop, memory_budget_mb)
+
+
+def vision_tower_parts(tower: nn.Module, pixel_values: Tensor, hidden_states: Sequence[int], dtype: torch.dtype,
+                       drop: int = 0, memory_budget_mb: float = 256.0) -> TowerParts:
+    r"""Hidden states of a CLIP or SigLIP vision tower as sums of per-patch parts (DecompX's forward algorithm).
+
+    Shared by every family whose tower is a described ViT (:data:`TOWERS`): LLaVA (:func:`tower_parts`),
+    PaliGemma and Gemma 3 (:mod:`captum_normattr.attr.vlm_end_to_end_siglip`).
+
+    Args:
+        tower: the vision model (:func:`tower_description` must know it).
+        pixel_values: (n_images, C, H, W) at the tower's image size.
+        hidden_states: the hidden-state indices wanted (0: the first layer's input; negative from the end,
+            ``-1``: the last layer's output, before any post-layernorm); several are concatenated along the width.
+        dtype: the dtype of the parts (the model's compute dtype).
+        drop: leading tower tokens dropped (LLaVA's ``"default"``: 1).
+        memory_budget_mb: bound on the temporary tensors of one layer step.
+
+    Returns:
+        :class:`TowerParts`.
+
+    Raises:
+        ValueError: a tower that is not described, interpolated positions.
+    """
+    spec = tower_description(tower)
+    layers_wanted = list(hidden_states)
     mods = layer_modules(tower, spec)
     n_layers = len(mods)
     wanted = [h % (n_layers + 1) for h in layers_wanted]  # hidden-state index: 0 = the first layer's input
@@ -274,7 +318,6 @@ def _tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float
             tower(pixel_values.to(tower.dtype))
     finally:
         handle.remove()
-    drop = int(model.config.vision_feature_select_strategy == "default")
     parts = torch.cat([kept[h][0][:, drop:] for h in wanted], -1)
     bias = torch.cat([kept[h][1][:, drop:] for h in wanted], -1)
     real = torch.cat([kept[h][2][:, drop:] for h in wanted], -1)
@@ -335,8 +378,9 @@ def frozen_mlp_parts(linear_1: nn.Linear, act: Any, linear_2: nn.Linear, parts: 
     return out, out_bias, const.expand_as(out_bias)
 
 
-def _relative(a: Tensor, b: Tensor) -> float:
-    a, b = a.detach(), b.detach()
+def relative_difference(a: Tensor, b: Tensor) -> float:
+    r"""The largest |a - b| over the largest |b| (0 for empty tensors): the end-to-end routes' rebuild checks."""
+    a, b = a.detach(), b.detach().to(a.dtype)
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
 
 
@@ -390,8 +434,7 @@ def patch_contributions(
     model = unwrap_model(model)
     base, tower, _ = _tower_and_description(model)
     tp = tower_parts(model, pixel_values, memory_budget_mb)
-    dtype = tp.parts.dtype
-    tol = _CHECK.get(dtype, 1e-3)
+    tol = _CHECK.get(tp.parts.dtype, 1e-3)
     if tp.error > tol * float(tp.features.abs().max().clamp(min=1.0)):
         raise ValueError(f"the tower's parts do not rebuild its selected features (largest error {tp.error:.3g})")
     parts, pbias, pconst = projector_parts(base.multi_modal_projector, tp.parts, tp.bias, tp.features)
@@ -409,19 +452,53 @@ def patch_contributions(
         cot = attr.input_cotangents(input_ids, target, {"attention_mask": mask, "pixel_values": pixel_values}, foil)
     finally:
         handle.remove()
-    g, e, dx = cot.cotangent, cot.embeddings, cot.result
-    ids = input_ids
-    checks = {"features": _relative(tp.features, real_features["x"].to(dtype))}
-
+    checks = {"features": relative_difference(tp.features, real_features["x"])}
     token_id = next(getattr(model.config, n) for n in ("image_token_id", "image_token_index")
                     if getattr(model.config, n, None) is not None)
-    image = (ids == token_id) & (mask > 0)
+    return image_token_contributions(cot, input_ids, mask, token_id, (parts, pbias, pconst), tp.grid, tp.no_token,
+                                     checks, tol)
+
+
+def image_token_contributions(cot: Any, input_ids: Tensor, mask: Tensor, image_token_id: int,
+                              token_parts: Tuple[Tensor, Tensor, Tensor], grid: Tuple[int, int],
+                              tower_no_token: Tuple[str, ...], checks: Dict[str, float],
+                              tol: float) -> PatchContributions:
+    r"""The language model's cotangents dotted with the image tokens' per-patch parts: the end-to-end readout.
+
+    Shared by the end-to-end routes whose image tokens are each a sum of parts over one image's patch grid
+    (LLaVA: :func:`patch_contributions`; PaliGemma, Gemma 3: :mod:`captum_normattr.attr.vlm_end_to_end_siglip`).
+    Checks that the rebuilt image-token embeddings equal the decoder's input (``checks["embeddings"]``) and raises
+    if any check exceeds ``tol``.
+
+    Args:
+        cot: :meth:`~captum_normattr.attr.decompx.DecompXAttribution.input_cotangents`' result on ``input_ids``.
+        input_ids, mask: (B, T) the ids and the attention mask.
+        image_token_id: the image token's id (its tokens in order take the images' tokens in order).
+        token_parts: (parts (n_images, N, P + S, D): each image token's part from each patch (row-major) and each
+            of the tower's ``S`` no-token sources, the tower's bias part (n_images, N, D), the projector's constant
+            (n_images, N, D)).
+        grid: (rows, cols) of the patch grid (P = rows * cols).
+        tower_no_token: the tower's S no-token source names.
+        checks: the caller's rebuild checks (relative differences), extended here.
+        tol: the largest relative difference accepted.
+
+    Returns:
+        :class:`PatchContributions`.
+
+    Raises:
+        ValueError: image tokens that do not match the images, or a check above ``tol``.
+    """
+    parts, pbias, pconst = token_parts
+    g, e, dx = cot.cotangent, cot.embeddings, cot.result
+    dtype = parts.dtype
+    ids = input_ids
+    image = (ids == image_token_id) & (mask > 0)
     n_images, n_feat = parts.shape[:2]
     if int(image.sum()) != n_images * n_feat:
-        raise ValueError(f"{int(image.sum())} image tokens for {n_images} images of {n_feat} features each")
-    g_img = g[image].view(n_images, n_feat, -1)
+        raise ValueError(f"{int(image.sum())} image tokens for {n_images} images of {n_feat} tokens each")
+    g_img = g[image].view(n_images, n_feat, -1).to(dtype)
     rebuilt = parts.sum(2) + pbias + pconst
-    checks["embeddings"] = _relative(rebuilt, e[image].view(n_images, n_feat, -1))
+    checks["embeddings"] = relative_difference(rebuilt, e[image].view(n_images, n_feat, -1))
     worst = max(checks.values())
     if worst > tol:
         raise ValueError(f"the image tokens' embeddings rebuilt through the tower and the projector differ from the "
@@ -431,9 +508,10 @@ def patch_contributions(
     per_image = sources.sum(1)  # (n_images, S + 2)
     b = ids.shape[0]
     example = image.nonzero()[:, 0].view(n_images, n_feat)[:, 0]
-    rows, cols = tp.grid
+    rows, cols = grid
     p = rows * cols
-    names = tuple(f"({r},{c})" for r in range(rows) for c in range(cols)) + tp.no_token + ("tower_biases", "projector_biases")
+    names = tuple(f"({r},{c})" for r in range(rows) for c in range(cols)) + tuple(tower_no_token) + (
+        "tower_biases", "projector_biases")
     no_token: Dict[str, Tensor] = {}
     for j, name in enumerate(names[p:]):
         no_token[name] = torch.zeros(b, dtype=dtype, device=g.device).index_add_(0, example, per_image[:, p + j])
