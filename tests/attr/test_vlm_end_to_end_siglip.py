@@ -1,0 +1,213 @@
+r"""DecompX end to end through a SigLIP tower: PaliGemma, PaliGemma 2 and Gemma 3 (issue 38, item 2;
+docs/vlm_end_to_end.md).
+
+Every image patch's score, the text tokens' scores and the no-token terms add up to the model's own logit, with and
+without the processor's ``token_type_ids`` (two-way prefix / image spans); the rebuilt image features and embeddings
+equal the model's; the image tokens' scores are DecompX's at the language model's input, each the sum of its row; a
+left-padded batch equals its single examples; the model is unchanged; with the tower's attention outputs zeroed each
+image token draws on its own patches only, and those patches are the pixels that move its embedding.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captum_normattr import DecompXAttribution
+from captum_normattr.arch.spec import UnsupportedModelError
+from captum_normattr.attr.vlm_end_to_end_siglip import siglip_patch_contributions, siglip_token_parts
+from vlm_checks import check_model_unchanged
+from vlm_end_to_end_models import make_mixing_llava
+from vlm_families import (GEMMA_IMAGE, GEMMA_PATCH, GEMMA_SIZE, PALI_IMAGE, PALI_PATCH, PALI_SIZE, gemma3_batch,
+                          make_gemma3, make_paligemma, paligemma_batch)
+from vlm_models import merged_embeddings
+
+FAMILIES = ("paligemma", "paligemma2", "gemma3")
+#: (image token, image size, patch size, patches per image token side)
+GEOMETRY = {"paligemma": (PALI_IMAGE, PALI_SIZE, PALI_PATCH, 1), "paligemma2": (PALI_IMAGE, PALI_SIZE, PALI_PATCH, 1),
+            "gemma3": (GEMMA_IMAGE, GEMMA_SIZE, GEMMA_PATCH, 2)}
+
+
+def _make(family: str, seed: int = 1, vision_layers: int = 2, isolated: bool = False):
+    r"""The family's tiny float64 model with a sharp tower attention (q and k weights times 2), or, ``isolated``,
+    with the tower's attention outputs zeroed (each patch token sees itself only)."""
+    if family == "gemma3":
+        model = make_gemma3(seed=seed, vision_layers=vision_layers)
+    else:
+        model = make_paligemma(seed=seed, vision_layers=vision_layers, text="gemma2" if family == "paligemma2" else "gemma")
+    with torch.no_grad():
+        for layer in model.model.vision_tower.encoder.layers:
+            attn = layer.self_attn
+            if isolated:
+                attn.out_proj.weight.zero_()
+                attn.out_proj.bias.zero_()
+            else:
+                attn.q_proj.weight.mul_(2.0)
+                attn.k_proj.weight.mul_(2.0)
+    return model
+
+
+def _batch(family: str, lengths, seed: int = 2, token_types: bool = True):
+    if family == "gemma3":
+        return gemma3_batch(list(lengths), seed, token_types)
+    return paligemma_batch(list(lengths), seed, token_types)
+
+
+def _run(model, ids, mask, extra):
+    return siglip_patch_contributions(model, ids, extra["pixel_values"], attention_mask=mask,
+                                      token_type_ids=extra.get("token_type_ids"))
+
+
+def _own_logit(model, ids, mask, extra, res) -> torch.Tensor:
+    r"""The model's own explained logit, the soft-cap undone where the decoder has one (DecompX explains the pre-cap
+    logit), positions counted over the real tokens as the package counts them."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **extra).logits
+    out = logits[torch.arange(ids.shape[0]), res.explained_position, res.target]
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return out if cap is None else cap * torch.atanh(out / cap)
+
+
+def _total(res) -> torch.Tensor:
+    b = res.logit.shape[0]
+    patches = torch.zeros(b, dtype=res.logit.dtype).index_add_(0, res.image_example, res.patch_scores.flatten(1).sum(1))
+    return patches + res.text_scores.sum(1) + sum(res.no_token.values())
+
+
+def _scale(res) -> float:
+    terms = [res.patch_scores.abs().sum(), res.text_scores.abs().sum()] + [v.abs().sum() for v in res.no_token.values()]
+    return float(max(1.0, *terms))
+
+
+@pytest.mark.parametrize("token_types", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_scores_complete_against_the_model_logit(family, token_types):
+    model = _make(family)
+    ids, mask, extra = _batch(family, (3, 5), token_types=token_types)
+    res = _run(model, ids, mask, extra)
+    scale = _scale(res)
+    assert (_total(res) - res.logit).abs().max() <= 1e-10 * scale
+    assert res.delta.max() <= 1e-10 * scale
+    real = _own_logit(model, ids, mask, extra, res)
+    assert (real - res.logit).abs().max() <= 1e-10 * float(real.abs().max())
+    assert max(res.checks.values()) < 1e-12
+    _, size, patch, _ = GEOMETRY[family]
+    assert res.patch_scores.shape == (2, size // patch, size // patch)
+    assert set(res.no_token) == {"position_embeddings", "patch_embedding_bias", "tower_biases", "projector_biases",
+                                 "language_model_biases"}
+    # the tower mixes: an image token draws on many patches (the LM-input heat map cannot say this)
+    p = res.patch_scores[0].numel()
+    patch_part = res.token_sources[..., :p].abs()
+    drawn = (patch_part > 1e-3 * patch_part.amax(-1, keepdim=True)).sum(-1)
+    assert drawn.min() >= 2 and drawn.double().mean() >= 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_parts_rebuild_the_models_image_features(family):
+    model = _make(family)
+    _, _, extra = _batch(family, (3,))
+    (parts, bias, const), tp, features = siglip_token_parts(model, extra["pixel_values"])
+    with torch.no_grad():
+        tower = model.model.vision_tower(extra["pixel_values"]).last_hidden_state
+        real = model.model.get_image_features(extra["pixel_values"]).pooler_output
+    assert (features - tower).abs().max() <= 1e-12 * float(tower.abs().max())
+    assert (parts.sum(2) + bias + const - real.view(parts.shape[0], parts.shape[1], -1)).abs().max() \
+        <= 1e-12 * float(real.abs().max())
+    assert tp.error <= 1e-12 * float(tp.features.abs().max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_token_rows_are_decompx_scores(family):
+    model = _make(family)
+    ids, mask, extra = _batch(family, (4, 2))
+    res = _run(model, ids, mask, extra)
+    ref = DecompXAttribution(model).decompose(ids, additional_forward_args={"attention_mask": mask, **extra})
+    scale = float(ref.scores.abs().max())
+    assert (res.image_token_scores + res.text_scores - ref.scores).abs().max() <= 1e-12 * scale
+    assert (res.no_token["language_model_biases"] - ref.bias_scores[:, 0]).abs().max() <= 1e-12 * scale
+    image = ids == GEOMETRY[family][0]
+    per_token = res.image_token_scores[image].view(res.token_sources.shape[:2])
+    assert (res.token_sources.sum(-1) - per_token).abs().max() <= 1e-12 * scale
+    assert res.token_sources.shape[-1] == len(res.source_names)
+    assert (res.text_scores[image] == 0).all() and (res.image_token_scores[~image] == 0).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_batch_equals_single_examples(family):
+    model = _make(family)
+    ids, mask, extra = _batch(family, (2, 6))
+    res = _run(model, ids, mask, extra)
+    for i in range(2):
+        keep = mask[i] > 0
+        one = _run(model, ids[i:i + 1, keep], mask[i:i + 1, keep],
+                   {"pixel_values": extra["pixel_values"][i:i + 1], "token_type_ids": extra["token_type_ids"][i:i + 1, keep]})
+        scale = _scale(one)
+        assert (res.patch_scores[i] - one.patch_scores[0]).abs().max() <= 1e-10 * scale
+        assert (res.text_scores[i, keep] - one.text_scores[0]).abs().max() <= 1e-10 * scale
+        assert (res.text_scores[i, ~keep] == 0).all()
+        for name, v in one.no_token.items():
+            assert abs(float(res.no_token[name][i] - v[0])) <= 1e-10 * scale
+        assert abs(float(res.logit[i] - one.logit[0])) <= 1e-10 * abs(float(one.logit[0]))
+
+
+@pytest.mark.parametrize("family", ["paligemma", "gemma3"])
+def test_model_unchanged(family):
+    model = _make(family)
+    ids, mask, extra = _batch(family, (4, 3))
+
+    def forward():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, **extra).logits
+
+    forward()  # transformers installs its own output-capturing hooks on a first forward
+    impl = (model.config._attn_implementation, model.model.vision_tower.config._attn_implementation)
+    check_model_unchanged(model, lambda: _run(model, ids, mask, extra), forward)
+    assert (model.config._attn_implementation, model.model.vision_tower.config._attn_implementation) == impl
+
+
+@pytest.mark.parametrize("family", ["paligemma", "gemma3"])
+def test_each_token_draws_on_its_own_patches_where_the_tower_does_not_mix(family):
+    r"""The tower's attention outputs zeroed: image token j is a function of its own patches' pixels only (PaliGemma:
+    patch j; Gemma 3: the k x k block pooled into it). Its patch parts are exactly 0 elsewhere, a patch's score is
+    its token's part from it, and changing that patch's pixels moves that token's embedding and no other."""
+    model = _make(family, isolated=True)
+    ids, mask, extra = _batch(family, (3,))
+    res = _run(model, ids, mask, extra)
+    image_token, size, patch, k = GEOMETRY[family]
+    side = size // patch
+    t = side // k
+    src = res.token_sources[0, :, :side * side]  # (tokens, patches)
+    own = torch.zeros_like(src, dtype=torch.bool)
+    for r in range(side):
+        for c in range(side):
+            own[(r // k) * t + c // k, r * side + c] = True
+    assert (src[~own] == 0).all()
+    assert (src[own] != 0).all()
+    assert torch.equal(res.patch_scores[0].flatten(), src.sum(0))
+    x0 = merged_embeddings(model, ids, mask, extra["pixel_values"], token_type_ids=extra["token_type_ids"])
+    image = ids[0] == image_token
+    for r, c in ((0, 0), (1, side - 1), (side - 1, 1)):
+        moved = extra["pixel_values"].clone()
+        moved[0, :, patch * r:patch * (r + 1), patch * c:patch * (c + 1)] += 1.0
+        x1 = merged_embeddings(model, ids, mask, moved, token_type_ids=extra["token_type_ids"])
+        change = (x1 - x0)[0, image].norm(dim=-1)
+        assert torch.equal(change > 1e-9, own[:, r * side + c]), (r, c)
+
+
+def test_refuses_what_it_cannot_carry():
+    llava = make_mixing_llava("siglip")
+    with pytest.raises(UnsupportedModelError, match="PaliGemma, Gemma 3"):
+        siglip_patch_contributions(llava, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, 16, 16))
+    # transformers' own Gemma 3 RMSNorm computes in float32: in a float64 model the rebuilt embeddings differ by
+    # its rounding, far above float64's tolerance, and the call says so instead of returning inexact scores
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    model = _make("gemma3")
+    proj = model.model.multi_modal_projector
+    own = Gemma3RMSNorm(proj.mm_soft_emb_norm.weight.shape[0], eps=proj.mm_soft_emb_norm.eps).double()
+    with torch.no_grad():
+        own.weight.copy_(proj.mm_soft_emb_norm.weight)
+    proj.mm_soft_emb_norm = own
+    ids, mask, extra = _batch("gemma3", (3,))
+    with pytest.raises(ValueError, match="differ from the model's"):
+        _run(model, ids, mask, extra)
