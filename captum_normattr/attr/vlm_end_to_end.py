@@ -62,7 +62,8 @@ _TOWER_LAYER = Layer(
 TOWERS: Dict[str, ArchitectureSpec] = {
     t: ArchitectureSpec(family=f"{name} vision tower", model_types=(t,), layers="encoder.layers", layer=_TOWER_LAYER,
                         modality="image")
-    for t, name in (("clip_vision_model", "CLIP"), ("siglip_vision_model", "SigLIP"))
+    for t, name in (("clip_vision_model", "CLIP"), ("siglip_vision_model", "SigLIP"),
+                    ("idefics3_vision", "Idefics3 (SigLIP)"), ("smolvlm_vision", "SmolVLM (SigLIP)"))
 }
 
 #: Relative tolerance of the checks of the rebuilt features and embeddings against the model's own.
@@ -178,10 +179,13 @@ def _frozen_layernorm_parts(x_real: Tensor, norm: nn.LayerNorm, parts: Tensor) -
     return centred / sigma * w
 
 
-def _embedding_sources(tower: nn.Module, pixel_values: Tensor,
-                       dtype: torch.dtype) -> Tuple[Tensor, Tuple[str, ...], Tuple[int, int]]:
+def _embedding_sources(tower: nn.Module, pixel_values: Tensor, dtype: torch.dtype,
+                       positions: Optional[Tensor] = None) -> Tuple[Tensor, Tuple[str, ...], Tuple[int, int]]:
     r"""(sources (n, T, S, D) of the tower's embedding output, the no-token source names, the patch grid): each patch its
-    own patch embedding, then the class embedding (CLIP), the position embeddings and the patch bias."""
+    own patch embedding, then the class embedding (CLIP), the position embeddings and the patch bias.
+
+    ``positions``: (1 or n, T, D) what the tower's position embedding gave in its own forward (Idefics3 / SmolVLM
+    derive the position ids from the patch mask); None: its weight, one row per token."""
     emb = tower.embeddings
     conv = emb.patch_embedding
     w = conv.weight.to(dtype)
@@ -191,10 +195,10 @@ def _embedding_sources(tower: nn.Module, pixel_values: Tensor,
     n, p, d = patches.shape
     lead = int(hasattr(emb, "class_embedding"))
     t = lead + p
-    positions = emb.position_embedding.weight.to(dtype)
-    if positions.shape[0] != t:
-        raise ValueError(f"the tower has {positions.shape[0]} position embeddings for {t} tokens: images of another size "
-                         "(interpolated positions) are not supported end to end")
+    positions = emb.position_embedding.weight.to(dtype) if positions is None else positions.to(dtype)
+    if positions.shape[-2] != t:
+        raise ValueError(f"the tower has {positions.shape[-2]} position embeddings for {t} tokens: images of another "
+                         "size (interpolated positions) are not supported end to end")
     names: List[str] = []
     extra: List[Tensor] = []
     if lead:
@@ -213,7 +217,7 @@ def _embedding_sources(tower: nn.Module, pixel_values: Tensor,
     idx = torch.arange(p, device=patches.device)
     src[:, lead + idx, idx] = patches
     for j, e in enumerate(extra):
-        src[:, :, p + j] = e
+        src[:, :, p + j] = e.expand(n, t, d) if e.dim() == 3 else e
     return src, tuple(names), grid
 
 
@@ -278,26 +282,29 @@ def vision_tower_parts(tower: nn.Module, pixel_values: Tensor, hidden_states: Se
     n_layers = len(mods)
     wanted = [h % (n_layers + 1) for h in layers_wanted]  # hidden-state index: 0 = the first layer's input
     top = max(wanted)
-    src, names, grid = _embedding_sources(tower, pixel_values, dtype)
     kept: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
-    state: Dict[str, Tensor] = {}
+    state: Dict[str, Any] = {}
 
     def keep(h: int, parts: Tensor, bias: Tensor, real: Tensor) -> None:
         if h in wanted:
             kept[h] = (parts, bias, real)
 
+    def start(x0: Tensor) -> None:
+        # the sources, once the embeddings ran (their position embeddings as the tower computed them)
+        src, state["names"], state["grid"] = _embedding_sources(tower, pixel_values, dtype, state.get("positions"))
+        pre = getattr(tower, "pre_layrnorm", None)  # CLIP: a LayerNorm between the embeddings and the layers
+        if pre is not None:
+            parts = _frozen_layernorm_parts(state["embeddings"], pre, src)
+            bias = (pre.bias.to(dtype) if pre.bias is not None else torch.zeros_like(x0[0, 0])).expand_as(x0).clone()
+        else:
+            parts, bias = src, torch.zeros_like(x0)
+        state["parts"], state["bias"] = parts, bias
+        keep(0, parts, bias, x0)
+
     def on_layer(layer: LayerTensors) -> None:
         l = layer.index
         if l == 0:
-            x0 = layer.hidden_in
-            pre = getattr(tower, "pre_layrnorm", None)  # CLIP: a LayerNorm between the embeddings and the layers
-            if pre is not None:
-                parts = _frozen_layernorm_parts(state["embeddings"], pre, src)
-                bias = (pre.bias.to(dtype) if pre.bias is not None else torch.zeros_like(x0[0, 0])).expand_as(x0).clone()
-            else:
-                parts, bias = src, torch.zeros_like(x0)
-            state["parts"], state["bias"] = parts, bias
-            keep(0, parts, bias, x0)
+            start(layer.hidden_in)
         if l >= top:
             return
         w, b = value_projection(mods[l], spec)
@@ -312,12 +319,20 @@ def vision_tower_parts(tower: nn.Module, pixel_values: Tensor, hidden_states: Se
     def embeddings_hook(module, args, output):
         state["embeddings"] = output.detach().to(dtype)
 
-    handle = tower.embeddings.register_forward_hook(embeddings_hook)
+    def positions_hook(module, args, output):
+        state["positions"] = output.detach()
+
+    handles = [tower.embeddings.register_forward_hook(embeddings_hook),
+               tower.embeddings.position_embedding.register_forward_hook(positions_hook)]
     try:
         with torch.inference_mode(False), torch.no_grad(), recording(tower, spec, on_layer, dtype):
             tower(pixel_values.to(tower.dtype))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+    if n_layers == 0:  # a tower without layers: its embeddings are its hidden state 0
+        start(state["embeddings"])
+    names, grid = state["names"], state["grid"]
     parts = torch.cat([kept[h][0][:, drop:] for h in wanted], -1)
     bias = torch.cat([kept[h][1][:, drop:] for h in wanted], -1)
     real = torch.cat([kept[h][2][:, drop:] for h in wanted], -1)
