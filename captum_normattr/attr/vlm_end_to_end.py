@@ -53,7 +53,8 @@ __all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "im
            "vision_tower_parts"]
 
 #: The vision towers decomposed end to end: ``config.model_type`` -> the tower's layer description
-#: (both are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``).
+#: (all are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``; Idefics3's and SmolVLM's
+#: are SigLIP's with position ids read from the patch mask).
 _TOWER_LAYER = Layer(
     attention=Attention("self_attn", out="self_attn.out_proj", value=ValueProjection("self_attn.v_proj"),
                         pre_norm=Norm("layer_norm1")),
