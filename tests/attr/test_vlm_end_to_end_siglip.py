@@ -1,11 +1,13 @@
-r"""DecompX end to end through a SigLIP tower: PaliGemma, PaliGemma 2 and Gemma 3 (issue 38, item 2;
-docs/vlm_end_to_end.md).
+r"""DecompX end to end through a SigLIP tower: PaliGemma, PaliGemma 2, Gemma 3, Idefics3 and SmolVLM (issue 38,
+item 2; docs/vlm_end_to_end.md).
 
 Every image patch's score, the text tokens' scores and the no-token terms add up to the model's own logit, with and
 without the processor's ``token_type_ids`` (two-way prefix / image spans); the rebuilt image features and embeddings
 equal the model's; the image tokens' scores are DecompX's at the language model's input, each the sum of its row; a
 left-padded batch equals its single examples; the model is unchanged; with the tower's attention outputs zeroed each
-image token draws on its own patches only, and those patches are the pixels that move its embedding.
+image token draws on its own patches only, and those patches are the pixels that move its embedding. Idefics3 and
+SmolVLM run with split images: examples of 2 and 3 sub-images (the processor's tiles and global view), the shorter
+padded with an all-zero image as the processor pads.
 """
 from __future__ import annotations
 
@@ -17,14 +19,23 @@ from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.vlm_end_to_end_siglip import siglip_patch_contributions, siglip_token_parts
 from vlm_checks import check_model_unchanged
 from vlm_end_to_end_models import make_mixing_llava
-from vlm_families import (GEMMA_IMAGE, GEMMA_PATCH, GEMMA_SIZE, PALI_IMAGE, PALI_PATCH, PALI_SIZE, gemma3_batch,
-                          make_gemma3, make_paligemma, paligemma_batch)
+from vlm_families import (GEMMA_IMAGE, GEMMA_PATCH, GEMMA_SIZE, IDEFICS_FAKE, IDEFICS_GLOBAL, IDEFICS_IMAGE,
+                          IDEFICS_PATCH, IDEFICS_SCALE, IDEFICS_SIZE, PALI_IMAGE, PALI_PATCH, PALI_SIZE, _left_pad,
+                          gemma3_batch, idefics3_tokens, make_gemma3, make_idefics3, make_paligemma, paligemma_batch)
 from vlm_models import merged_embeddings
 
-FAMILIES = ("paligemma", "paligemma2", "gemma3")
+FAMILIES = ("paligemma", "paligemma2", "gemma3", "idefics3", "smolvlm")
+SHUFFLED = ("idefics3", "smolvlm")
 #: (image token, image size, patch size, patches per image token side)
 GEOMETRY = {"paligemma": (PALI_IMAGE, PALI_SIZE, PALI_PATCH, 1), "paligemma2": (PALI_IMAGE, PALI_SIZE, PALI_PATCH, 1),
-            "gemma3": (GEMMA_IMAGE, GEMMA_SIZE, GEMMA_PATCH, 2)}
+            "gemma3": (GEMMA_IMAGE, GEMMA_SIZE, GEMMA_PATCH, 2),
+            "idefics3": (IDEFICS_IMAGE, IDEFICS_SIZE, IDEFICS_PATCH, IDEFICS_SCALE),
+            "smolvlm": (IDEFICS_IMAGE, IDEFICS_SIZE, IDEFICS_PATCH, IDEFICS_SCALE)}
+SUB_IMAGES = (2, 3)  # Idefics3 / SmolVLM: sub-images per example of a batch
+
+
+def _tower(model):
+    return getattr(model.model, "vision_tower", None) or model.model.vision_model
 
 
 def _make(family: str, seed: int = 1, vision_layers: int = 2, isolated: bool = False):
@@ -32,10 +43,12 @@ def _make(family: str, seed: int = 1, vision_layers: int = 2, isolated: bool = F
     with the tower's attention outputs zeroed (each patch token sees itself only)."""
     if family == "gemma3":
         model = make_gemma3(seed=seed, vision_layers=vision_layers)
+    elif family in SHUFFLED:
+        model = make_idefics3(seed=seed, vision_layers=vision_layers, family=family)
     else:
         model = make_paligemma(seed=seed, vision_layers=vision_layers, text="gemma2" if family == "paligemma2" else "gemma")
     with torch.no_grad():
-        for layer in model.model.vision_tower.encoder.layers:
+        for layer in _tower(model).encoder.layers:
             attn = layer.self_attn
             if isolated:
                 attn.out_proj.weight.zero_()
@@ -46,15 +59,47 @@ def _make(family: str, seed: int = 1, vision_layers: int = 2, isolated: bool = F
     return model
 
 
+def _idefics3_batch(lengths, seed: int = 2, sub_images=SUB_IMAGES):
+    r"""Left-padded rows of the processor's split-image layout, ``[1, (<fake>, <global-img>, image tokens) per
+    sub-image, <fake>, text]``; pixel values (B, N, 3, 24, 24) with all-zero padding images and the pixel mask."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n, k in zip(lengths, sub_images):
+        block = torch.cat([torch.tensor([IDEFICS_FAKE, IDEFICS_GLOBAL]), torch.full((idefics3_tokens(),), IDEFICS_IMAGE)])
+        rows.append(torch.cat([torch.tensor([1]), block.repeat(k), torch.tensor([IDEFICS_FAKE]),
+                               torch.randint(3, IDEFICS_FAKE, (n,), generator=g)]))
+    ids, mask = _left_pad(rows)
+    b = len(rows)
+    most = max(sub_images[:b])
+    pixels = torch.zeros(b, most, 3, IDEFICS_SIZE, IDEFICS_SIZE, dtype=torch.float64)
+    pixel_mask = torch.zeros(b, most, IDEFICS_SIZE, IDEFICS_SIZE, dtype=torch.long)
+    for i, k in enumerate(sub_images[:b]):
+        pixels[i, :k] = torch.randn(k, 3, IDEFICS_SIZE, IDEFICS_SIZE, generator=g, dtype=torch.float64)
+        pixel_mask[i, :k] = 1
+    return ids, mask, {"pixel_values": pixels, "pixel_attention_mask": pixel_mask}
+
+
 def _batch(family: str, lengths, seed: int = 2, token_types: bool = True):
     if family == "gemma3":
         return gemma3_batch(list(lengths), seed, token_types)
+    if family in SHUFFLED:
+        return _idefics3_batch(list(lengths), seed)
     return paligemma_batch(list(lengths), seed, token_types)
+
+
+def _single(family: str, extra, i: int, keep):
+    r"""Example ``i``'s own further inputs (its real sub-images only)."""
+    if family in SHUFFLED:
+        k = SUB_IMAGES[i]
+        return {"pixel_values": extra["pixel_values"][i:i + 1, :k],
+                "pixel_attention_mask": extra["pixel_attention_mask"][i:i + 1, :k]}
+    return {"pixel_values": extra["pixel_values"][i:i + 1], "token_type_ids": extra["token_type_ids"][i:i + 1, keep]}
 
 
 def _run(model, ids, mask, extra):
     return siglip_patch_contributions(model, ids, extra["pixel_values"], attention_mask=mask,
-                                      token_type_ids=extra.get("token_type_ids"))
+                                      token_type_ids=extra.get("token_type_ids"),
+                                      pixel_attention_mask=extra.get("pixel_attention_mask"))
 
 
 def _own_logit(model, ids, mask, extra, res) -> torch.Tensor:
@@ -79,8 +124,8 @@ def _scale(res) -> float:
     return float(max(1.0, *terms))
 
 
-@pytest.mark.parametrize("token_types", [True, False])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,token_types", [(f, t) for f in FAMILIES for t in (True, False)
+                                                if t or f not in SHUFFLED])
 def test_patch_scores_complete_against_the_model_logit(family, token_types):
     model = _make(family)
     ids, mask, extra = _batch(family, (3, 5), token_types=token_types)
@@ -92,7 +137,9 @@ def test_patch_scores_complete_against_the_model_logit(family, token_types):
     assert (real - res.logit).abs().max() <= 1e-10 * float(real.abs().max())
     assert max(res.checks.values()) < 1e-12
     _, size, patch, _ = GEOMETRY[family]
-    assert res.patch_scores.shape == (2, size // patch, size // patch)
+    images = sum(SUB_IMAGES) if family in SHUFFLED else 2
+    assert res.patch_scores.shape == (images, size // patch, size // patch)
+    assert res.image_example.tolist() == ([0] * SUB_IMAGES[0] + [1] * SUB_IMAGES[1] if family in SHUFFLED else [0, 1])
     assert set(res.no_token) == {"position_embeddings", "patch_embedding_bias", "tower_biases", "projector_biases",
                                  "language_model_biases"}
     # the tower mixes: an image token draws on many patches (the LM-input heat map cannot say this)
@@ -106,10 +153,12 @@ def test_patch_scores_complete_against_the_model_logit(family, token_types):
 def test_token_parts_rebuild_the_models_image_features(family):
     model = _make(family)
     _, _, extra = _batch(family, (3,))
-    (parts, bias, const), tp, features = siglip_token_parts(model, extra["pixel_values"])
+    px = extra["pixel_values"]
+    (parts, bias, const), tp, features = siglip_token_parts(model, px)
     with torch.no_grad():
-        tower = model.model.vision_tower(extra["pixel_values"]).last_hidden_state
-        real = model.model.get_image_features(extra["pixel_values"]).pooler_output
+        tower = _tower(model)(px.flatten(0, 1) if family in SHUFFLED else px).last_hidden_state
+        real = model.model.get_image_features(px).pooler_output
+    real = torch.cat(list(real)) if isinstance(real, (list, tuple)) else real
     assert (features - tower).abs().max() <= 1e-12 * float(tower.abs().max())
     assert (parts.sum(2) + bias + const - real.view(parts.shape[0], parts.shape[1], -1)).abs().max() \
         <= 1e-12 * float(real.abs().max())
@@ -139,10 +188,9 @@ def test_left_padded_batch_equals_single_examples(family):
     res = _run(model, ids, mask, extra)
     for i in range(2):
         keep = mask[i] > 0
-        one = _run(model, ids[i:i + 1, keep], mask[i:i + 1, keep],
-                   {"pixel_values": extra["pixel_values"][i:i + 1], "token_type_ids": extra["token_type_ids"][i:i + 1, keep]})
+        one = _run(model, ids[i:i + 1, keep], mask[i:i + 1, keep], _single(family, extra, i, keep))
         scale = _scale(one)
-        assert (res.patch_scores[i] - one.patch_scores[0]).abs().max() <= 1e-10 * scale
+        assert (res.patch_scores[res.image_example == i] - one.patch_scores).abs().max() <= 1e-10 * scale
         assert (res.text_scores[i, keep] - one.text_scores[0]).abs().max() <= 1e-10 * scale
         assert (res.text_scores[i, ~keep] == 0).all()
         for name, v in one.no_token.items():
@@ -150,7 +198,7 @@ def test_left_padded_batch_equals_single_examples(family):
         assert abs(float(res.logit[i] - one.logit[0])) <= 1e-10 * abs(float(one.logit[0]))
 
 
-@pytest.mark.parametrize("family", ["paligemma", "gemma3"])
+@pytest.mark.parametrize("family", ["paligemma", "gemma3", "idefics3"])
 def test_model_unchanged(family):
     model = _make(family)
     ids, mask, extra = _batch(family, (4, 3))
@@ -160,38 +208,45 @@ def test_model_unchanged(family):
             return model(input_ids=ids, attention_mask=mask, **extra).logits
 
     forward()  # transformers installs its own output-capturing hooks on a first forward
-    impl = (model.config._attn_implementation, model.model.vision_tower.config._attn_implementation)
+    impl = (model.config._attn_implementation, _tower(model).config._attn_implementation)
     check_model_unchanged(model, lambda: _run(model, ids, mask, extra), forward)
-    assert (model.config._attn_implementation, model.model.vision_tower.config._attn_implementation) == impl
+    assert (model.config._attn_implementation, _tower(model).config._attn_implementation) == impl
 
 
-@pytest.mark.parametrize("family", ["paligemma", "gemma3"])
+@pytest.mark.parametrize("family", ["paligemma", "gemma3", "idefics3"])
 def test_each_token_draws_on_its_own_patches_where_the_tower_does_not_mix(family):
     r"""The tower's attention outputs zeroed: image token j is a function of its own patches' pixels only (PaliGemma:
-    patch j; Gemma 3: the k x k block pooled into it). Its patch parts are exactly 0 elsewhere, a patch's score is
-    its token's part from it, and changing that patch's pixels moves that token's embedding and no other."""
+    patch j; Gemma 3: the k x k block pooled into it; Idefics3: the s x s block its pixel shuffle concatenates, in
+    each sub-image). Its patch parts are exactly 0 elsewhere, a patch's score is its token's part from it, and
+    changing that patch's pixels moves that token's embedding and no other (Idefics3: in the second sub-image)."""
     model = _make(family, isolated=True)
     ids, mask, extra = _batch(family, (3,))
     res = _run(model, ids, mask, extra)
     image_token, size, patch, k = GEOMETRY[family]
     side = size // patch
     t = side // k
-    src = res.token_sources[0, :, :side * side]  # (tokens, patches)
+    sub = 1 if family in SHUFFLED else 0  # the (sub-)image perturbed
+    src = res.token_sources[sub, :, :side * side]  # (tokens, patches)
     own = torch.zeros_like(src, dtype=torch.bool)
     for r in range(side):
         for c in range(side):
             own[(r // k) * t + c // k, r * side + c] = True
     assert (src[~own] == 0).all()
     assert (src[own] != 0).all()
-    assert torch.equal(res.patch_scores[0].flatten(), src.sum(0))
-    x0 = merged_embeddings(model, ids, mask, extra["pixel_values"], token_type_ids=extra["token_type_ids"])
-    image = ids[0] == image_token
+    assert torch.equal(res.patch_scores[sub].flatten(), src.sum(0))
+    inputs = {k: v for k, v in extra.items() if k != "pixel_values"}
+    decoder = "text_model" if family in SHUFFLED else "language_model"
+    x0 = merged_embeddings(model, ids, mask, extra["pixel_values"], decoder, **inputs)
+    tokens = (ids[0] == image_token).nonzero()[:, 0].view(-1, t * t)[sub]  # the sub-image's image tokens
     for r, c in ((0, 0), (1, side - 1), (side - 1, 1)):
         moved = extra["pixel_values"].clone()
-        moved[0, :, patch * r:patch * (r + 1), patch * c:patch * (c + 1)] += 1.0
-        x1 = merged_embeddings(model, ids, mask, moved, token_type_ids=extra["token_type_ids"])
-        change = (x1 - x0)[0, image].norm(dim=-1)
-        assert torch.equal(change > 1e-9, own[:, r * side + c]), (r, c)
+        block = moved[0, sub] if family in SHUFFLED else moved[0]
+        block[:, patch * r:patch * (r + 1), patch * c:patch * (c + 1)] += 1.0
+        x1 = merged_embeddings(model, ids, mask, moved, decoder, **inputs)
+        change = (x1 - x0)[0].norm(dim=-1)
+        expect = torch.zeros_like(change, dtype=torch.bool)
+        expect[tokens[own[:, r * side + c]]] = True
+        assert torch.equal(change > 1e-9, expect), (r, c)
 
 
 def test_refuses_what_it_cannot_carry():
@@ -210,4 +265,10 @@ def test_refuses_what_it_cannot_carry():
     proj.mm_soft_emb_norm = own
     ids, mask, extra = _batch("gemma3", (3,))
     with pytest.raises(ValueError, match="differ from the model's"):
+        _run(model, ids, mask, extra)
+    # an Idefics3 image with padded pixels inside (the tower would read fewer patches): refused with the reason
+    model = _make("idefics3")
+    ids, mask, extra = _batch("idefics3", (3,))
+    extra["pixel_attention_mask"][0, 0, :, -4:] = 0
+    with pytest.raises(UnsupportedModelError, match="padded pixels"):
         _run(model, ids, mask, extra)
