@@ -27,7 +27,9 @@ Everything is exact: patch scores + text-token scores + every no-token term == t
 Towers: CLIP (``clip_vision_model``) and SigLIP (``siglip_vision_model``) vision models, whose layers
 are pre-LN ViT layers. Others are refused (:data:`TOWERS`). Qwen2-VL and Qwen2.5-VL (a packed tower and a
 patch merger) go end to end by :func:`captum_normattr.attr.vlm_end_to_end_qwen.merged_patch_contributions`,
-which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`).
+which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`); PaliGemma, Gemma 3, Idefics3 and SmolVLM
+(SigLIP towers) by :func:`captum_normattr.attr.vlm_end_to_end_siglip.siglip_patch_contributions`, which shares the
+tower's parts (:func:`vision_tower_parts`) and the cotangent readout (:func:`image_token_contributions`).
 """
 from __future__ import annotations
 
@@ -142,7 +144,9 @@ def _tower_and_description(model: nn.Module) -> Tuple[nn.Module, nn.Module, Arch
         raise ValueError(
             f"patch_contributions carries LLaVA (LlavaForConditionalGeneration) to the patches; {type(model).__name__} "
             "is not one. Qwen2-VL and Qwen2.5-VL: vlm_end_to_end_qwen.merged_patch_contributions (their images come "
-            "with image_grid_thw); docs/vlm_end_to_end.md says which families stop at the language model's input and why")
+            "with image_grid_thw); PaliGemma, Gemma 3, Idefics3, SmolVLM: "
+            "vlm_end_to_end_siglip.siglip_patch_contributions; docs/vlm_end_to_end.md says which families stop at the "
+            "language model's input and why")
     base = model.model
     tower = base.vision_tower
     spec = tower_description(tower)

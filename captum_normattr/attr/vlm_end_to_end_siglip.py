@@ -232,10 +232,10 @@ def siglip_patch_contributions(
         the rebuilt tower features (``"features"``) and image-token embeddings (``"embeddings"``) from the model's.
 
     Raises:
-        UnsupportedModelError: another family, padded pixels inside an Idefics3 image; ValueError: a tower that is not SigLIP, interpolated positions,
-            image tokens that do not match the images, or rebuilt features or embeddings that differ from the
-            model's by more than the dtype's tolerance (1e-9 relative in float64: Gemma 3's own RMSNorm computes
-            in float32 and fails it in a float64 model).
+        UnsupportedModelError: another family, padded pixels inside an Idefics3 image.
+        ValueError: a tower that is not SigLIP, interpolated positions, image tokens that do not match the images,
+            or rebuilt features or embeddings that differ from the model's by more than the dtype's tolerance (1e-9
+            relative in float64: Gemma 3's own RMSNorm computes in float32 and fails it in a float64 model).
 
     Examples::
 

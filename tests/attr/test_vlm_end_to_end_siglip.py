@@ -46,7 +46,8 @@ def _make(family: str, seed: int = 1, vision_layers: int = 2, isolated: bool = F
     elif family in SHUFFLED:
         model = make_idefics3(seed=seed, vision_layers=vision_layers, family=family)
     else:
-        model = make_paligemma(seed=seed, vision_layers=vision_layers, text="gemma2" if family == "paligemma2" else "gemma")
+        text = "gemma2" if family == "paligemma2" else "gemma"
+        model = make_paligemma(seed=seed, vision_layers=vision_layers, text=text)
     with torch.no_grad():
         for layer in _tower(model).encoder.layers:
             attn = layer.self_attn
@@ -65,7 +66,8 @@ def _idefics3_batch(lengths, seed: int = 2, sub_images=SUB_IMAGES):
     g = torch.Generator().manual_seed(seed)
     rows = []
     for n, k in zip(lengths, sub_images):
-        block = torch.cat([torch.tensor([IDEFICS_FAKE, IDEFICS_GLOBAL]), torch.full((idefics3_tokens(),), IDEFICS_IMAGE)])
+        block = torch.cat([torch.tensor([IDEFICS_FAKE, IDEFICS_GLOBAL]),
+                           torch.full((idefics3_tokens(),), IDEFICS_IMAGE)])
         rows.append(torch.cat([torch.tensor([1]), block.repeat(k), torch.tensor([IDEFICS_FAKE]),
                                torch.randint(3, IDEFICS_FAKE, (n,), generator=g)]))
     ids, mask = _left_pad(rows)
