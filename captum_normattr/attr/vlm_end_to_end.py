@@ -50,7 +50,8 @@ from captum_normattr.models.adapters import layer_modules, unwrap_model, value_p
 from captum_normattr.models.capture.session import recording
 from captum_normattr.models.engine import compute_dtype
 
-__all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "image_token_contributions",
+__all__ = ["TOWERS", "PatchContributions", "TowerParts", "cotangents_and_projector_input", "frozen_mlp_parts",
+           "image_token_contributions", "image_token_id",
            "patch_contributions", "projector_parts", "relative_difference", "tower_description", "tower_parts",
            "vision_tower_parts"]
 
@@ -459,24 +460,47 @@ def patch_contributions(
         raise ValueError(f"the tower's parts do not rebuild its selected features (largest error {tp.error:.3g})")
     parts, pbias, pconst = projector_parts(base.multi_modal_projector, tp.parts, tp.bias, tp.features)
 
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     attr = DecompXAttribution(model, algorithm="adjoint", explained_position=explained_position, nodes=nodes,
                               strict=strict)
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    real_features: Dict[str, Tensor] = {}
+    cot, real = cotangents_and_projector_input(attr, base.multi_modal_projector, input_ids, target,
+                                               {"attention_mask": mask, "pixel_values": pixel_values}, foil)
+    checks = {"features": relative_difference(tp.features, real)}
+    return image_token_contributions(cot, input_ids, mask, image_token_id(model.config), (parts, pbias, pconst),
+                                     tp.grid, tp.no_token, checks, tol)
+
+
+def image_token_id(config: Any) -> int:
+    r"""The image token's id of a vision-language model's config (``image_token_id`` or ``image_token_index``)."""
+    names = ("image_token_id", "image_token_index")
+    return next(getattr(config, n) for n in names if getattr(config, n, None) is not None)
+
+
+def cotangents_and_projector_input(attr: DecompXAttribution, projector: nn.Module, input_ids: Tensor, target: Any,
+                                   inputs: Dict[str, Any], foil: Any) -> Tuple[Any, Tensor]:
+    r"""DecompX's input cotangents of a vision-language model, and what its projector read in the same forward.
+
+    Args:
+        attr: a ``DecompXAttribution`` of the model (adjoint algorithm).
+        projector: the module whose first input is the tower's features (LLaVA's ``multi_modal_projector``,
+            Idefics3's ``connector``).
+        input_ids, target, foil: as for :meth:`~captum_normattr.attr.decompx.DecompXAttribution.input_cotangents`.
+        inputs: the model's further inputs by keyword (``attention_mask``, ``pixel_values``, ...).
+
+    Returns:
+        (the :class:`~captum_normattr.attr.decompx_readouts.InputCotangents`, the projector's real input).
+    """
+    real: Dict[str, Tensor] = {}
 
     def projector_hook(module, args):
-        real_features["x"] = args[0].detach()
+        real["x"] = args[0].detach()
 
-    handle = base.multi_modal_projector.register_forward_pre_hook(projector_hook)
+    handle = projector.register_forward_pre_hook(projector_hook)
     try:
-        cot = attr.input_cotangents(input_ids, target, {"attention_mask": mask, "pixel_values": pixel_values}, foil)
+        cot = attr.input_cotangents(input_ids, target, inputs, foil)
     finally:
         handle.remove()
-    checks = {"features": relative_difference(tp.features, real_features["x"])}
-    token_id = next(getattr(model.config, n) for n in ("image_token_id", "image_token_index")
-                    if getattr(model.config, n, None) is not None)
-    return image_token_contributions(cot, input_ids, mask, token_id, (parts, pbias, pconst), tp.grid, tp.no_token,
-                                     checks, tol)
+    return cot, real["x"]
 
 
 def image_token_contributions(cot: Any, input_ids: Tensor, mask: Tensor, image_token_id: int,

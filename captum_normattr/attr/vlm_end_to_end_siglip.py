@@ -32,8 +32,9 @@ from torch import Tensor, nn
 
 from captum_normattr.arch.spec import Norm, UnsupportedModelError
 from captum_normattr.attr.decompx import DecompXAttribution
-from captum_normattr.attr.vlm_end_to_end import (PatchContributions, TowerParts, image_token_contributions,
-                                                 relative_difference, vision_tower_parts)
+from captum_normattr.attr.vlm_end_to_end import (PatchContributions, TowerParts, cotangents_and_projector_input,
+                                                 image_token_contributions, image_token_id, relative_difference,
+                                                 vision_tower_parts)
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.primitives.layer_norm import apply_norm_to_parts, norm_bias_part
 from captum_normattr.models.adapters import unwrap_model
@@ -251,25 +252,15 @@ def siglip_patch_contributions(
     tol = _CHECK.get(next(tower.parameters()).dtype, 1e-3)
     if tp.error > tol * float(tp.features.abs().max().clamp(min=1.0)):
         raise ValueError(f"the tower's parts do not rebuild its last layer's output (largest error {tp.error:.3g})")
-    attr = DecompXAttribution(model, algorithm="adjoint", explained_position=explained_position, nodes=nodes,
-                              strict=strict)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     extra: Dict[str, Tensor] = {"attention_mask": mask, "pixel_values": pixel_values}
     if token_type_ids is not None:
         extra["token_type_ids"] = token_type_ids
     if pixel_attention_mask is not None:
         extra["pixel_attention_mask"] = pixel_attention_mask
-    real: Dict[str, Tensor] = {}
-
-    def projector_hook(module, args):
-        real["x"] = args[0].detach()
-
-    handle = projector.register_forward_pre_hook(projector_hook)
-    try:
-        cot = attr.input_cotangents(input_ids, target, extra, foil)
-    finally:
-        handle.remove()
-    checks = {"features": relative_difference(features, real["x"])}
-    token_id = next(getattr(model.config, n) for n in ("image_token_id", "image_token_index")
-                    if getattr(model.config, n, None) is not None)
-    return image_token_contributions(cot, input_ids, mask, token_id, token_parts, tp.grid, tp.no_token, checks, tol)
+    attr = DecompXAttribution(model, algorithm="adjoint", explained_position=explained_position, nodes=nodes,
+                              strict=strict)
+    cot, real = cotangents_and_projector_input(attr, projector, input_ids, target, extra, foil)
+    checks = {"features": relative_difference(features, real)}
+    return image_token_contributions(cot, input_ids, mask, image_token_id(model.config), token_parts, tp.grid,
+                                     tp.no_token, checks, tol)

@@ -19,6 +19,8 @@ from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.vlm_end_to_end_siglip import siglip_patch_contributions, siglip_token_parts
 from vlm_checks import check_model_unchanged
 from vlm_end_to_end_models import make_mixing_llava
+from vlm_end_to_end_models import terms_scale as _scale
+from vlm_end_to_end_models import total as _total
 from vlm_families import (GEMMA_IMAGE, GEMMA_PATCH, GEMMA_SIZE, IDEFICS_FAKE, IDEFICS_GLOBAL, IDEFICS_IMAGE,
                           IDEFICS_PATCH, IDEFICS_SCALE, IDEFICS_SIZE, PALI_IMAGE, PALI_PATCH, PALI_SIZE, _left_pad,
                           gemma3_batch, idefics3_tokens, make_gemma3, make_idefics3, make_paligemma, paligemma_batch)
@@ -113,17 +115,6 @@ def _own_logit(model, ids, mask, extra, res) -> torch.Tensor:
     out = logits[torch.arange(ids.shape[0]), res.explained_position, res.target]
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     return out if cap is None else cap * torch.atanh(out / cap)
-
-
-def _total(res) -> torch.Tensor:
-    b = res.logit.shape[0]
-    patches = torch.zeros(b, dtype=res.logit.dtype).index_add_(0, res.image_example, res.patch_scores.flatten(1).sum(1))
-    return patches + res.text_scores.sum(1) + sum(res.no_token.values())
-
-
-def _scale(res) -> float:
-    terms = [res.patch_scores.abs().sum(), res.text_scores.abs().sum()] + [v.abs().sum() for v in res.no_token.values()]
-    return float(max(1.0, *terms))
 
 
 @pytest.mark.parametrize("family,token_types", [(f, t) for f in FAMILIES for t in (True, False)
