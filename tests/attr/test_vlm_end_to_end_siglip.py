@@ -242,12 +242,8 @@ def test_each_token_draws_on_its_own_patches_where_the_tower_does_not_mix(family
         assert torch.equal(change > 1e-9, expect), (r, c)
 
 
-def test_refuses_what_it_cannot_carry():
-    llava = make_mixing_llava("siglip")
-    with pytest.raises(UnsupportedModelError, match="PaliGemma, Gemma 3"):
-        siglip_patch_contributions(llava, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, 16, 16))
-    # transformers' own Gemma 3 RMSNorm computes in float32: in a float64 model the rebuilt embeddings differ by
-    # its rounding, far above float64's tolerance, and the call says so instead of returning inexact scores
+def _gemma3_with_its_own_projector_norm():
+    r"""The Gemma 3 model with transformers' own ``Gemma3RMSNorm`` (computing in float32) back in its projector."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
     model = _make("gemma3")
@@ -256,6 +252,30 @@ def test_refuses_what_it_cannot_carry():
     with torch.no_grad():
         own.weight.copy_(proj.mm_soft_emb_norm.weight)
     proj.mm_soft_emb_norm = own
+    return model
+
+
+@pytest.mark.parametrize("family", ["paligemma", "gemma3", "idefics3"])
+def test_float32_models_complete(family):
+    r"""Float32 models (Gemma 3 with transformers' own projector norm) complete to float32's rounding."""
+    model = (_gemma3_with_its_own_projector_norm() if family == "gemma3" else _make(family)).float()
+    ids, mask, extra = _batch(family, (3, 5))
+    extra = {k: v.float() if v.is_floating_point() else v for k, v in extra.items()}
+    res = _run(model, ids, mask, extra)
+    assert res.patch_scores.dtype == torch.float32
+    real = _own_logit(model, ids, mask, extra, res)
+    scale = _scale(res)
+    assert (_total(res) - real).abs().max() <= 1e-5 * scale
+    assert max(res.checks.values()) < 1e-5
+
+
+def test_refuses_what_it_cannot_carry():
+    llava = make_mixing_llava("siglip")
+    with pytest.raises(UnsupportedModelError, match="PaliGemma, Gemma 3"):
+        siglip_patch_contributions(llava, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, 16, 16))
+    # transformers' own Gemma 3 RMSNorm computes in float32: in a float64 model the rebuilt embeddings differ by
+    # its rounding, far above float64's tolerance, and the call says so instead of returning inexact scores
+    model = _gemma3_with_its_own_projector_norm()
     ids, mask, extra = _batch("gemma3", (3,))
     with pytest.raises(ValueError, match="differ from the model's"):
         _run(model, ids, mask, extra)
