@@ -21,7 +21,7 @@ from vlm_checks import check_model_unchanged
 from vlm_end_to_end_models import make_mixing_llava
 from vlm_end_to_end_models import terms_scale as _scale
 from vlm_end_to_end_models import total as _total
-from vlm_families import (GEMMA_IMAGE, GEMMA_PATCH, GEMMA_SIZE, IDEFICS_FAKE, IDEFICS_GLOBAL, IDEFICS_IMAGE,
+from vlm_families import (GEMMA_BOI, GEMMA_EOI, GEMMA_IMAGE, GEMMA_PATCH, GEMMA_SIZE, GEMMA_TOKENS, IDEFICS_FAKE, IDEFICS_GLOBAL, IDEFICS_IMAGE,
                           IDEFICS_PATCH, IDEFICS_SCALE, IDEFICS_SIZE, PALI_IMAGE, PALI_PATCH, PALI_SIZE, _left_pad,
                           gemma3_batch, idefics3_tokens, make_gemma3, make_idefics3, make_paligemma, paligemma_batch)
 from vlm_models import merged_embeddings
@@ -140,6 +140,30 @@ def test_patch_scores_complete_against_the_model_logit(family, token_types):
     patch_part = res.token_sources[..., :p].abs()
     drawn = (patch_part > 1e-3 * patch_part.amax(-1, keepdim=True)).sum(-1)
     assert drawn.min() >= 2 and drawn.double().mean() >= 4
+
+
+def test_gemma3_several_images_per_example():
+    r"""Gemma 3 with two images in the first example and one in the second (each image its own two-way span): every
+    image gets its own patch grid and example, and the terms complete against the model's logit."""
+    g = torch.Generator().manual_seed(7)
+    image = torch.cat([torch.tensor([GEMMA_BOI]), torch.full((GEMMA_TOKENS,), GEMMA_IMAGE), torch.tensor([GEMMA_EOI])])
+    ids, mask = _left_pad([torch.cat([torch.tensor([1]), image, torch.tensor([5, 6]), image, torch.tensor([7, 8])]),
+                           torch.cat([torch.tensor([1]), image, torch.tensor([9, 10, 11])])])
+    extra = {"pixel_values": torch.randn(3, 3, GEMMA_SIZE, GEMMA_SIZE, generator=g, dtype=torch.float64),
+             "token_type_ids": (ids == GEMMA_IMAGE).long()}
+    model = _make("gemma3")
+    res = _run(model, ids, mask, extra)
+    assert res.image_example.tolist() == [0, 0, 1]
+    assert (_total(res) - _own_logit(model, ids, mask, extra, res)).abs().max() <= 1e-10 * _scale(res)
+    assert max(res.checks.values()) < 1e-12
+    # moving the second image of example 0 moves its scores (and, through the decoder, its neighbour's in that
+    # example), and leaves the other example's image exactly as it was
+    moved = dict(extra, pixel_values=extra["pixel_values"].clone())
+    moved["pixel_values"][1] += 0.5
+    again = _run(model, ids, mask, moved)
+    assert not torch.equal(again.patch_scores[1], res.patch_scores[1])
+    assert not torch.equal(again.patch_scores[0], res.patch_scores[0])
+    assert (again.token_sources[2] - res.token_sources[2]).abs().max() <= 1e-12 * _scale(res)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
