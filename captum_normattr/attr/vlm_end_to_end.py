@@ -27,12 +27,14 @@ Everything is exact: patch scores + text-token scores + every no-token term == t
 Towers: CLIP (``clip_vision_model``) and SigLIP (``siglip_vision_model``) vision models, whose layers
 are pre-LN ViT layers. Others are refused (:data:`TOWERS`). Qwen2-VL and Qwen2.5-VL (a packed tower and a
 patch merger) go end to end by :func:`captum_normattr.attr.vlm_end_to_end_qwen.merged_patch_contributions`,
-which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`).
+which shares this module's frozen MLP rule (:func:`frozen_mlp_parts`); PaliGemma, Gemma 3, Idefics3 and SmolVLM
+(SigLIP towers) by :func:`captum_normattr.attr.vlm_end_to_end_siglip.siglip_patch_contributions`, which shares the
+tower's parts (:func:`vision_tower_parts`) and the cotangent readout (:func:`image_token_contributions`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from captum.log import log_usage
@@ -48,11 +50,14 @@ from captum_normattr.models.adapters import layer_modules, unwrap_model, value_p
 from captum_normattr.models.capture.session import recording
 from captum_normattr.models.engine import compute_dtype
 
-__all__ = ["TOWERS", "PatchContributions", "TowerParts", "frozen_mlp_parts", "patch_contributions", "projector_parts",
-           "tower_parts"]
+__all__ = ["TOWERS", "PatchContributions", "TowerParts", "cotangents_and_projector_input", "frozen_mlp_parts",
+           "image_token_contributions", "image_token_id",
+           "patch_contributions", "projector_parts", "relative_difference", "tower_description", "tower_parts",
+           "vision_tower_parts"]
 
 #: The vision towers decomposed end to end: ``config.model_type`` -> the tower's layer description
-#: (both are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``).
+#: (all are pre-LN ViT layers: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``; Idefics3's and SmolVLM's
+#: are SigLIP's with position ids read from the patch mask).
 _TOWER_LAYER = Layer(
     attention=Attention("self_attn", out="self_attn.out_proj", value=ValueProjection("self_attn.v_proj"),
                         pre_norm=Norm("layer_norm1")),
@@ -61,7 +66,8 @@ _TOWER_LAYER = Layer(
 TOWERS: Dict[str, ArchitectureSpec] = {
     t: ArchitectureSpec(family=f"{name} vision tower", model_types=(t,), layers="encoder.layers", layer=_TOWER_LAYER,
                         modality="image")
-    for t, name in (("clip_vision_model", "CLIP"), ("siglip_vision_model", "SigLIP"))
+    for t, name in (("clip_vision_model", "CLIP"), ("siglip_vision_model", "SigLIP"),
+                    ("idefics3_vision", "Idefics3 (SigLIP)"), ("smolvlm_vision", "SmolVLM (SigLIP)"))
 }
 
 #: Relative tolerance of the checks of the rebuilt features and embeddings against the model's own.
@@ -139,18 +145,36 @@ def _tower_and_description(model: nn.Module) -> Tuple[nn.Module, nn.Module, Arch
         raise ValueError(
             f"patch_contributions carries LLaVA (LlavaForConditionalGeneration) to the patches; {type(model).__name__} "
             "is not one. Qwen2-VL and Qwen2.5-VL: vlm_end_to_end_qwen.merged_patch_contributions (their images come "
-            "with image_grid_thw); docs/vlm_end_to_end.md says which families stop at the language model's input and why")
+            "with image_grid_thw); PaliGemma, Gemma 3, Idefics3, SmolVLM: "
+            "vlm_end_to_end_siglip.siglip_patch_contributions; docs/vlm_end_to_end.md says which families stop at the "
+            "language model's input and why")
     base = model.model
     tower = base.vision_tower
+    spec = tower_description(tower)
+    if not isinstance(model.config.vision_feature_layer, (int, list, tuple)):
+        raise ValueError(f"unsupported vision_feature_layer {model.config.vision_feature_layer!r}")
+    return base, tower, spec
+
+
+def tower_description(tower: nn.Module) -> ArchitectureSpec:
+    r"""The layer description of a vision tower the package decomposes end to end (:data:`TOWERS`).
+
+    Args:
+        tower: a vision model (``CLIPVisionModel``, ``SiglipVisionModel``).
+
+    Returns:
+        its :class:`~captum_normattr.arch.spec.ArchitectureSpec`.
+
+    Raises:
+        ValueError: a tower that is not described, naming those that are.
+    """
     kind = getattr(getattr(tower, "config", None), "model_type", None)
     if kind not in TOWERS:
         raise ValueError(
             f"the vision tower {type(tower).__name__} ({kind!r}) is not one the package decomposes end to end; "
             f"decomposed towers: {sorted(TOWERS)} (docs/vlm_end_to_end.md). Its image tokens' scores at the "
             "language model's input are available from DecompXAttribution (docs/vlm.md)")
-    if not isinstance(model.config.vision_feature_layer, (int, list, tuple)):
-        raise ValueError(f"unsupported vision_feature_layer {model.config.vision_feature_layer!r}")
-    return base, tower, TOWERS[kind]
+    return TOWERS[kind]
 
 
 def _frozen_layernorm_parts(x_real: Tensor, norm: nn.LayerNorm, parts: Tensor) -> Tensor:
@@ -161,10 +185,13 @@ def _frozen_layernorm_parts(x_real: Tensor, norm: nn.LayerNorm, parts: Tensor) -
     return centred / sigma * w
 
 
-def _embedding_sources(tower: nn.Module, pixel_values: Tensor,
-                       dtype: torch.dtype) -> Tuple[Tensor, Tuple[str, ...], Tuple[int, int]]:
+def _embedding_sources(tower: nn.Module, pixel_values: Tensor, dtype: torch.dtype,
+                       positions: Optional[Tensor] = None) -> Tuple[Tensor, Tuple[str, ...], Tuple[int, int]]:
     r"""(sources (n, T, S, D) of the tower's embedding output, the no-token source names, the patch grid): each patch its
-    own patch embedding, then the class embedding (CLIP), the position embeddings and the patch bias."""
+    own patch embedding, then the class embedding (CLIP), the position embeddings and the patch bias.
+
+    ``positions``: (1 or n, T, D) what the tower's position embedding gave in its own forward (Idefics3 / SmolVLM
+    derive the position ids from the patch mask); None: its weight, one row per token."""
     emb = tower.embeddings
     conv = emb.patch_embedding
     w = conv.weight.to(dtype)
@@ -174,10 +201,10 @@ def _embedding_sources(tower: nn.Module, pixel_values: Tensor,
     n, p, d = patches.shape
     lead = int(hasattr(emb, "class_embedding"))
     t = lead + p
-    positions = emb.position_embedding.weight.to(dtype)
-    if positions.shape[0] != t:
-        raise ValueError(f"the tower has {positions.shape[0]} position embeddings for {t} tokens: images of another size "
-                         "(interpolated positions) are not supported end to end")
+    positions = emb.position_embedding.weight.to(dtype) if positions is None else positions.to(dtype)
+    if positions.shape[-2] != t:
+        raise ValueError(f"the tower has {positions.shape[-2]} position embeddings for {t} tokens: images of another "
+                         "size (interpolated positions) are not supported end to end")
     names: List[str] = []
     extra: List[Tensor] = []
     if lead:
@@ -196,7 +223,7 @@ def _embedding_sources(tower: nn.Module, pixel_values: Tensor,
     idx = torch.arange(p, device=patches.device)
     src[:, lead + idx, idx] = patches
     for j, e in enumerate(extra):
-        src[:, :, p + j] = e
+        src[:, :, p + j] = e.expand(n, t, d) if e.dim() == 3 else e
     return src, tuple(names), grid
 
 
@@ -226,34 +253,64 @@ def tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float 
 
 def _tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float) -> TowerParts:
     model = unwrap_model(model)
-    _, tower, spec = _tower_and_description(model)
-    dtype = compute_dtype(model)
+    _, tower, _ = _tower_and_description(model)
     layers_wanted = model.config.vision_feature_layer
     layers_wanted = [layers_wanted] if isinstance(layers_wanted, int) else list(layers_wanted)
+    drop = int(model.config.vision_feature_select_strategy == "default")
+    return vision_tower_parts(tower, pixel_values, layers_wanted, compute_dtype(model), drop, memory_budget_mb)
+
+
+def vision_tower_parts(tower: nn.Module, pixel_values: Tensor, hidden_states: Sequence[int], dtype: torch.dtype,
+                       drop: int = 0, memory_budget_mb: float = 256.0) -> TowerParts:
+    r"""Hidden states of a CLIP or SigLIP vision tower as sums of per-patch parts (DecompX's forward algorithm).
+
+    Shared by every family whose tower is a described ViT (:data:`TOWERS`): LLaVA (:func:`tower_parts`),
+    PaliGemma and Gemma 3 (:mod:`captum_normattr.attr.vlm_end_to_end_siglip`).
+
+    Args:
+        tower: the vision model (:func:`tower_description` must know it).
+        pixel_values: (n_images, C, H, W) at the tower's image size.
+        hidden_states: the hidden-state indices wanted (0: the first layer's input; negative from the end,
+            ``-1``: the last layer's output, before any post-layernorm); several are concatenated along the width.
+        dtype: the dtype of the parts (the model's compute dtype).
+        drop: leading tower tokens dropped (LLaVA's ``"default"``: 1).
+        memory_budget_mb: bound on the temporary tensors of one layer step.
+
+    Returns:
+        :class:`TowerParts`.
+
+    Raises:
+        ValueError: a tower that is not described, interpolated positions.
+    """
+    spec = tower_description(tower)
+    layers_wanted = list(hidden_states)
     mods = layer_modules(tower, spec)
     n_layers = len(mods)
     wanted = [h % (n_layers + 1) for h in layers_wanted]  # hidden-state index: 0 = the first layer's input
     top = max(wanted)
-    src, names, grid = _embedding_sources(tower, pixel_values, dtype)
     kept: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
-    state: Dict[str, Tensor] = {}
+    state: Dict[str, Any] = {}
 
     def keep(h: int, parts: Tensor, bias: Tensor, real: Tensor) -> None:
         if h in wanted:
             kept[h] = (parts, bias, real)
 
+    def start(x0: Tensor) -> None:
+        # the sources, once the embeddings ran (their position embeddings as the tower computed them)
+        src, state["names"], state["grid"] = _embedding_sources(tower, pixel_values, dtype, state.get("positions"))
+        pre = getattr(tower, "pre_layrnorm", None)  # CLIP: a LayerNorm between the embeddings and the layers
+        if pre is not None:
+            parts = _frozen_layernorm_parts(state["embeddings"], pre, src)
+            bias = (pre.bias.to(dtype) if pre.bias is not None else torch.zeros_like(x0[0, 0])).expand_as(x0).clone()
+        else:
+            parts, bias = src, torch.zeros_like(x0)
+        state["parts"], state["bias"] = parts, bias
+        keep(0, parts, bias, x0)
+
     def on_layer(layer: LayerTensors) -> None:
         l = layer.index
         if l == 0:
-            x0 = layer.hidden_in
-            pre = getattr(tower, "pre_layrnorm", None)  # CLIP: a LayerNorm between the embeddings and the layers
-            if pre is not None:
-                parts = _frozen_layernorm_parts(state["embeddings"], pre, src)
-                bias = (pre.bias.to(dtype) if pre.bias is not None else torch.zeros_like(x0[0, 0])).expand_as(x0).clone()
-            else:
-                parts, bias = src, torch.zeros_like(x0)
-            state["parts"], state["bias"] = parts, bias
-            keep(0, parts, bias, x0)
+            start(layer.hidden_in)
         if l >= top:
             return
         w, b = value_projection(mods[l], spec)
@@ -268,13 +325,20 @@ def _tower_parts(model: nn.Module, pixel_values: Tensor, memory_budget_mb: float
     def embeddings_hook(module, args, output):
         state["embeddings"] = output.detach().to(dtype)
 
-    handle = tower.embeddings.register_forward_hook(embeddings_hook)
+    def positions_hook(module, args, output):
+        state["positions"] = output.detach()
+
+    handles = [tower.embeddings.register_forward_hook(embeddings_hook),
+               tower.embeddings.position_embedding.register_forward_hook(positions_hook)]
     try:
         with torch.inference_mode(False), torch.no_grad(), recording(tower, spec, on_layer, dtype):
             tower(pixel_values.to(tower.dtype))
     finally:
-        handle.remove()
-    drop = int(model.config.vision_feature_select_strategy == "default")
+        for handle in handles:
+            handle.remove()
+    if n_layers == 0:  # a tower without layers: its embeddings are its hidden state 0
+        start(state["embeddings"])
+    names, grid = state["names"], state["grid"]
     parts = torch.cat([kept[h][0][:, drop:] for h in wanted], -1)
     bias = torch.cat([kept[h][1][:, drop:] for h in wanted], -1)
     real = torch.cat([kept[h][2][:, drop:] for h in wanted], -1)
@@ -335,8 +399,9 @@ def frozen_mlp_parts(linear_1: nn.Linear, act: Any, linear_2: nn.Linear, parts: 
     return out, out_bias, const.expand_as(out_bias)
 
 
-def _relative(a: Tensor, b: Tensor) -> float:
-    a, b = a.detach(), b.detach()
+def relative_difference(a: Tensor, b: Tensor) -> float:
+    r"""The largest |a - b| over the largest |b| (0 for empty tensors): the end-to-end routes' rebuild checks."""
+    a, b = a.detach(), b.detach().to(a.dtype)
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
 
 
@@ -390,38 +455,94 @@ def patch_contributions(
     model = unwrap_model(model)
     base, tower, _ = _tower_and_description(model)
     tp = tower_parts(model, pixel_values, memory_budget_mb)
-    dtype = tp.parts.dtype
-    tol = _CHECK.get(dtype, 1e-3)
+    tol = _CHECK.get(tp.parts.dtype, 1e-3)
     if tp.error > tol * float(tp.features.abs().max().clamp(min=1.0)):
         raise ValueError(f"the tower's parts do not rebuild its selected features (largest error {tp.error:.3g})")
     parts, pbias, pconst = projector_parts(base.multi_modal_projector, tp.parts, tp.bias, tp.features)
 
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     attr = DecompXAttribution(model, algorithm="adjoint", explained_position=explained_position, nodes=nodes,
                               strict=strict)
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    real_features: Dict[str, Tensor] = {}
+    cot, real = cotangents_and_projector_input(attr, base.multi_modal_projector, input_ids, target,
+                                               {"attention_mask": mask, "pixel_values": pixel_values}, foil)
+    checks = {"features": relative_difference(tp.features, real)}
+    return image_token_contributions(cot, input_ids, mask, image_token_id(model.config), (parts, pbias, pconst),
+                                     tp.grid, tp.no_token, checks, tol)
+
+
+def image_token_id(config: Any) -> int:
+    r"""The image token's id of a vision-language model's config (``image_token_id`` or ``image_token_index``)."""
+    names = ("image_token_id", "image_token_index")
+    return next(getattr(config, n) for n in names if getattr(config, n, None) is not None)
+
+
+def cotangents_and_projector_input(attr: DecompXAttribution, projector: nn.Module, input_ids: Tensor, target: Any,
+                                   inputs: Dict[str, Any], foil: Any) -> Tuple[Any, Tensor]:
+    r"""DecompX's input cotangents of a vision-language model, and what its projector read in the same forward.
+
+    Args:
+        attr: a ``DecompXAttribution`` of the model (adjoint algorithm).
+        projector: the module whose first input is the tower's features (LLaVA's ``multi_modal_projector``,
+            Idefics3's ``connector``).
+        input_ids, target, foil: as for :meth:`~captum_normattr.attr.decompx.DecompXAttribution.input_cotangents`.
+        inputs: the model's further inputs by keyword (``attention_mask``, ``pixel_values``, ...).
+
+    Returns:
+        (the :class:`~captum_normattr.attr.decompx_readouts.InputCotangents`, the projector's real input).
+    """
+    real: Dict[str, Tensor] = {}
 
     def projector_hook(module, args):
-        real_features["x"] = args[0].detach()
+        real["x"] = args[0].detach()
 
-    handle = base.multi_modal_projector.register_forward_pre_hook(projector_hook)
+    handle = projector.register_forward_pre_hook(projector_hook)
     try:
-        cot = attr.input_cotangents(input_ids, target, {"attention_mask": mask, "pixel_values": pixel_values}, foil)
+        cot = attr.input_cotangents(input_ids, target, inputs, foil)
     finally:
         handle.remove()
-    g, e, dx = cot.cotangent, cot.embeddings, cot.result
-    ids = input_ids
-    checks = {"features": _relative(tp.features, real_features["x"].to(dtype))}
+    return cot, real["x"]
 
-    token_id = next(getattr(model.config, n) for n in ("image_token_id", "image_token_index")
-                    if getattr(model.config, n, None) is not None)
-    image = (ids == token_id) & (mask > 0)
+
+def image_token_contributions(cot: Any, input_ids: Tensor, mask: Tensor, image_token_id: int,
+                              token_parts: Tuple[Tensor, Tensor, Tensor], grid: Tuple[int, int],
+                              tower_no_token: Tuple[str, ...], checks: Dict[str, float],
+                              tol: float) -> PatchContributions:
+    r"""The language model's cotangents dotted with the image tokens' per-patch parts: the end-to-end readout.
+
+    Shared by the end-to-end routes whose image tokens are each a sum of parts over one image's patch grid
+    (LLaVA: :func:`patch_contributions`; PaliGemma, Gemma 3: :mod:`captum_normattr.attr.vlm_end_to_end_siglip`).
+    Checks that the rebuilt image-token embeddings equal the decoder's input (``checks["embeddings"]``) and raises
+    if any check exceeds ``tol``.
+
+    Args:
+        cot: :meth:`~captum_normattr.attr.decompx.DecompXAttribution.input_cotangents`' result on ``input_ids``.
+        input_ids, mask: (B, T) the ids and the attention mask.
+        image_token_id: the image token's id (its tokens in order take the images' tokens in order).
+        token_parts: (parts (n_images, N, P + S, D): each image token's part from each patch (row-major) and each
+            of the tower's ``S`` no-token sources, the tower's bias part (n_images, N, D), the projector's constant
+            (n_images, N, D)).
+        grid: (rows, cols) of the patch grid (P = rows * cols).
+        tower_no_token: the tower's S no-token source names.
+        checks: the caller's rebuild checks (relative differences), extended here.
+        tol: the largest relative difference accepted.
+
+    Returns:
+        :class:`PatchContributions`.
+
+    Raises:
+        ValueError: image tokens that do not match the images, or a check above ``tol``.
+    """
+    parts, pbias, pconst = token_parts
+    g, e, dx = cot.cotangent, cot.embeddings, cot.result
+    dtype = parts.dtype
+    ids = input_ids
+    image = (ids == image_token_id) & (mask > 0)
     n_images, n_feat = parts.shape[:2]
     if int(image.sum()) != n_images * n_feat:
-        raise ValueError(f"{int(image.sum())} image tokens for {n_images} images of {n_feat} features each")
-    g_img = g[image].view(n_images, n_feat, -1)
+        raise ValueError(f"{int(image.sum())} image tokens for {n_images} images of {n_feat} tokens each")
+    g_img = g[image].view(n_images, n_feat, -1).to(dtype)
     rebuilt = parts.sum(2) + pbias + pconst
-    checks["embeddings"] = _relative(rebuilt, e[image].view(n_images, n_feat, -1))
+    checks["embeddings"] = relative_difference(rebuilt, e[image].view(n_images, n_feat, -1))
     worst = max(checks.values())
     if worst > tol:
         raise ValueError(f"the image tokens' embeddings rebuilt through the tower and the projector differ from the "
@@ -431,9 +552,10 @@ def patch_contributions(
     per_image = sources.sum(1)  # (n_images, S + 2)
     b = ids.shape[0]
     example = image.nonzero()[:, 0].view(n_images, n_feat)[:, 0]
-    rows, cols = tp.grid
+    rows, cols = grid
     p = rows * cols
-    names = tuple(f"({r},{c})" for r in range(rows) for c in range(cols)) + tp.no_token + ("tower_biases", "projector_biases")
+    names = tuple(f"({r},{c})" for r in range(rows) for c in range(cols)) + tuple(tower_no_token) + (
+        "tower_biases", "projector_biases")
     no_token: Dict[str, Tensor] = {}
     for j, name in enumerate(names[p:]):
         no_token[name] = torch.zeros(b, dtype=dtype, device=g.device).index_add_(0, example, per_image[:, p + j])

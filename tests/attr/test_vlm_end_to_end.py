@@ -15,18 +15,9 @@ from captum_normattr import DecompXAttribution
 from captum_normattr.attr import vlm_end_to_end
 from captum_normattr.attr.vlm_end_to_end import patch_contributions, projector_parts, tower_parts
 from vlm_end_to_end_models import batch, features_per_image, isolated_llava, make_mixing_llava, own_logit
+from vlm_end_to_end_models import terms_scale as _scale
+from vlm_end_to_end_models import total as _total
 from vlm_models import IMAGE_TOKEN, make_qwen2_vl, qwen2_vl_batch
-
-
-def _total(res) -> torch.Tensor:
-    b = res.logit.shape[0]
-    patches = torch.zeros(b, dtype=res.logit.dtype).index_add_(0, res.image_example, res.patch_scores.flatten(1).sum(1))
-    return patches + res.text_scores.sum(1) + sum(res.no_token.values())
-
-
-def _scale(res) -> float:
-    terms = [res.patch_scores.abs().sum(), res.text_scores.abs().sum()] + [v.abs().sum() for v in res.no_token.values()]
-    return float(max(1.0, *terms))
 
 
 CASES = [("clip", "default", -2, "llama"), ("clip", "full", -1, "llama"), ("siglip", "default", -2, "llama"),
