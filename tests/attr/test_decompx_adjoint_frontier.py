@@ -23,19 +23,16 @@ from captum_normattr.decompose.kinds.base import LayerKind  # noqa: E402
 from captum_normattr.decompose.kinds.sandwich_per_layer_input import SandwichPerLayerInputKind  # noqa: E402
 from captum_normattr.decompose.methods.decompx import adjoint as adjoint_module  # noqa: E402
 from decoder_models import decoder_batch  # noqa: E402
+from vlm_checks import check_model_unchanged  # noqa: E402
 from vlm_families import qwen2_5_vl_single  # noqa: E402
 from vlm_models import QWEN_IMAGE, qwen2_vl_batch  # noqa: E402
 from vlm_qwen3 import make_qwen3_vl  # noqa: E402
 from zoo_gemma4 import MOE, build_gemma4  # noqa: E402
 
 #: Gemma 4 configs (keywords of build_gemma4): without and with shared keys and values, keys as values, experts
-GEMMA4 = {
-    "plain": dict(num_kv_shared_layers=0),
-    "shared_kv": dict(num_kv_shared_layers=2),
-    "shared_kv_k_eq_v": dict(num_kv_shared_layers=2, attention_k_eq_v=True),
-    "no_per_layer_input": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=0),
-    "experts_shared_kv": dict(num_kv_shared_layers=2, **MOE),
-}
+GEMMA4 = {name: dict(num_kv_shared_layers=shared, **more) for name, shared, more in (
+    ("plain", 0, {}), ("shared_kv", 2, {}), ("shared_kv_k_eq_v", 2, dict(attention_k_eq_v=True)),
+    ("no_per_layer_input", 2, dict(hidden_size_per_layer_input=0)), ("experts_shared_kv", 2, MOE))}
 QWEN3_VL = {"qwen3_vl": dict(seed=1), "qwen3_vl_moe": dict(seed=1, moe=True)}
 
 
@@ -52,17 +49,6 @@ def _gemma4_logits(model, ids, mask):
         return model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits[:, -1]
 
 
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}, model.config._attn_implementation
-
-
-def _unchanged(model, state) -> bool:
-    weights, implementation = state
-    hooks = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    return (not hooks and model.config._attn_implementation == implementation
-            and all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()))
-
-
 def _same(adjoint, forward) -> None:
     r"""The adjoint's scores and bias score equal the forward algorithm's (1e-12 of the largest score)."""
     assert adjoint.algorithm == "adjoint" and forward.algorithm == "forward"
@@ -75,17 +61,21 @@ def _same(adjoint, forward) -> None:
 @pytest.mark.parametrize("name", sorted(GEMMA4))
 def test_gemma4_adjoint_equals_forward_and_is_complete(name):
     model = build_gemma4(**GEMMA4[name])
-    state = _state(model)
+    implementation = model.config._attn_implementation
     ids, mask = decoder_batch([7, 4], seed=3)
     own = _gemma4_logits(model, ids, mask)
     forward = DecompXAttribution(model, algorithm="forward", strict=True)
     auto = DecompXAttribution(model, strict=True)
-    for target in (5, 17):
-        a = auto.decompose(ids, target=target, additional_forward_args=mask)
-        _same(a, forward.decompose(ids, target=target, additional_forward_args=mask))
-        assert float(_rel(_capped(a.scores.sum(-1) + a.bias_scores[:, 0]), own[:, target])) < 1e-10, name
-        assert float(a.bias_scores.abs().max()) == 0.0  # no bias in Gemma 4, the branch is token-own
-    assert _unchanged(model, state)
+
+    def run():
+        for target in (5, 17):
+            a = auto.decompose(ids, target=target, additional_forward_args=mask)
+            _same(a, forward.decompose(ids, target=target, additional_forward_args=mask))
+            assert float(_rel(_capped(a.scores.sum(-1) + a.bias_scores[:, 0]), own[:, target])) < 1e-10, name
+            assert float(a.bias_scores.abs().max()) == 0.0  # no bias in Gemma 4, the branch is token-own
+
+    check_model_unchanged(model, run, lambda: _gemma4_logits(model, ids, mask))
+    assert model.config._attn_implementation == implementation
 
 
 def test_gemma4_padded_equals_single_examples():
@@ -193,10 +183,9 @@ def test_qwen3_vl_without_the_additions_is_not_complete(qwen3, monkeypatch):
     assert error() > 1e-4
 
 
-def test_qwen3_vl_padded_equals_single_and_positions_and_model_unchanged(qwen3):
+def test_qwen3_vl_padded_equals_single_positions_refusal_and_model_unchanged(qwen3):
     ids, mask, extra = qwen2_vl_batch([5, 2], seed=3)
     t = torch.tensor([6, 9])
-    before = {k: v.clone() for k, v in qwen3.state_dict().items()}
     attr = DecompXAttribution(qwen3, algorithm="adjoint")
     batch = attr.attribute(ids, target=t, additional_forward_args={"attention_mask": mask, **extra})
     for b in range(2):
@@ -215,5 +204,5 @@ def test_qwen3_vl_padded_equals_single_and_positions_and_model_unchanged(qwen3):
     torch.testing.assert_close(adjoint.scores, forward.scores, rtol=0, atol=1e-12 * float(forward.scores.abs().max()))
     with pytest.raises(UnsupportedModelError, match="token-own"):
         attr.input_cotangents(ids, target=t, additional_forward_args={"attention_mask": mask, **extra})
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in qwen3.modules())
-    assert all(torch.equal(v, before[k]) for k, v in qwen3.state_dict().items())
+    check_model_unchanged(qwen3, lambda: attr.attribute(ids, target=t, additional_forward_args={
+        "attention_mask": mask, **extra}), lambda: _qwen_logits(qwen3, ids, mask, extra, -1))
