@@ -168,7 +168,14 @@ class AdjointPass:
     Each rerun can be checked against the layer's output in the recorded pass
     (:meth:`real_output`: the next checkpoint, or the kept last output), which is released
     only after the layer below has been walked.
-    Memory: L + 1 checkpoints (B, T, D) plus one layer's tensors.
+    Two further terms (docs/decompx.md, "The adjoint with shared values and token-own additions"):
+    a layer whose values are computed from an earlier layer s's input (keys and values shared across
+    layers, :meth:`FrozenLayer.value_source`) gives a second cotangent, of x_s, kept until the walk
+    reaches layer s and added to the cotangent of x_s there; token-own vectors in a layer's output
+    (:meth:`FrozenLayer.own`: a DeepStack addition, Gemma 4's per-layer-input branch) add
+    <g_(l+1),t, own_t> to token t's score (:attr:`own_scores`, :meth:`token_scores`), not to the constant.
+    Memory: L + 1 checkpoints (B, T, D) plus one layer's tensors (and one (B, T, D) cotangent per output
+    for each layer whose values are still to be reached).
 
     Args:
         num_layers: L.
