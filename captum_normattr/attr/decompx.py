@@ -33,7 +33,6 @@ from captum_normattr.decompose.methods.decompx.propagation import PartsPropagati
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter, get_path, layer_modules, unwrap_model, value_projection
-from captum_normattr.models.capture.deepstack import refuse_stream_additions, stream_additions
 from captum_normattr.models.capture.recorder import Recorder
 from captum_normattr.models.engine import compute_dtype, mark_non_finite, streamed_forward
 from captum_normattr.models.guard import ConsistencyGuard
@@ -344,9 +343,7 @@ class DecompXAttribution(DecompositionAttribution):
             raise UnsupportedModelError(f"{self.adapter.family} has {self.kind.name} layers, which DecompX's adjoint "
                                         "does not transpose (a layer reusing an earlier layer's values depends on that "
                                         "layer's input): use algorithm='forward' (what 'auto' chooses for them)")
-        if algorithm == "adjoint":  # its walk down reruns each layer from its input: no additions between them
-            refuse_stream_additions(model, "DecompX's adjoint", "Use algorithm='forward' (what 'auto' chooses for it)")
-        self._adjoint = self.kind.adjoint and stream_additions(model) is None  # no reused values, no stream additions
+        self._adjoint = self.kind.adjoint  # token-own additions to the stream: FrozenLayer.own in the adjoint's walk
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         # the explained output follows the model's head: an LM head gives next-token logits, a classification
         # head class logits (whatever the layer kind: a pre-LN *ForSequenceClassification is a classifier)
@@ -564,7 +561,7 @@ class DecompXAttribution(DecompositionAttribution):
                 f"input_cotangents runs DecompX's adjoint, which needs bias_mode='separate' and layers it transposes "
                 f"(got bias_mode={self.bias_mode!r}, {self.kind.name} layers)")
         result, readout = self._computed(inputs, target, additional_forward_args, "adjoint", False, foil)
-        return InputCotangents(cotangent=readout.cotangent, embeddings=readout.embeddings, result=result)
+        return readout.input_cotangents(result)
 
     # --- the skeleton: one recorded pass, the parts forward or the adjoint down, the readout at the top ---------
     def _run(self, prepared: PreparedInputs, readout: DecompXReadout, algorithm: str) -> Dict[str, Any]:

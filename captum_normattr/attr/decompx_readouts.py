@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.attr.images import image_extras
+from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.inputs import explained_positions
 from captum_normattr.models.prepared import PreparedInputs
 from captum_normattr.decompose.methods.decompx.adjoint import AdjointPass, FrozenLayer
@@ -314,8 +315,23 @@ class NextTokenReadout(DecompXReadout):
         e = adj.embeddings
         g, self.bias_score = adjoint_next_token_cotangent(adj, frozen_at, self.fparams, self.f_in, self.out.direction,
                                                           self.out.bias, self.pos)
-        self.scores = (g * e).sum(-1).detach()
+        self.scores = adj.token_scores([g])[0].detach()
         self.cotangent, self.embeddings = g, e.detach()  # what DecompXAttribution.input_cotangents returns
+        self.own_inputs = adj.own_scores is not None  # token-own inputs beyond e: g . e is not the whole score
+
+    def input_cotangents(self, result: Any) -> InputCotangents:
+        r"""The :class:`InputCotangents` of the adjoint's walk (:meth:`adjoint`) and the call's ``result``.
+
+        Raises:
+            UnsupportedModelError: the model adds token-own vectors beyond the input embeddings (Gemma 4's
+                per-layer inputs, Qwen3-VL's DeepStack features): the logit is not g . e + c.
+        """
+        if self.own_inputs:
+            raise UnsupportedModelError(
+                "input_cotangents writes the explained logit as sum_k g_k . e_k + c; this model also adds token-own "
+                "vectors to the stream after the embeddings (per-layer inputs, DeepStack features), whose shares are "
+                "in decompose()'s scores but not in g . e (docs/decompx.md)")
+        return InputCotangents(cotangent=self.cotangent, embeddings=self.embeddings, result=result)
 
     def forward(self, res: PropagatedParts) -> None:
         ar, pos = self.ar, self.pos
@@ -367,8 +383,7 @@ class PositionsReadout(DecompXReadout):
     def adjoint(self, adj: AdjointPass, frozen_at: FrozenAt) -> None:
         outputs = multi_logit_outputs(self.positions, adj.last_rows, self.fparams, self.f_in, self.u, self.ub)
         grads = adj.backward(frozen_at, outputs)
-        e = adj.embeddings
-        self.scores = torch.stack([(g * e).sum(-1).detach() for g in grads], 1)  # (1, n, T)
+        self.scores = torch.stack([s.detach() for s in adj.token_scores(grads)], 1)  # (1, n, T)
         self.bias = torch.stack(adj.constants, 1)  # (1, n)
 
     def forward(self, res: PropagatedParts) -> None:

@@ -19,7 +19,7 @@ full-attention head and the expert block:
 - FFIntegratedDecomposition's scopes (ATB, LN2, FF, RES2: the attention block, the dense FF's input, the
   feed-forward branch after its post-norm, the whole layer with the per-layer-input branch and the layer
   scalar) sum to the model's own tensors, read by hooks of their own, and are padding-free;
-- Value Zeroing is refused naming why and the methods that work, as are DecompX's adjoint, an attention
+- Value Zeroing is refused naming why and the methods that work, as are an attention
   bias and a bidirectional attention (the routes run: tests/attr/test_routes_gemma4.py).
 """
 import copy
@@ -104,7 +104,7 @@ def test_decompx_is_exact_and_is_the_standalone_decomposition(name):
     dx = DecompXAttribution(model, strict=True)
     for target in (5, 17):
         res = dx.decompose(ids, target=target, additional_forward_args=mask)
-        assert res.algorithm == "forward"
+        assert res.algorithm == "adjoint"  # what "auto" runs (equal to the forward algorithm: test_decompx_adjoint_frontier)
         assert _rel(_capped(res.scores.sum(-1) + res.bias_scores[:, 0]), own[:, target]) < 1e-10, name
         assert float(res.bias_scores.abs().max()) == 0.0  # Gemma 4 has no bias: no bias part
         assert res.extras["explained_logit"] == "pre-cap logit"
@@ -294,14 +294,13 @@ def test_value_zeroing_is_refused_naming_the_shared_values():
         ValueZeroingAttribution(build_gemma4())
 
 
-def test_decompx_adjoint_is_refused_and_auto_runs_forward():
+def test_decompx_auto_runs_the_adjoint_and_spread_the_forward_algorithm():
     model = build_gemma4()
-    with pytest.raises(UnsupportedModelError, match="algorithm='forward'"):
-        DecompXAttribution(model, algorithm="adjoint")
     ids, _ = decoder_batch([6], seed=1)
     a = DecompXAttribution(model).decompose(ids, target=3)
     b = DecompXAttribution(model, bias_mode="spread").decompose(ids, target=3)  # no bias: spreading changes nothing
-    assert a.algorithm == "forward" and torch.equal(a.scores, b.scores)
+    assert a.algorithm == "adjoint" and b.algorithm == "forward"
+    torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-12 * float(b.scores.abs().max()))
 
 
 def test_the_description_is_found_and_unsupported_configs_are_refused():

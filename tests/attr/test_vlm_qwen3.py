@@ -7,7 +7,8 @@ DecompX complete against the model's own logit (at a text and at an image positi
 (the FF decomposition's whole layer against the stream after the addition), the recorded additions are the model's
 own and the next layer's real input is rebuilt from them, the checks fail without them, padded batches equal single
 examples, the model is unchanged, image tokens land on the merged grid, the Captum LLM API's image route, and the
-refusals (DecompX's adjoint). The multimodal Qwen3.5 and Qwen3.5-MoE (hybrid decoders on Qwen2-VL's
+refusals (none left: the routes take DeepStack, tests/attr/test_routes_vlm.py; DecompX's adjoint too,
+tests/attr/test_decompx_adjoint_frontier.py). The multimodal Qwen3.5 and Qwen3.5-MoE (hybrid decoders on Qwen2-VL's
 route, no DeepStack) get the shared checks: completeness, the map methods, padded == single, the model unchanged.
 """
 from __future__ import annotations
@@ -23,9 +24,9 @@ from captum_normattr import (
     FFIntegratedDecomposition,
     GlobEncAttribution,
 )
-from captum_normattr.arch.spec import UnsupportedModelError
 from captum_normattr.attr.inputs import prepare_inputs
 from captum_normattr.attr.routes import InformationFlowRoutes
+from captum_normattr.decompose.kinds.base import LayerKind
 from captum_normattr.decompose.kinds.pre_ln import own_after_view, residual_parts
 from captum_normattr.decompose.methods.alti import l1_contributions
 from captum_normattr.decompose.records import LayerTensors
@@ -102,8 +103,9 @@ def test_complete_at_an_image_position_and_not_without_the_additions(case, cls, 
         return float(((res.scores.sum(-1) + rest - real).abs() / real.abs()).max())
 
     assert error() < 1e-10
-    if cls is DecompXAttribution:  # the own parts without the additions
+    if cls is DecompXAttribution:  # the own parts (forward) and the own terms (adjoint, "auto") without the additions
         monkeypatch.setattr(pre_ln, "add_own_after", lambda parts, layer, rows=None: parts)
+        monkeypatch.setattr(LayerKind, "frozen_layer_own", lambda self, layer, rows=None: None)
     else:  # every layer handed to ALTI-Logit without its additions (its maps' and its own term's)
         import captum_normattr.attr.alti_logit as alti_logit
 
@@ -243,10 +245,9 @@ def test_model_unchanged(any_case):
 
 def test_refusals(case):
     _, model = case
-    with pytest.raises(UnsupportedModelError, match="DeepStack"):
-        DecompXAttribution(model, algorithm="adjoint")
     assert InformationFlowRoutes(model).kind.name == "pre_ln"  # routes take DeepStack (tests/attr/test_routes_vlm.py)
-    assert DecompXAttribution(model)._algorithm(False) == "forward"  # what "auto" runs
+    # DecompX's adjoint takes the additions (tests/attr/test_decompx_adjoint_frontier.py): what "auto" runs
+    assert DecompXAttribution(model)._algorithm(False) == "adjoint"
 
 
 def test_regions_on_the_merged_grid():

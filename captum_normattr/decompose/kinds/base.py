@@ -270,6 +270,45 @@ class LayerKind:
         """
         raise NotImplementedError(f"DecompX has no transpose for {self.name} layers")
 
+    def frozen_layer_own(self, layer: LayerTensors, rows: Optional[Tensor] = None) -> Optional[Tensor]:
+        r"""Token-own vectors in the frozen layer's output, (B, R, D) at ``rows``, or None.
+
+        Constants of the frozen map that DecompX gives to token t's own part at row t (not to the
+        bias part): by default the vectors the model adds to the stream right after the layer
+        (:attr:`~captum_normattr.decompose.records.LayerTensors.own_after`, Qwen3-VL's DeepStack).
+        DecompX's adjoint adds <g_t, own_t> to token t's score, g the cotangent of the layer's output
+        (:class:`~captum_normattr.decompose.methods.decompx.adjoint.AdjointPass`).
+        """
+        own = layer.own_after
+        if own is None:
+            return None
+        return own if rows is None else own[:, rows.to(own.device)]
+
+    def frozen_value_source(self, layer: LayerTensors) -> Optional[int]:
+        r"""The earlier layer whose input the frozen layer's values are computed from (keys and values shared
+        across layers, :meth:`route_value_layer`), or None when they are the layer's own."""
+        source = self.route_value_layer(layer)
+        return None if source == layer.index else source
+
+    def frozen_layer_source_vjp(
+        self,
+        g: Tensor,
+        layer: LayerTensors,
+        coefs: Dict[str, Tensor],
+        source_input: Tensor,
+        rows: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Tensor]:
+        r"""The transpose of a frozen layer that reads its values from an earlier layer's input x_s.
+
+        Args:
+            g: (..., B, R, D) cotangent(s) of the layer output at ``rows``; layer, coefs, rows: as in
+                :meth:`frozen_layer_vjp`; source_input: (B, T, D) the real x_s (:meth:`frozen_value_source`).
+
+        Returns:
+            ((..., B, T, D) the cotangent of the layer's own input, (..., B, T, D) that of x_s).
+        """
+        raise NotImplementedError(f"DecompX has no transpose for {self.name} layers that share values")
+
     # --- capture (models.capture.recorder) ----------------------------------------------
     def join_checks(self, layer: LayerTensors) -> Dict[str, Tensor]:
         r"""This kind's relative-difference checks of a record (its residual joins, its extra norms rebuilt).

@@ -67,6 +67,7 @@ __all__ = [
     "moe_block_parts",
     "per_layer_input_branch",
     "rms_norm",
+    "store_value_parts",
     "value_norm_scale",
 ]
 
@@ -290,8 +291,24 @@ def _value_parts(layer, n1_parts: Tensor, n1: Tensor, shared: SharedValueParts) 
     return values
 
 
+def store_value_parts(source: nn.Module, parts: Tensor, real: Tensor, shared: SharedValueParts) -> Tensor:
+    r"""The value parts of a layer that stores its keys and values, left in ``shared`` for the layers reusing them.
+
+    Args:
+        source: the storing ``Gemma4TextDecoderLayer``; parts: (B, T, K, D) parts of its input x; real: (B, T, D) x.
+        shared: where they are stored (per attention type).
+
+    Returns:
+        (B, T, K, H_kv, Dh) the value parts (the input norm and the value norm frozen at their real scales).
+    """
+    real = real.to(parts.dtype)
+    return _value_parts(source, frozen_rms_norm(parts, real, source.input_layernorm),
+                        rms_norm(real, source.input_layernorm), shared)
+
+
 def layer_step(layer: nn.Module, parts: Tensor, rec: Dict[str, Tensor], shared: SharedValueParts,
-               nodes: int = DEFAULT_NODES, coefs: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+               nodes: int = DEFAULT_NODES, coefs: Optional[Dict[str, Tensor]] = None,
+               own_branch: bool = True) -> Tuple[Tensor, Tensor]:
     r"""One Gemma 4 layer's frozen step: parts of x -> parts of y, and the real y rebuilt (see the module docstring).
 
     Every real intermediate tensor is rebuilt in ``parts``' dtype from the recorded real input x and
@@ -308,6 +325,8 @@ def layer_step(layer: nn.Module, parts: Tensor, rec: Dict[str, Tensor], shared: 
         shared: the forward pass's :class:`SharedValueParts` (written by storing layers, read by reusing ones).
         nodes: Gauss-Legendre nodes of the gated feed-forward rule (:func:`gated_parts`).
         coefs: the dense feed-forward's coefficients at its real input (``"gate"``, ``"up"``), or None.
+        own_branch: add the per-layer-input branch to each token's own part (False: leave it out of the parts,
+            DecompX's adjoint gives it to the tokens itself; the real y keeps it).
 
     Returns:
         (parts of y (B, T, K, D), the real y rebuilt (B, T, D)).
@@ -333,13 +352,14 @@ def layer_step(layer: nn.Module, parts: Tensor, rec: Dict[str, Tensor], shared: 
     z_parts = h_parts + frozen_rms_norm(f_parts, f, layer.post_feedforward_layernorm)
     z = h + rms_norm(f, layer.post_feedforward_layernorm)
     if layer.hidden_size_per_layer_input:
-        if k != t:
+        if own_branch and k != t:
             raise ValueError(f"the per-layer-input branch goes to each token's own part: the parts are one per "
                              f"token (K = T = {t}), got K = {k}")
         branch = per_layer_input_branch(layer, z, rec["e"])  # token t's own part
-        idx = torch.arange(t, device=parts.device)
-        z_parts = z_parts.clone()
-        z_parts[:, idx, idx, :] += branch
+        if own_branch:
+            idx = torch.arange(t, device=parts.device)
+            z_parts = z_parts.clone()
+            z_parts[:, idx, idx, :] += branch
         z = z + branch
     c = layer.layer_scalar.detach().to(device=parts.device, dtype=dtype)
     return z_parts * c, z * c

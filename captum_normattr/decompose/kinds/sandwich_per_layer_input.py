@@ -23,9 +23,11 @@ is C_{l+1} y_l - C_l h_l, and the embedding C_0 x_0. The sum telescopes to x_L e
 DecompX (:meth:`SandwichPerLayerInputKind.decompx_step`): the frozen step of
 :func:`~captum_normattr.decompose.kinds.per_layer_input.layer_step` (the value norm's per-source
 scale, the shared value parts, the experts, the branch to each token's own part, the scalar),
-whose dense feed-forward takes DecompX's own coefficients. A layer that reuses an earlier layer's
-values depends on that layer's input, so there is no per-layer transpose: DecompX runs its forward
-propagation on this kind (:attr:`SandwichPerLayerInputKind.adjoint` is False).
+whose dense feed-forward takes DecompX's own coefficients. DecompX's adjoint
+(:mod:`captum_normattr.decompose.methods.decompx.frozen_per_layer_input`): the same step applied to one
+vector and transposed; a layer that reuses an earlier layer's values also hands the cotangent of that
+layer's input on (:meth:`SandwichPerLayerInputKind.frozen_layer_source_vjp`), and the branch, token t's
+own, adds <g_t, c B_t> to token t's score (:meth:`SandwichPerLayerInputKind.frozen_layer_own`).
 
 FF component scopes (FFIntegratedDecomposition; :func:`per_layer_input_scope_maps`), each against the
 model's real tensor, with every norm (N_pre, N_pf, and with experts N_pre2, N_pf1, N_pf2) frozen at
@@ -75,6 +77,11 @@ from captum_normattr.decompose.kinds.per_layer_input import (
     rms_norm,
 )
 from captum_normattr.decompose.kinds.sandwich import SandwichKind, pre_ln_form
+from captum_normattr.decompose.methods.decompx.frozen_per_layer_input import (
+    frozen_per_layer_input_layer,
+    per_layer_input_layer_own,
+    per_layer_input_layer_vjp,
+)
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.records import LayerTensors
@@ -193,8 +200,8 @@ class SandwichPerLayerInputKind(SandwichKind):
     name = "sandwich_per_layer_input"
     methods = frozenset({"maps", "alti", "ff", "decompx", "alti_logit", "routes"})
     capture = PER_LAYER_INPUT_CAPTURE
-    #: DecompX's adjoint needs a transpose per layer; a layer reusing another layer's values has none
-    adjoint = False
+    #: DecompX's adjoint: a layer reusing another layer's values hands the cotangent of their source on
+    adjoint = True
     #: DecompX's step reads the value projection from the layer module itself (v_proj, k_proj or none)
     reads_value_projection = False
 
@@ -264,12 +271,30 @@ class SandwichPerLayerInputKind(SandwichKind):
             out = out[:, rows.to(out.device)]
         return out, out.new_zeros(out.shape[0], out.shape[1], out.shape[3])
 
-    def frozen_layer(self, *args, **kwargs):
-        raise UnsupportedModelError("DecompX's adjoint has no transpose of a per-layer-input layer (a layer that "
-                                    "reuses an earlier layer's values depends on that layer's input): use "
-                                    "algorithm='forward' (what 'auto' chooses for this kind)")
+    def frozen_layer(self, x, layer, value_weight, value_bias, with_bias, coefs, rows=None):
+        r"""J_l x of a layer that computes its own values (Gemma 4 has no bias; the branch is token-own:
+        :meth:`frozen_layer_own`); a layer reusing an earlier layer's values also reads that layer's input."""
+        source = self.frozen_value_source(layer)
+        if source is not None:
+            raise UnsupportedModelError(f"layer {layer.index} reuses the values of layer {source}: its frozen map "
+                                        "also reads that layer's input (frozen_layer_source_vjp transposes it)")
+        return frozen_per_layer_input_layer(x, _extra(layer, "module"), _step_record(layer), coefs, rows)
 
-    frozen_layer_vjp = frozen_layer
+    def frozen_layer_vjp(self, g, layer, value_weight, coefs, rows=None, valid=None):
+        r"""J_l^T g (:func:`~captum_normattr.decompose.methods.decompx.frozen_per_layer_input.per_layer_input_layer_vjp`)."""
+        g_x, _ = per_layer_input_layer_vjp(g, layer.hidden_in, _extra(layer, "module"), _step_record(layer), coefs,
+                                           rows)
+        return g_x
+
+    def frozen_layer_source_vjp(self, g, layer, coefs, source_input, rows=None):
+        r"""(J_l^T g, V_l^T g) of a layer reusing the values of layer :meth:`frozen_value_source`."""
+        source = _extra(layer, "layer_modules")[self.frozen_value_source(layer)]
+        return per_layer_input_layer_vjp(g, layer.hidden_in, _extra(layer, "module"), _step_record(layer), coefs,
+                                         rows, source, source_input)
+
+    def frozen_layer_own(self, layer, rows=None):
+        r"""c times the per-layer-input branch at its real value: token t's own part at row t."""
+        return per_layer_input_layer_own(layer, _extra(layer, "module"), layer.extras.get("per_layer_input"), rows)
 
     def join_checks(self, layer):
         module = _extra(layer, "module")

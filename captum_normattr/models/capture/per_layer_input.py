@@ -13,6 +13,8 @@ reads beyond that, into the record's ``extras``:
 - ``shared_values``: the forward pass's :class:`~captum_normattr.decompose.kinds.per_layer_input.SharedValueParts`
   (one per recorder: the layers that store their keys and values leave their value parts there for
   the layers that reuse them);
+- ``layer_modules``: every layer module of the model, in order (a layer that reuses keys and values reads the
+  weights of the layer that stored them: DecompX's adjoint);
 - ``stream_scale``: C_l, the product of the layer scalars of this layer and every later one (ALTI-Logit's
   logit form).
 """
@@ -91,7 +93,8 @@ def per_layer_input_extras(layer: nn.Module, layers: List[nn.Module], idx: int, 
     scale = torch.ones((), dtype=torch.float64)
     for later in layers[idx:]:
         scale = scale * later.layer_scalar.detach().to(device="cpu", dtype=torch.float64).reshape(())
-    extras: Dict[str, Any] = {"module": layer, "shared_values": rec.get(_SHARED), "stream_scale": cast(scale)}
+    extras: Dict[str, Any] = {"module": layer, "shared_values": rec.get(_SHARED), "stream_scale": cast(scale),
+                              "layer_modules": tuple(layers)}
     needed = (["per_layer_input"] if width else []) + (
         ["route_weights", "route_index"] if getattr(layer, "enable_moe_block", False) else [])
     missing = [k for k in needed if k not in rec] + (["the shared value parts"] if extras["shared_values"] is None

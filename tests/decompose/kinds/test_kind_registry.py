@@ -34,9 +34,9 @@ def test_methods_of_each_kind():
         assert LAYER_KINDS[name].methods == frozenset(KIND_METHODS) - {"routes"}
     with pytest.raises(UnsupportedModelError, match="post_ln layers, and the 'routes' decomposition"):
         LAYER_KINDS["post_ln"].require("routes", "BERT")
-    gemma4 = LAYER_KINDS["sandwich_per_layer_input"]  # Gemma 4: every method, no adjoint
+    gemma4 = LAYER_KINDS["sandwich_per_layer_input"]  # Gemma 4: every method, its step reads its own values
     assert gemma4.methods == frozenset(KIND_METHODS)
-    assert not gemma4.adjoint and not gemma4.reads_value_projection
+    assert gemma4.adjoint and not gemma4.reads_value_projection
     assert all(kind.adjoint and kind.reads_value_projection for kind in LAYER_KINDS.values() if kind is not gemma4)
     gemma4.require("ff", "Gemma 4")  # the FF scopes are implemented
     gemma4.require("routes", "Gemma 4")  # the routes too (tests/attr/test_routes_gemma4.py)

@@ -93,6 +93,12 @@ def test_adjoint_walk_one_call_per_layer_and_chunks(family, monkeypatch):
         def constant(self, r):
             return self.step.constant(r)
 
+        def own(self, r):
+            return self.step.own(r)
+
+        def value_source(self):
+            return self.step.value_source()
+
         def vjp(self, g, r):
             calls.append(g.shape[0])
             return self.step.vjp(g, r)

@@ -18,7 +18,7 @@ point; no layer's attention probabilities outlive its own step. The outputs it e
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -95,6 +95,20 @@ class FrozenLayer:
         r"""J^T g: (..., B, R, D) cotangent(s) at ``rows`` -> (..., B, T, D), a stack in one call."""
         return self.kind.frozen_layer_vjp(g, self.layer, self.value_weight, self.coefs, rows, self.valid)
 
+    def own(self, rows: Optional[Tensor] = None) -> Optional[Tensor]:
+        r"""(B, R, D) token-own vectors in the layer's output (its kind's ``frozen_layer_own``: a DeepStack
+        addition, Gemma 4's per-layer-input branch), or None: row t's goes to token t's score."""
+        return self.kind.frozen_layer_own(self.layer, rows)
+
+    def value_source(self) -> Optional[int]:
+        r"""The earlier layer whose input this layer's values read (shared keys and values), or None."""
+        return self.kind.frozen_value_source(self.layer)
+
+    def vjp_with_source(self, g: Tensor, source_input: Tensor, rows: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        r"""(J^T g, V^T g): the cotangents of the layer input and of the input x_s of :meth:`value_source`
+        (its real value ``source_input``), (..., B, T, D) each."""
+        return self.kind.frozen_layer_source_vjp(g, self.layer, self.coefs, source_input, rows)
+
     def has_constant(self) -> bool:
         r"""Whether c can be nonzero: some bias, beta or (elementwise FF) g(0) W_out is present."""
         layer, f = self.layer, self.layer.ff
@@ -154,7 +168,14 @@ class AdjointPass:
     Each rerun can be checked against the layer's output in the recorded pass
     (:meth:`real_output`: the next checkpoint, or the kept last output), which is released
     only after the layer below has been walked.
-    Memory: L + 1 checkpoints (B, T, D) plus one layer's tensors.
+    Two further terms (docs/decompx.md, "The adjoint with shared values and token-own additions"):
+    a layer whose values are computed from an earlier layer s's input (keys and values shared across
+    layers, :meth:`FrozenLayer.value_source`) gives a second cotangent, of x_s, kept until the walk
+    reaches layer s and added to the cotangent of x_s there; token-own vectors in a layer's output
+    (:meth:`FrozenLayer.own`: a DeepStack addition, Gemma 4's per-layer-input branch) add
+    <g_(l+1),t, own_t> to token t's score (:attr:`own_scores`, :meth:`token_scores`), not to the constant.
+    Memory: L + 1 checkpoints (B, T, D) plus one layer's tensors (and one (B, T, D) cotangent per output
+    for each layer whose values are still to be reached).
 
     Args:
         num_layers: L.
@@ -170,6 +191,34 @@ class AdjointPass:
         self.last_output: Optional[Tensor] = None
         #: After :meth:`backward`: per explained output, its constant (B,) (the bias score).
         self.constants: List[Tensor] = []
+        #: After :meth:`backward`: per explained output, the token-own terms of the scores (B, T)
+        #: (sum over the layers of <g_(l+1),t, own_l,t>, :meth:`FrozenLayer.own`), or None where no layer has any.
+        self.own_scores: Optional[List[Tensor]] = None
+
+    def token_scores(self, cots: Sequence[Tensor]) -> List[Tensor]:
+        r"""Every token's score per explained output, (B, T) each: <g_t, e_t> plus its token-own terms.
+
+        Args:
+            cots: :meth:`backward`'s gradients, (B, T, D) each.
+        """
+        e = self.embeddings
+        scores = [(g * e).sum(-1) for g in cots]
+        if self.own_scores is not None:
+            scores = [s + o for s, o in zip(scores, self.own_scores)]
+        return scores
+
+    def _add_own(self, stacks: List[Tensor], own: Tensor, rows: Optional[Tensor]) -> None:
+        r"""Add <g_t, own_t> of the cotangents ``stacks`` (k, B, R, D) to :attr:`own_scores` at ``rows``."""
+        gs = [g for st in stacks for g in st.unbind(0)]
+        b, t = self.checkpoints[0].shape[:2]
+        if self.own_scores is None:
+            self.own_scores = [own.new_zeros(b, t) for _ in gs]
+        for acc, g in zip(self.own_scores, gs):
+            got = (g * own).sum(-1)
+            if rows is None:
+                acc.add_(got)
+            else:
+                acc.index_add_(1, rows.to(acc.device), got)
 
     @property
     def embeddings(self) -> Tensor:
@@ -231,6 +280,8 @@ class AdjointPass:
         # (k, B, R, D) in chunks (STACK_BYTES)
         stacks = [torch.stack(cots)] if cots else []
         del cots
+        self.own_scores = None
+        pending: Dict[int, Tensor] = {}  # layer s -> cotangents (k, B, T, D) of its input from layers reusing its values
         for l in range(n - 1, -1, -1):
             rows = self.last_rows if l == n - 1 else None
             step = self.last_step if (l == n - 1 and self.last_step is not None) else frozen_at(l, self.checkpoints[l])
@@ -241,8 +292,23 @@ class AdjointPass:
                 consts = [k + (g * c).sum((1, 2)) for k, g in zip(consts, gs)]
                 del gs
             del c
-            stacks = [step.vjp(st, rows) for st in _stack_chunks(stacks, step)]
+            own = step.own(rows)
+            if own is not None and stacks:
+                self._add_own(stacks, own, rows)
+            del own
+            source = step.value_source()
+            if source is None:
+                stacks = [step.vjp(st, rows) for st in _stack_chunks(stacks, step)]
+            else:  # the layer also reads layer source's input (its values): that cotangent waits for layer source
+                pairs = [step.vjp_with_source(st, self.checkpoints[source], rows) for st in _stack_chunks(stacks, step)]
+                stacks = [p[0] for p in pairs]
+                g_s = torch.cat([p[1] for p in pairs]) if pairs else None
+                del pairs
+                if g_s is not None:
+                    pending[source] = g_s if source not in pending else pending[source] + g_s
             del step  # the layer's tensors go here
+            if l in pending and stacks:  # the cotangent of x_l from the later layers that reuse its values
+                stacks = [torch.cat(stacks) + pending.pop(l)]
             if l + 1 < n:  # layer l + 1's input: the output layer l's rerun was checked against (real_output)
                 self.checkpoints[l + 1] = None
             else:

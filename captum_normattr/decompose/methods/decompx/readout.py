@@ -279,14 +279,13 @@ def adjoint_head_scores(
         bias scores (B,)). The bias score is the frozen network's constant F(0), so that
         F(e) = sum of the scores + bias score.
     """
-    e = adj.embeddings
     pool = (lambda y: y[:, 0]) if pool is None else pool
     if target is not None:
         pick = lambda out: out.gather(1, target.view(-1, 1)).squeeze(1)
         (g,) = adj.backward(frozen_at, lambda y: [pick(frozen_head(pool(y), head, slope, True, real_input))])
-        return (g * e).sum(-1).detach(), adj.constants[0]
+        return adj.token_scores([g])[0].detach(), adj.constants[0]
     grads = adj.backward(frozen_at, lambda y: list(frozen_head(pool(y), head, slope, True, real_input).unbind(-1)))
-    scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
+    scores = torch.stack(adj.token_scores(grads), -1)
     return scores.detach(), torch.stack(adj.constants, -1)
 
 
@@ -402,7 +401,6 @@ def adjoint_next_token_scores(
     Returns:
         (scores (B, T), bias scores (B,)): the bias score is F(e) - sum of the scores.
     """
-    e = adj.embeddings
     g, c = adjoint_next_token_cotangent(adj, frozen_at, final_params, final_input, direction, direction_bias, position)
-    return (g * e).sum(-1).detach(), c
+    return adj.token_scores([g])[0].detach(), c
 

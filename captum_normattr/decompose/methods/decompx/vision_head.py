@@ -110,12 +110,11 @@ def adjoint_linear_head_scores(
         so F(e) = sum of the scores + bias score, and its distance to the real logit is the
         completeness error.
     """
-    e = adj.embeddings
     head = lambda y: frozen_linear_head(y, final_params, final_input, weight, head_bias)
     if target is not None:
         pick = lambda out: out.gather(1, target.view(-1, 1)).squeeze(1)
         (g,) = adj.backward(frozen_at, lambda y: [pick(head(y))])
-        return (g * e).sum(-1).detach(), adj.constants[0]
+        return adj.token_scores([g])[0].detach(), adj.constants[0]
     grads = adj.backward(frozen_at, lambda y: list(head(y).unbind(-1)))
-    scores = torch.stack([(g * e).sum(-1) for g in grads], -1)
+    scores = torch.stack(adj.token_scores(grads), -1)
     return scores.detach(), torch.stack(adj.constants, -1)
