@@ -33,6 +33,7 @@ from captum_normattr.decompose.records import LayerTensors
 from captum_normattr.models.adapters import get_adapter
 from captum_normattr.models.engine import streamed_forward
 from map_checks import check_maps_complete
+from vlm_checks import check_model_unchanged
 from vlm_families import check_merged_grid, qwen2_5_vl_single
 from vlm_models import QWEN_IMAGE, qwen2_vl_batch
 from vlm_qwen3 import deepstack_inputs, make_qwen3_5, make_qwen3_vl
@@ -229,18 +230,13 @@ def test_padded_batch_equals_single_examples(any_case, cls):
 def test_model_unchanged(any_case):
     _, model = any_case
     ids, mask, extra = qwen2_vl_batch([4, 3], seed=4)
-    out = _real(model, ids, mask, extra)
 
-    def hooks():
-        return [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
+    def run():
+        for cls in (ALTILogitAttribution, DecompXAttribution):
+            cls(model).attribute(ids, target=torch.tensor([1, 2]),
+                                 additional_forward_args={"attention_mask": mask, **extra})
 
-    before, hooked, training = {k: v.clone() for k, v in model.state_dict().items()}, hooks(), model.training
-    for cls in (ALTILogitAttribution, DecompXAttribution):
-        cls(model).attribute(ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra})
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert model.training == training and hooks() == hooked
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, run, lambda: _real(model, ids, mask, extra))
 
 
 def test_refusals(case):

@@ -35,6 +35,7 @@ from captum_normattr.attr.vlm_tiles import (
 )
 from captum_normattr.models.adapters import UnsupportedModelError, get_adapter
 from map_checks import check_maps_complete
+from vlm_checks import check_model_unchanged
 from vlm_tiled import (
     L4_PATCH_TOKEN,
     L4_SIZE,
@@ -152,18 +153,13 @@ def test_llama4_padded_batch_equals_single_examples(llama4, cls):
 def test_llama4_model_unchanged(llama4):
     model, _ = llama4
     ids, mask, extra = llama4_batch([4, 3], seed=4)
-    out = _real(model, ids, mask, extra)
 
-    def hooks():
-        return [(n, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for n, m in model.named_modules()]
+    def run():
+        for cls in (ALTILogitAttribution, DecompXAttribution):
+            cls(model).attribute(ids, target=torch.tensor([1, 2]),
+                                 additional_forward_args={"attention_mask": mask, **extra})
 
-    before, hooked, training = {k: v.clone() for k, v in model.state_dict().items()}, hooks(), model.training
-    for cls in (ALTILogitAttribution, DecompXAttribution):
-        cls(model).attribute(ids, target=torch.tensor([1, 2]), additional_forward_args={"attention_mask": mask, **extra})
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert model.training == training and hooks() == hooked
-    assert torch.equal(_real(model, ids, mask, extra), out)
+    check_model_unchanged(model, run, lambda: _real(model, ids, mask, extra))
 
 
 def _outcome(make, model, ids, mask, extra):
