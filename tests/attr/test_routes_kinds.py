@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from captum_normattr.attr.routes import InformationFlowRoutes
-from route_reference import LayerPieces, naive_prune
+from route_reference import LayerPieces, naive_prune, padded_and_alone
+from route_reference import graph_edges as _edges, model_state as _state, model_unchanged as _unchanged
 from zoo import EXACT_ATTENTION, build
 
 #: family -> (layer kind, attention module, output projection, the attention branch's post-norm or None
@@ -107,21 +108,6 @@ def naive_edges(model, ids, position, tau, family):
     return naive_prune(len(layers), position, tau, pieces), worst[0]
 
 
-def _edges(graph):
-    return {(e["source"], e["target"], e["kind"], e["head"]): e["importance"] for e in graph.edges}
-
-
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}, model.config._attn_implementation
-
-
-def _unchanged(model, state) -> bool:
-    weights, implementation = state
-    hooks = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    return (not hooks and model.config._attn_implementation == implementation
-            and all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()))
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_edge_equals_the_naive_reference(family):
     model = build(family)
@@ -169,12 +155,7 @@ def test_padded_equals_single(family):
     model = build(family)
     state = _state(model)
     ids = _ids(6, seed=5)
-    alone = InformationFlowRoutes(model).attribute(ids, position=4, threshold=0.01)
-    padded_ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
-    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
-    padded = InformationFlowRoutes(model, memory_budget_mb=1e-6).attribute(
-        padded_ids, attention_mask=mask, position=4, threshold=0.01)
-    a, b = _edges(alone), _edges(padded)
+    a, b = padded_and_alone(model, ids)
     assert set(a) == set(b) and len(a) > 5
     err = max(abs(a[k] - b[k]) for k in a)
     print(f"{family}: padded vs single {err:.1e}")
