@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from captum_normattr.attr.routes import InformationFlowRoutes
+from captum_normattr.present.interactive import routes_report_html
 from route_reference import LayerPieces, naive_prune, padded_and_alone
 from route_reference import graph_edges as _edges, model_state as _state, model_unchanged as _unchanged
 from zoo import EXACT_ATTENTION, build
@@ -146,6 +147,7 @@ def test_threshold_zero_conserves_the_flow(family):
     assert abs(float(flow.sum()) - 1) < 1e-12 and (flow >= 0).all()
     hf = g.head_flow()
     assert (hf >= 0).all() and (hf.sum(-1) > 0).all()
+    assert routes_report_html(g).startswith("<!DOCTYPE html>")  # the report draws a parallel layer's x -> x FF edge
     tight = InformationFlowRoutes(model).attribute(_ids(), threshold=0.1)
     assert set(_edges(tight)) < set(_edges(g)) and float(tight.token_flow().sum()) < 1
 
