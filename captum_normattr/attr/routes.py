@@ -62,7 +62,8 @@ class RouteGraph:
             per-head parts in ``head_importances``), ``layer``, ``head`` (head edges only, else
             None), ``source_position``, ``target_position``, ``importance`` (in [0, 1]; the
             edges into a node sum to at most 1). An FF edge goes from ``m{l}_{i}`` through the
-            FF node ``f{l}_{i}`` to ``x{l+1}_{i}``; a ``"per_layer_input"`` edge (Gemma 4) from
+            FF node ``f{l}_{i}`` to ``x{l+1}_{i}`` (from ``x{l}_{i}`` on a parallel layer, whose FF block reads
+            the layer input); a ``"per_layer_input"`` edge (Gemma 4) from
             ``p{l}_{i}`` to ``x{l+1}_{i}``, and so does an ``"own_addition"`` edge (Qwen3-VL's DeepStack
             feature added to image token i's stream after layer l). A head edge of a layer that reuses an earlier layer's
             keys and values (Gemma 4's ``num_kv_shared_layers``) comes from that earlier layer's
@@ -356,7 +357,8 @@ class InformationFlowRoutes:
                 return attention_edge_importances(layer, rows.to(valid.device), valid, 0, budget, projected)
 
             pruned = prune_routes(n_layers, pos, threshold, lambda l: ff_imp[l], attention, granularity,
-                                  output_edges=lambda l: output_kinds[l], value_layer=lambda l: value_layers[l])
+                                  output_edges=lambda l: output_kinds[l], value_layer=lambda l: value_layers[l],
+                                  ff_reads_input=lambda l: kind.route_ff_reads_input)
         top.pop("layer", None)
         # positions over the real tokens
         for n in pruned.nodes:

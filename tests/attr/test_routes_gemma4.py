@@ -22,7 +22,8 @@ if not hasattr(transformers, "Gemma4TextConfig"):  # pragma: no cover - older tr
 
 from captum_normattr.attr.routes import InformationFlowRoutes  # noqa: E402
 from captum_normattr.present.interactive import routes_report_html  # noqa: E402
-from route_reference import LayerPieces, naive_prune  # noqa: E402
+from route_reference import LayerPieces, naive_prune, padded_and_alone  # noqa: E402
+from route_reference import graph_edges as _edges, model_state as _state, model_unchanged as _unchanged  # noqa: E402
 from zoo_gemma4 import MOE, build_gemma4  # noqa: E402
 
 #: keywords of build_gemma4: experts on and off, keys and values shared or not, per-layer inputs or not
@@ -112,21 +113,6 @@ def naive_edges(model, ids, position, tau):
     return naive_prune(len(layers), position, tau, pieces), worst[0]
 
 
-def _edges(graph):
-    return {(e["source"], e["target"], e["kind"], e["head"]): e["importance"] for e in graph.edges}
-
-
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}, model.config._attn_implementation
-
-
-def _unchanged(model, state) -> bool:
-    weights, implementation = state
-    hooks = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    return (not hooks and model.config._attn_implementation == implementation
-            and all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()))
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_edge_equals_the_naive_reference(name):
     model = build_gemma4(**CONFIGS[name])
@@ -184,13 +170,7 @@ def test_padded_equals_single(name):
     model = build_gemma4(**CONFIGS[name])
     state = _state(model)
     ids = _ids(6, seed=5)
-    routes = InformationFlowRoutes(model)
-    alone = routes.attribute(ids, position=4, threshold=0.01)
-    padded_ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
-    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
-    padded = InformationFlowRoutes(model, memory_budget_mb=1e-6).attribute(
-        padded_ids, attention_mask=mask, position=4, threshold=0.01)
-    a, b = _edges(alone), _edges(padded)
+    a, b = padded_and_alone(model, ids)
     assert set(a) == set(b) and len(a) > 5
     assert max(abs(a[k] - b[k]) for k in a) < 1e-10
     assert _unchanged(model, state)

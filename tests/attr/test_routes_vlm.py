@@ -2,11 +2,14 @@ r"""Information-flow routes of vision-language models (docs/routes.md, "Vision-l
 
 The routes take the processor's outputs by keyword (``additional_forward_args``), through the same input
 preparation as every other method. On tiny float64 models (LLaVA, Qwen2-VL with M-RoPE, PaliGemma with its two-way
-prefix, Qwen3-VL with DeepStack, Llama 4 with images, Gemma 4 with its two-way image spans):
+prefix, Qwen3-VL with DeepStack, Llama 4 with images, Gemma 4 with its two-way image spans, and the sandwich
+decoders Gemma 3 with its two-way image spans and PaliGemma 2 with its Gemma 2 decoder and two-way prefix):
 
 - every edge and importance equals a naive reference built from the model's own modules on the model's own
   forward pass WITH the image (hooks on each layer's input, the attention's probabilities (float64 eager attention),
-  the value projection, the second norm's input and the feed-forward output; Qwen3-VL's DeepStack additions read
+  the value projection, the second norm's input and the feed-forward output; a sandwich layer's attention post-norm
+  frozen at its real per-token scale, the ratio of its real output to its real input, and its feed-forward post-norm's
+  output; Qwen3-VL's DeepStack additions read
   from the text model's own call), whose edge vectors are first checked to sum to the model's real tensors; the
   same reference run without the image differs (so a graph built without the image would fail);
 - token ids holding image tokens without ``pixel_values`` are refused;
@@ -26,7 +29,7 @@ from captum_normattr.present.interactive import routes_report_html  # noqa: E402
 from captum_normattr.models.adapters import get_adapter, layer_modules, vision_language  # noqa: E402
 from route_reference import LayerPieces, naive_prune  # noqa: E402
 from vlm_checks import check_model_unchanged  # noqa: E402
-from vlm_families import make_gemma3, make_paligemma, paligemma_batch  # noqa: E402
+from vlm_families import gemma3_batch, make_gemma3, make_paligemma, paligemma_batch  # noqa: E402
 from vlm_models import QWEN_IMAGE, llava_batch, make_llava, make_qwen2_vl, qwen2_vl_batch  # noqa: E402
 from vlm_qwen3 import make_qwen3_vl  # noqa: E402
 from vlm_tiled import llama4_batch, make_llama4  # noqa: E402
@@ -46,6 +49,10 @@ def _qwen(seed=0):
 
 def _pali(seed=0):
     return paligemma_batch([4, 2], seed=seed, token_types=True)
+
+
+def _gemma3(seed=0):
+    return gemma3_batch([4, 2], seed=seed)
 
 
 def _llama4(seed=0):
@@ -75,6 +82,9 @@ CASES = {
     "paligemma_two_way": (lambda: make_paligemma(seed=1), _pali, "mlp"),
     "qwen3_vl_deepstack": (lambda: make_qwen3_vl(seed=1), _qwen, "mlp"),
     "llama4": (lambda: make_llama4(seed=1)[0], _llama4, "feed_forward"),
+    # sandwich decoders: the FF branch as it joins the stream is the FF post-norm's output
+    "gemma3_two_way": (lambda: make_gemma3(seed=1), _gemma3, "post_feedforward_layernorm"),
+    "paligemma2_two_way": (lambda: make_paligemma(seed=1, text="gemma2"), _pali, "post_feedforward_layernorm"),
 }
 
 
@@ -121,7 +131,12 @@ def naive_edges(model, ids, extra, ff_name, position, tau):
             lambda m, a, k, l=l: put(l, "x", a[0] if a else k["hidden_states"]), with_kwargs=True))
         hooks.append(layer.self_attn.register_forward_hook(lambda m, a, o, l=l: put(l, "probs", o[1])))
         hooks.append(layer.self_attn.v_proj.register_forward_hook(lambda m, a, o, l=l: put(l, "v", o)))
-        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, l=l: put(l, "h", a[0])))
+        if hasattr(layer, "pre_feedforward_layernorm"):  # sandwich: P1's input a and output, h the second norm's input
+            hooks.append(layer.post_attention_layernorm.register_forward_hook(
+                lambda m, a, o, l=l: put(l, "a", a[0]) or put(l, "P", o)))
+            hooks.append(layer.pre_feedforward_layernorm.register_forward_pre_hook(lambda m, a, l=l: put(l, "h", a[0])))
+        else:
+            hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, l=l: put(l, "h", a[0])))
         hooks.append(getattr(layer, ff_name).register_forward_hook(  # experts: (B T, D)
             lambda m, a, o, l=l: put(l, "F", (o[0] if isinstance(o, tuple) else o).reshape(1, -1, o[0].shape[-1]))))
         hooks.append(layer.register_forward_hook(lambda m, a, o, l=l: put(l, "y", o[0] if isinstance(o, tuple) else o)))
@@ -150,6 +165,8 @@ def naive_edges(model, ids, extra, ff_name, position, tau):
         v = r["v"].reshape(t, -1, dh)  # (T, H_kv, Dh)
         f = torch.stack([v[:, h // (n_heads // v.shape[1])] @ wo[:, h * dh:(h + 1) * dh].T for h in range(n_heads)])
         parts = probs[:, :, :, None] * f[:, None, :, :]  # (H, T_i, T_j, D): every source, two-way or causal
+        if "P" in r:  # sandwich: P1 frozen at its real per-token scale, a diagonal map P1(a)_i / a_i
+            parts = parts * (r["P"] / r["a"])[None, :, None, :]
         bias = attention.o_proj.bias if attention.o_proj.bias is not None else 0.0
         worst[0] = max(worst[0], _rel(r["x"] + parts.sum((0, 2)) + bias, r["h"]))
         return LayerPieces(out_parts, total, r["x"], r["h"], parts, l)
@@ -187,8 +204,12 @@ def test_every_edge_equals_the_naive_reference_with_the_image(case):
     if name == "qwen3_vl_deepstack":  # the DeepStack additions: leaves at the image tokens of layers 0 and 1
         leaves = {n["id"] for n in g.nodes if n["kind"] == "p"}
         assert leaves and all(int(x[1:].split("_")[0]) < 2 and int(x.split("_")[1]) in images for x in leaves)
-    if name == "paligemma_two_way":  # the prefix is attended two-way: head edges from later sources
-        assert any(e["source_position"] > e["target_position"] for e in g.edges if e["kind"] == "head")
+    if name.endswith("two_way"):  # the prefix / the image is attended two-way: head edges from later sources
+        whole = InformationFlowRoutes(model).attribute(ids, additional_forward_args=extra, threshold=0.0)
+        assert any(e["source_position"] > e["target_position"] for e in whole.edges if e["kind"] == "head")
+        ref0, _ = naive_edges(model, ids, extra, ff, pos, 0.0)  # and they equal the reference's, every one
+        got0 = _edges(whole)
+        assert set(got0) == set(ref0) and max(abs(got0[k] - ref0[k]) for k in ref0) < 1e-10, name
     # without the image the model's own graph is another one: a graph that dropped it would fail above
     no_image, _ = naive_edges(model, ids, {k: v for k, v in extra.items() if k != "pixel_values"}, ff, pos, tau)
     diff = max(abs(no_image.get(k, 0.0) - ref.get(k, 0.0)) for k in set(ref) | set(no_image))
@@ -277,13 +298,6 @@ def test_qwen2_vl_uses_the_models_own_m_rope_positions():
     counted = torch.arange(ids.shape[1])[None]  # 1-D positions counted over the tokens: not the model's own M-RoPE
     other = _edges(routes.attribute(ids, additional_forward_args=dict(extra, position_ids=counted), threshold=0.0))
     assert max(abs(own.get(k, 0.0) - other.get(k, 0.0)) for k in set(own) | set(other)) > 1e-6
-
-
-@pytest.mark.parametrize("make", [lambda: make_gemma3(seed=1), lambda: make_paligemma(seed=1, text="gemma2")],
-                         ids=["gemma3", "paligemma2"])
-def test_sandwich_decoders_are_refused_with_the_reason(make):
-    with pytest.raises(UnsupportedModelError, match="sandwich layers.*'routes'"):
-        InformationFlowRoutes(make())
 
 
 # --- Gemma 4 with images: its own layer kind, two-way image spans on the sliding layers only -----------------------

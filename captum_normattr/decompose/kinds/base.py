@@ -177,6 +177,10 @@ class LayerKind:
         return rows_for_budget(b, t, d, layer.hidden_in.element_size(), memory_budget_mb, causal=layer.causal)
 
     # --- routes (docs/routes.md) ---------------------------------------------------------
+    #: Whether the FF block reads the layer input x_{l,i} rather than the after-attention state m_{l,i}
+    #: (a parallel layer): its route edge then runs x_{l,i} -> f_{l,i} -> x_{l+1,i}.
+    route_ff_reads_input: bool = False
+
     def route_form(self, layer: LayerTensors) -> LayerTensors:
         r"""The pre-LN record whose attention parts alpha^h_ij f^h_j are the head edges into m_{l,i} = ``ln2_in``.
 

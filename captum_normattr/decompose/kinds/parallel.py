@@ -25,11 +25,17 @@ GlobEnc-table maps (:data:`PARALLEL_MAPS`): ``W``, ``W_FIXEDRES``, ``N``, ``N_FI
 the FF output split by integrated gradients into token i's part and a bias part), ``RES2``
 the whole layer y_{i<-j} (GlobEnc+FF / ALTI+FF). DecompX propagates the parts of x through
 N1 -> attention and through N2 -> FF (both linearised at their real values, as in the pre-LN
-step, but the FF on the parts of x, not of h) and adds them to the residual. Routes are not
-implemented for this kind (refused).
+step, but the FF on the parts of x, not of h) and adds them to the residual.
+
+Routes (docs/routes.md, "Parallel layers"): the route graph keeps the pre-LN shape with m_{l,i} =
+h_i = x_i + Attn(N1(x))_i, the real value of :func:`attention_block_output` (b_O inside, no edge):
+into m_{l,i} the residual x_i and the head parts alpha^h_ij f^h(N1(x_j)); into y_i the residual h_i
+(from m_{l,i}) and the real FF output FF(N2(x_i)), whose edge comes from x_{l,i} through the FF node
+(the FF block reads the layer input, :attr:`ParallelKind.route_ff_reads_input`), not from m_{l,i}.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -314,7 +320,9 @@ class ParallelKind(LayerKind):
     r"""Parallel attention + FF layers (GPT-NeoX/Pythia; see the module docstring)."""
 
     name = "parallel"
-    methods = frozenset(KIND_METHODS) - {"routes"}
+    methods = frozenset(KIND_METHODS)
+    #: the FF block reads the layer input: its route edge runs x_{l,i} -> f_{l,i} -> x_{l+1,i}
+    route_ff_reads_input = True
     globenc_maps = PARALLEL_MAPS
     default_map = PARALLEL_DEFAULT_MAP
     whole_layer_scope = "RES2"
@@ -340,6 +348,15 @@ class ParallelKind(LayerKind):
 
     def attention_block_output(self, layer):
         return attention_block_output(layer)
+
+    def route_form(self, layer):
+        r"""The record with ``ln2_in`` the real h_i = x_i + Attn(N1(x))_i (:func:`attention_block_output`), the
+        total of the head edges and the residual x_i."""
+        return dataclasses.replace(layer, ln2_in=attention_block_output(layer))
+
+    def route_output_edges(self, layer):
+        r"""h_i (``"residual"``, from m_{l,i}) and the real FF output FF(N2(x_i)) (``"ff"``, from x_{l,i})."""
+        return torch.stack([attention_block_output(layer), layer.ff_out], -2), ("residual", "ff")
 
     def logit_form(self, layer):
         # both branches write to the stream directly: the attention parts and the FF output are already

@@ -28,6 +28,11 @@ A per-token bias (an attention output bias b_O, which P1 turns into gamma1 b_O /
 output bias or an elementwise activation with g(0) != 0 in DecompX) is not handled yet and
 is refused with :class:`~captum_normattr.arch.spec.UnsupportedModelError` (Gemma 2 and 3 have
 neither).
+
+Routes (docs/routes.md, "Sandwich layers"): the edges into m_{l,i} = h_i are the residual x_i and,
+per head and source, P1's frozen part gamma1 alpha^h_ij v^h_j W_O^h / r1_i (:func:`pre_ln_form`);
+the edges into the layer output y_i are h_i (residual, from m_{l,i}) and P2's real output (the FF
+branch as it joins the stream, from m_{l,i} through the FF node).
 """
 from __future__ import annotations
 
@@ -302,8 +307,17 @@ class SandwichKind(decoder.PreLNKind):
     """
 
     name = "sandwich"
-    methods = frozenset(m for m in KIND_METHODS if m != "routes")
+    methods = frozenset(KIND_METHODS)
     capture = SANDWICH_CAPTURE
+
+    def route_form(self, layer):
+        r""":func:`pre_ln_form`: P1's scale 1 / r1_i on the probabilities' rows, its gain on W_O, so the head edges
+        gamma1 alpha^h_ij v^h_j W_O^h / r1_i sum to P1's real output and, with the residual x_i, to h_i."""
+        return pre_ln_form(layer)
+
+    def route_output_edges(self, layer):
+        r"""h_i (``"residual"``) and P2's real output P2(FF(N2(h)))_i (``"ff"``), summing to the layer output."""
+        return torch.stack([layer.ln2_in, layer.ff_post_out], -2), ("residual", "ff")
 
     def norm_maps(self, layer, valid, names):
         return sandwich_layer_maps(layer, valid, names)

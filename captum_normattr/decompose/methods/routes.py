@@ -10,6 +10,10 @@ The edges into a node are the additive pieces of the node's real vector y:
 * into x_{l+1,i} (y = the real layer output): the residual h_i and the FF output FF(LN2(h_i))
   (both from m_{l,i}; the FF edge passes through the FF node of (l, i)).
 
+Other layer kinds give their own edge vectors (:class:`~captum_normattr.decompose.kinds.base.LayerKind`'s
+route hooks): a sandwich layer's post-norms frozen at their real per-token scale, a parallel layer's
+FF edge from x_{l,i} (its FF block reads the layer input), docs/routes.md.
+
 The importance of edge e with vector c_e into a node with total y is its proximity, normalised
 over every edge into that node:
 
@@ -280,11 +284,13 @@ def prune_routes(
     granularity: str = "head",
     output_edges: Callable[[int], Sequence[str]] = lambda l: OUTPUT_EDGES,
     value_layer: Callable[[int], int] = lambda l: l,
+    ff_reads_input: Callable[[int], bool] = lambda l: False,
 ) -> PrunedRoutes:
     r"""Top-down pruning: from the final state x_{L,i}, keep every incoming edge with importance >= tau.
 
     For l = L-1, ..., 0: for every kept output x_{l+1,k}, the residual edge (from m_{l,k}) and
-    the FF edge (m_{l,k} -> FF node -> x_{l+1,k}) are kept where their importance is >= tau
+    the FF edge (m_{l,k} -> FF node -> x_{l+1,k}; x_{l,k} -> FF node -> x_{l+1,k} where the FF block
+    reads the layer input, ``ff_reads_input``) are kept where their importance is >= tau
     (and > 0); a kept edge keeps its source (a :data:`LEAF_EDGES` edge's source is the leaf
     p_{l,k}). Then for every kept m_{l,k} the residual edge from x_{l,k} and every head edge
     from x_{l',j} with importance >= tau are kept, keeping their sources; l' = ``value_layer(l)``
@@ -309,6 +315,8 @@ def prune_routes(
             m_{l,k}), ``"ff"`` (from m_{l,k} through the FF node f_{l,k}), ``"per_layer_input"`` and
             ``"own_addition"`` (from the leaf p_{l,k}, :data:`LEAF_EDGES`); default :data:`OUTPUT_EDGES`.
         value_layer: ``l -> l'`` (see above); default the identity.
+        ff_reads_input: ``l -> `` whether layer l's FF block reads the layer input (a parallel layer): its
+            FF edge then comes from x_{l,k} (through f_{l,k}), which it keeps, instead of m_{l,k}; default False.
 
     Returns:
         :class:`PrunedRoutes`.
@@ -344,6 +352,7 @@ def prune_routes(
             break
         ffi = ff_importances(l)
         kinds = tuple(output_edges(l))
+        ff_from_x = bool(ff_reads_input(l))
         kept_m = []
         for k in kept_x:
             for e, kind in enumerate(kinds):
@@ -353,6 +362,12 @@ def prune_routes(
                 if kind in LEAF_EDGES:  # token k's own input to the layer's output: a leaf
                     add_node("p", l, k)
                     add_edge(node_id("p", l, k), node_id("x", l + 1, k), kind, l, None, k, k, w)
+                    continue
+                if kind == "ff" and ff_from_x:  # the FF block reads x_{l,k}: x_{l,k} -> f_{l,k} -> x_{l+1,k}
+                    add_node("x", l, k)
+                    add_node("f", l, k)
+                    kept_inputs.setdefault(l, set()).add(k)
+                    add_edge(node_id("x", l, k), node_id("x", l + 1, k), kind, l, None, k, k, w)
                     continue
                 add_node("m", l, k)
                 if kind == "ff":

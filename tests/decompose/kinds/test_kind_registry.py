@@ -30,8 +30,11 @@ def test_methods_of_each_kind():
     assert {"alti_logit", "routes"}.isdisjoint(LAYER_KINDS["post_ln"].methods)
     assert LAYER_KINDS["pre_ln"].methods == frozenset(KIND_METHODS)
     assert LAYER_KINDS["single_branch"].methods == frozenset(KIND_METHODS)  # the pre-LN kind on one-branch records
-    for name in ("parallel", "sandwich"):
-        assert LAYER_KINDS[name].methods == frozenset(KIND_METHODS) - {"routes"}
+    for name in ("parallel", "sandwich"):  # the routes too (tests/attr/test_routes_kinds.py)
+        assert LAYER_KINDS[name].methods == frozenset(KIND_METHODS)
+        LAYER_KINDS[name].require("routes", name)
+    # only a parallel layer's FF block reads the layer input (its route edge comes from x_{l,i})
+    assert [n for n, kind in LAYER_KINDS.items() if kind.route_ff_reads_input] == ["parallel"]
     with pytest.raises(UnsupportedModelError, match="post_ln layers, and the 'routes' decomposition"):
         LAYER_KINDS["post_ln"].require("routes", "BERT")
     gemma4 = LAYER_KINDS["sandwich_per_layer_input"]  # Gemma 4: every method, its step reads its own values

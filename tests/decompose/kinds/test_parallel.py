@@ -23,7 +23,6 @@ from captum_normattr import (
     FFIntegratedDecomposition,
     GlobEncAttribution,
     InformationFlowRoutes,
-    UnsupportedModelError,
 )
 from captum_normattr.arch import ARCHITECTURES, register_architecture
 from captum_normattr.arch.spec import Norm
@@ -220,14 +219,27 @@ def test_padding_equals_single_examples(neox):
 
 def test_maps_and_options_without_a_parallel_meaning_are_refused(neox):
     kind = LAYER_KINDS["parallel"]
-    assert "routes" not in kind.methods and kind.default_map == "N_RES" and kind.whole_layer_scope == "RES2"
+    assert kind.default_map == "N_RES" and kind.whole_layer_scope == "RES2"
     for name in ("N_RESLN", "N_ENC", "W_RES"):
         with pytest.raises(ValueError, match="not defined for parallel layers"):
             GlobEncAttribution(neox, map_name=name)
     with pytest.raises(ValueError, match="ignore_low_gamma"):
         FFIntegratedDecomposition(neox, ignore_low_gamma=0.01)
-    with pytest.raises(UnsupportedModelError, match="parallel layers, and the 'routes' decomposition"):
-        InformationFlowRoutes(neox)
+
+
+def test_routes_run_with_the_ff_edge_from_the_layer_input(neox):
+    r"""The routes (tests/attr/test_routes_kinds.py checks every edge against a reference): with NeoX's biases
+    (b_O inside h_i, no edge), the importances into every node sum to 1 at threshold 0, every FF edge runs from
+    the layer input x_{l,i}."""
+    g = InformationFlowRoutes(neox).attribute(torch.randint(3, 50, (1, 6), generator=torch.Generator().manual_seed(1)),
+                                              threshold=0.0)
+    into = {}
+    for e in g.edges:
+        into[e["target"]] = into.get(e["target"], 0.0) + e["importance"]
+    assert into and max(abs(v - 1) for v in into.values()) < 1e-12
+    assert abs(float(g.token_flow().sum()) - 1) < 1e-12
+    ff = [e for e in g.edges if e["kind"] == "ff"]
+    assert ff and all(e["source"] == f"x{e['layer']}_{e['target_position']}" for e in ff)
 
 
 def test_one_norm_shared_by_both_branches(registry):
