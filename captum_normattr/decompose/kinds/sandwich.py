@@ -358,7 +358,8 @@ class SandwichKind(decoder.PreLNKind):
     def frozen_layer_vjp(self, g, layer, value_weight, coefs, rows=None, valid=None):
         return frozen_sandwich_layer_vjp(g, layer, value_weight, coefs, rows, valid)
 
-    def join_checks(self, layer):
+    def post_norm_checks(self, layer):
+        r"""The checks of the two post-norms and of the stream between them (also the per-layer-input kind's)."""
         return {
             "attention post-norm rebuilt from its input": norm_rebuild_error(
                 layer.attn_post_in, layer.attn_post_out, layer.attn_post),
@@ -366,6 +367,11 @@ class SandwichKind(decoder.PreLNKind):
                 layer.ff_post_in, layer.ff_post_out, layer.ff_post),
             "second norm input vs the layer input plus the attention post-norm output": relative_difference(
                 layer.ln2_in, layer.hidden_in + layer.attn_post_out, temporary=True),
+        }
+
+    def join_checks(self, layer):
+        return {
+            **self.post_norm_checks(layer),
             "layer output vs the residual stream plus the feed-forward post-norm output": relative_difference(
                 layer.layer_out, layer.ln2_in + layer.ff_post_out, temporary=True),
         }

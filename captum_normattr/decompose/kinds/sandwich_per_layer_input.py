@@ -83,7 +83,7 @@ from captum_normattr.decompose.methods.decompx.frozen_per_layer_input import (
     per_layer_input_layer_vjp,
 )
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES
-from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
+from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.records import LayerTensors
 
 __all__ = ["PER_LAYER_INPUT_CAPTURE", "SandwichPerLayerInputKind", "per_layer_input_scope_maps"]
@@ -303,12 +303,7 @@ class SandwichPerLayerInputKind(SandwichKind):
         if getattr(module, "hidden_size_per_layer_input", 0):
             z = z + per_layer_input_branch(module, z, _extra(layer, "per_layer_input"))
         checks = {
-            "attention post-norm rebuilt from its input": norm_rebuild_error(
-                layer.attn_post_in, layer.attn_post_out, layer.attn_post),
-            "feed-forward post-norm rebuilt from its input": norm_rebuild_error(
-                layer.ff_post_in, layer.ff_post_out, layer.ff_post),
-            "second norm input vs the layer input plus the attention post-norm output": relative_difference(
-                layer.ln2_in, layer.hidden_in + layer.attn_post_out, temporary=True),
+            **self.post_norm_checks(layer),
             "layer output vs the layer scalar times the stream plus the feed-forward post-norm output and the "
             "per-layer-input branch": relative_difference(layer.layer_out, z * c, temporary=True),
         }
