@@ -343,7 +343,6 @@ class DecompXAttribution(DecompositionAttribution):
             raise UnsupportedModelError(f"{self.adapter.family} has {self.kind.name} layers, which DecompX's adjoint "
                                         "does not transpose (a layer reusing an earlier layer's values depends on that "
                                         "layer's input): use algorithm='forward' (what 'auto' chooses for them)")
-        self._adjoint = self.kind.adjoint  # token-own additions to the stream: FrozenLayer.own in the adjoint's walk
         self.vision = self.adapter.modality == "image"  # Vision Transformer classifier (see attr/images.py)
         # the explained output follows the model's head: an LM head gives next-token logits, a classification
         # head class logits (whatever the layer kind: a pre-LN *ForSequenceClassification is a classifier)
@@ -453,7 +452,7 @@ class DecompXAttribution(DecompositionAttribution):
                 h.remove()
 
     def _algorithm(self, layer_parts: bool) -> str:
-        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate" or not self._adjoint
+        forward = layer_parts or self.algorithm == "forward" or self.bias_mode != "separate" or not self.kind.adjoint
         return "forward" if forward else "adjoint"
 
     def decompose(
