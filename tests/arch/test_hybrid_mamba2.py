@@ -168,7 +168,7 @@ def test_convolution_bias_heads_are_the_naive_per_token_sums_and_complete_the_la
         parts = torch.einsum("bhts,bhs,hd->btsd", lt.probs, lt.values[..., 0], lt.out_weight)
         assert _rel(lt.hidden_in + parts.sum(2), lt.ln2_in) < 1e-12
         assert float(lt.probs[1, :, :, :2].abs().max()) == 0  # padding sources reach nothing
-        torch.testing.assert_close(lt.probs[1:, :, 2:, 2:], alone[i].probs, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lt.probs[1:, :, 2:, 2:], alone[i].probs.dense(), rtol=0, atol=1e-12)
 
 
 def test_every_method_is_exact_with_the_convolution_bias():

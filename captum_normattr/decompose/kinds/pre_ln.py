@@ -47,9 +47,10 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.kinds.base import CaptureRecipe, LayerKind
-from captum_normattr.decompose.methods.alti import alti_map, l1_contributions
+from captum_normattr.decompose.methods.alti import alti_map, contributions_from_distances, l1_contributions
 from captum_normattr.decompose.methods.decompx.frozen import attention_block_vjp, ff_branch_vjp, frozen_attention_block, frozen_ff_branch
 from captum_normattr.decompose.methods.decompx.parts import two_branch_layer_parts
+from captum_normattr.decompose.primitives.channel_mixing import channel_part_distances, head_mean, is_channel_mixing
 from captum_normattr.decompose.primitives.chunking import rows_for_budget
 from captum_normattr.decompose.primitives.feed_forward import CONTRIBUTIONS
 from captum_normattr.decompose.primitives.guards import relative_difference
@@ -233,7 +234,7 @@ def residual_layer_maps(
         [n for n in norm_names if n in needed], norm_spec, mask2d, valid, causal, total_bias=layer.out_bias,
     )
     if "W" in names or "W_FIXEDRES" in names:
-        maps["W"] = layer.probs.mean(1) * mask2d
+        maps["W"] = head_mean(layer.probs) * mask2d
     if "W_FIXEDRES" in names:
         maps["W_FIXEDRES"] = fixed_residual(maps["W"], valid) * mask2d
     if "N_FIXEDRES" in names:
@@ -272,6 +273,10 @@ def residual_alti_map(
     Returns:
         (B, T, T), real rows summing to 1.
     """
+    if is_channel_mixing(layer.probs):  # a hybrid mixer: its parts in blocks of rows, no (N, T, D) projection
+        dist = channel_part_distances(layer.probs, layer.values, layer.head_out_weight(), layer.hidden_in, block_output,
+                                      causal)
+        return contributions_from_distances(dist, block_output.abs().sum(-1), valid, None, causal)
     projected = project_values(layer.values, layer.head_out_weight(), token_major=True)
     return alti_map(layer.probs, projected, layer.hidden_in, block_output, valid, None, chunk_rows, causal)
 

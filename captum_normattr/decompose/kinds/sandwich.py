@@ -49,6 +49,7 @@ from captum_normattr.decompose.kinds.base import KIND_METHODS, CaptureRecipe
 from captum_normattr.decompose.primitives.guards import norm_rebuild_error, relative_difference
 from captum_normattr.decompose.primitives.layer_norm import norm_scale
 from captum_normattr.decompose.primitives.mixing import fixed_residual, pair_mask
+from captum_normattr.decompose.primitives.channel_mixing import head_mean
 from captum_normattr.decompose.records import FFParams, LayerTensors, NormParams
 
 __all__ = [
@@ -151,7 +152,7 @@ def sandwich_layer_maps(
     maps, ratios = decoder.pre_ln_layer_maps(pre_ln_form(layer), valid, norm_names, layer.causal) if norm_names else ({}, {})
     if any(n in WEIGHT_MAPS for n in names):
         mask2d = pair_mask(valid, layer.hidden_in.dtype, layer.causal)
-        maps["W"] = layer.probs.mean(1) * mask2d
+        maps["W"] = head_mean(layer.probs) * mask2d
         if "W_FIXEDRES" in names:
             maps["W_FIXEDRES"] = fixed_residual(maps["W"], valid) * mask2d
     return {n: maps[n] for n in names}, ratios

@@ -37,6 +37,7 @@ __all__ = [
     "COMPILE_MIN_EXAMPLE_ELEMENTS",
     "FUSED_BLOCK_BYTES",
     "alti_map",
+    "contributions_from_distances",
     "l1_contributions",
     "use_compiled_kernel",
 ]
@@ -199,6 +200,24 @@ def alti_map(
             compiled.kernel_failed(_l1_distance_tile, e)
     if dist is None:
         dist = _tiled_distances(probs, proj_j, residual, target, chunk_rows, causal, tile_bytes or ALTI_TILE_BYTES)
+    return contributions_from_distances(dist, y_l1, valid, row_scale, causal, valid_k, extra_parts, target)
+
+
+def contributions_from_distances(dist: Tensor, y_l1: Tensor, valid: Tensor, row_scale: Optional[Tensor] = None,
+                                 causal: bool = False, valid_k: Optional[Tensor] = None,
+                                 extra_parts: Optional[Tensor] = None, target: Optional[Tensor] = None) -> Tensor:
+    r"""ALTI contributions max(0, |y_i|_1 - d_ij) row-normalised, from the distances d_ij (changed in place).
+
+    Args:
+        dist: (B, Q, K) distances |s_i y_i - part_ij|_1 (scaled by s_i; see :func:`alti_map`).
+        y_l1: (B, Q) |y_i|_1.
+        valid, row_scale, causal, valid_k, extra_parts: as in :func:`alti_map`.
+        target: (B, Q, D) s_i y_i, needed with ``extra_parts``.
+
+    Returns:
+        (B, Q, K + E) contributions, valid rows summing to 1.
+    """
+    b = dist.shape[0]
     if extra_parts is not None:
         dist = torch.cat([dist, (extra_parts - target.unsqueeze(2)).abs().sum(-1)], dim=-1)  # (B, Q, K + E)
     if row_scale is not None:

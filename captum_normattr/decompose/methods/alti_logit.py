@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.primitives.channel_mixing import channel_parts_rows, is_channel_mixing
 from captum_normattr.decompose.methods.alti import COMPILE_MIN_EXAMPLE_ELEMENTS
 from captum_normattr.decompose.primitives.attention import project_values
 from captum_normattr.decompose.primitives.layer_norm import norm_scale
@@ -88,6 +89,10 @@ def attention_update_at(layer: LayerTensors, position: Tensor) -> Tensor:
         (B, T, D).
     """
     bidx = torch.arange(position.shape[0], device=position.device)
+    if is_channel_mixing(layer.probs):  # a hybrid mixer: the one row of its factored mixing, no (N, T, D) projection
+        return torch.cat([channel_parts_rows(layer.probs.select(slice(b, b + 1)), layer.values[b:b + 1],
+                                             layer.head_out_weight(), int(p), int(p) + 1)[:, 0]
+                          for b, p in enumerate(position.tolist())])
     projected = project_values(layer.values, layer.head_out_weight())  # (B, H, T, D)
     return torch.einsum("bht,bhtd->btd", layer.probs[bidx, :, position], projected)
 
@@ -243,7 +248,7 @@ def token_prefix(layer: LayerTensors, rows: int) -> LayerTensors:
         value = getattr(layer, name, None)
         if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (b, t):
             setattr(view, name, value[:, :rows])
-    view.probs = layer.probs[:, :, :rows, :rows]
+    view.probs = layer.probs.truncate(rows) if is_channel_mixing(layer.probs) else layer.probs[:, :, :rows, :rows]
     view.values = layer.values[:, :, :rows]
     scale = None if layer.ff is None else layer.ff.hidden_scale
     if isinstance(scale, Tensor) and scale.dim() >= 2 and scale.shape[:2] == (b, t):

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.primitives.channel_mixing import head_rows, is_channel_mixing
 from captum_normattr.decompose.primitives import compiled
 from captum_normattr.decompose.primitives.attention import project_values
 from captum_normattr.decompose.records import LayerTensors
@@ -180,7 +181,8 @@ def attention_edge_importances(
         sel = order[c0 : c0 + chunk]
         r = sorted_rows[c0 : c0 + chunk]
         cols = int(r.max()) + 1 if layer.causal else t
-        alpha = layer.probs[b][:, r, :cols].transpose(0, 1)  # (R, H, C)
+        one = layer.probs.select(slice(b, b + 1)) if is_channel_mixing(layer.probs) else layer.probs[b:b + 1]
+        alpha = head_rows(one, r)[0, :, :, :cols].transpose(0, 1)  # (R, H, C)
         y = total[r]  # (R, D)
         dist = head_part_distances(alpha, projected[pb, :, :cols], y)  # (R, H, C)
         prox = (y.abs().sum(-1)[:, None, None] - dist).clamp_min_(0)

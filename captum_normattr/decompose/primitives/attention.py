@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from captum_normattr.decompose.primitives import compiled
+from captum_normattr.decompose.primitives.channel_mixing import channel_part_norms_squared, is_channel_mixing
 from captum_normattr.decompose.primitives.chunking import CACHE_TILE_BYTES, GRAM_CHUNK_MB, MIN_TILE_ROWS, rows_for_budget, token_blocks
 from captum_normattr.decompose.primitives.mixing import mixing_ratio
 
@@ -168,6 +169,9 @@ def attention_parts_rows(probs: Tensor, projected: Tensor, rows: slice) -> Tenso
     Returns:
         (B, R, T, D): entry [b, i, j] = sum_h alpha^h_ij projected[b, h, j].
     """
+    if is_channel_mixing(probs):  # a hybrid mixer's factored mixing: the block of rows alone is built
+        start, stop, _ = rows.indices(probs.shape[2])
+        return torch.einsum("brsn,bnsd->brsd", probs.rows(start, stop, projected.shape[2]), projected)
     return torch.einsum("bhij,bhjd->bijd", probs[:, :, rows], projected)
 
 
@@ -275,6 +279,17 @@ def _quadratic_norms(probs: Tensor, gram: Tensor, causal: bool) -> Tensor:
     return sq
 
 
+def _squared_part_norms(probs, values: Tensor, w: Tensor, causal: bool) -> Tuple[Tensor, Tensor]:
+    r"""(B, T, T) squared norms of the attention parts through ``w`` (diagonal to be replaced) and (B, T, D) the
+    attention part of every token in itself: by the Gram algorithm, or, for a hybrid mixer's factored per-channel
+    mixing, from its parts in blocks of rows (:func:`~captum_normattr.decompose.primitives.channel_mixing.channel_part_norms_squared`)."""
+    if is_channel_mixing(probs):
+        return channel_part_norms_squared(probs, values, w, causal)
+    gram, attn_diag = _gram_and_diagonal(probs, values, w)
+    sq = _quadratic_norms(probs, gram, causal)
+    return sq, attn_diag
+
+
 def _finish_norms(sq: Tensor, diag_sq: Tensor, row_scale: Optional[Tensor]) -> Tensor:
     t = sq.shape[-1]
     idx = torch.arange(t, device=sq.device)
@@ -316,8 +331,7 @@ def part_norms_gram(
         (B, T, T) norms, entry [b, i, j].
     """
     w = head_weight if lin_map is None else head_weight @ lin_map
-    gram, _ = _gram_and_diagonal(probs, values, w)
-    sq = _quadratic_norms(probs, gram, causal)
+    sq, _ = _squared_part_norms(probs, values, w, causal)
     diag = diagonal_parts if lin_map is None else diagonal_parts @ lin_map
     return _finish_norms(sq, diag.pow(2).sum(-1), row_scale)
 
@@ -370,9 +384,7 @@ def norm_maps_and_ratios(
     for name in names:
         lin, scale, with_res = spec(name)
         w = head_weight if lin is None else head_weight @ lin
-        gram, attn_diag = _gram_and_diagonal(probs, values, w)  # attn_diag: already through A
-        sq = _quadratic_norms(probs, gram, causal)
-        del gram
+        sq, attn_diag = _squared_part_norms(probs, values, w, causal)  # attn_diag: already through A
         flat_diag = attn_diag.view(b * t, d)
         own_sq, ratio = residual.new_empty(b * t), residual.new_empty(b * t)
         for rows in token_blocks(b * t, d * residual.element_size()):  # cache-sized blocks of tokens

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.primitives.channel_mixing import head_rows
 from captum_normattr.decompose.methods.alti_logit import logit_terms
 from captum_normattr.decompose.methods.decompx.readout import frozen_next_token_logit
 from captum_normattr.decompose.primitives.layer_norm import norm_scale
@@ -133,7 +134,7 @@ def attention_logit_updates(layer: LayerTensors, positions: Tensor, directions: 
     head_w = layer.head_out_weight()  # (H, Dh, D)
     through_out = torch.einsum("hed,bnd->bhen", head_w, directions)  # (B, H, Dh, n)
     value_logits = layer.values @ through_out  # (B, H, T, n)
-    probs = layer.probs[:, :, positions]  # (B, H, n, T)
+    probs = head_rows(layer.probs, positions)  # (B, H, n, T)
     return torch.einsum("bhnt,bhtn->bnt", probs, value_logits)
 
 

@@ -13,8 +13,9 @@ as attention probabilities with one head per channel (B, C, T, T); the values be
 and the output projection (C, D) is one row per head, so every layer kind decomposes the mixer
 as attention with head size 1.
 
-Cost: G is dense (B, C, T, T), C times the memory of one head's probabilities, while only K
-diagonals are non-zero (a banded form would be (B, C, T, K)): exact first, speed later.
+Cost: the dense G (B, C, T, T) has only K non-zero diagonals; the capture records it factored
+(:func:`short_conv_channel_mixing`, a :class:`~captum_normattr.decompose.primitives.channel_mixing.ChannelMixing`
+with no token mixing: the gates and the kernel, O(T C) numbers), whose blocks of rows are banded.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["short_conv_mixing"]
+from captum_normattr.decompose.primitives.channel_mixing import ChannelMixing
+
+__all__ = ["short_conv_channel_mixing", "short_conv_mixing"]
 
 
 def short_conv_mixing(b_gate: Tensor, c_gate: Tensor, kernel: Tensor, valid: Optional[Tensor] = None) -> Tensor:
@@ -54,3 +57,24 @@ def short_conv_mixing(b_gate: Tensor, c_gate: Tensor, kernel: Tensor, valid: Opt
     taps = kernel[:, (k - 1 - lag).clamp(0, k - 1)] * inside.to(kernel.dtype)  # (C, T, T)
     source = b_gate if valid is None else b_gate * valid[..., None].to(b_gate.dtype)
     return c_gate.transpose(1, 2)[..., :, None] * taps[None] * source.transpose(1, 2)[..., None, :]
+
+
+def short_conv_channel_mixing(b_gate: Tensor, c_gate: Tensor, kernel: Tensor,
+                              valid: Optional[Tensor] = None) -> ChannelMixing:
+    r"""The G of :func:`short_conv_mixing`, factored: the output gate per target, the input gate per source, the kernel.
+
+    Args: as :func:`short_conv_mixing`.
+
+    Returns:
+        A :class:`~captum_normattr.decompose.primitives.channel_mixing.ChannelMixing` (no token mixing: the identity)
+        whose dense tensor is :func:`short_conv_mixing`'s.
+
+    Examples::
+
+        >>> g = short_conv_channel_mixing(torch.ones(1, 4, 2), torch.ones(1, 4, 2), torch.ones(2, 3))
+        >>> torch.equal(g.dense(), short_conv_mixing(torch.ones(1, 4, 2), torch.ones(1, 4, 2), torch.ones(2, 3)))
+        True
+    """
+    c = b_gate.shape[-1]
+    source = b_gate if valid is None else b_gate * valid[..., None].to(b_gate.dtype)
+    return ChannelMixing(None, [(0, 0, c)], kernel.reshape(c, -1).to(b_gate.dtype), None, c_gate, source)

@@ -9,12 +9,15 @@ them unchanged (``docs/linear_mixers.md``, "Wiring"):
   G[c, t, s] over the value channels u_s of its input projection
   (:func:`~captum_normattr.decompose.primitives.linear_mixers.gated_delta_net_mixing`:
   the delta rule, the causal convolution with its SiLU slope, the gated RMSNorm's scale), so that the
-  output projection's input is sum_s G[c, t, s] u_{s,c}. Recorded as probabilities (B, C, T, T),
+  output projection's input is sum_s G[c, t, s] u_{s,c}. Recorded as probabilities (B, C, T, T), kept
+  factored (:class:`~captum_normattr.decompose.primitives.channel_mixing.ChannelMixing`: the per-head
+  delta-rule mixing, the convolution, its slope and the norm's scale, never the dense tensor),
   values (B, C, T, 1) and context (B, T, C, 1) (:func:`gated_delta_net_hooks`);
 - the **gated attention** (``Attention(output_gate=...)``, the full-attention layers): the attention
   output times sigmoid(g_t), the gate g_t read per head from the query projection's output
   ([query_h | gate_h]). Per channel, o_t[h, c] = sum_s p_h[t, s] sigmoid(g_t[h, c]) v_s[h, c], so the
-  probabilities become (B, H Dh, T, S) with p[h Dh + c] = p_h * sigmoid(g[h, c]), the values
+  probabilities become (B, H Dh, T, S) with p[h Dh + c] = p_h * sigmoid(g[h, c]) (factored: p_h and the
+  gate as the per-target scale), the values
   (B, H Dh, S, 1) and the context (the output projection's real input) (B, T, H Dh, 1)
   (:func:`gated_attention_hooks`).
 
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec
-from captum_normattr.decompose.primitives.linear_mixers import gated_delta_net_mixing, gated_rmsnorm_scale
+from captum_normattr.decompose.primitives.channel_mixing import ChannelMixing
+from captum_normattr.decompose.primitives.linear_mixers import delta_rule_mixing, gated_rmsnorm_scale, silu_slope
 from captum_normattr.models.adapters import get_path
 from captum_normattr.models.capture.record import input_keeper
 
@@ -193,11 +197,12 @@ def gated_delta_net_hooks(recorder: Any, idx: int, layer: nn.Module, la: Archite
                                         got["gate"].to(dt).reshape(bsz, length, channels),
                                         mod.norm.weight.detach().to(device=q.device, dtype=dt),
                                         float(mod.norm.variance_epsilon), mod.head_v_dim, norm_before_gate=True)
-            mixing, _ = gated_delta_net_mixing(**coef, target_scale=scale)  # (B, T, S, C); no conv bias
-            probs = mixing.permute(0, 3, 1, 2)  # (B, C, T, S)
-            if valid is not None:  # padding sources: zero in the model, whatever the layer input's map gives
-                probs = probs * valid[:, None, None, :].to(probs.dtype)
-            probs = probs.contiguous()
+            mixing = delta_rule_mixing(coef["query"], coef["key"], coef["beta"], coef["log_decay"])  # (B, H, T, T)
+            # padding sources: zero in the model, whatever the layer input's map gives
+            source = None if valid is None else valid[..., None].to(dt).expand(bsz, length, channels)
+            dv = mod.head_v_dim
+            probs = ChannelMixing(mixing, [(h, h * dv, (h + 1) * dv) for h in range(channels // dv)],
+                                  coef["conv_weight"], silu_slope(coef["value_pre_activation"]), scale, source)
         context = got["context"].reshape(bsz, length, channels, 1)
         got.clear()
         recorder.record_attention(mod, probs, v.transpose(1, 2).unsqueeze(-1), context)
@@ -250,10 +255,11 @@ def gated_attention_hooks(recorder: Any, idx: int, layer: nn.Module, la: Archite
                                f"{attention.output_gate} and its attention as described")
         bsz, heads, length, _ = values.shape
         dt = recorder.dtype
-        gate = torch.sigmoid(gate.to(dt)).permute(0, 2, 3, 1)  # (B, H, Dh, T)
+        gate = torch.sigmoid(gate.to(dt)).reshape(bsz, length, heads * head_dim)  # (B, T, H Dh), channel h Dh + c
         probs = rec.get("probs") if recorder.record_probabilities else None
-        if probs is not None:
-            probs = (probs.to(dt)[:, :, None] * gate[..., None]).reshape(bsz, heads * head_dim, *probs.shape[-2:])
+        if probs is not None:  # p_h[t, s] sigmoid(g_t[h, c]), kept factored (decompose.primitives.channel_mixing)
+            probs = ChannelMixing(probs.to(dt), [(h, h * head_dim, (h + 1) * head_dim) for h in range(heads)],
+                                  gate.new_ones(heads * head_dim, 1), None, gate, None)
         per_channel = values.permute(0, 1, 3, 2).reshape(bsz, heads * head_dim, length, 1)
         context = args[0].detach().reshape(*args[0].shape[:2], heads * head_dim, 1)
         recorder.record_attention(module, probs, per_channel, context)

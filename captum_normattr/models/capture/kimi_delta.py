@@ -8,7 +8,7 @@ sigmoid(``b_proj``) and the sigmoid-gated output norm's per-target scale), its o
 sum_s G[t, s, c] u[s, c] with u the value projection's output (before the convolution), exactly:
 :func:`~captum_normattr.decompose.primitives.linear_mixers.delta_rule_mixing` then
 :func:`~captum_normattr.decompose.primitives.linear_mixers.conv_composed_mixing`. G is recorded as the
-probabilities (B, C, T, T), u as the values (B, C, T, 1) and the output projection's input as the
+probabilities (B, C, T, T) kept factored (``ChannelMixing``), u as the values (B, C, T, 1) and the output projection's input as the
 context (B, T, C, 1), as the short convolution is (:meth:`~captum_normattr.models.capture.recorder.Recorder._short_conv_hooks`).
 
 Padding: the module zeroes its input at the tokens its 2-D mask drops, so their values are 0 in the real pass;
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec
-from captum_normattr.decompose.primitives.linear_mixers import conv_composed_mixing, delta_rule_mixing, silu_slope
+from captum_normattr.decompose.primitives.channel_mixing import ChannelMixing
+from captum_normattr.decompose.primitives.linear_mixers import delta_rule_mixing, silu_slope
 from captum_normattr.models.adapters import get_path
 from captum_normattr.models.capture.record import input_keeper
 
@@ -44,8 +45,11 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 def kimi_delta_mixing(q_in: Tensor, k_in: Tensor, v_in: Tensor, conv_weight: Tensor, log_decay: Tensor, b: Tensor,
                       core: Tensor, gate: Tensor, norm_weight: Tensor, norm_eps: float,
-                      valid: Any = None) -> Tensor:
+                      valid: Any = None) -> ChannelMixing:
     r"""The per-channel mixing tensor G (B, C, T, S) of one Kimi Delta Attention call over its value projection's output.
+
+    Kept factored (:class:`~captum_normattr.decompose.primitives.channel_mixing.ChannelMixing`): the per-head
+    delta-rule mixing, the value convolution, its SiLU slope, the gated norm's scale and the padding columns.
 
     Args:
         q_in, k_in, v_in: (B, T, C) the q, k and v projections' outputs (before the convolution).
@@ -59,7 +63,7 @@ def kimi_delta_mixing(q_in: Tensor, k_in: Tensor, v_in: Tensor, conv_weight: Ten
         valid: (B, T) bool, the tokens the module keeps (None: all); the columns of the others are 0.
 
     Returns:
-        (B, C, T, S): ``out_norm[t, c] = sum_s G[b, c, t, s] v_in[s, c]``.
+        G (B, C, T, S), factored: ``out_norm[t, c] = sum_s G[b, c, t, s] v_in[s, c]`` (``G.context``).
 
     Examples::
 
@@ -79,12 +83,9 @@ def kimi_delta_mixing(q_in: Tensor, k_in: Tensor, v_in: Tensor, conv_weight: Ten
     mixing = delta_rule_mixing(query, key, torch.sigmoid(b), log_decay)
     # the gated RMSNorm per head: w * core / rms(core) * sigmoid(gate), held at its recorded statistics
     scale = norm_weight * torch.sigmoid(gate) * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + norm_eps)
-    g, _ = conv_composed_mixing(mixing, silu_slope(pre_v), conv_weight[2 * channels:],
-                                scale.reshape(batch, length, channels))
-    g = g.permute(0, 3, 1, 2)  # (B, C, T, S)
-    if valid is not None:
-        g = g * valid[:, None, None, :].to(g.dtype)
-    return g
+    source = None if valid is None else valid[..., None].to(v_in.dtype).expand(batch, length, channels)
+    return ChannelMixing(mixing, [(h, h * head_dim, (h + 1) * head_dim) for h in range(heads)],
+                         conv_weight[2 * channels:], silu_slope(pre_v), scale.reshape(batch, length, channels), source)
 
 
 def kimi_delta_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec) -> list:
@@ -147,7 +148,7 @@ def kimi_delta_hooks(recorder: Any, idx: int, layer: nn.Module, la: Architecture
                 parts["q"].to(dt), parts["k"].to(dt), v.to(dt), conv.weight.detach()[:, 0].to(dt), parts["g"].to(dt),
                 parts["b"].to(dt), core.to(dt), gate.to(dt), norm.weight.detach().to(dt),
                 float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))), valid)
-            rebuilt = torch.einsum("bcts,bsc->btc", probs, v.to(dt))
+            rebuilt = probs.context(v.to(dt))
             recorder._check(idx, REBUILD_CHECK, ctx, rebuilt)
         recorder.record_attention(mod, probs, v.transpose(1, 2).unsqueeze(-1), ctx.reshape(b, t, c, 1))
 

@@ -13,7 +13,8 @@ the SiLU slope sigmoid(a_x) of the x channels and the gated norm's per-target sc
 norm's real input and gate) taken from the real forward pass, the output projection's input is
 linear in the x channels u of ``in_proj`` before the convolution:
 sum_s G[c, t, s] u_{s, c} (:func:`~captum_normattr.decompose.primitives.linear_mixers.conv_composed_mixing`).
-The hooks here record G as the probabilities (B, C, T, T), u as the values (B, C, T, 1) and the
+The hooks here record G as the probabilities (B, C, T, T), kept factored
+(:class:`~captum_normattr.decompose.primitives.channel_mixing.ChannelMixing`), u as the values (B, C, T, 1) and the
 output projection's real input as the context (B, T, C, 1); every layer kind then decomposes
 the mixer as attention with head size 1 (``docs/linear_mixers.md``, "Wiring Mamba-2 into the
 families").
@@ -42,11 +43,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_normattr.arch.spec import ArchitectureSpec
-from captum_normattr.decompose.primitives.linear_mixers import conv_composed_mixing, gated_rmsnorm_scale, ssd_mixing
+from captum_normattr.decompose.primitives.channel_mixing import ChannelMixing
+from captum_normattr.decompose.primitives.linear_mixers import gated_rmsnorm_scale, ssd_mixing
 from captum_normattr.models.adapters import get_path
 from captum_normattr.models.capture.record import input_keeper
 
-__all__ = ["MAMBA2_CHECK", "mamba2_bias_heads", "mamba2_hooks", "mamba2_mixing_from_projection"]
+__all__ = ["MAMBA2_CHECK", "mamba2_bias_heads", "mamba2_hooks", "mamba2_mixing_from_projection", "mamba2_values_with_bias"]
 
 #: the check comparing the output projection's real input with the recorded mixing applied to the values
 MAMBA2_CHECK = "Mamba-2 output projection input vs the recorded mixing applied to the values"
@@ -57,8 +59,12 @@ def _first(x: Any) -> Any:
 
 
 def mamba2_mixing_from_projection(mixer: nn.Module, projection: Tensor, core: Tensor, gate: Tensor,
-                                  valid: Any, dtype: torch.dtype) -> Tensor:
+                                  valid: Any, dtype: torch.dtype) -> ChannelMixing:
     r"""The per-channel mixing G (B, C, T, T) of one Mamba-2 mixer from its real input projection and norm input.
+
+    Kept factored (:class:`~captum_normattr.decompose.primitives.channel_mixing.ChannelMixing`): the per-head SSD
+    mixing (the D skip inside), the x channels' convolution, its SiLU slope, the gated norm's scale and the
+    padding columns.
 
     Args:
         mixer: the Mamba-2 module (``intermediate_size``, ``n_groups``, ``ssm_state_size``, ``num_heads``,
@@ -105,24 +111,22 @@ def mamba2_mixing_from_projection(mixer: nn.Module, projection: Tensor, core: Te
     scale = gated_rmsnorm_scale(core.detach().to(device=device, dtype=dtype), gate.detach().to(device=device, dtype=dtype),
                                 norm.weight.detach().to(device=device, dtype=dtype), float(norm.variance_epsilon),
                                 int(norm.group_size), norm_before_gate=False)
-    composed, _ = conv_composed_mixing(mixing, slope, weight[:inner], scale)  # (B, T, S, C)
-    if keep is not None:  # a padding token's values never reach the scan: its columns are 0
-        composed = composed * keep[:, None, :, :]
-    composed = composed.permute(0, 3, 1, 2)
+    head_dim = inner // heads
+    ranges = [(h, h * head_dim, (h + 1) * head_dim) for h in range(heads)]
+    source = None if keep is None else keep.expand(batch, length, inner)  # a padding token's values never reach the scan
     if conv.bias is None:
-        return composed
-    return torch.cat([composed, _bias_mixing(mixing, slope, scale)], dim=1)
+        return ChannelMixing(mixing, ranges, weight[:inner], slope, scale, source)
+    # the bias heads P[c, t, s] = gamma_{t,c} M_{h(c)}[t, s] sigma_{s,c}: the current tap alone, no source scale
+    # (``slope`` is already 0 at padding tokens)
+    current = torch.zeros_like(weight[:inner])
+    current[:, -1] = 1
+    return ChannelMixing(mixing, ranges + [(h, inner + n0, inner + n1) for h, n0, n1 in ranges],
+                         torch.cat([weight[:inner], current]), torch.cat([slope, slope], -1),
+                         torch.cat([scale, scale], -1),
+                         None if source is None else torch.cat([source, torch.ones_like(source)], -1))
 
 
-def _bias_mixing(mixing: Tensor, slope: Tensor, scale: Tensor) -> Tensor:
-    r"""P[b, c, t, s] = gamma_{t,c} M_{h(c)}[t, s] sigma_{s,c} (B, C, T, S): how the convolution bias entering the
-    scan at s reaches t (``slope`` is already 0 at padding tokens)."""
-    channels = slope.shape[-1]
-    per_head = mixing.repeat_interleave(channels // mixing.shape[1], dim=1)  # (B, C, T, S)
-    return per_head * slope.transpose(1, 2).unsqueeze(2) * scale.transpose(1, 2).unsqueeze(3)
-
-
-def mamba2_bias_heads(mixer: nn.Module, values: Tensor, context: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
+def mamba2_bias_heads(mixer: nn.Module, values: Tensor, context: Tensor, from_bias: Tensor) -> Tuple[Tensor, Tensor]:
     r"""Values and context of a Mamba-2 mixer with a convolution bias, recorded with the bias as C more heads.
 
     The bias b_c of the x channels enters the scan at every position s inside the value
@@ -137,7 +141,8 @@ def mamba2_bias_heads(mixer: nn.Module, values: Tensor, context: Tensor, probs: 
         mixer: the Mamba-2 module (its ``conv1d.bias``, ``intermediate_size``).
         values: (B, C, T, 1) the x slice of the input projection.
         context: (B, T, C) the output projection's real input.
-        probs: (B, 2 C, T, T) the recorded mixing with the bias heads.
+        from_bias: (B, T, C) the bias heads' context sum_s P[c, t, s] b_c (the last C channels of
+            ``probs.context`` with the values of :func:`mamba2_values_with_bias`).
 
     Returns:
         ``(values (B, 2 C, T, 1), context (B, T, 2 C, 1))``: the bias heads' context is
@@ -145,15 +150,18 @@ def mamba2_bias_heads(mixer: nn.Module, values: Tensor, context: Tensor, probs: 
 
     Examples::
 
-        >>> values, context = mamba2_bias_heads(mixer, u.transpose(1, 2)[..., None], ctx, probs)
+        >>> values, context = mamba2_bias_heads(mixer, u.transpose(1, 2)[..., None], ctx, from_bias)
     """
+    full = mamba2_values_with_bias(mixer, values[..., 0].transpose(1, 2).to(from_bias.dtype))  # (B, T, 2 C)
+    ctx = context.to(from_bias.dtype)
+    return full.transpose(1, 2).unsqueeze(-1), torch.cat([ctx - from_bias, from_bias], dim=-1).unsqueeze(-1)
+
+
+def mamba2_values_with_bias(mixer: nn.Module, u: Tensor) -> Tensor:
+    r"""[u | b] (B, T, 2 C): the x channels and, as the bias heads' values, the convolution bias at every token."""
     inner = int(mixer.intermediate_size)
-    bias = mixer.conv1d.bias.detach()[:inner].to(device=probs.device, dtype=probs.dtype)
-    b, _, t, _ = values.shape
-    from_bias = torch.einsum("bcts,c->btc", probs[:, inner:], bias)
-    ctx = context.to(probs.dtype)
-    values = torch.cat([values.to(probs.dtype), bias[None, :, None, None].expand(b, inner, t, 1)], dim=1)
-    return values, torch.cat([ctx - from_bias, from_bias], dim=-1).unsqueeze(-1)
+    bias = mixer.conv1d.bias.detach()[:inner].to(device=u.device, dtype=u.dtype)
+    return torch.cat([u, bias.expand(*u.shape[:2], inner)], dim=-1)
 
 
 def mamba2_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec) -> list:
@@ -207,14 +215,16 @@ def mamba2_hooks(recorder: Any, idx: int, layer: nn.Module, la: ArchitectureSpec
         biased = mod.conv1d.bias is not None  # the bias heads' context needs their mixing, recorded or not
         if recorder.record_probabilities or biased:
             probs = mamba2_mixing_from_projection(mod, projection, core, gate, valid, recorder.dtype)
-            rebuilt = torch.einsum("bcts,bsc->btc", probs[:, :inner], u.to(probs.dtype))
             if biased:
-                bias = mod.conv1d.bias.detach()[:inner].to(probs.dtype)
-                rebuilt = rebuilt + torch.einsum("bcts,c->btc", probs[:, inner:], bias)
+                full = probs.context(mamba2_values_with_bias(mod, u.to(probs.dtype)))  # (B, T, 2 C)
+                from_bias = full[..., inner:]
+                rebuilt = full[..., :inner] + from_bias
+            else:
+                rebuilt = probs.context(u.to(probs.dtype))
             recorder._check(idx, MAMBA2_CHECK, ctx, rebuilt)
         values, context = u.transpose(1, 2).unsqueeze(-1), ctx.reshape(b, t, inner, 1)  # (B, C, T, 1), (B, T, C, 1)
         if biased:
-            values, context = mamba2_bias_heads(mod, values, ctx, probs)
+            values, context = mamba2_bias_heads(mod, values, ctx, from_bias)
             probs = probs if recorder.record_probabilities else None
         recorder.record_attention(mod, probs, values, context)
 

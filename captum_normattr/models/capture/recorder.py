@@ -33,7 +33,7 @@ from captum_normattr.decompose.kinds.registry import layer_kind
 from captum_normattr.decompose.kinds.single_branch import complete_record
 from captum_normattr.decompose.primitives.guards import relative_difference
 from captum_normattr.decompose.records import LayerTensors, NormParams
-from captum_normattr.decompose.primitives.short_conv import short_conv_mixing
+from captum_normattr.decompose.primitives.short_conv import short_conv_channel_mixing
 from captum_normattr.models.adapters import base_model, get_path, layer_adapters, layer_modules, value_states, vision_language
 from captum_normattr.models.capture.attention import LOCK, ProbabilityBuffers, active_recorders
 from captum_normattr.models.capture.deepstack import DeepStackCapture
@@ -459,8 +459,8 @@ class Recorder(AttentionRecords):
 
         The input projection's real output [B | C | x] gives the gates and the values, the mixer's
         mask argument the tokens it keeps (padding is zeroed at its input); the per-channel mixing
-        tensor (:func:`~captum_normattr.decompose.primitives.short_conv.short_conv_mixing`) is recorded
-        as the probabilities (B, C, T, T), x as the values (B, C, T, 1) and the output projection's
+        tensor (:func:`~captum_normattr.decompose.primitives.short_conv.short_conv_channel_mixing`, factored) is recorded
+        as the probabilities (B, C, T, T; factored), x as the values (B, C, T, 1) and the output projection's
         input as the context (B, T, C, 1).
         """
         mixer = la.layer.attention
@@ -490,7 +490,7 @@ class Recorder(AttentionRecords):
             probs = None
             if self.record_probabilities:
                 kernel = get_path(layer, mixer.conv).weight.detach()
-                probs = short_conv_mixing(b_gate, c_gate, kernel.reshape(c, -1), valid)
+                probs = short_conv_channel_mixing(b_gate, c_gate, kernel.reshape(c, -1), valid)
             context = None if ctx is None else ctx.reshape(b, t, c, 1)
             self.record_attention(mod, probs, x.transpose(1, 2).unsqueeze(-1), context)
 

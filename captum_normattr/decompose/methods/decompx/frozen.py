@@ -21,6 +21,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.primitives.channel_mixing import is_channel_mixing
 from captum_normattr.decompose.methods.decompx.parts import value_heads
 from captum_normattr.decompose.primitives.layer_norm import apply_norm_to_parts, norm_bias_part, norm_scale
 from captum_normattr.decompose.records import LayerTensors, NormParams
@@ -53,12 +54,15 @@ def frozen_attention_block(
     hd = layer.out_weight.shape[0]
     kv_heads = value_weight.shape[1] // (hd // h)
     sel = (lambda z: z) if rows is None else (lambda z: z[:, rows])
-    probs = sel(layer.probs.transpose(1, 2)).transpose(1, 2)
     u = norm_bias_part(x, layer.ln1_in, layer.ln1) if with_bias else apply_norm_to_parts(x, layer.ln1_in, layer.ln1)
     v = u @ value_weight
     if with_bias and value_bias is not None:
         v = v + value_bias
-    mixed = torch.einsum("bhij,bjhe->bihe", probs, value_heads(v, kv_heads, h // kv_heads))
+    if is_channel_mixing(layer.probs):  # a hybrid mixer: one head of size 1 per channel, its factored mixing applied
+        mixed = sel(layer.probs.context(v))  # (B, R, N)
+    else:
+        probs = sel(layer.probs.transpose(1, 2)).transpose(1, 2)
+        mixed = torch.einsum("bhij,bjhe->bihe", probs, value_heads(v, kv_heads, h // kv_heads))
     hcur = mixed.reshape(b, mixed.shape[1], hd) @ layer.out_weight + sel(x)
     if with_bias and layer.out_bias is not None:
         hcur = hcur + layer.out_bias
@@ -225,6 +229,13 @@ def attention_block_vjp(
     h = layer.num_heads
     hd = layer.out_weight.shape[0]
     kv_heads = value_weight.shape[1] // (hd // h)
+    if is_channel_mixing(layer.probs):  # a hybrid mixer: the transpose of its factored mixing, O(T^2 N)
+        g_mixed = g_h @ layer.out_weight.T  # (..., B, R, N)
+        if rows is not None:  # the cotangent of every row, 0 outside ``rows``
+            g_mixed = g_mixed.new_zeros(*g_mixed.shape[:-2], t, g_mixed.shape[-1]).index_copy_(
+                -2, rows.to(g_mixed.device), g_mixed)
+        g_u = layer.probs.transposed_context(g_mixed) @ value_weight.T
+        return norm_transpose(g_u, layer.ln1_in, layer.ln1).add_(scatter_rows(g_h, t, rows))
     probs = layer.probs if rows is None else layer.probs[:, :, rows]
     g_mixed = (g_h @ layer.out_weight.T).view(*g_h.shape[:-1], h, hd // h)
     g_u = mix_transpose(g_mixed, probs, kv_heads, _causal_rows(layer, g_h, rows, valid)) @ value_weight.T

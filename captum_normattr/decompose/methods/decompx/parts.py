@@ -40,6 +40,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from captum_normattr.decompose.primitives.channel_mixing import head_rows
 from captum_normattr.decompose.primitives.chunking import rows_for_budget
 from captum_normattr.decompose.primitives.feed_forward import ig_closed_form
 from captum_normattr.decompose.primitives.gated_feed_forward import DEFAULT_NODES, gate_integrals
@@ -308,7 +309,7 @@ def attention_block_parts(
     groups = h // kv_heads
     # the one chunk rule (as in the post-LN step, captum_normattr.decompose.kinds.post_ln.post_ln_layer_parts)
     k_chunk = rows_for_budget(b, t, max(d, hd), parts.element_size(), memory_budget_mb, temporaries=3)
-    probs = layer.probs[:, :, rows]  # (B, H, R, T)
+    probs = head_rows(layer.probs, rows)  # (B, H, R, T)
     b_o = layer.out_bias if layer.out_bias is not None else torch.zeros(d, dtype=dtype, device=dev)
 
     # --- LN1 (one token alone), values, mixing per head, W_O --------------------------
