@@ -144,6 +144,15 @@ class ChannelMixing:
         r"""The factors moved or cast as :meth:`torch.Tensor.to` (floating factors only)."""
         return self._map(lambda t: t.to(*args, **kwargs))
 
+    def cpu(self) -> "ChannelMixing":
+        return self.to("cpu")
+
+    def double(self) -> "ChannelMixing":
+        return self.to(torch.float64)
+
+    def float(self) -> "ChannelMixing":
+        return self.to(torch.float32)
+
     def detach(self) -> "ChannelMixing":
         return self._map(lambda t: t.detach())
 

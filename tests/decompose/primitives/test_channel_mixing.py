@@ -84,6 +84,9 @@ def test_factored_operations_equal_the_naive_dense_tensor(identity, repeat, unev
     assert _rel(parts, want_parts) < 1e-13
     one = g.select(torch.tensor([1]))
     assert _rel(one.dense(), ref[1:]) < 1e-14
+    moved = g.cpu().float()
+    assert isinstance(moved, ChannelMixing) and moved.dtype == torch.float32 and g.double().dtype == DT
+    assert _rel(moved.dense().double(), ref) < 1e-6
 
 
 def test_truncation_of_a_causal_mixing_is_the_mixing_of_the_prefix():
