@@ -96,17 +96,18 @@ class ChannelMixing:
     _version = None
 
     # ----------------------------------------------------------------- shape
-    def _some_tensor(self) -> Tensor:
+    def _batch_and_tokens(self) -> Tuple[int, int]:
         for t in (self.slope, self.target_scale, self.source_scale):
             if t is not None:
-                return t
-        raise ValueError("the mixing has no token count: give slope, target_scale or source_scale, or mixing")
+                return t.shape[0], t.shape[1]
+        if self.mixing is not None:
+            return self.mixing.shape[0], self.mixing.shape[2]
+        raise ValueError("the mixing has no token count: give mixing, slope, target_scale or source_scale")
 
     @property
     def shape(self) -> torch.Size:
         r"""(B, N, T, S) as the dense tensor's."""
-        ref = self._some_tensor()
-        b, t = ref.shape[:2]
+        b, t = self._batch_and_tokens()
         return torch.Size((b, self.conv_weight.shape[0], t, t if self.columns is None else self.columns))
 
     @property
@@ -135,10 +136,14 @@ class ChannelMixing:
         return self.conv_weight.shape[1]
 
     # ----------------------------------------------------------------- conversions
-    def _map(self, fn) -> "ChannelMixing":
-        opt = lambda t: None if t is None else fn(t)
-        return replace(self, mixing=opt(self.mixing), conv_weight=fn(self.conv_weight), slope=opt(self.slope),
-                       target_scale=opt(self.target_scale), source_scale=opt(self.source_scale))
+    def _map(self, fn, per_token: Optional[Any] = None) -> "ChannelMixing":
+        r"""``fn`` applied to every factor; with ``per_token``, that function to the per-example factors instead
+        (M (B, H, T, T) and the (B, T, N) scales) and the kernel kept."""
+        tok = fn if per_token is None else per_token
+        opt = lambda t: None if t is None else tok(t)
+        return replace(self, mixing=opt(self.mixing), slope=opt(self.slope), target_scale=opt(self.target_scale),
+                       source_scale=opt(self.source_scale),
+                       conv_weight=self.conv_weight if per_token is not None else fn(self.conv_weight))
 
     def to(self, *args: Any, **kwargs: Any) -> "ChannelMixing":
         r"""The factors moved or cast as :meth:`torch.Tensor.to` (floating factors only)."""
@@ -164,17 +169,14 @@ class ChannelMixing:
 
     def select(self, index: Tensor) -> "ChannelMixing":
         r"""The examples ``index`` (a (B',) long tensor or a slice) of the batch."""
-        return replace(self._map(lambda t: t if t is self.conv_weight else t[index]), conv_weight=self.conv_weight)
+        return self._map(None, per_token=lambda t: t[index])
 
     def truncate(self, length: int) -> "ChannelMixing":
         r"""The mixing of the first ``length`` tokens alone (exact for a causal mixer: earlier tokens see no later one)."""
         if self.columns is not None:
             raise ValueError("truncate a mixing whose columns are not restricted")
 
-        def cut(t: Tensor) -> Tensor:
-            return t[:, :, :length, :length] if t is self.mixing else t[:, :length]
-
-        return replace(self._map(cut), conv_weight=self.conv_weight)
+        return self._map(None, per_token=lambda t: t[:, :, :length, :length] if t is self.mixing else t[:, :length])
 
     def with_columns(self, columns: int) -> "ChannelMixing":
         r"""The same rows restricted to the sources s < ``columns`` (``probs[..., :columns]``)."""
@@ -306,6 +308,7 @@ class ChannelMixing:
             per_source = f if per_source is None else per_source * f
         out = self.conv_weight.new_zeros(b, r, s - first, n)
         k = self.kernel
+        size = self._uniform_range_size()
         for j in range(k):
             lag = k - 1 - j
             width = min(s, t - lag) - first  # sources first <= s' < first + width with s' + lag < T
@@ -324,7 +327,6 @@ class ChannelMixing:
                 out[:, rr, ss] += coef[:, ss]
                 continue
             coef = coef.unsqueeze(1)  # (B, 1, width, N)
-            size = self._uniform_range_size()
             cols = slice(first + lag, first + lag + width)
             if size:  # ranges of one size tiling the channels in order: one product over all of them
                 heads = [h for h, _, _ in self.head_ranges]

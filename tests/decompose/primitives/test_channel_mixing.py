@@ -108,6 +108,11 @@ def test_the_delta_rule_mixing_factored_equals_the_dense_builder():
     dense, _ = conv_composed_mixing(m, silu_slope(pre), w, scale)
     g = ChannelMixing(m, [(i, i * dv, (i + 1) * dv) for i in range(h)], w, silu_slope(pre), scale, None)
     assert _rel(g.dense(), dense.permute(0, 3, 1, 2)) < 1e-14
+    bare = ChannelMixing(m, g.head_ranges, w, None, None, None)  # the shape from the mixing alone
+    assert bare.shape == (b, h * dv, t, t)
+    assert _rel(bare.dense(), conv_composed_mixing(m, torch.ones_like(pre), w)[0].permute(0, 3, 1, 2)) < 1e-14
+    with pytest.raises(ValueError, match="no token count"):
+        ChannelMixing(None, [(0, 0, 2)], torch.ones(2, 1, dtype=DT), None, None, None).shape
 
 
 def test_any_other_use_answers_on_the_dense_tensor_or_raises_when_told(monkeypatch):
